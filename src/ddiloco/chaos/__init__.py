@@ -1,0 +1,1 @@
+"""chaos layer of ddiloco (see docs/ and DESIGN.md)."""

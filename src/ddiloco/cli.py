@@ -1,0 +1,64 @@
+"""The `ddiloco` command: argument parsing, logging setup and dispatch to each layer's commands.
+
+The only module that reads `sys.argv` or configures logging. Each layer owns its subcommands in a
+`commands` module exposing `add_parser(subparsers)` and `run(args) -> int`; argument errors and
+invalid configs end with one clear line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ddiloco import __version__
+
+COMMAND_MODULES = (
+    "ddiloco.plan.commands",
+)
+"""Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddiloco",
+        description="Decoupled DiLoCo: resilient, low-communication distributed pre-training.")
+    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(name)
+        known = set(subparsers.choices)
+        module.add_parser(subparsers)
+        for command in set(subparsers.choices) - known:
+            subparsers.choices[command].set_defaults(handler=module.run)
+    return parser
+
+
+def _configure_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    handler = args.handler
+    try:
+        return int(handler(args) or 0)
+    except ValueError as exc:
+        # Config validation names the field and the value; that line is the whole message.
+        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"ddiloco {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Configuration of the Decoupled DiLoCo algorithm: plain, frozen, validated data.
+
+`DilocoConfig` is what every learner and the syncer must agree on (its fingerprint is checked when a
+learner joins). `QuorumConfig` is the syncer's own policy for closing rounds, and `LearnerConfig` the
+drivers' policy for a learner that waits on the syncer. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+FRAGMENT_STRATEGIES = ("balanced", "strided", "single")
+MERGE_METHODS = ("rda", "mean")
+GRACE_MODES = ("adaptive", "fixed", "none")
+CODEC_CHOICES = ("fp32", "bf16", "fp8", "int4", "int2")
+
+
+def _require(condition: bool, field: str, value: Any, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{field}={value!r} is invalid: expected {expected}")
+
+
+def _require_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    _require(value in choices, field, value, "one of " + ", ".join(choices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilocoConfig:
+    """The algorithm. Learners and syncer must hold identical copies (checked at join)."""
+
+    num_fragments: int = 4
+    """P: how many fragments the model is cut into; round r syncs fragment r mod P."""
+    sync_every: int = 32
+    """H, in inner steps: every fragment is synchronised once per H inner steps."""
+    overlap_steps: int = 2
+    """tau, in inner steps: a learner may train this many inner steps after publishing a fragment
+    before it must hold a newer version of that fragment (it waits at that point, see LearnerConfig)."""
+    fragment_strategy: str = "balanced"
+    """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
+    embedding_pattern: str = r"embedding"
+    """Regular expression (re.search on the parameter name) marking embedding tensors, which are
+    merged with the plain weighted mean because they are not near-orthogonal across learners."""
+    merge: str = "rda"
+    """rda (radial-directional averaging, embeddings by weighted mean) or mean (weighted mean)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov SGD learning rate (DiLoCo's value; the paper does not publish its own)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo's value)."""
+    codec: str = "int4"
+    """Wire codec of the pseudo-gradients sent by learners (fp32, bf16, fp8, int4, int2)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.num_fragments, int) and self.num_fragments >= 1,
+                 "num_fragments", self.num_fragments, "an integer >= 1")
+        _require(isinstance(self.sync_every, int) and self.sync_every >= 1,
+                 "sync_every", self.sync_every, "an integer >= 1 (inner steps)")
+        _require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
+                 "overlap_steps", self.overlap_steps, "an integer >= 0 (inner steps)")
+        _require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
+        _require_choice("merge", self.merge, MERGE_METHODS)
+        _require_choice("codec", self.codec, CODEC_CHOICES)
+        try:
+            re.compile(self.embedding_pattern)
+        except re.error as exc:
+            raise ValueError(f"embedding_pattern={self.embedding_pattern!r} is not a valid "
+                             f"regular expression: {exc}") from None
+        _require(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", self.outer_lr,
+                 "a finite number > 0")
+        _require(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "0 <= value < 1")
+        if self.fragment_strategy == "single" and self.num_fragments != 1:
+            raise ValueError(f"fragment_strategy='single' needs num_fragments=1, got {self.num_fragments}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of every field: two parties with different algorithms must not mix updates."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuorumConfig:
+    """When the syncer closes a round."""
+
+    min_quorum: int = 1
+    """K: a round may close once this many learners have reported (capped at the learners alive,
+    so a quorum larger than the live learners never deadlocks)."""
+    grace: str = "adaptive"
+    """adaptive: clip(gamma * (tau * step_time - quorum_time - sync_time), 0, step_time) with moving
+    averages; fixed: grace_s; none: close as soon as the quorum is present."""
+    grace_s: float = 0.0
+    """Grace window in seconds for grace='fixed'."""
+    grace_gamma: float = 1.0
+    """gamma: safety factor on the slack of the adaptive grace window."""
+    estimate_decay: float = 0.8
+    """Weight of the old value in the exponential moving averages of step, quorum and sync times."""
+    max_staleness: int = 4
+    """An update whose base version is more than this many versions behind the fragment is rejected."""
+    heartbeat_timeout_s: float = 30.0
+    """A learner silent for longer than this is treated as gone and never waited for."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.min_quorum, int) and self.min_quorum >= 1, "min_quorum",
+                 self.min_quorum, "an integer >= 1")
+        _require_choice("grace", self.grace, GRACE_MODES)
+        _require(math.isfinite(self.grace_s) and self.grace_s >= 0, "grace_s", self.grace_s,
+                 "a finite number >= 0 (seconds)")
+        _require(math.isfinite(self.grace_gamma) and self.grace_gamma >= 0, "grace_gamma",
+                 self.grace_gamma, "a finite number >= 0")
+        _require(0 <= self.estimate_decay < 1, "estimate_decay", self.estimate_decay, "0 <= value < 1")
+        _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "max_staleness",
+                 self.max_staleness, "an integer >= 0 (versions)")
+        _require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
+                 "a number > 0 (seconds)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """How a learner's driver treats the syncer (the sans-I/O core knows no wall time)."""
+
+    max_wait_s: float = 60.0
+    """Longest a learner blocks for a fragment that is overlap_steps overdue; after that it stops
+    waiting for that round and trains on (the round's result still overwrites it when it arrives)."""
+    heartbeat_every_s: float = 5.0
+    """How often an idle learner tells the syncer it is alive."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_wait_s >= 0, "max_wait_s", self.max_wait_s, "a number >= 0 (seconds)")
+        _require(self.heartbeat_every_s > 0, "heartbeat_every_s", self.heartbeat_every_s,
+                 "a number > 0 (seconds)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

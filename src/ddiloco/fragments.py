@@ -1,0 +1,117 @@
+"""Cutting a model into fragments, and the schedule on which fragments are synchronised.
+
+A fragment is a set of whole parameter tensors, named by parameter name, so the model itself knows
+nothing about fragments. The plan is a pure function of the names and sizes, so every learner and
+the syncer compute the same plan independently. Strategies (Decoupled DiLoCo, arXiv 2604.21428;
+Streaming DiLoCo, arXiv 2501.18512):
+
+- balanced: largest tensor first, each into the currently lightest fragment by bytes (flat peak
+  bandwidth per round; the paper's choice);
+- strided: transformer block i goes to fragment i mod P (Streaming DiLoCo), other tensors bin-packed;
+- single: the whole model is one fragment (plain DiLoCo).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ddiloco.config import DilocoConfig
+
+BLOCK_PATTERN = r"(?:^|\.)blocks\.(\d+)\."
+"""Where `strided` finds a transformer block index in a parameter name (ddiloco's TinyGPT and most
+GPT-style models keep blocks in a ModuleList named `blocks`)."""
+
+
+def _check_count(sizes: Mapping[str, int], num_fragments: int) -> None:
+    if num_fragments < 1:
+        raise ValueError(f"num_fragments={num_fragments} is invalid: expected an integer >= 1")
+    if num_fragments > len(sizes):
+        raise ValueError(f"num_fragments={num_fragments} exceeds the {len(sizes)} tensors of the model: "
+                         "every fragment needs at least one whole tensor")
+
+
+def _pack(sizes: Mapping[str, int], bins: list[list[str]], loads: list[int], names: Sequence[str]) -> None:
+    # Largest first, ties broken by name, so the plan never depends on dict order.
+    for name in sorted(names, key=lambda n: (-sizes[n], n)):
+        lightest = min(range(len(bins)), key=lambda i: (loads[i], i))
+        bins[lightest].append(name)
+        loads[lightest] += sizes[name]
+
+
+def _in_model_order(sizes: Mapping[str, int], bins: list[list[str]]) -> list[list[str]]:
+    order = {name: i for i, name in enumerate(sizes)}
+    return [sorted(names, key=order.__getitem__) for names in bins]
+
+
+def balanced(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:
+    """Bin-pack whole tensors (name -> bytes) into `num_fragments` lists of nearly equal bytes."""
+    _check_count(sizes, num_fragments)
+    bins: list[list[str]] = [[] for _ in range(num_fragments)]
+    _pack(sizes, bins, [0] * num_fragments, list(sizes))
+    return _in_model_order(sizes, bins)
+
+
+def strided(sizes: Mapping[str, int], num_fragments: int, *,
+            block_pattern: str = BLOCK_PATTERN) -> list[list[str]]:
+    """Deal transformer blocks round-robin by block index; bin-pack the remaining tensors."""
+    _check_count(sizes, num_fragments)
+    bins: list[list[str]] = [[] for _ in range(num_fragments)]
+    loads = [0] * num_fragments
+    rest = []
+    for name, nbytes in sizes.items():
+        match = re.search(block_pattern, name)
+        if match is None:
+            rest.append(name)
+            continue
+        index = int(match.group(1)) % num_fragments
+        bins[index].append(name)
+        loads[index] += nbytes
+    _pack(sizes, bins, loads, rest)
+    if any(not names for names in bins):
+        raise ValueError(f"strided fragmentation left a fragment empty with num_fragments={num_fragments}: "
+                         "use fewer fragments or the balanced strategy")
+    return _in_model_order(sizes, bins)
+
+
+def due_step(round_index: int, sync_every: int, num_fragments: int) -> int:
+    """The inner step at which round `round_index` (syncing fragment round_index mod P) is due.
+
+    Spreads the P rounds of each period evenly over its H inner steps, so every fragment is
+    synchronised exactly once per H inner steps: (r div P) * H + floor(((r mod P) + 1) * H / P).
+    """
+    period, slot = divmod(round_index, num_fragments)
+    return period * sync_every + ((slot + 1) * sync_every) // num_fragments
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """Which parameter belongs to which fragment, and which parameters are embeddings."""
+
+    fragments: tuple[tuple[str, ...], ...]
+    embeddings: frozenset[str]
+
+    @classmethod
+    def for_tensors(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+                    config: DilocoConfig) -> FragmentPlan:
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        sizes = {name: t.numel() * t.element_size() for name, t in items}
+        if config.fragment_strategy == "strided":
+            bins = strided(sizes, config.num_fragments)
+        else:
+            bins = balanced(sizes, config.num_fragments)
+        embeddings = frozenset(n for n in sizes if re.search(config.embedding_pattern, n))
+        return cls(tuple(tuple(names) for names in bins), embeddings)
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def fragment_of(self, name: str) -> int:
+        for index, names in enumerate(self.fragments):
+            if name in names:
+                return index
+        raise KeyError(f"parameter {name!r} is in no fragment")

@@ -1,0 +1,248 @@
+"""The learner core: one island's side of Decoupled DiLoCo, as a sans-I/O state machine.
+
+It wraps the user's model (and inner optimizer, for checkpoints) and knows nothing of sockets,
+threads or wall time. A driver runs the inner steps and moves messages; the core answers:
+
+- `join_message()` / `receive(Welcome)`: a learner trains only after it has loaded the syncer's
+  global parameters, so its own random initialisation never becomes global state.
+- `after_inner_step(tokens)`: counts inner steps and tokens per fragment and returns the `Update`
+  (pseudo-gradient base - local, encoded by the codec) of every round that has fallen due.
+- `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
+  state survives) and resets its counters.
+- `can_step`: the waiting rule. After publishing fragment p at inner step s, the learner may train
+  through inner step s + tau (tau = `overlap_steps`) without news; before going further it must hold
+  a version of p newer than the one it published from. Any newer version satisfies the wait, even one
+  that does not yet include this learner's update (that update is merged into a later round). The
+  driver bounds the wait (`LearnerConfig.max_wait_s`) and then calls `stop_waiting()`; the learner
+  trains on and the round's result, when it arrives, still overwrites the fragment.
+
+The learner never waits for other learners. Paper: arXiv 2604.21428.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ddiloco.compression import get_codec
+from ddiloco.config import DilocoConfig
+from ddiloco.fragments import FragmentPlan, due_step
+from ddiloco.messages import (
+    FragmentState,
+    Heartbeat,
+    Join,
+    LearnerMessage,
+    ModelSpec,
+    Refused,
+    Rejected,
+    RejectReason,
+    SyncerMessage,
+    Update,
+    Welcome,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INNER_LR = 1e-3
+"""AdamW learning rate used when the user passes no optimizer; suits the tiny default model."""
+
+
+@dataclass
+class LearnerStats:
+    """Counters a driver reports as metrics."""
+
+    updates_sent: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    updates_withheld_non_finite: int = 0
+    fragments_applied: int = 0
+    fragments_ignored_stale: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    waits_abandoned: int = 0
+    joins: int = 0
+
+
+@dataclass(frozen=True)
+class _Outstanding:
+    base_version: int
+    published_at_step: int
+
+
+class Learner:
+    """One learner's protocol state around a user's model. See the module docstring."""
+
+    def __init__(self, config: DilocoConfig, *, learner_id: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        if learner_id < 0:
+            raise ValueError(f"learner_id={learner_id} is invalid: expected an integer >= 0")
+        self.config = config
+        self.learner_id = learner_id
+        self.model = model
+        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
+        self._params = dict(model.named_parameters())
+        self.spec = ModelSpec.from_named_tensors(self._params.items())
+        self.plan = FragmentPlan.for_tensors(self._params, config)
+        self._codec = get_codec(config.codec)
+        num = self.plan.num_fragments
+        self._base: list[dict[str, torch.Tensor]] = [{} for _ in range(num)]
+        self.versions = [-1] * num
+        self.steps_since = [0] * num
+        self.tokens_since = [0] * num
+        self.inner_step = 0
+        self.next_round = 0
+        self.joined = False
+        self.refused_reason: str | None = None
+        self._outstanding: dict[int, _Outstanding] = {}
+        self.stats = LearnerStats()
+
+    # ---- joining -------------------------------------------------------------------------------
+
+    def join_message(self) -> Join:
+        return Join(self.learner_id, self.spec, self.config.fingerprint())
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.learner_id, self.inner_step)
+
+    @property
+    def can_step(self) -> bool:
+        """True when the driver may run the next inner step."""
+        return self.joined and not self.blocking_fragments()
+
+    def blocking_fragments(self) -> list[int]:
+        """Fragments published more than tau inner steps ago whose newer version has not arrived."""
+        tau = self.config.overlap_steps
+        return sorted(p for p, out in self._outstanding.items() if self.inner_step >= out.published_at_step + tau)
+
+    def stop_waiting(self) -> list[int]:
+        """Give up waiting for the fragments that block; returns them. Called by drivers on timeout."""
+        blocked = self.blocking_fragments()
+        for p in blocked:
+            del self._outstanding[p]
+        self.stats.waits_abandoned += len(blocked)
+        if blocked:
+            logger.warning("[learner %d | inner %d] stopped waiting for fragments %s",
+                           self.learner_id, self.inner_step, blocked)
+        return blocked
+
+    # ---- messages from the syncer ----------------------------------------------------------------
+
+    def receive(self, message: SyncerMessage) -> list[LearnerMessage]:
+        """Apply a message from the syncer; returns messages to send back (possibly none)."""
+        if isinstance(message, FragmentState):
+            self._apply(message)
+            return []
+        if isinstance(message, Welcome):
+            if message.learner_id != self.learner_id:
+                raise ValueError(f"Welcome for learner {message.learner_id} delivered to {self.learner_id}")
+            for state in message.fragments:
+                self._apply(state, force=True)
+            self._outstanding.clear()
+            self.joined = True
+            self.stats.joins += 1
+            logger.info("[learner %d | inner %d] joined at versions %s",
+                        self.learner_id, self.inner_step, self.versions)
+            return []
+        if isinstance(message, Refused):
+            self.joined = False
+            self.refused_reason = message.reason
+            logger.error("[learner %d] refused by the syncer: %s", self.learner_id, message.reason)
+            return []
+        if isinstance(message, Rejected):
+            reason = str(message.reason)
+            self.stats.rejections[reason] = self.stats.rejections.get(reason, 0) + 1
+            logger.info("[learner %d | inner %d] update for fragment %d rejected: %s %s",
+                        self.learner_id, self.inner_step, message.fragment, reason, message.detail)
+            if message.reason == RejectReason.UNKNOWN_LEARNER:
+                # The syncer forgot us (heartbeat timeout or restart): load its state again.
+                self.joined = False
+                return [self.join_message()]
+            return []
+        raise TypeError(f"learner cannot handle {type(message).__name__}")
+
+    @torch.no_grad()
+    def _apply(self, state: FragmentState, *, force: bool = False) -> None:
+        p = state.fragment
+        if not 0 <= p < self.plan.num_fragments:
+            raise ValueError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
+        if not force and state.version <= self.versions[p]:
+            self.stats.fragments_ignored_stale += 1
+            return
+        names = self.plan.fragments[p]
+        if set(state.tensors) != set(names):
+            raise ValueError(f"fragment {p} state carries the wrong tensors")
+        for name in names:
+            param = self._params[name]
+            param.copy_(state.tensors[name])
+            # The base is what the next pseudo-gradient is measured from: the exact global value.
+            self._base[p][name] = state.tensors[name].to(device=param.device, dtype=torch.float32,
+                                                         copy=True)
+        self.versions[p] = state.version
+        self.steps_since[p] = 0
+        self.tokens_since[p] = 0
+        self.stats.bytes_received += state.payload_bytes
+        self.stats.fragments_applied += 1
+        outstanding = self._outstanding.get(p)
+        if outstanding is not None and state.version > outstanding.base_version:
+            del self._outstanding[p]
+
+    # ---- inner steps -----------------------------------------------------------------------------
+
+    def after_inner_step(self, tokens: int) -> list[Update]:
+        """Record one finished inner step of `tokens` tokens; return the updates now due."""
+        if not self.joined:
+            raise RuntimeError("inner step before joining: the learner must load the global parameters "
+                               "first (see can_step)")
+        if tokens < 0:
+            raise ValueError(f"tokens={tokens} is invalid: expected >= 0")
+        self.inner_step += 1
+        for p in range(self.plan.num_fragments):
+            self.steps_since[p] += 1
+            self.tokens_since[p] += tokens
+        updates = []
+        num = self.plan.num_fragments
+        while due_step(self.next_round, self.config.sync_every, num) <= self.inner_step:
+            update = self._publish(self.next_round % num)
+            if update is not None:
+                updates.append(update)
+            self.next_round += 1
+        return updates
+
+    @torch.no_grad()
+    def _publish(self, p: int) -> Update | None:
+        payload = {}
+        for name in self.plan.fragments[p]:
+            delta = self._base[p][name] - self._params[name].detach().to(torch.float32)
+            if not bool(torch.isfinite(delta).all()):
+                self.stats.updates_withheld_non_finite += 1
+                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                             self.learner_id, self.inner_step, name)
+                return None
+            payload[name] = self._codec.encode(delta.cpu())
+        update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
+                        self.tokens_since[p], self.config.codec, payload)
+        self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
+        self.stats.updates_sent += 1
+        self.stats.bytes_sent += update.payload_bytes
+        return update
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The learner's own progress (not the model): counters, schedule position, optimizer."""
+        return {
+            "learner_id": self.learner_id,
+            "inner_step": self.inner_step,
+            "next_round": self.next_round,
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state["learner_id"] != self.learner_id:
+            raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
+        self.inner_step = int(state["inner_step"])
+        self.next_round = int(state["next_round"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,94 @@
+"""Merging the learners' pseudo-gradients of one round into one.
+
+- Token weighting ("quantity times quality"): w = tokens * (tokens / steps) = tokens^2 / steps, so a
+  learner that trained more tokens, and more tokens per inner step, counts more.
+- Radial-directional averaging (RDA, Decoupled DiLoCo, arXiv 2604.21428): the learners' pseudo-
+  gradients are nearly orthogonal, so their plain mean shrinks like 1/sqrt(M) and the outer learning
+  rate would have to follow M. RDA keeps the size: the weighted mean of the norms times the unit
+  vector of the weighted mean of the unit directions. Embedding tensors are not near-orthogonal
+  across learners and use the plain weighted mean.
+
+Everything here is a pure function of tensors and weights; float32 accumulation throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """tokens^2 / steps; a learner with no inner steps has weight 0."""
+    if steps <= 0:
+        return 0.0
+    return float(tokens) * float(tokens) / float(steps)
+
+
+def _normalised(weights: Sequence[float], count: int) -> list[float] | None:
+    if len(weights) != count:
+        raise ValueError(f"got {count} tensors but {len(weights)} weights")
+    if count == 0:
+        raise ValueError("cannot merge zero tensors")
+    if any(w < 0 for w in weights):
+        raise ValueError(f"weights must be >= 0, got {list(weights)}")
+    total = float(sum(weights))
+    if total == 0.0:
+        return None
+    return [float(w) / total for w in weights]
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i v_i / sum_i w_i (zeros when every weight is 0)."""
+    share = _normalised(weights, len(deltas))
+    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    if share is None:
+        return out
+    for delta, w in zip(deltas, share, strict=True):
+        if w:
+            out.add_(delta, alpha=w)
+    return out
+
+
+def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Radial-directional average: (sum w|v| / sum w) * unit(sum w v/|v|).
+
+    Zero vectors add to the mean norm (with norm 0) but contribute no direction; if every vector is
+    zero, or the directions cancel exactly, the result is zero.
+    """
+    share = _normalised(weights, len(deltas))
+    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    if share is None:
+        return out
+    mean_norm = 0.0
+    # One pass for the norms, one for the direction sum: the merge is bandwidth-bound.
+    norms = [float(torch.linalg.vector_norm(d, dtype=torch.float32)) for d in deltas]
+    for delta, w, norm in zip(deltas, share, norms, strict=True):
+        mean_norm += w * norm
+        if w and norm > 0.0:
+            out.add_(delta, alpha=w / norm)
+    direction_norm = float(torch.linalg.vector_norm(out))
+    if direction_norm == 0.0:
+        return out.zero_()
+    return out.mul_(mean_norm / direction_norm)
+
+
+def merge_round(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *,
+                method: str = "rda", embeddings: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Merge per tensor: RDA (or the weighted mean when method='mean'); embeddings by weighted mean."""
+    if method not in ("rda", "mean"):
+        raise ValueError(f"method={method!r} is invalid: expected 'rda' or 'mean'")
+    if not updates:
+        raise ValueError("cannot merge a round with no updates")
+    names = list(updates[0])
+    for update in updates[1:]:
+        if list(update) != names:
+            raise ValueError("updates of one round must carry the same tensors in the same order")
+    merged = {}
+    for name in names:
+        deltas = [update[name] for update in updates]
+        if method == "rda" and name not in embeddings:
+            merged[name] = rda(deltas, weights)
+        else:
+            merged[name] = weighted_mean(deltas, weights)
+    return merged

@@ -1,0 +1,226 @@
+"""The messages learners and the syncer exchange, as plain data.
+
+This is the only module the learner and syncer cores share. Transports turn these objects into
+bytes (see `ddiloco.transport`); the cores never see a socket. Tensors inside messages are CPU
+float32; pseudo-gradients travel already encoded by the configured codec (`Update.payload`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change to these messages or their wire encoding."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Names, shapes and dtypes of a model's parameters: two parties can only merge equal specs."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def from_named_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ModelSpec:
+        return cls(tuple(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                         for name, t in named))
+
+    def by_name(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for spec in self.tensors}
+
+    def difference(self, other: ModelSpec) -> str | None:
+        """A human-readable description of the first mismatch, or None when equal."""
+        mine, theirs = self.by_name(), other.by_name()
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        if missing:
+            return f"parameter {missing[0]!r} is missing ({len(missing)} missing in all)"
+        if extra:
+            return f"unexpected parameter {extra[0]!r} ({len(extra)} unexpected in all)"
+        for name, spec in mine.items():
+            if spec != theirs[name]:
+                return (f"parameter {name!r} is {theirs[name].dtype}{list(theirs[name].shape)}, "
+                        f"expected {spec.dtype}{list(spec.shape)}")
+        return None
+
+
+class RejectReason(enum.StrEnum):
+    """Why the syncer refused an update. Every update is either merged or rejected with one."""
+
+    UNKNOWN_LEARNER = "unknown_learner"
+    BAD_FRAGMENT = "bad_fragment"
+    WRONG_TENSORS = "wrong_tensors"
+    WRONG_CODEC = "wrong_codec"
+    MALFORMED = "malformed"
+    NON_FINITE = "non_finite"
+    BAD_COUNTERS = "bad_counters"
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+
+
+# ---- learner -> syncer -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Join:
+    """A learner asks to take part. `config_fingerprint` is `DilocoConfig.fingerprint()`."""
+
+    learner_id: int
+    model_spec: ModelSpec
+    config_fingerprint: str
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class Update:
+    """A learner's pseudo-gradient for one fragment: base - local, encoded per tensor."""
+
+    learner_id: int
+    fragment: int
+    base_version: int
+    """The fragment version the pseudo-gradient is measured from."""
+    inner_step: int
+    """The learner's inner step count when it published."""
+    steps: int
+    """Inner steps trained on this fragment since the learner last received it."""
+    tokens: int
+    """Tokens trained on this fragment since the learner last received it."""
+    codec: str
+    payload: Mapping[str, bytes]
+    """Tensor name -> encoded pseudo-gradient bytes."""
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(data) for data in self.payload.values())
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    learner_id: int
+    inner_step: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    learner_id: int
+
+
+# ---- syncer -> learner -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FragmentState:
+    """The global value of one fragment at `version` (float32, exact: the downlink is not lossy so
+    that every learner holds exactly the syncer's fragment)."""
+
+    fragment: int
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Accepts a join and carries the whole current global model, one state per fragment."""
+
+    learner_id: int
+    fragments: tuple[FragmentState, ...]
+    config_fingerprint: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A join refused; `reason` names the mismatch. The learner must not train."""
+
+    learner_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An update that was not merged, and why. UNKNOWN_LEARNER asks the learner to join again."""
+
+    learner_id: int
+    fragment: int
+    base_version: int
+    reason: RejectReason
+    detail: str = ""
+
+
+LearnerMessage = Join | Update | Heartbeat | Leave
+SyncerMessage = FragmentState | Welcome | Refused | Rejected
+
+
+@dataclass(frozen=True)
+class Send:
+    """Syncer action: deliver `message` to `learner_id`."""
+
+    learner_id: int
+    message: SyncerMessage
+
+
+@dataclass(frozen=True)
+class Participant:
+    learner_id: int
+    base_version: int
+    staleness: int
+    steps: int
+    tokens: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One committed round: enough to audit it and to replay the global state bit for bit."""
+
+    round_index: int
+    fragment: int
+    version: int
+    """The fragment version this round produced."""
+    participants: tuple[Participant, ...]
+    merged: Mapping[str, torch.Tensor] = field(repr=False)
+    """The merged pseudo-gradient fed to the outer optimizer (float32)."""
+    opened_at: float
+    quorum_at: float
+    closed_at: float
+    grace_s: float
+    rejections: tuple[tuple[int, str], ...] = ()
+    """(learner_id, reason) of updates for this fragment rejected while the round was open."""
+
+    def to_json(self) -> dict:
+        return {
+            "round": self.round_index, "fragment": self.fragment, "version": self.version,
+            "participants": [dataclasses.asdict(p) for p in self.participants],
+            "opened_at": self.opened_at, "quorum_at": self.quorum_at, "closed_at": self.closed_at,
+            "grace_s": self.grace_s, "rejections": [list(r) for r in self.rejections],
+        }
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Syncer action: make `record` durable. Drivers must finish it before the Sends that follow
+    it in the same action list, so no learner ever holds a version that a restart could lose."""
+
+    record: RoundRecord
+
+
+SyncerAction = Send | Commit

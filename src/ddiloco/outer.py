@@ -1,0 +1,48 @@
+"""The outer optimizer: SGD with Nesterov momentum on each fragment of the global parameters.
+
+DiLoCo (arXiv 2311.08105) feeds the merged pseudo-gradient Delta = base - local to Nesterov SGD as
+if it were a gradient: m <- mu*m + Delta; Theta <- Theta - eta*(Delta + mu*m). That is exactly
+`torch.optim.SGD(nesterov=True)`, used here with one instance per fragment so a fragment's round
+touches only that fragment's parameters and momentum.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+class OuterOptimizer:
+    """One Nesterov SGD per fragment over the syncer's float32 global tensors."""
+
+    def __init__(self, fragments: Sequence[Mapping[str, torch.Tensor]], *, lr: float, momentum: float) -> None:
+        self._names = [list(tensors) for tensors in fragments]
+        self._params = [list(tensors.values()) for tensors in fragments]
+        # Nesterov needs momentum > 0 in torch; momentum 0 is plain SGD, which is the same formula.
+        self._optimizers = [
+            torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+            for params in self._params
+        ]
+
+    @torch.no_grad()
+    def step(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> None:
+        for name, param in zip(self._names[fragment], self._params[fragment], strict=True):
+            # SGD without weight decay never writes into .grad, so the merged tensor is used as is.
+            param.grad = merged[name].to(dtype=param.dtype)
+        self._optimizers[fragment].step()
+        for param in self._params[fragment]:
+            param.grad = None
+
+    def state_dict(self) -> list[dict]:
+        # A deep copy: torch returns live references to the momentum buffers, and a state dict
+        # loaded into a second optimizer would otherwise share (and double-update) them.
+        return copy.deepcopy([opt.state_dict() for opt in self._optimizers])
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        if len(states) != len(self._optimizers):
+            raise ValueError(f"outer optimizer state has {len(states)} fragments, expected "
+                             f"{len(self._optimizers)}")
+        for opt, state in zip(self._optimizers, states, strict=True):
+            opt.load_state_dict(state)

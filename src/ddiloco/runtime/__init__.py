@@ -1,0 +1,1 @@
+"""runtime layer of ddiloco (see docs/ and DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""sim layer of ddiloco (see docs/ and DESIGN.md)."""

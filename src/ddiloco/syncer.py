@@ -1,0 +1,437 @@
+"""The syncer core: global parameters, rounds, quorum and grace, merge and outer step (sans-I/O).
+
+The syncer owns the global value of every fragment, its version and its outer Nesterov state. It is
+a pure state machine: the driver passes the current time into `receive(message, now)` and
+`advance(now)`, calls `advance` again at `next_deadline()`, and carries out the returned actions in
+order (`Commit` makes a round durable and must finish before the `Send`s that follow it).
+
+A round for fragment p collects updates until the minimum quorum K is present (K is capped at the
+learners alive, so a quorum larger than the live learners never deadlocks). It then waits a grace
+window for stragglers: adaptive, clip(gamma * (tau * step_time - quorum_time - sync_time), 0,
+step_time) from moving averages; fixed; or none. A round also closes at once when every live learner
+has reported. Closing merges the updates (token-weighted RDA), takes the outer step, bumps the
+version and sends the new fragment to every live learner.
+
+The rule for late updates: an update that arrives after its round closed goes into the next round of
+that fragment, with staleness = current version - base version, as long as staleness <=
+max_staleness and it does not overlap progress of the same learner already merged (a learner that
+missed a broadcast and publishes twice from the same base would be counted twice). Anything else is
+rejected with a recorded reason; every update is either merged or rejected.
+
+Paper: Decoupled DiLoCo, arXiv 2604.21428.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.compression import get_codec
+from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.fragments import FragmentPlan
+from ddiloco.merge import merge_round, token_weight
+from ddiloco.messages import (
+    SCHEMA_VERSION,
+    Commit,
+    FragmentState,
+    Heartbeat,
+    Join,
+    LearnerMessage,
+    Leave,
+    ModelSpec,
+    Participant,
+    Refused,
+    Rejected,
+    RejectReason,
+    RoundRecord,
+    Send,
+    SyncerAction,
+    Update,
+    Welcome,
+)
+from ddiloco.outer import OuterOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerInfo:
+    """What the syncer knows of one learner."""
+
+    alive: bool
+    last_seen: float
+    merged_version: dict[int, int] = field(default_factory=dict)
+    """fragment -> the version whose round last merged this learner's update."""
+    last_update: tuple[float, int] | None = None
+    """(arrival time, inner step) of its previous update, for the step-time estimate."""
+    accepted: int = 0
+    rejected: int = 0
+    tokens_merged: int = 0
+    joins: int = 0
+
+
+@dataclass
+class _Pending:
+    deltas: dict[str, torch.Tensor]
+    base_version: int
+    steps: int
+    tokens: int
+
+
+@dataclass
+class _OpenRound:
+    updates: dict[int, _Pending] = field(default_factory=dict)
+    first_at: float | None = None
+    quorum_at: float | None = None
+    close_at: float | None = None
+    grace_s: float = 0.0
+    rejections: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RejectionRecord:
+    time: float
+    learner_id: int
+    fragment: int
+    base_version: int
+    reason: RejectReason
+    detail: str
+
+
+class _Ema:
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def observe(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+class Syncer:
+    """The global side of Decoupled DiLoCo. See the module docstring."""
+
+    def __init__(self, config: DilocoConfig, quorum: QuorumConfig, *,
+                 initial_params: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.quorum = quorum
+        self.spec = ModelSpec.from_named_tensors(initial_params.items())
+        self.plan = FragmentPlan.for_tensors(initial_params, config)
+        self._codec = get_codec(config.codec)
+        self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
+                         for name in names} for names in self.plan.fragments]
+        self._shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
+        self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
+        num = self.plan.num_fragments
+        self.versions = [0] * num
+        self.rounds_committed = 0
+        self._open = [_OpenRound() for _ in range(num)]
+        self.learners: dict[int, LearnerInfo] = {}
+        self.rejections: list[RejectionRecord] = []
+        self.rejection_counts: Counter[str] = Counter()
+        self.step_time = _Ema(quorum.estimate_decay)
+        self.quorum_time = _Ema(quorum.estimate_decay)
+        self.sync_time = _Ema(quorum.estimate_decay)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # ---- reading state ---------------------------------------------------------------------------
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """A copy of the whole global model, by parameter name."""
+        return {name: t.clone() for frag in self._global for name, t in frag.items()}
+
+    def fragment_state(self, fragment: int) -> FragmentState:
+        # A snapshot: later rounds update the global tensors in place, and a state may sit in a
+        # simulated link (or a send queue) for a while before it is applied.
+        tensors = {name: t.clone() for name, t in self._global[fragment].items()}
+        return FragmentState(fragment, self.versions[fragment], tensors)
+
+    def alive_learners(self) -> list[int]:
+        return sorted(i for i, info in self.learners.items() if info.alive)
+
+    def effective_quorum(self) -> int:
+        return max(1, min(self.quorum.min_quorum, len(self.alive_learners())))
+
+    def next_deadline(self) -> float | None:
+        """When `advance` must next be called: a grace window ends or a learner may time out."""
+        times = [r.close_at for r in self._open if r.close_at is not None]
+        times += [info.last_seen + self.quorum.heartbeat_timeout_s
+                  for info in self.learners.values() if info.alive]
+        return min(times) if times else None
+
+    def observe_sync_time(self, seconds: float) -> None:
+        """Drivers report how long a merged fragment took to reach a learner (adaptive grace)."""
+        self.sync_time.observe(seconds)
+
+    # ---- events ----------------------------------------------------------------------------------
+
+    def receive(self, message: LearnerMessage, now: float) -> list[SyncerAction]:
+        if isinstance(message, Update):
+            return self._on_update(message, now)
+        if isinstance(message, Heartbeat):
+            info = self.learners.get(message.learner_id)
+            if info is None or not info.alive:
+                return [Send(message.learner_id, Rejected(message.learner_id, -1, -1,
+                                                          RejectReason.UNKNOWN_LEARNER, "heartbeat"))]
+            info.last_seen = now
+            return []
+        if isinstance(message, Join):
+            return self._on_join(message, now)
+        if isinstance(message, Leave):
+            return self._mark_gone(message.learner_id, now, "left")
+        raise TypeError(f"syncer cannot handle {type(message).__name__}")
+
+    def advance(self, now: float) -> list[SyncerAction]:
+        """Time has reached `now`: time out silent learners and close rounds whose grace has ended."""
+        actions: list[SyncerAction] = []
+        for learner_id, info in sorted(self.learners.items()):
+            if info.alive and now - info.last_seen > self.quorum.heartbeat_timeout_s:
+                actions += self._mark_gone(learner_id, now, "heartbeat timeout")
+        for p, open_round in enumerate(self._open):
+            if open_round.close_at is not None and open_round.close_at <= now:
+                actions += self._close(p, now)
+        return actions
+
+    def _on_join(self, join: Join, now: float) -> list[SyncerAction]:
+        refusal = None
+        if join.schema_version != SCHEMA_VERSION:
+            refusal = f"schema version {join.schema_version}, but the syncer speaks {SCHEMA_VERSION}"
+        elif join.config_fingerprint != self.config.fingerprint():
+            refusal = (f"algorithm config differs (fingerprint {join.config_fingerprint}, syncer has "
+                       f"{self.config.fingerprint()}): start every learner with the syncer's config")
+        elif (diff := self.spec.difference(join.model_spec)) is not None:
+            refusal = f"model differs from the syncer's: {diff}"
+        elif join.learner_id < 0:
+            refusal = f"learner_id={join.learner_id} is invalid: expected an integer >= 0"
+        if refusal is not None:
+            logger.warning("[syncer] refused learner %d: %s", join.learner_id, refusal)
+            return [Send(join.learner_id, Refused(join.learner_id, refusal))]
+        info = self.learners.setdefault(join.learner_id, LearnerInfo(alive=True, last_seen=now))
+        info.alive, info.last_seen, info.last_update = True, now, None
+        info.joins += 1
+        logger.info("[syncer] learner %d joined (join #%d)", join.learner_id, info.joins)
+        states = tuple(self.fragment_state(p) for p in range(self.plan.num_fragments))
+        self.bytes_sent += sum(s.payload_bytes for s in states)
+        return [Send(join.learner_id, Welcome(join.learner_id, states, self.config.fingerprint()))]
+
+    def _mark_gone(self, learner_id: int, now: float, why: str) -> list[SyncerAction]:
+        info = self.learners.get(learner_id)
+        if info is None or not info.alive:
+            return []
+        info.alive = False
+        logger.warning("[syncer] learner %d gone (%s)", learner_id, why)
+        # Fewer learners alive can lower the effective quorum of rounds already waiting.
+        actions: list[SyncerAction] = []
+        for p in range(self.plan.num_fragments):
+            actions += self._schedule(p, now)
+        return actions
+
+    # ---- updates ---------------------------------------------------------------------------------
+
+    def _reject(self, update: Update, reason: RejectReason, detail: str, now: float) -> list[SyncerAction]:
+        record = RejectionRecord(now, update.learner_id, update.fragment, update.base_version, reason, detail)
+        self.rejections.append(record)
+        self.rejection_counts[str(reason)] += 1
+        info = self.learners.get(update.learner_id)
+        if info is not None:
+            info.rejected += 1
+        if 0 <= update.fragment < len(self._open):
+            self._open[update.fragment].rejections.append((update.learner_id, str(reason)))
+        logger.info("[syncer] rejected update of learner %d for fragment %d: %s (%s)",
+                    update.learner_id, update.fragment, reason, detail)
+        actions: list[SyncerAction] = [Send(update.learner_id, Rejected(
+            update.learner_id, update.fragment, update.base_version, reason, detail))]
+        if reason == RejectReason.STALE and info is not None and info.alive:
+            # Bring the learner up to date so its next update is not stale too.
+            state = self.fragment_state(update.fragment)
+            self.bytes_sent += state.payload_bytes
+            actions.append(Send(update.learner_id, state))
+        return actions
+
+    def _validate(self, update: Update) -> tuple[RejectReason, str] | None:
+        info = self.learners.get(update.learner_id)
+        if info is None or not info.alive:
+            return RejectReason.UNKNOWN_LEARNER, "join first"
+        p = update.fragment
+        if not 0 <= p < self.plan.num_fragments:
+            return RejectReason.BAD_FRAGMENT, f"fragment {p} outside 0..{self.plan.num_fragments - 1}"
+        if update.codec != self.config.codec:
+            return RejectReason.WRONG_CODEC, f"codec {update.codec!r}, expected {self.config.codec!r}"
+        expected = self.plan.fragments[p]
+        if sorted(update.payload) != sorted(expected):
+            return RejectReason.WRONG_TENSORS, f"fragment {p} holds {len(expected)} tensors, got other names"
+        if update.steps < 1 or update.tokens < 0 or update.inner_step < update.steps:
+            return RejectReason.BAD_COUNTERS, (f"steps={update.steps} tokens={update.tokens} "
+                                               f"inner_step={update.inner_step}")
+        version = self.versions[p]
+        if not 0 <= update.base_version <= version:
+            return RejectReason.BAD_COUNTERS, f"base_version {update.base_version}, fragment is at {version}"
+        staleness = version - update.base_version
+        if staleness > self.quorum.max_staleness:
+            return RejectReason.STALE, f"{staleness} versions behind (max {self.quorum.max_staleness})"
+        merged = info.merged_version.get(p, -1)
+        if update.base_version < merged:
+            return RejectReason.STALE, (f"base version {update.base_version} overlaps this learner's "
+                                        f"update already merged into version {merged}")
+        if update.learner_id in self._open[p].updates:
+            return RejectReason.DUPLICATE, f"already holds an update of this learner for fragment {p}"
+        return None
+
+    def _decode(self, update: Update) -> dict[str, torch.Tensor] | tuple[RejectReason, str]:
+        deltas = {}
+        for name in self.plan.fragments[update.fragment]:
+            try:
+                delta = self._codec.decode(update.payload[name], self._shapes[name])
+            except ValueError as exc:
+                return RejectReason.MALFORMED, f"{name}: {exc}"
+            if not bool(torch.isfinite(delta).all()):
+                return RejectReason.NON_FINITE, f"{name} holds non-finite values"
+            deltas[name] = delta
+        return deltas
+
+    def _on_update(self, update: Update, now: float) -> list[SyncerAction]:
+        self.bytes_received += update.payload_bytes
+        problem = self._validate(update)
+        info = self.learners.get(update.learner_id)
+        if info is not None and info.alive:
+            info.last_seen = now
+            self._observe_step_time(info, update, now)
+        if problem is not None:
+            return self._reject(update, *problem, now)
+        decoded = self._decode(update)
+        if isinstance(decoded, tuple):
+            return self._reject(update, *decoded, now)
+        open_round = self._open[update.fragment]
+        open_round.updates[update.learner_id] = _Pending(decoded, update.base_version, update.steps,
+                                                         update.tokens)
+        if open_round.first_at is None:
+            open_round.first_at = now
+        return self._schedule(update.fragment, now)
+
+    def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
+        if info.last_update is not None:
+            last_at, last_step = info.last_update
+            if update.inner_step > last_step and now >= last_at:
+                self.step_time.observe((now - last_at) / (update.inner_step - last_step))
+        info.last_update = (now, update.inner_step)
+
+    # ---- rounds ----------------------------------------------------------------------------------
+
+    def grace_window(self) -> float:
+        """Seconds to wait for stragglers once the quorum is present."""
+        if self.quorum.grace == "none":
+            return 0.0
+        if self.quorum.grace == "fixed":
+            return self.quorum.grace_s
+        step_time = self.step_time.value
+        if step_time is None:
+            return 0.0
+        slack = (self.config.overlap_steps * step_time - (self.quorum_time.value or 0.0)
+                 - (self.sync_time.value or 0.0))
+        return min(max(self.quorum.grace_gamma * slack, 0.0), step_time)
+
+    def _schedule(self, p: int, now: float) -> list[SyncerAction]:
+        open_round = self._open[p]
+        count = len(open_round.updates)
+        if count == 0:
+            return []
+        if open_round.quorum_at is None and count >= self.effective_quorum():
+            open_round.quorum_at = now
+            open_round.grace_s = self.grace_window()
+            open_round.close_at = now + open_round.grace_s
+        alive = set(self.alive_learners())
+        if open_round.quorum_at is not None and alive <= set(open_round.updates):
+            open_round.close_at = now  # everyone alive has reported: nothing left to wait for
+        if open_round.close_at is not None and open_round.close_at <= now:
+            return self._close(p, now)
+        return []
+
+    def _close(self, p: int, now: float) -> list[SyncerAction]:
+        open_round = self._open[p]
+        learner_ids = sorted(open_round.updates)
+        pending = [open_round.updates[i] for i in learner_ids]
+        weights = [token_weight(u.tokens, u.steps) for u in pending]
+        merged = merge_round([u.deltas for u in pending], weights, method=self.config.merge,
+                             embeddings=self.plan.embeddings)
+        self.outer.step(p, merged)
+        version_before = self.versions[p]
+        self.versions[p] = version_before + 1
+        participants = tuple(
+            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w)
+            for i, u, w in zip(learner_ids, pending, weights, strict=True))
+        for i, u in zip(learner_ids, pending, strict=True):
+            info = self.learners[i]
+            info.merged_version[p] = self.versions[p]
+            info.accepted += 1
+            info.tokens_merged += u.tokens
+        assert open_round.first_at is not None and open_round.quorum_at is not None
+        self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
+        record = RoundRecord(
+            round_index=self.rounds_committed, fragment=p, version=self.versions[p],
+            participants=participants, merged=merged, opened_at=open_round.first_at,
+            quorum_at=open_round.quorum_at, closed_at=now, grace_s=open_round.grace_s,
+            rejections=tuple(open_round.rejections))
+        self.rounds_committed += 1
+        self._open[p] = _OpenRound()
+        state = self.fragment_state(p)
+        actions: list[SyncerAction] = [Commit(record)]
+        for learner_id in self.alive_learners():
+            actions.append(Send(learner_id, state))
+            self.bytes_sent += state.payload_bytes
+        logger.debug("[syncer] round %d: fragment %d -> version %d from learners %s",
+                     record.round_index, p, self.versions[p], learner_ids)
+        return actions
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a restarted syncer needs to continue without losing or repeating a round.
+        Open rounds are not kept: their updates are lost, which costs only those learners' work."""
+        return {
+            "config_fingerprint": self.config.fingerprint(),
+            "versions": list(self.versions),
+            "rounds_committed": self.rounds_committed,
+            "global": self.global_params(),
+            "outer": self.outer.state_dict(),
+            "merged_version": {i: dict(info.merged_version) for i, info in self.learners.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        if state["config_fingerprint"] != self.config.fingerprint():
+            raise ValueError("checkpoint was written with a different algorithm config "
+                             f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
+        for frag in self._global:
+            for name, tensor in frag.items():
+                tensor.copy_(state["global"][name])
+        self.versions = [int(v) for v in state["versions"]]
+        self.rounds_committed = int(state["rounds_committed"])
+        self.outer.load_state_dict(state["outer"])
+        self._open = [_OpenRound() for _ in range(self.plan.num_fragments)]
+        # Learners must join again; remembering what was merged keeps double counting impossible.
+        self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,
+                                             merged_version={int(p): int(v) for p, v in mv.items()})
+                         for i, mv in state["merged_version"].items()}
+
+
+def replay_rounds(config: DilocoConfig, initial_params: Mapping[str, torch.Tensor],
+                  records: Sequence[RoundRecord]) -> dict[str, torch.Tensor]:
+    """Recompute the global parameters from the initial ones and a round log, bit for bit."""
+    plan = FragmentPlan.for_tensors(initial_params, config)
+    fragments = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
+                  for name in names} for names in plan.fragments]
+    outer = OuterOptimizer(fragments, lr=config.outer_lr, momentum=config.outer_momentum)
+    versions = [0] * plan.num_fragments
+    for expected_index, record in enumerate(records):
+        if record.round_index != expected_index:
+            raise ValueError(f"round log has round {record.round_index} where {expected_index} was expected")
+        if record.version != versions[record.fragment] + 1:
+            raise ValueError(f"round {record.round_index} produced version {record.version} of fragment "
+                             f"{record.fragment}, expected {versions[record.fragment] + 1}")
+        outer.step(record.fragment, record.merged)
+        versions[record.fragment] = record.version
+    return {name: t for frag in fragments for name, t in frag.items()}

@@ -1,0 +1,1 @@
+"""Transports: how learner and syncer messages travel (in-process, gRPC, emulated links)."""

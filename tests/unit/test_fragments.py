@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from ddiloco.config import DilocoConfig
+from ddiloco.fragments import FragmentPlan, balanced, due_step, strided
+
+
+def test_balanced_packs_largest_first_into_lightest():
+    sizes = {"a": 10, "b": 7, "c": 5, "d": 3, "e": 2}
+    # a->0 [10,0]; b->1 [10,7]; c->1 [10,12]; d->0 [13,12]; e->1 [13,14]
+    assert balanced(sizes, 2) == [["a", "d"], ["b", "c", "e"]]
+
+
+def test_balanced_is_independent_of_dict_order_and_breaks_ties_by_name():
+    sizes = {f"t{i}": 4 for i in range(6)}
+    shuffled = dict(reversed(list(sizes.items())))
+    first = [sorted(f) for f in balanced(sizes, 3)]
+    assert first == [sorted(f) for f in balanced(shuffled, 3)]
+    assert first == [["t0", "t3"], ["t1", "t4"], ["t2", "t5"]]
+
+
+def test_balanced_puts_every_tensor_in_exactly_one_fragment():
+    generator = torch.Generator().manual_seed(0)
+    sizes = {f"p{i}": int(s) for i, s in enumerate(torch.randint(1, 1000, (40,), generator=generator))}
+    fragments = balanced(sizes, 7)
+    flat = [name for frag in fragments for name in frag]
+    assert sorted(flat) == sorted(sizes)
+    loads = [sum(sizes[n] for n in frag) for frag in fragments]
+    assert max(loads) - min(loads) <= max(sizes.values())
+
+
+def test_too_many_fragments_is_a_clear_error():
+    with pytest.raises(ValueError, match="num_fragments=4 exceeds the 3 tensors"):
+        balanced({"a": 1, "b": 1, "c": 1}, 4)
+
+
+def test_strided_deals_blocks_round_robin():
+    sizes = {"emb": 100, **{f"blocks.{i}.w": 10 for i in range(4)}, "head": 50}
+    fragments = strided(sizes, 2)
+    assert "blocks.0.w" in fragments[0] and "blocks.2.w" in fragments[0]
+    assert "blocks.1.w" in fragments[1] and "blocks.3.w" in fragments[1]
+    # emb (100) into the lighter bin (tie: 0), then head (50) into bin 1.
+    assert fragments == [["emb", "blocks.0.w", "blocks.2.w"], ["blocks.1.w", "blocks.3.w", "head"]]
+
+
+def test_due_step_matches_the_formula_by_hand():
+    assert [due_step(r, 8, 4) for r in range(8)] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [due_step(r, 24, 24) for r in range(5)] == [1, 2, 3, 4, 5]
+    assert [due_step(r, 10, 3) for r in range(6)] == [3, 6, 10, 13, 16, 20]
+
+
+@pytest.mark.parametrize(("sync_every", "num_fragments"), [(24, 24), (10, 3), (7, 7), (32, 4), (5, 2)])
+def test_every_fragment_syncs_exactly_once_per_period(sync_every, num_fragments):
+    for fragment in range(num_fragments):
+        steps = [due_step(fragment + k * num_fragments, sync_every, num_fragments) for k in range(5)]
+        assert all(b - a == sync_every for a, b in zip(steps, steps[1:], strict=False))
+    rounds = [due_step(r, sync_every, num_fragments) for r in range(3 * num_fragments)]
+    assert rounds == sorted(rounds)
+
+
+def test_plan_marks_embeddings_by_pattern():
+    tensors = {"token_embedding.weight": torch.zeros(4, 2), "blocks.0.weight": torch.zeros(2, 2),
+               "lm_head.weight": torch.zeros(4, 2)}
+    plan = FragmentPlan.for_tensors(tensors, DilocoConfig(num_fragments=2, codec="fp32"))
+    assert plan.embeddings == {"token_embedding.weight"}
+    assert sorted(n for f in plan.fragments for n in f) == sorted(tensors)
+    assert plan.fragment_of("lm_head.weight") in (0, 1)

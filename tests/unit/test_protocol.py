@@ -1,0 +1,367 @@
+"""The learner and syncer cores together, driven in-process on a virtual clock."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.learner import Learner
+from ddiloco.messages import Commit, FragmentState, Rejected, RejectReason, Send
+from ddiloco.syncer import Syncer, replay_rounds
+from ddiloco.transport.inprocess import JoinRefusedError
+from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
+
+FP32 = dict(codec="fp32")
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_one_learner_with_identity_outer_step_equals_local_training():
+    config = DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=1, overlap_steps=0,
+                          merge="mean", outer_lr=1.0, outer_momentum=0.0, **FP32)
+    syncer, hub, _, (learner,) = make_system(1, config, QuorumConfig(min_quorum=1, grace="none"),
+                                             optimizer=adamw)
+    reference = TinyNet(seed=100)
+    reference_opt = adamw(reference)
+    for batch in make_batches(20, seed=3):
+        assert learner.can_step
+        tokens = train_step(learner.model, learner.optimizer, batch)
+        hub.after_inner_step(learner, tokens)
+        train_step(reference, reference_opt, batch)
+    assert syncer.rounds_committed == 20
+    for name, expected in params_of(reference).items():
+        torch.testing.assert_close(dict(learner.model.named_parameters())[name].detach(), expected,
+                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(syncer.global_params()[name], expected, atol=1e-6, rtol=0)
+
+
+def test_full_quorum_equal_speeds_reduces_to_synchronous_streaming_diloco():
+    lr, mu, num, sync_every = 0.7, 0.9, 3, 4
+    config = DilocoConfig(num_fragments=2, sync_every=sync_every, overlap_steps=0, merge="mean",
+                          outer_lr=lr, outer_momentum=mu, **FP32)
+    syncer, hub, _, learners = make_system(num, config, QuorumConfig(min_quorum=num, grace="none"),
+                                           optimizer=adamw)
+    plan = syncer.plan
+    # Reference: streaming DiLoCo written out by hand.
+    global_ = params_of(TinyNet(seed=100))
+    momentum = {name: torch.zeros_like(t) for name, t in global_.items()}
+    models = [TinyNet(seed=100) for _ in range(num)]
+    optimizers = [adamw(m) for m in models]
+    batches = [make_batches(16, seed=10 + i) for i in range(num)]
+    next_round = 0
+    for step in range(16):
+        for i in range(num):
+            assert learners[i].can_step
+            hub.after_inner_step(learners[i], train_step(learners[i].model, learners[i].optimizer,
+                                                         batches[i][step]))
+            train_step(models[i], optimizers[i], batches[i][step])
+        while (next_round // 2) * sync_every + ((next_round % 2) + 1) * sync_every // 2 <= step + 1:
+            for name in plan.fragments[next_round % 2]:
+                local = [dict(m.named_parameters())[name].detach() for m in models]
+                delta = sum(global_[name] - t for t in local) / num
+                momentum[name] = mu * momentum[name] + delta
+                global_[name] = global_[name] - lr * (delta + mu * momentum[name])
+                with torch.no_grad():
+                    for m in models:
+                        dict(m.named_parameters())[name].copy_(global_[name])
+            next_round += 1
+    assert syncer.rounds_committed == next_round == 8
+    for name, expected in global_.items():
+        torch.testing.assert_close(syncer.global_params()[name], expected, atol=1e-6, rtol=0)
+        for learner, model in zip(learners, models, strict=True):
+            torch.testing.assert_close(dict(learner.model.named_parameters())[name].detach(),
+                                       dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=0)
+
+
+def _publish(hub, learner, clock, at):
+    """Advance the virtual clock to `at`, then train one inner step of `learner` and publish."""
+    clock.advance_to(at)
+    hub.advance()
+    batch = make_batches(1, seed=learner.learner_id * 100 + learner.inner_step)[0]
+    hub.after_inner_step(learner, train_step(learner.model, learner.optimizer, batch))
+
+
+def _single_fragment(**overrides):
+    fields = dict(num_fragments=1, fragment_strategy="single", sync_every=1, overlap_steps=8, **FP32)
+    return DilocoConfig(**(fields | overrides))
+
+
+def test_round_closes_on_quorum_merges_inside_grace_and_defers_later_updates():
+    quorum = QuorumConfig(min_quorum=2, grace="fixed", grace_s=1.0, heartbeat_timeout_s=100.0)
+    syncer, hub, clock, learners = make_system(4, _single_fragment(), quorum)
+    _publish(hub, learners[0], clock, 0.0)
+    assert syncer.rounds_committed == 0
+    _publish(hub, learners[1], clock, 0.5)          # quorum: grace until 1.5
+    assert syncer.rounds_committed == 0 and syncer.next_deadline() == 1.5
+    _publish(hub, learners[2], clock, 1.0)          # inside the grace window
+    clock.advance_to(1.5)
+    hub.advance()
+    (first,) = hub.round_log
+    assert [p.learner_id for p in first.participants] == [0, 1, 2]
+    assert (first.quorum_at, first.closed_at, first.grace_s) == (0.5, 1.5, 1.0)
+    # Learner 3 never reported and was not waited for, yet it holds the new version.
+    assert learners[3].versions == [1]
+    _publish(hub, learners[0], clock, 2.0)
+    _publish(hub, learners[1], clock, 2.1)
+    clock.advance_to(3.1)
+    hub.advance()
+    assert [p.learner_id for p in hub.round_log[1].participants] == [0, 1]
+
+
+def test_late_update_goes_to_the_next_round_with_its_staleness():
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
+    # The slow learner publishes from version 0, but its update is still on the way ...
+    in_flight = []
+    for batch in make_batches(2, seed=9):
+        in_flight += slow.after_inner_step(train_step(slow.model, slow.optimizer, batch))
+    (late,) = in_flight
+    assert late.base_version == 0
+    # ... when the fast learner's update closes the round: version 1.
+    for t in (0.0, 0.1):
+        _publish(hub, fast, clock, t)
+    assert syncer.versions == [1]
+    actions = syncer.receive(late, now=0.2)
+    (record,) = [a.record for a in actions if isinstance(a, Commit)]
+    (participant,) = record.participants
+    assert (participant.learner_id, participant.staleness, record.version) == (1, 1, 2)
+
+
+def test_a_failed_learner_is_never_waited_for():
+    quorum = QuorumConfig(min_quorum=3, grace="none", heartbeat_timeout_s=5.0)
+    syncer, hub, clock, learners = make_system(3, _single_fragment(), quorum)
+    _publish(hub, learners[0], clock, 1.0)
+    _publish(hub, learners[1], clock, 2.0)
+    assert syncer.rounds_committed == 0
+    # Learner 2 is silent: once its heartbeat times out the effective quorum drops to 2.
+    assert syncer.next_deadline() == pytest.approx(5.0)
+    clock.advance_to(5.01)
+    hub.advance()
+    assert syncer.rounds_committed == 1 and syncer.alive_learners() == [0, 1]
+    # A learner that says it leaves is not waited for either.
+    _publish(hub, learners[0], clock, 6.0)
+    hub.leave(learners[1])
+    assert syncer.rounds_committed == 2
+
+
+def test_quorum_larger_than_the_learners_never_deadlocks():
+    quorum = QuorumConfig(min_quorum=8, grace="none")
+    syncer, hub, clock, learners = make_system(2, _single_fragment(), quorum)
+    _publish(hub, learners[0], clock, 0.0)
+    _publish(hub, learners[1], clock, 0.1)
+    assert syncer.rounds_committed == 1
+
+
+def test_adaptive_grace_follows_the_formula():
+    config = _single_fragment(overlap_steps=2)
+    syncer = Syncer(config, QuorumConfig(grace="adaptive", grace_gamma=1.0),
+                    initial_params=params_of(TinyNet()))
+    assert syncer.grace_window() == 0.0                       # no estimate yet: never delay
+    syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = 1.0, 0.3, 0.2
+    assert syncer.grace_window() == pytest.approx(1.0)        # clip(2 - 0.3 - 0.2, 0, 1)
+    syncer.quorum_time.value = 1.6
+    assert syncer.grace_window() == pytest.approx(0.2)        # 2 - 1.6 - 0.2
+    syncer.quorum_time.value = 3.0
+    assert syncer.grace_window() == 0.0
+
+
+def test_step_time_is_estimated_from_update_arrivals():
+    quorum = QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (learner,) = make_system(1, _single_fragment(), quorum)
+    for t in (0.0, 0.5, 1.0, 1.5):
+        _publish(hub, learner, clock, t)
+    assert syncer.step_time.value == pytest.approx(0.5)
+
+
+def _valid_update(num_learners=2, **quorum):
+    syncer, hub, clock, learners = make_system(
+        num_learners, _single_fragment(), QuorumConfig(min_quorum=2, grace="none", **quorum))
+    learner = learners[0]
+    train_step(learner.model, learner.optimizer, make_batches(1, seed=5)[0])
+    learner.inner_step += 1
+    learner.steps_since[0] += 1
+    learner.tokens_since[0] += 24
+    return syncer, hub, learners, learner._publish(0)
+
+
+def _nan_bytes(update):
+    return {name: torch.full((len(data) // 4,), float("nan")).numpy().tobytes()
+            for name, data in update.payload.items()}
+
+
+CORRUPTIONS = {
+    RejectReason.UNKNOWN_LEARNER: lambda u: dataclasses.replace(u, learner_id=99),
+    RejectReason.BAD_FRAGMENT: lambda u: dataclasses.replace(u, fragment=3),
+    RejectReason.WRONG_CODEC: lambda u: dataclasses.replace(u, codec="bf16"),
+    RejectReason.WRONG_TENSORS: lambda u: dataclasses.replace(u, payload=dict(list(u.payload.items())[1:])),
+    RejectReason.MALFORMED: lambda u: dataclasses.replace(
+        u, payload={n: d[:-4] for n, d in u.payload.items()}),
+    RejectReason.NON_FINITE: lambda u: dataclasses.replace(u, payload=_nan_bytes(u)),
+    RejectReason.BAD_COUNTERS: lambda u: dataclasses.replace(u, steps=0),
+}
+
+
+@pytest.mark.parametrize("reason", list(CORRUPTIONS))
+def test_every_bad_update_is_rejected_with_its_reason_and_moves_nothing(reason):
+    syncer, _, _, update = _valid_update()
+    before = syncer.global_params()
+    actions = syncer.receive(CORRUPTIONS[reason](update), now=1.0)
+    assert [r.reason for r in syncer.rejections] == [reason]
+    assert any(isinstance(a, Send) and isinstance(a.message, Rejected) and a.message.reason == reason
+               for a in actions)
+    assert all(torch.equal(before[n], t) for n, t in syncer.global_params().items())
+    assert syncer.rounds_committed == 0
+
+
+def test_duplicate_and_stale_updates_are_rejected():
+    syncer, _, learners, update = _valid_update()
+    syncer.receive(update, now=1.0)
+    syncer.receive(update, now=1.1)
+    assert [r.reason for r in syncer.rejections] == [RejectReason.DUPLICATE]
+    # Close the round with the second learner, then replay the first update: it now overlaps a
+    # contribution already merged, so it is stale (and the learner is sent the current fragment).
+    other = learners[1]
+    other.inner_step, other.steps_since[0], other.tokens_since[0] = 1, 1, 24
+    syncer.receive(other._publish(0), now=1.2)
+    assert syncer.rounds_committed == 1
+    actions = syncer.receive(update, now=1.3)
+    assert syncer.rejections[-1].reason == RejectReason.STALE
+    assert any(isinstance(a.message, FragmentState) for a in actions)
+
+
+def test_too_stale_updates_are_rejected():
+    syncer, _, _, update = _valid_update(num_learners=1, max_staleness=0)
+    syncer.versions[0] = 1
+    syncer.receive(update, now=1.0)
+    assert syncer.rejections[-1].reason == RejectReason.STALE
+    assert "1 versions behind" in syncer.rejections[-1].detail
+
+
+def test_unknown_learner_rejection_makes_the_learner_join_again():
+    syncer, hub, clock, (learner, _) = make_system(2, _single_fragment(), QuorumConfig(heartbeat_timeout_s=1.0))
+    clock.advance_to(10.0)
+    hub.advance()                                      # both time out
+    assert syncer.alive_learners() == []
+    _publish(hub, learner, clock, 10.5)
+    assert learner.stats.rejections == {"unknown_learner": 1}
+    assert learner.joined and syncer.alive_learners() == [0]
+
+
+def test_replaying_the_round_log_reproduces_the_global_state_bit_for_bit():
+    config = DilocoConfig(num_fragments=3, sync_every=6, overlap_steps=1, codec="int4")
+    syncer, hub, clock, learners = make_system(3, config, QuorumConfig(min_quorum=2, grace="fixed", grace_s=0.05),
+                                               optimizer=adamw)
+    initial = params_of(TinyNet(seed=100))
+    for step in range(30):
+        for i, learner in enumerate(learners):
+            if learner.can_step:
+                _publish(hub, learner, clock, step + 0.1 * i)
+            else:
+                learner.stop_waiting()
+    assert syncer.rounds_committed >= 10
+    replayed = replay_rounds(config, initial, hub.round_log)
+    for name, tensor in syncer.global_params().items():
+        assert torch.equal(replayed[name], tensor), name
+
+
+def test_join_refusals_name_the_mismatch():
+    config = _single_fragment()
+    syncer, hub, _, _ = make_system(1, config)
+    before = syncer.global_params()
+    wide = TinyNet(width=4)
+    with pytest.raises(JoinRefusedError, match="model differs.*token_embedding.weight"):
+        hub.join(Learner(config, learner_id=5, model=wide))
+    other = _single_fragment(outer_lr=0.5)
+    with pytest.raises(JoinRefusedError, match="algorithm config differs"):
+        hub.join(Learner(other, learner_id=6, model=TinyNet()))
+    assert all(torch.equal(before[n], t) for n, t in syncer.global_params().items())
+    assert syncer.alive_learners() == [0]
+
+
+def test_a_learner_never_trains_before_joining_and_its_init_never_becomes_global():
+    config = _single_fragment()
+    model = TinyNet(seed=7)
+    learner = Learner(config, learner_id=0, model=model)
+    assert not learner.can_step
+    with pytest.raises(RuntimeError, match="before joining"):
+        learner.after_inner_step(tokens=1)
+    syncer, hub, _, _ = make_system(0, config)
+    global_before = syncer.global_params()
+    hub.join(learner)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), global_before[name])
+    assert all(torch.equal(global_before[n], t) for n, t in syncer.global_params().items())
+
+
+def test_waiting_rule_blocks_after_tau_steps_and_can_be_abandoned():
+    config = _single_fragment(sync_every=4, overlap_steps=2)
+    syncer, hub, clock, (learner, _) = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"))
+    for t in range(4):
+        _publish(hub, learner, clock, float(t))     # publishes at inner step 4
+    assert learner.can_step
+    _publish(hub, learner, clock, 4.0)
+    assert learner.can_step                         # inner step 5 < 4 + 2
+    _publish(hub, learner, clock, 5.0)
+    assert not learner.can_step and learner.blocking_fragments() == [0]
+    assert learner.stop_waiting() == [0] and learner.can_step
+    assert learner.stats.waits_abandoned == 1
+
+
+def test_applying_a_fragment_keeps_optimizer_state_and_resets_counters():
+    config = DilocoConfig(num_fragments=2, sync_every=2, overlap_steps=4, **FP32)
+    syncer, hub, clock, (learner,) = make_system(1, config, QuorumConfig(grace="none"), optimizer=adamw)
+    _publish(hub, learner, clock, 0.0)                        # round 0 (fragment 0) due at step 1
+    state_ids = {id(s["exp_avg"]) for s in learner.optimizer.state.values()}
+    assert syncer.versions == [1, 0] and learner.versions == [1, 0]
+    assert learner.steps_since == [0, 1] and learner.tokens_since == [0, 24]
+    assert {id(s["exp_avg"]) for s in learner.optimizer.state.values()} == state_ids
+    assert all(s["step"] == 1 for s in learner.optimizer.state.values())
+
+
+def test_after_each_round_every_learner_holds_the_syncer_fragment():
+    config = DilocoConfig(num_fragments=2, sync_every=4, overlap_steps=0, **FP32)
+    syncer, hub, clock, learners = make_system(3, config, QuorumConfig(min_quorum=3, grace="none"))
+    for step in range(8):
+        for learner in learners:
+            committed = syncer.rounds_committed
+            _publish(hub, learner, clock, float(step))
+            if syncer.rounds_committed > committed:
+                p = hub.round_log[-1].fragment
+                global_ = syncer.global_params()
+                for other in learners:
+                    assert other.versions[p] == syncer.versions[p]
+                    params = dict(other.model.named_parameters())
+                    for name in syncer.plan.fragments[p]:
+                        assert torch.equal(params[name].detach(), global_[name])
+
+
+def test_non_finite_pseudo_gradient_is_withheld():
+    syncer, hub, clock, (learner,) = make_system(1, _single_fragment(), QuorumConfig())
+    with torch.no_grad():
+        next(learner.model.parameters()).fill_(float("nan"))
+    assert learner.after_inner_step(tokens=4) == []
+    assert learner.stats.updates_withheld_non_finite == 1 and syncer.rounds_committed == 0
+
+
+def test_syncer_state_dict_round_trip():
+    config = DilocoConfig(num_fragments=2, sync_every=2, overlap_steps=4, **FP32)
+    syncer, hub, clock, (learner,) = make_system(1, config, QuorumConfig(grace="none"))
+    for t in range(6):
+        _publish(hub, learner, clock, float(t))
+    restored = Syncer(config, QuorumConfig(grace="none"), initial_params=params_of(TinyNet(seed=3)))
+    restored.load_state_dict(syncer.state_dict())
+    assert restored.versions == syncer.versions and restored.rounds_committed == syncer.rounds_committed
+    assert all(torch.equal(restored.global_params()[n], t) for n, t in syncer.global_params().items())
+    assert restored.alive_learners() == []  # learners must join a restored syncer again
+
+
+def test_round_closes_early_once_every_live_learner_has_reported():
+    quorum = QuorumConfig(min_quorum=1, grace="fixed", grace_s=5.0, heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (first, second) = make_system(2, _single_fragment(), quorum)
+    _publish(hub, first, clock, 1.0)
+    assert syncer.rounds_committed == 0 and syncer.next_deadline() == 6.0
+    _publish(hub, second, clock, 2.0)               # nobody left to wait for: no need for the grace
+    assert syncer.rounds_committed == 1 and hub.round_log[0].closed_at == 2.0
