@@ -65,3 +65,4 @@ def test_plan_marks_embeddings_by_pattern():
     assert plan.embeddings == {"token_embedding.weight"}
     assert sorted(n for f in plan.fragments for n in f) == sorted(tensors)
     assert plan.fragment_of("lm_head.weight") in (0, 1)
+

@@ -1,0 +1,375 @@
+"""Wire codecs for pseudo-gradients (outer gradients): tensor -> bytes -> float32 tensor.
+
+This module owns the byte formats of one tensor on the wire and nothing else: it does not choose which
+tensors to send, accumulate error, or check decoded values (see "Non-finite values" below). Codecs are
+picked by name with `get_codec(name, **options)`; names are `CODEC_NAMES`.
+
+Why compress, and how far: in Decoupled DiLoCo (Douillard et al., arXiv 2604.21428) int4 outer
+gradients are nearly lossless (text accuracy 55.3 vs 55.4 for bf16) while int2 collapses (42.6).
+Streaming DiLoCo (arXiv 2501.18512) sent 4-bit floats and accumulated in fp32. `int2` is here for that
+ablation, not for use. Decoding always yields float32, so accumulation downstream is in fp32.
+
+Byte layouts (all multi-byte numbers little-endian; every scale is an IEEE float32; n = numel):
+
+    fp32   n x float32                                                  4n bytes, lossless
+    bf16   n x bfloat16 (round to nearest even)                         2n bytes
+    fp8    1 x float32 scale, then n x float8 e4m3fn codes              4 + n bytes
+           scale = absmax / 448 (e4m3fn's largest finite value); value = code * scale
+    int4   ceil(n/B) x float32 scales, then ceil(n/2) bytes of codes    4 ceil(n/B) + ceil(n/2) bytes
+    int2   ceil(n/B) x float32 scales, then ceil(n/4) bytes of codes    4 ceil(n/B) + ceil(n/4) bytes
+
+The tensor is flattened in row-major (C) order. int4 and int2 are symmetric per-block quantizers: the
+values are cut into blocks of B (`block_size`, default 64) consecutive values, the last block possibly
+shorter; block i has scale_i = absmax_i / L and each value x becomes the integer
+q = clamp(round(x / scale_i), -L, L) (round half to even), sent as the unsigned code q + 2^(bits-1).
+int4: L = 7, levels -7..7, codes 1..15, value k of byte j is element 2j + k in bits [4k, 4k + 4)
+(low nibble first). int2: L = 1, levels -1, 0, 1 (ternary; symmetric, so zero is exact and no sign is
+favoured), codes 1..3, element 4j + k in bits [2k, 2k + 2). Decoding computes (code - 2^(bits-1)) *
+scale, so code 0 (never written by `encode`) decodes to -8 * scale (int4) or -2 * scale (int2). An
+all-zero block has scale 0 and decodes to exact zeros. Unused code bits of the last byte (n not a
+multiple of 2 or 4) hold the code of zero and are ignored. No padding values are sent: the byte counts
+above are exact and `encoded_nbytes` returns them.
+
+Non-finite values: `encode` refuses NaN and Inf with `NonFiniteError` (carrying the count); callers that
+prefer to zero them use `zero_nonfinite` first. Finite values beyond a format's range saturate (bf16 at
+its largest finite value; fp8 by construction of the scale). `decode` checks only the byte count
+(`ValueError` on a truncated or oversize payload) and never inspects values, so bytes that `encode`
+never produces can decode to NaN or Inf: a non-finite scale (fp8, int4, int2), a NaN code of fp8, or a
+non-finite fp32/bf16 value. Callers check `torch.isfinite` on decoded tensors themselves.
+
+Scales below float32's normal range (absmax under about 5e-36 for fp8, 8e-38 for int4, 1e-38 for int2)
+lose precision or flush to zero; such pseudo-gradients carry nothing useful for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+FLOAT32_LE = np.dtype("<f4")
+INT16_LE = np.dtype("<i2")
+SCALE_NBYTES = 4
+"""Every scale travels as one float32."""
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+"""448: fp8 scales map a tensor's absmax here, using e4m3fn's full range."""
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+"""Finite float32 values above this would round to Inf in bfloat16, so bf16 saturates here."""
+DEFAULT_BLOCK_SIZE = 64
+"""Values per int4/int2 scale: 0.5 bits of scale overhead per value, 4.5 bits/value for int4."""
+
+
+class NonFiniteError(ValueError):
+    """`encode` got NaN or Inf values; `count` says how many (of `numel`)."""
+
+    def __init__(self, count: int, numel: int) -> None:
+        super().__init__(f"{count} of {numel} values are non-finite (NaN or Inf) and cannot be encoded; "
+                         f"withhold the update or zero them with zero_nonfinite()")
+        self.count = count
+        self.numel = numel
+
+
+class Codec(Protocol):
+    """Encodes one tensor as bytes and back. Implementations are stateless and thread-compatible."""
+
+    name: str
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """Any floating dtype and shape (flattened row-major); raises NonFiniteError on NaN/Inf."""
+        ...
+
+    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        """A new float32 CPU tensor of `shape`; ValueError if len(data) != encoded_nbytes(numel)."""
+        ...
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Exactly len(encode(t)) for any t with t.numel() == numel."""
+        ...
+
+
+def zero_nonfinite(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A copy of `tensor` with NaN and +-Inf set to 0, and how many values were replaced."""
+    count = int(tensor.numel() - torch.isfinite(tensor).sum().item())
+    return torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0), count
+
+
+def _flat_float32(tensor: torch.Tensor) -> torch.Tensor:
+    # A view, not a copy, when the input is already a contiguous float32 CPU tensor.
+    if not tensor.is_floating_point():
+        raise TypeError(f"codecs encode floating-point tensors, got dtype {tensor.dtype}")
+    return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+
+
+def _count_nonfinite(x: torch.Tensor) -> int:
+    return int(x.numel() - torch.isfinite(x).sum().item())
+
+
+def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar tensor; raises NonFiniteError. One reduction pass, no allocation
+    (isfinite(x).all() would allocate n bools and is several times slower)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    lo, hi = torch.aminmax(x)  # NaN propagates into both, Inf into one
+    absmax = torch.maximum(hi, lo.neg())
+    if not math.isfinite(absmax.item()):
+        raise NonFiniteError(_count_nonfinite(x), x.numel())
+    return absmax
+
+
+def _shape_numel(shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise ValueError(f"shape {shape!r} must be a sequence of non-negative integers") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {shape!r} must be a sequence of non-negative integers")
+    return dims, math.prod(dims)
+
+
+def _check_numel(numel: int) -> int:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel={numel!r} is invalid: expected an integer >= 0")
+    return numel
+
+
+def _payload(codec: Codec, data: bytes, numel: int) -> np.ndarray:
+    """A writable uint8 copy of `data` after checking its length; writable so that torch.from_numpy
+    can share it without a warning, and a copy so the decoded tensor never aliases the caller's bytes."""
+    got = memoryview(data).nbytes
+    expected = codec.encoded_nbytes(numel)
+    if got != expected:
+        raise ValueError(f"{codec.name} payload for {numel} values must be {expected} bytes, got {got}")
+    return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+
+class Fp32Codec:
+    """Raw float32: lossless, 32 bits/value. The identity codec, i.e. "compression off"."""
+
+    name = "fp32"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 4 * _check_numel(numel)
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        x = _flat_float32(tensor)
+        _finite_absmax(x)
+        return x.numpy().astype(FLOAT32_LE, copy=False).tobytes()
+
+    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        dims, numel = _shape_numel(shape)
+        values = _payload(self, data, numel).view(FLOAT32_LE).astype(np.float32, copy=False)
+        return torch.from_numpy(values).view(dims)
+
+
+class Bf16Codec:
+    """bfloat16, round to nearest even: relative error <= 2^-8, 16 bits/value."""
+
+    name = "bf16"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 2 * _check_numel(numel)
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        x = _flat_float32(tensor)
+        if _finite_absmax(x).item() > BF16_MAX:
+            x = x.clamp(-BF16_MAX, BF16_MAX)
+        return x.to(torch.bfloat16).view(torch.int16).numpy().astype(INT16_LE, copy=False).tobytes()
+
+    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        dims, numel = _shape_numel(shape)
+        bits = _payload(self, data, numel).view(INT16_LE).astype(np.int16, copy=False)
+        return torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32).view(dims)
+
+
+class Fp8Codec:
+    """float8 e4m3fn with one float32 scale per tensor (absmax -> 448): 8 bits/value + 32 bits.
+
+    Error per value <= 2^-4 |x| (3 mantissa bits) + 2^-10 * scale (half the subnormal step), plus
+    float32 rounding."""
+
+    name = "fp8"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return SCALE_NBYTES + _check_numel(numel)
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        x = _flat_float32(tensor)
+        scale = _finite_absmax(x) / FP8_MAX  # float32, exactly the value sent
+        out = np.empty(self.encoded_nbytes(x.numel()), dtype=np.uint8)
+        out[:SCALE_NBYTES].view(FLOAT32_LE)[0] = scale.item()
+        # x / scale <= 448 up to one float32 rounding, which e4m3fn rounds back to 448: no clamp needed.
+        divisor = scale if scale.item() > 0 else torch.ones(())
+        torch.from_numpy(out[SCALE_NBYTES:]).view(torch.float8_e4m3fn).copy_(x / divisor)
+        return out.tobytes()
+
+    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        dims, numel = _shape_numel(shape)
+        raw = _payload(self, data, numel)
+        scale = float(raw[:SCALE_NBYTES].view(FLOAT32_LE)[0])
+        codes = torch.from_numpy(raw[SCALE_NBYTES:]).view(torch.float8_e4m3fn)
+        return codes.to(torch.float32).mul_(scale).view(dims)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int4Config:
+    """Options of the int4 codec."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Consecutive values sharing one float32 scale; positive and even (two values per byte). Smaller
+    blocks follow outliers more closely at 32 / block_size bits/value of scale overhead."""
+
+    def __post_init__(self) -> None:
+        _check_block_size(self.block_size, values_per_byte=2, requirement="a positive even integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int2Config:
+    """Options of the int2 codec."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Consecutive values sharing one float32 scale; a positive multiple of 4 (four values per byte)."""
+
+    def __post_init__(self) -> None:
+        _check_block_size(self.block_size, values_per_byte=4, requirement="a positive multiple of 4")
+
+
+def _check_block_size(block_size: int, *, values_per_byte: int, requirement: str) -> None:
+    # A block boundary may never fall inside a byte, so padded blocks pack into whole bytes.
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
+            or block_size % values_per_byte):
+        raise ValueError(f"block_size={block_size!r} is invalid: expected {requirement}")
+
+
+class _BlockCodec:
+    """Symmetric per-block integer quantization with `bits` bits per value (see the module docstring)."""
+
+    name: str
+    bits: int
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.levels = 2 ** (self.bits - 1) - 1  # largest |q|: 7 for int4, 1 for int2
+        self.offset = 2 ** (self.bits - 1)  # code = q + offset, so codes are unsigned
+        self.values_per_byte = 8 // self.bits
+
+    def _counts(self, numel: int) -> tuple[int, int]:
+        """(number of blocks, number of code bytes) for `numel` values."""
+        return -(-numel // self.block_size), -(-numel // self.values_per_byte)
+
+    def encoded_nbytes(self, numel: int) -> int:
+        num_blocks, num_code_bytes = self._counts(_check_numel(numel))
+        return SCALE_NBYTES * num_blocks + num_code_bytes
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        x = _flat_float32(tensor)
+        numel, size = x.numel(), self.block_size
+        num_blocks, num_code_bytes = self._counts(numel)
+        num_full = numel // size
+        head = num_full * size
+        x_full = x[:head].view(num_full, size)
+
+        absmax = torch.empty(num_blocks, dtype=torch.float32)
+        if num_full:  # amax and amin separately: aminmax(dim=1) is ~5x slower on short rows
+            torch.maximum(x_full.amax(dim=1), x_full.amin(dim=1).neg_(), out=absmax[:num_full])
+        if head < numel:
+            absmax[num_full] = x[head:].abs().max()
+        if not bool(torch.isfinite(absmax).all()):  # NaN and Inf propagate into their block's absmax
+            raise NonFiniteError(_count_nonfinite(x), numel)
+        scale = absmax / self.levels
+        divisor = torch.where(scale > 0, scale, 1.0)  # all-zero block: q = 0 instead of 0/0
+
+        # (num_blocks * size,) padded working buffer: q, then codes, as floats.
+        work = torch.empty(num_blocks * size, dtype=torch.float32)
+        torch.div(x_full, divisor[:num_full, None], out=work[:head].view(num_full, size))
+        if head < numel:
+            torch.div(x[head:], divisor[num_full], out=work[head:numel])
+            work[numel:].zero_()
+        # clamp: x / scale can exceed L by a rounding, or by far when the scale is subnormal.
+        work.round_().clamp_(-self.levels, self.levels).add_(self.offset)
+
+        fields = work.view(-1, self.values_per_byte)  # (code bytes incl. padding, values per byte)
+        packed = torch.add(fields[:, 0], fields[:, 1], alpha=2**self.bits)
+        for k in range(2, self.values_per_byte):
+            packed.add_(fields[:, k], alpha=2 ** (self.bits * k))
+
+        out = np.empty(self.encoded_nbytes(numel), dtype=np.uint8)
+        scale_nbytes = SCALE_NBYTES * num_blocks
+        out[:scale_nbytes].view(FLOAT32_LE)[:] = scale.numpy()
+        torch.from_numpy(out[scale_nbytes:]).copy_(packed[:num_code_bytes])  # exact: integers <= 255
+        return out.tobytes()
+
+    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        dims, numel = _shape_numel(shape)
+        raw = _payload(self, data, numel)
+        num_blocks, num_code_bytes = self._counts(numel)
+        scale_nbytes = SCALE_NBYTES * num_blocks
+        scale = torch.from_numpy(raw[:scale_nbytes].view(FLOAT32_LE).astype(np.float32, copy=False))
+        codes = torch.from_numpy(raw[scale_nbytes:])
+
+        # Padded to whole blocks; the result is a view of its first numel values (no copy to trim).
+        out = torch.empty(num_blocks * self.block_size, dtype=torch.float32)
+        fields = out.view(-1, self.values_per_byte)
+        mask = 2**self.bits - 1
+        for k in range(self.values_per_byte):
+            # Unpack and re-centre in int8 (a quarter of the float traffic), then widen once.
+            field = (codes >> (self.bits * k)).bitwise_and_(mask).view(torch.int8).sub_(self.offset)
+            fields[:num_code_bytes, k].copy_(field)
+        fields[num_code_bytes:].zero_()
+        out.view(num_blocks, self.block_size).mul_(scale[:, None])
+        return out[:numel].view(dims)
+
+
+class Int4Codec(_BlockCodec):
+    """Symmetric int4, levels -7..7, one float32 scale per block: 4.5 bits/value at block size 64.
+    Error per value <= scale / 2 = absmax_block / 14, plus float32 rounding."""
+
+    name = "int4"
+    bits = 4
+
+    def __init__(self, config: Int4Config | None = None) -> None:
+        self.config = config or Int4Config()
+        super().__init__(self.config.block_size)
+
+
+class Int2Codec(_BlockCodec):
+    """Symmetric ternary int2, levels -1, 0, 1, one float32 scale (= block absmax) per block: 2.5
+    bits/value at block size 64. Kept for the ablation that shows it is too lossy."""
+
+    name = "int2"
+    bits = 2
+
+    def __init__(self, config: Int2Config | None = None) -> None:
+        self.config = config or Int2Config()
+        super().__init__(self.config.block_size)
+
+
+_CODECS: dict[str, tuple[type, type | None]] = {
+    "fp32": (Fp32Codec, None),
+    "bf16": (Bf16Codec, None),
+    "fp8": (Fp8Codec, None),
+    "int4": (Int4Codec, Int4Config),
+    "int2": (Int2Codec, Int2Config),
+}
+CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+
+
+def get_codec(name: str, **options: object) -> Codec:
+    """The codec called `name`, built with `options` (fields of its config, e.g. block_size=32)."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}: valid names are {', '.join(CODEC_NAMES)}")
+    codec_cls, config_cls = _CODECS[name]
+    if config_cls is None:
+        if options:
+            raise ValueError(f"codec {name!r} takes no options, got {', '.join(sorted(options))}")
+        return codec_cls()
+    valid = sorted(field.name for field in dataclasses.fields(config_cls))
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"codec {name!r} has no option {', '.join(unknown)}: valid options are "
+                         f"{', '.join(valid)}")
+    return codec_cls(config_cls(**options))
