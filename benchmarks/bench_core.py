@@ -17,8 +17,8 @@ import statistics
 import time
 
 import torch
-from ddiloco.compression import get_codec
 
+from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig, load_corpus, shard_stream
 from ddiloco.learner import Learner
