@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint unit integration bench run clean
+.PHONY: test lint unit integration bench run clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
 
+run: $(STAMP)
+	$(BIN)/ddiloco run $(RUN_ARGS)
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py
+
+proto: $(STAMP)
+	cd src && ../$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. ddiloco/transport/wire.proto
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -73,3 +73,93 @@ def make_system(num_learners: int, config: DilocoConfig, quorum: QuorumConfig | 
         hub.join(learner)
         learners.append(learner)
     return syncer, hub, clock, learners
+
+
+# ---- real processes, for the runtime's integration tests ----------------------------------------------
+
+TINY_MODEL_FLAGS = ("--model-width", "32", "--model-num-heads", "2", "--model-num-layers", "1",
+                    "--model-context-len", "32", "--data-context-len", "32", "--data-batch-size", "4")
+"""A TinyGPT of about 20 k parameters: an inner step takes milliseconds, so rounds come fast."""
+PROCESS_WAIT_S = 90.0
+"""Hard limit on one wait in an integration test (starting a process that imports torch takes seconds
+on a loaded 2-core machine)."""
+POLL_INTERVAL_S = 0.05
+
+
+def wait_until(condition, what: str, *, timeout_s: float = PROCESS_WAIT_S, alive=()):
+    """Poll `condition()` until it returns a truthy value (returned) or `timeout_s` passes (test fails).
+    `alive`: Popen objects that must not exit meanwhile (their exit fails the test at once)."""
+    import time
+
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        for popen in alive:
+            if popen.poll() is not None:
+                pytest.fail(f"process {popen.args!r} exited with {popen.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(POLL_INTERVAL_S)
+
+
+def read_json_or_none(path):
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class Processes:
+    """Starts `ddiloco` subcommands as real processes (one torch thread each), logs each to a file,
+    and kills every one it started, by PID, in `kill_all` (call it from a fixture's finally)."""
+
+    def __init__(self, log_dir) -> None:
+        from pathlib import Path
+
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.started = []
+
+    def start(self, name: str, *args: str):
+        import os
+        import subprocess
+        import sys
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = (self.log_dir / f"{name}.log").open("ab")
+        popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "-v", *args], stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.started.append(popen)
+        return popen
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(encoding="utf-8", errors="replace")
+
+    def kill_all(self) -> None:
+        import os
+        import signal
+
+        for popen in self.started:
+            if popen.poll() is None:
+                os.kill(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+
+def tiny_sim_workload(*, inner_steps: int = 16, batch_size: int = 2, eval_points: int = 2, lr: float = 3e-3):
+    """A TinyGPT workload for the virtual-time harness that trains in milliseconds per inner step."""
+    from ddiloco.data import DataConfig
+    from ddiloco.model import ModelConfig
+    from ddiloco.sim.workload import WorkloadConfig
+    from ddiloco.training import InnerConfig
+
+    model = ModelConfig(width=16, num_layers=2, num_heads=2, context_len=16)
+    return WorkloadConfig(model=model, data=DataConfig(batch_size=batch_size, context_len=16),
+                          inner=InnerConfig(lr=lr), inner_steps=inner_steps, eval_points=eval_points, val_batches=1)

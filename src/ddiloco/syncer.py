@@ -14,9 +14,9 @@ version and sends the new fragment to every live learner.
 
 The rule for late updates: an update that arrives after its round closed goes into the next round of
 that fragment, with staleness = current version - base version, as long as staleness <=
-max_staleness and it does not overlap progress of the same learner already merged (a learner that
-missed a broadcast and publishes twice from the same base would be counted twice). Anything else is
-rejected with a recorded reason; every update is either merged or rejected.
+max_staleness and its base is newer than the base of the same learner's last merged update for that
+fragment (a learner that missed a broadcast and publishes twice from the same base would otherwise be
+counted twice). Anything else is rejected with a recorded reason; every update is merged or rejected.
 
 Paper: Decoupled DiLoCo, arXiv 2604.21428.
 """
@@ -64,8 +64,9 @@ class LearnerInfo:
 
     alive: bool
     last_seen: float
-    merged_version: dict[int, int] = field(default_factory=dict)
-    """fragment -> the version whose round last merged this learner's update."""
+    merged_base: dict[int, int] = field(default_factory=dict)
+    """fragment -> base version of this learner's last merged update for it. A later update from
+    the same or an older base would count the same progress twice."""
     last_update: tuple[float, int] | None = None
     """(arrival time, inner step) of its previous update, for the step-time estimate."""
     accepted: int = 0
@@ -223,7 +224,8 @@ class Syncer:
         if info is None or not info.alive:
             return []
         info.alive = False
-        logger.warning("[syncer] learner %d gone (%s)", learner_id, why)
+        # Leaving on purpose is routine (every learner leaves at the end of a run); silence is not.
+        (logger.info if why == "left" else logger.warning)("[syncer] learner %d gone (%s)", learner_id, why)
         # Fewer learners alive can lower the effective quorum of rounds already waiting.
         actions: list[SyncerAction] = []
         for p in range(self.plan.num_fragments):
@@ -273,10 +275,10 @@ class Syncer:
         staleness = version - update.base_version
         if staleness > self.quorum.max_staleness:
             return RejectReason.STALE, f"{staleness} versions behind (max {self.quorum.max_staleness})"
-        merged = info.merged_version.get(p, -1)
-        if update.base_version < merged:
-            return RejectReason.STALE, (f"base version {update.base_version} overlaps this learner's "
-                                        f"update already merged into version {merged}")
+        merged_base = info.merged_base.get(p, -1)
+        if update.base_version <= merged_base:
+            return RejectReason.STALE, (f"base version {update.base_version} overlaps this learner's update "
+                                        f"from base version {merged_base}, already merged")
         if update.learner_id in self._open[p].updates:
             return RejectReason.DUPLICATE, f"already holds an update of this learner for fragment {p}"
         return None
@@ -365,7 +367,7 @@ class Syncer:
             for i, u, w in zip(learner_ids, pending, weights, strict=True))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
-            info.merged_version[p] = self.versions[p]
+            info.merged_base[p] = u.base_version
             info.accepted += 1
             info.tokens_merged += u.tokens
         assert open_round.first_at is not None and open_round.quorum_at is not None
@@ -397,7 +399,7 @@ class Syncer:
             "rounds_committed": self.rounds_committed,
             "global": self.global_params(),
             "outer": self.outer.state_dict(),
-            "merged_version": {i: dict(info.merged_version) for i, info in self.learners.items()},
+            "merged_base": {i: dict(info.merged_base) for i, info in self.learners.items()},
         }
 
     @torch.no_grad()
@@ -414,24 +416,31 @@ class Syncer:
         self._open = [_OpenRound() for _ in range(self.plan.num_fragments)]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,
-                                             merged_version={int(p): int(v) for p, v in mv.items()})
-                         for i, mv in state["merged_version"].items()}
+                                             merged_base={int(p): int(v) for p, v in bases.items()})
+                         for i, bases in state["merged_base"].items()}
+
+    @torch.no_grad()
+    def apply_committed(self, records: Sequence[RoundRecord]) -> None:
+        """Re-apply committed rounds from a round log on top of the current state, bit for bit: how
+        a restarted syncer catches up from its last full state, and how `replay_rounds` works."""
+        for record in records:
+            if record.round_index != self.rounds_committed:
+                raise ValueError(f"round log has round {record.round_index} where {self.rounds_committed} "
+                                 "was expected")
+            if record.version != self.versions[record.fragment] + 1:
+                raise ValueError(f"round {record.round_index} produced version {record.version} of fragment "
+                                 f"{record.fragment}, but the state holds version {self.versions[record.fragment]}")
+            self.outer.step(record.fragment, record.merged)
+            self.versions[record.fragment] = record.version
+            self.rounds_committed += 1
+            for participant in record.participants:
+                info = self.learners.setdefault(participant.learner_id, LearnerInfo(alive=False, last_seen=0.0))
+                info.merged_base[record.fragment] = participant.base_version
 
 
 def replay_rounds(config: DilocoConfig, initial_params: Mapping[str, torch.Tensor],
                   records: Sequence[RoundRecord]) -> dict[str, torch.Tensor]:
     """Recompute the global parameters from the initial ones and a round log, bit for bit."""
-    plan = FragmentPlan.for_tensors(initial_params, config)
-    fragments = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
-                  for name in names} for names in plan.fragments]
-    outer = OuterOptimizer(fragments, lr=config.outer_lr, momentum=config.outer_momentum)
-    versions = [0] * plan.num_fragments
-    for expected_index, record in enumerate(records):
-        if record.round_index != expected_index:
-            raise ValueError(f"round log has round {record.round_index} where {expected_index} was expected")
-        if record.version != versions[record.fragment] + 1:
-            raise ValueError(f"round {record.round_index} produced version {record.version} of fragment "
-                             f"{record.fragment}, expected {versions[record.fragment] + 1}")
-        outer.step(record.fragment, record.merged)
-        versions[record.fragment] = record.version
-    return {name: t for frag in fragments for name, t in frag.items()}
+    syncer = Syncer(config, QuorumConfig(), initial_params=initial_params)
+    syncer.apply_committed(records)
+    return syncer.global_params()

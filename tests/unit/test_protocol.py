@@ -365,3 +365,27 @@ def test_round_closes_early_once_every_live_learner_has_reported():
     assert syncer.rounds_committed == 0 and syncer.next_deadline() == 6.0
     _publish(hub, second, clock, 2.0)               # nobody left to wait for: no need for the grace
     assert syncer.rounds_committed == 1 and hub.round_log[0].closed_at == 2.0
+
+
+def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
+    # The slow learner's update (base 0) is late; meanwhile it loads version 1 and trains from it.
+    # Its late update is merged into version 2, which has not reached it yet when it publishes again
+    # from base 1: that progress is new, so it must be merged, not rejected as stale.
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
+    def train_two_steps(seed):
+        batches = make_batches(2, seed=seed)
+        return [u for b in batches for u in slow.after_inner_step(train_step(slow.model, slow.optimizer, b))]
+
+    late = train_two_steps(9)
+    for t in (0.0, 0.1):
+        _publish(hub, fast, clock, t)                  # version 1, delivered to both learners
+    assert slow.versions == [1]
+    syncer.receive(late[0], now=0.2)                   # merged into version 2, broadcast not delivered
+    assert syncer.versions == [2]
+    again = train_two_steps(10)
+    assert again[0].base_version == 1
+    actions = syncer.receive(again[0], now=0.3)
+    assert syncer.rejections == []
+    (record,) = [a.record for a in actions if isinstance(a, Commit)]
+    assert [(p.learner_id, p.base_version, p.staleness) for p in record.participants] == [(1, 1, 1)]

@@ -1,0 +1,245 @@
+"""Durable files: atomic writes, state checkpoints (safetensors + JSON) and the round log.
+
+Everything is written the same way: to a temporary file in the target's directory, flushed,
+fsynced, renamed over the target, and the directory fsynced, so a crash (even `kill -9` or a power
+cut) leaves either the old file or the new one, never a torn one. Tensors go into safetensors files
+(no pickle: loading a checkpoint never runs code); everything else into JSON.
+
+- `save_state` / `load_latest_state`: a nested state dict (a syncer's global parameters and outer
+  momentum, a learner's AdamW state and data cursor) split into its tensors (one safetensors file)
+  and the rest (one JSON file that names the tensors file). The JSON file is the commit point:
+  written last, so a state exists exactly when its JSON does. The latest few are kept.
+- `RoundLog`: `rounds.jsonl` (one committed round per line, `RoundRecord.to_json()`) plus the merged
+  pseudo-gradient of every round in `rounds/round_NNNNNN.safetensors`, enough to replay the global
+  state bit for bit (`ddiloco.syncer.replay_rounds`). The tensors are written first and the line
+  last: a round is committed once its line is durable.
+
+This module knows nothing of learners or the syncer; it stores what they hand it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from ddiloco.messages import Participant, RoundRecord
+
+logger = logging.getLogger(__name__)
+
+KEEP_STATES = 2
+"""How many durable states a directory keeps: the newest, plus one in case the newest is damaged."""
+_STATE_NAME = re.compile(r"^state_(\d{9})\.json$")
+_TENSOR = "__tensor__"
+_ITEMS = "__items__"
+_TUPLE = "__tuple__"
+
+
+# ---- atomic files --------------------------------------------------------------------------------
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` all at once. `durable=False` skips the fsyncs (status files that
+    are rewritten every second need atomicity, not durability)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as file:
+        file.write(data)
+        file.flush()
+        if durable:
+            os.fsync(file.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | Path, value: Any, *, durable: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode(), durable=durable)
+
+
+def read_json(path: str | Path) -> Any | None:
+    """The JSON in `path`, or None when it does not exist or is not (yet) valid JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write tensors (CPU, contiguous copies) into one safetensors file, atomically and durably."""
+    plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    atomic_write_bytes(path, save_safetensors(plain))
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_safetensors(Path(path).read_bytes())
+
+
+# ---- nested state dicts <-> (tensors, JSON) ------------------------------------------------------
+
+def split_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state (dicts, lists, tuples, numbers, strings, tensors) into its tensors,
+    keyed by path, and a JSON-able tree holding a placeholder where each tensor was. Dicts with
+    non-string keys (torch optimizer states use int keys) and tuples keep their types."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return {_TENSOR: path}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) for k in value) and not ({_TENSOR, _ITEMS, _TUPLE} & set(value)):
+                return {k: walk(v, f"{path}/{k}") for k, v in value.items()}
+            return {_ITEMS: [[k, walk(v, f"{path}/{k}")] for k, v in value.items()]}
+        if isinstance(value, tuple):
+            return {_TUPLE: [walk(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        raise TypeError(f"cannot checkpoint {type(value).__name__} at {path or '/'}")
+
+    return tensors, walk(state, "")
+
+
+def join_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of `split_state`."""
+    if isinstance(tree, list):
+        return [join_state(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {_TENSOR}:
+            return tensors[tree[_TENSOR]]
+        if set(tree) == {_ITEMS}:
+            return {(k if isinstance(k, str) else int(k)): join_state(v, tensors) for k, v in tree[_ITEMS]}
+        if set(tree) == {_TUPLE}:
+            return tuple(join_state(v, tensors) for v in tree[_TUPLE])
+        return {k: join_state(v, tensors) for k, v in tree.items()}
+    return tree
+
+
+# ---- durable states --------------------------------------------------------------------------------
+
+def _state_files(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), directory / m.group(0))
+             for m in (_STATE_NAME.match(p.name) for p in directory.iterdir()) if m]
+    return sorted(found)
+
+
+def save_state(directory: str | Path, state: Any, *, serial: int, meta: dict[str, Any] | None = None) -> Path:
+    """Write `state` durably as `state_<serial>.{safetensors,json}` and drop all but the newest
+    KEEP_STATES. `serial` orders states (the syncer uses rounds committed, a learner its inner
+    step); saving the same serial twice replaces it. Returns the JSON path (the commit point)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, tree = split_state(state)
+    stem = f"state_{serial:09d}"
+    save_tensors(directory / f"{stem}.safetensors", tensors)
+    json_path = directory / f"{stem}.json"
+    atomic_write_json(json_path, {"serial": serial, "tensors": f"{stem}.safetensors", "state": tree,
+                                  "meta": meta or {}})
+    for _, old in _state_files(directory)[:-KEEP_STATES]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".safetensors").unlink(missing_ok=True)
+    return json_path
+
+
+def load_latest_state(directory: str | Path) -> tuple[Any, dict[str, Any], int] | None:
+    """(state, meta, serial) of the newest readable state in `directory`, or None if there is none.
+    A damaged newest state (which atomic writes should make impossible) falls back to the previous."""
+    for serial, json_path in reversed(_state_files(Path(directory))):
+        record = read_json(json_path)
+        try:
+            if record is None:
+                raise ValueError("unreadable JSON")
+            tensors = load_tensors(json_path.parent / record["tensors"])
+            return join_state(record["state"], tensors), record.get("meta", {}), serial
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            logger.error("checkpoint %s is damaged (%s); trying an older one", json_path, exc)
+    return None
+
+
+# ---- the round log -----------------------------------------------------------------------------------
+
+def round_record_from_json(line: dict[str, Any], merged: dict[str, torch.Tensor]) -> RoundRecord:
+    return RoundRecord(
+        round_index=int(line["round"]), fragment=int(line["fragment"]), version=int(line["version"]),
+        participants=tuple(Participant(**p) for p in line["participants"]), merged=merged,
+        opened_at=float(line["opened_at"]), quorum_at=float(line["quorum_at"]),
+        closed_at=float(line["closed_at"]), grace_s=float(line["grace_s"]),
+        rejections=tuple((int(i), str(r)) for i, r in line.get("rejections", ())))
+
+
+class RoundLog:
+    """`rounds.jsonl` plus `rounds/round_NNNNNN.safetensors` in a run directory. See the module
+    docstring. Only one process (the syncer) appends; anyone may read."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "rounds.jsonl"
+        self.tensor_dir = self.run_dir / "rounds"
+
+    def tensors_path(self, round_index: int) -> Path:
+        return self.tensor_dir / f"round_{round_index:06d}.safetensors"
+
+    def append(self, record: RoundRecord) -> None:
+        """Make `record` durable: its merged tensors, then its line (the commit point)."""
+        save_tensors(self.tensors_path(record.round_index), dict(record.merged))
+        line = json.dumps(record.to_json(), sort_keys=True) + "\n"
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(line)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def repair(self) -> int:
+        """Cut a torn last line (a crash while appending) so later appends start on a fresh line;
+        returns the number of complete lines. Call once, before the first append of a process."""
+        if not self.path.exists():
+            return 0
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            logger.warning("round log %s ends with a torn line (%d bytes); cutting it", self.path, len(data) - end)
+            with self.path.open("r+b") as file:
+                file.truncate(end)
+                file.flush()
+                os.fsync(file.fileno())
+        return data[:end].count(b"\n")
+
+    def lines(self) -> list[dict[str, Any]]:
+        """Every complete line, in order (a torn last line is skipped)."""
+        if not self.path.exists():
+            return []
+        out = []
+        for raw in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
+            if not raw.endswith("\n"):
+                break
+            out.append(json.loads(raw))
+        return out
+
+    def records(self, *, start: int = 0) -> Iterator[RoundRecord]:
+        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering."""
+        for expected, line in enumerate(self.lines()):
+            if int(line["round"]) != expected:
+                raise ValueError(f"{self.path}: line {expected + 1} holds round {line['round']}, "
+                                 f"expected {expected}: the log is damaged")
+            if expected >= start:
+                yield round_record_from_json(line, load_tensors(self.tensors_path(expected)))

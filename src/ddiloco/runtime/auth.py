@@ -1,0 +1,99 @@
+"""The run token and TLS files: reading them, and refusing an open door.
+
+Every learner presents the run's shared token on every call (gRPC metadata `ddiloco-token`); the
+syncer compares it in constant time. The token comes from a file (`--token-file`, e.g. the
+`DIR/token` that `ddiloco run` writes with mode 0600) or from an environment variable named on the
+command line (`--token-env`; the command module reads the variable, this module only checks the
+value). TLS is optional: the syncer takes a certificate and key, learners the CA that signed it.
+
+A syncer bound to a non-loopback address without a token would let anyone on the network join and
+push updates; that needs an explicit `--allow-no-token`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import stat
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_CHARS = 16
+"""Shorter tokens are guessable; refused."""
+LOOPBACK_NAMES = ("localhost",)
+
+
+def read_token_file(path: str | Path) -> str:
+    path = Path(path)
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise ValueError(f"token file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"token file {path} cannot be read: {exc}") from None
+    if os.name == "posix" and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        # Not fatal (a shared secret on a shared filesystem is the user's call), but worth a line.
+        logger.warning("token file %s is readable by other users (chmod 600 it)", path)
+    return check_token(token, f"token file {path}")
+
+
+def check_token(token: str, source: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{source} holds a token of {len(token)} characters: use at least {MIN_TOKEN_CHARS} "
+                         "(e.g. `python -c 'import secrets; print(secrets.token_hex(24))'`)")
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(f"{source} holds a token with whitespace or control characters")
+    return token
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 as [::1]:PORT) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"address {address!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"address {address!r} is invalid: port {port!r} is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"address {address!r} is invalid: port {number} outside 0..65535")
+    return host.strip("[]"), number
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(bind: str, token: str | None, *, allow_no_token: bool) -> None:
+    host, _ = split_host_port(bind)
+    if token is None and not is_loopback(host) and not allow_no_token:
+        raise ValueError(f"--bind {bind} listens beyond this machine but no run token was given: pass "
+                         "--token-file or --token-env (or --allow-no-token on a trusted network)")
+
+
+def read_tls_files(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    """(key PEM, certificate PEM) for the server, or None without TLS."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    try:
+        return Path(key).read_bytes(), Path(cert).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read TLS file: {exc}") from None
+
+
+def read_ca_file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read --tls-ca file: {exc}") from None

@@ -1,0 +1,261 @@
+"""A learner process's network side: background threads that own the gRPC channel.
+
+The main thread trains and never touches the network. It hands messages to `LearnerIO.send` and
+reads what the syncer sent from the `Inbox` between inner steps. Two background threads do the I/O:
+
+- the receiver joins (a `Subscribe` call is the join) and follows the downlink into the inbox; when
+  the stream breaks it re-joins with exponential backoff, and a re-join loads the syncer's current
+  state (the Welcome), so a learner resumes syncing after a syncer restart without restarting;
+- the sender uploads queued updates (each held back until its emulated link would have delivered
+  it) and sends a heartbeat every `heartbeat_every_s`.
+
+Faults are data: an update that cannot be delivered is dropped and counted (lost work costs only
+this learner); a rejection becomes a `Rejected` message for the learner core; a refusal (wrong
+token, schema, model or config) becomes a `Refused` message, and the main thread stops.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
+from ddiloco.transport.grpc_client import Backoff, Fault, SyncerClient, classify, error_reason, error_text
+from ddiloco.transport.grpc_codec import WireError
+
+logger = logging.getLogger(__name__)
+
+THREAD_JOIN_S = 5.0
+"""How long `close` waits for each I/O thread (they are daemons: a stuck call cannot hang exit)."""
+LEAVE_TIMEOUT_S = 2.0
+
+
+class Inbox:
+    """Messages from the syncer, each released at its (emulated) delivery time. Thread-safe."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or MonotonicClock()
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, SyncerMessage]] = []
+        self._seq = itertools.count()
+        self._woken = False
+
+    def put(self, message: SyncerMessage, deliver_at: float | None = None) -> None:
+        with self._cond:
+            when = self.clock.now() if deliver_at is None else deliver_at
+            heapq.heappush(self._heap, (when, next(self._seq), message))
+            self._cond.notify_all()
+
+    def take_ready(self) -> list[SyncerMessage]:
+        """Every message whose delivery time has come, in delivery order."""
+        now = self.clock.now()
+        with self._cond:
+            ready = []
+            while self._heap and self._heap[0][0] <= now:
+                ready.append(heapq.heappop(self._heap)[2])
+            return ready
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Block until a message is ready, `wake()` is called, or `timeout_s` passes."""
+        deadline = None if timeout_s is None else self.clock.now() + timeout_s
+        with self._cond:
+            while not self._woken:
+                now = self.clock.now()
+                if self._heap and self._heap[0][0] <= now:
+                    return
+                waits = [t - now for t in (deadline, self._heap[0][0] if self._heap else None) if t is not None]
+                if waits and min(waits) <= 0:
+                    return
+                self._cond.wait(min(waits) if waits else None)
+            self._woken = False
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+
+@dataclass
+class IOStats:
+    updates_accepted: int = 0
+    """Updates the syncer core took into an open round."""
+    updates_rejected: int = 0
+    """Updates refused, by the core or on the wire."""
+    updates_dropped: int = 0
+    """Updates that could not be delivered (syncer unreachable): that work is lost, to this learner only."""
+    welcomes: int = 0
+    disconnects: int = 0
+
+
+_STOP = object()
+
+
+class LearnerIO:
+    """The two I/O threads of one learner process, around one `SyncerClient`."""
+
+    def __init__(self, client: SyncerClient, join: Join, *, heartbeat_every_s: float,
+                 clock: Clock | None = None) -> None:
+        self.client = client
+        self.join = join
+        self.learner_id = join.learner_id
+        self.heartbeat_every_s = heartbeat_every_s
+        self.clock = clock or MonotonicClock()
+        self.inbox = Inbox(self.clock)
+        self.stats = IOStats()
+        self.inner_step = 0
+        """Set by the main thread; heartbeats report it."""
+        self.connected = False
+        self._outbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._rejoin = threading.Event()
+        self._wake_receiver = threading.Event()
+        """Set by a stop or a re-join request, so the receiver does not sit out its backoff."""
+        self._generation = 0
+        self._unknown_reported = -1
+        self._threads = [threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True),
+                         threading.Thread(target=self._send_loop, name="learner-send", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, message: Update | Join) -> None:
+        """From the main thread: queue an update, or ask to join again."""
+        if isinstance(message, Join):
+            self._rejoin.set()
+            self._wake_receiver.set()
+            self.client.cancel_subscription()
+            return
+        # The link books the bytes now, so consecutive updates overlap their latencies.
+        self._outbox.put((message, self.client.link.send_at(message.payload_bytes)))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued update has been pushed (or dropped); False on timeout."""
+        done = threading.Event()
+        self._outbox.put(done)
+        return done.wait(timeout_s)
+
+    def close(self, *, leave: bool) -> None:
+        if leave:
+            try:
+                self.client.leave(self.learner_id, timeout_s=LEAVE_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                logger.info("[learner %d] leave not delivered: %s", self.learner_id, error_text(exc))
+        self._stop.set()
+        self._wake_receiver.set()
+        self._outbox.put(_STOP)
+        self.client.cancel_subscription()
+        for thread in self._threads:
+            thread.join(THREAD_JOIN_S)
+        self.client.close()
+
+    # ---- receiver ------------------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stop.is_set():
+            self._rejoin.clear()
+            try:
+                for message, deliver_at in self.client.subscribe(self.join):
+                    if isinstance(message, Welcome):
+                        self._generation += 1
+                        self.connected = True
+                        self.stats.welcomes += 1
+                        backoff.reset()
+                    self.inbox.put(message, deliver_at)
+            except grpc.RpcError as exc:
+                if classify(exc) is Fault.REFUSED:
+                    self._refused(error_text(exc))
+                    return
+                if not (self._stop.is_set() or self._rejoin.is_set()):
+                    logger.warning("[learner %d] syncer unreachable (%s); retrying", self.learner_id, error_text(exc))
+            except WireError as exc:
+                logger.error("[learner %d] malformed message from the syncer (%s); re-joining", self.learner_id, exc)
+            if self.connected:
+                self.stats.disconnects += 1
+            self.connected = False
+            if not self._rejoin.is_set():
+                self._wake_receiver.wait(backoff.next_delay())
+            self._wake_receiver.clear()
+
+    def _refused(self, text: str) -> None:
+        logger.error("[learner %d] refused by the syncer: %s", self.learner_id, text)
+        self.inbox.put(Refused(self.learner_id, text))
+
+    # ---- sender ---------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        next_heartbeat = self.clock.now() + self.heartbeat_every_s
+        while not self._stop.is_set():
+            try:
+                item = self._outbox.get(timeout=max(0.0, next_heartbeat - self.clock.now()))
+            except queue.Empty:
+                self._heartbeat()
+                next_heartbeat = self.clock.now() + self.heartbeat_every_s
+                continue
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            update, deliver_at = item
+            if self._stop.wait(max(0.0, deliver_at - self.clock.now())):
+                return
+            self._push(update)
+
+    def _push(self, update: Update) -> None:
+        generation = self._generation
+        try:
+            reply = self.client.push(self.client.encode_update(update))
+        except grpc.RpcError as exc:
+            fault = classify(exc)
+            if fault is Fault.REFUSED:
+                self._refused(error_text(exc))
+            elif fault is Fault.REJECTED:
+                self.stats.updates_rejected += 1
+                self._rejected(update, error_reason(exc), error_text(exc), generation)
+            else:
+                self.stats.updates_dropped += 1
+                logger.info("[learner %d] update for fragment %d dropped: %s", self.learner_id, update.fragment,
+                            error_text(exc))
+            return
+        if reply.accepted:
+            self.stats.updates_accepted += 1
+        else:
+            self.stats.updates_rejected += 1
+            self._rejected(update, reply.reason, reply.detail, generation)
+
+    def _rejected(self, update: Update, reason: str, detail: str, generation: int) -> None:
+        try:
+            why = RejectReason(reason)
+        except ValueError:
+            why = RejectReason.MALFORMED  # a wire-level reason (oversize, truncated): the update was bad
+        if why is RejectReason.UNKNOWN_LEARNER and not self._first_unknown(generation):
+            return
+        self.inbox.put(Rejected(self.learner_id, update.fragment, update.base_version, why, detail))
+
+    def _first_unknown(self, generation: int) -> bool:
+        # "Unknown learner" asks the core to join again; once per joined session is enough, and an
+        # answer to a call made before the latest Welcome is already out of date.
+        if generation != self._generation or self._unknown_reported == generation:
+            return False
+        self._unknown_reported = generation
+        return True
+
+    def _heartbeat(self) -> None:
+        generation = self._generation
+        try:
+            known = self.client.heartbeat(self.learner_id, self.inner_step)
+        except grpc.RpcError as exc:
+            if classify(exc) is Fault.REFUSED:
+                self._refused(error_text(exc))
+            return
+        if not known and self.connected and self._first_unknown(generation):
+            self.inbox.put(Rejected(self.learner_id, -1, -1, RejectReason.UNKNOWN_LEARNER, "heartbeat"))

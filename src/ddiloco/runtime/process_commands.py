@@ -1,0 +1,219 @@
+"""`ddiloco syncer` and `ddiloco learner`: the two processes of the real runtime.
+
+This module turns flags into configs and objects, installs signal handlers, and runs a
+`SyncerService` behind a gRPC server or a `LearnerProcess`. The process contract (flags, files in the
+run directory, exit codes) is documented in docs/runtime.md; `ddiloco run` builds on it.
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT), 2 bad flags or config, 3 refused by the syncer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ddiloco.runtime.run_config import RunConfig, add_run_config_flags, run_config_from_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BIND = "127.0.0.1:0"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    syncer = subparsers.add_parser(
+        "syncer", help="serve the global model over gRPC (the syncer process)",
+        description="Run the syncer: owns the global parameters, merges learners' updates into rounds, makes "
+                    "every round durable in the run directory before sending it out.")
+    syncer.add_argument("--bind", default=DEFAULT_BIND, metavar="HOST:PORT",
+                        help=f"listen address; port 0 picks a free port, written to DIR/syncer.json "
+                             f"(default: {DEFAULT_BIND}; 0.0.0.0:PORT serves other machines)")
+    _add_common(syncer)
+    syncer.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve over TLS (with --tls-key)")
+    syncer.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    syncer.add_argument("--allow-no-token", action="store_true",
+                        help="serve a non-loopback address without a run token (trusted networks only)")
+    syncer.add_argument("--resume", action="store_true",
+                        help="continue from DIR's durable state (done anyway whenever one exists)")
+    syncer.add_argument("--eval-every-s", type=float, default=10.0,
+                        help="validation loss of the global model every this many seconds; 0 = off (default: 10)")
+    syncer.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default: 4)")
+    syncer.add_argument("--full-state-every", type=int, default=100, metavar="ROUNDS",
+                        help="write the full syncer state every this many rounds; rounds in between are "
+                             "replayed from the round log on restart (default: 100)")
+    syncer.add_argument("--threads", type=int, default=1, help="torch threads of the syncer (default: 1)")
+
+    learner = subparsers.add_parser(
+        "learner", help="train one learner against a syncer (a learner process)",
+        description="Run one learner: joins the syncer, trains inner steps on its data shard, exchanges fragments "
+                    "in the background, checkpoints its own progress, and leaves after --inner-steps.")
+    learner.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's address")
+    learner.add_argument("--learner-id", type=int, required=True, metavar="N", help="this learner's id, 0..M-1")
+    _add_common(learner)
+    learner.add_argument("--link", metavar="BANDWIDTH,LATENCY",
+                         help="emulate a link to the syncer, e.g. 2.5gbit,40ms (default: unshaped)")
+    learner.add_argument("--threads", type=int, default=None,
+                         help="torch threads (default: max(1, cores // learners))")
+    learner.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:N (default: cpu)")
+    learner.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificate: connect over TLS, verifying the syncer")
+    learner.add_argument("--tls-server-name", metavar="NAME",
+                         help="name to verify in the syncer's certificate, if not the --syncer host")
+    learner.add_argument("--checkpoint-every-s", type=float, default=10.0,
+                         help="period of the learner's local checkpoints (default: 10)")
+    learner.add_argument("--status-every-s", type=float, default=1.0,
+                         help="period of DIR/learners/N/status.json rewrites (default: 1)")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", required=True, metavar="DIR", help="the run directory")
+    parser.add_argument("--config", metavar="FILE",
+                        help="run config JSON (default: DIR/config.json if present, else defaults); flags override it")
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--token-file", metavar="PATH", help="file holding the run's shared token")
+    tokens.add_argument("--token-env", metavar="NAME", help="environment variable holding the run's shared token")
+    add_run_config_flags(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "syncer":
+        return run_syncer(args)
+    return run_learner(args)
+
+
+# ---- shared ------------------------------------------------------------------------------------------
+
+def resolve_run_config(args: argparse.Namespace) -> RunConfig:
+    run_dir = Path(args.run_dir)
+    if args.config:
+        base = RunConfig.load(args.config)
+    elif (run_dir / "config.json").exists():
+        base = RunConfig.load(run_dir / "config.json")
+    else:
+        base = None
+    return run_config_from_args(args, base)
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    from ddiloco.runtime.auth import check_token, read_token_file
+
+    if args.token_file:
+        return read_token_file(args.token_file)
+    if args.token_env:
+        value = os.environ.get(args.token_env)
+        if value is None:
+            raise ValueError(f"--token-env {args.token_env}: the environment variable is not set")
+        return check_token(value.strip(), f"environment variable {args.token_env}")
+    return None
+
+
+def _on_stop_signals(callback) -> None:
+    def handler(signum, frame) -> None:
+        logger.info("received %s: stopping", signal.Signals(signum).name)
+        callback()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    if threads < 1:
+        raise ValueError(f"--threads {threads} is invalid: expected >= 1")
+    torch.set_num_threads(threads)
+
+
+# ---- ddiloco syncer ---------------------------------------------------------------------------------------
+
+def run_syncer(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.auth import check_bind, read_tls_files, split_host_port
+
+    run_config = resolve_run_config(args)
+    token = read_token(args)
+    check_bind(args.bind, token, allow_no_token=args.allow_no_token)
+    tls = read_tls_files(args.tls_cert, args.tls_key)
+    _set_threads(args.threads)
+
+    from ddiloco.checkpoint import atomic_write_json
+    from ddiloco.metrics import run_dir_sink
+    from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
+    from ddiloco.runtime.syncer_state import SyncerStore, initial_params
+    from ddiloco.syncer import Syncer
+    from ddiloco.transport.grpc_codec import WireModel
+    from ddiloco.transport.grpc_server import start_server
+
+    service_config = SyncerServiceConfig(full_state_every_rounds=args.full_state_every,
+                                         eval_every_s=args.eval_every_s, eval_batches=args.eval_batches)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.json").exists():
+        run_config.save(run_dir / "config.json")
+    syncer = Syncer(run_config.diloco, run_config.quorum, initial_params=initial_params(run_config))
+    store = SyncerStore(run_dir)
+    restored = store.restore(syncer)
+    if restored.found_state or restored.replayed:
+        logger.warning("[syncer] resumed at round %d (state at %d + %d replayed from the round log)",
+                       syncer.rounds_committed, restored.state_rounds, restored.replayed)
+    else:
+        if args.resume:
+            logger.warning("[syncer] --resume: %s holds no syncer state yet; starting fresh", run_dir)
+        store.save(syncer, {})  # pin the initial global model: replay starts from here
+    sink = run_dir_sink(run_dir / "syncer")
+    sink.event("start", rounds_committed=syncer.rounds_committed, replayed=restored.replayed)
+    service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored)
+    model = WireModel(syncer.spec, syncer.plan, run_config.diloco.codec)
+    server, port = start_server(service, model, args.bind, token=token, tls=tls)
+    host, _ = split_host_port(args.bind)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    stop = threading.Event()
+    _on_stop_signals(stop.set)
+    service.start(address)
+    atomic_write_json(run_dir / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
+    logger.warning("[syncer] serving on %s (round %d)", address, syncer.rounds_committed)
+    stop.wait()
+    service.close(server)
+    logger.warning("[syncer] stopped after %d rounds", syncer.rounds_committed)
+    return 0
+
+
+# ---- ddiloco learner ----------------------------------------------------------------------------------------
+
+def run_learner(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.auth import read_ca_file, split_host_port
+    from ddiloco.transport.link import parse_link
+
+    run_config = resolve_run_config(args)
+    token = read_token(args)
+    split_host_port(args.syncer)
+    link_spec = parse_link(args.link) if args.link else None
+    tls_ca = read_ca_file(args.tls_ca)
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // run_config.num_learners)
+    _set_threads(threads)  # before any torch work (DESIGN.md section 3)
+
+    from ddiloco.metrics import run_dir_sink
+    from ddiloco.runtime.learner_process import EXIT_REFUSED, LearnerProcess, LearnerProcessConfig
+    from ddiloco.transport.grpc_client import SyncerClient
+    from ddiloco.transport.link import EmulatedLink, unlimited_link
+
+    config = LearnerProcessConfig(learner_id=args.learner_id, run_dir=Path(args.run_dir), device=args.device,
+                                  checkpoint_every_s=args.checkpoint_every_s, status_every_s=args.status_every_s)
+    if args.learner_id >= run_config.num_learners:
+        raise ValueError(f"--learner-id {args.learner_id} is invalid: the run has {run_config.num_learners} "
+                         f"learners (ids 0..{run_config.num_learners - 1})")
+    link = EmulatedLink(link_spec) if link_spec is not None else unlimited_link()
+
+    def connect(model):
+        return SyncerClient(args.syncer, model=model, diloco_config=run_config.diloco, token=token,
+                            tls_root_certificates=tls_ca, tls_server_name=args.tls_server_name, link=link)
+
+    sink = run_dir_sink(config.directory)
+    process = LearnerProcess(run_config, config, connect, sink=sink)
+    _on_stop_signals(process.request_stop)
+    code = process.run()
+    if code == EXIT_REFUSED:
+        print(f"ddiloco learner: refused by the syncer: {process.refusal}", file=sys.stderr)
+    return code

@@ -1,0 +1,182 @@
+"""A learner's gRPC client of the syncer: join and subscribe, push updates, heartbeats, leave.
+
+One `SyncerClient` owns one channel. gRPC reconnects the channel by itself; the caller (the learner
+process's I/O threads) decides when to re-subscribe, with `Backoff`. Every message passes through the
+learner's `EmulatedLink`: uploads are held back until the link would have delivered them, and each
+downloaded message carries the time at which the link would have handed it over. Bytes on the wire
+(serialised chunks) are counted in both directions.
+
+Errors: calls raise `grpc.RpcError`. `classify(error)` sorts them into a refusal (wrong token,
+schema, model or config: the learner must stop), a rejection with a reason (the syncer refused this
+update or does not know the learner), or a transient fault (the syncer is unreachable: retry later).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from ddiloco.config import DilocoConfig
+from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update
+from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.grpc_codec import SyncerStreamDecoder, WireModel, encode_join, encode_update
+from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.link import EmulatedLink, unlimited_link
+
+CALL_TIMEOUT_S = 10.0
+"""Deadline of the short calls (heartbeat, leave, status)."""
+PUSH_TIMEOUT_S = 60.0
+"""Deadline of one update upload (generous: an emulated slow link takes its time)."""
+
+
+class Fault(enum.Enum):
+    REFUSED = "refused"
+    """The syncer will not take this learner (token, schema, model, config): stop."""
+    REJECTED = "rejected"
+    """The syncer refused one message; the learner may go on (and re-join if it is unknown)."""
+    TRANSIENT = "transient"
+    """Unreachable, timed out, cancelled: try again later."""
+
+
+_REFUSAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                  grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def error_reason(error: grpc.RpcError) -> str:
+    """The `ddiloco-reason` a syncer attached to an error status, or ''."""
+    trailing = getattr(error, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == REASON_KEY:
+            return str(value)
+    return ""
+
+
+def classify(error: grpc.RpcError) -> Fault:
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code in _REFUSAL_CODES:
+        return Fault.REFUSED
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return Fault.REJECTED
+    return Fault.TRANSIENT
+
+
+def error_text(error: grpc.RpcError) -> str:
+    details = error.details() if callable(getattr(error, "details", None)) else None
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    return f"{getattr(code, 'name', code)}: {details or error}"
+
+
+class Backoff:
+    """Exponential backoff with a cap: initial_s, 2 initial_s, ... up to max_s; reset on success."""
+
+    def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, factor: float = 2.0) -> None:
+        if not 0 < initial_s <= max_s:
+            raise ValueError(f"initial_s={initial_s} and max_s={max_s} are invalid: expected 0 < initial_s <= max_s")
+        self.initial_s, self.max_s, self.factor = initial_s, max_s, factor
+        self._next = initial_s
+
+    def next_delay(self) -> float:
+        delay = self._next
+        self._next = min(self.max_s, self._next * self.factor)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self.initial_s
+
+
+class SyncerClient:
+    """One learner's channel to the syncer. Thread-safe: one thread may subscribe while others push."""
+
+    def __init__(self, address: str, *, model: WireModel, diloco_config: DilocoConfig, token: str | None = None,
+                 tls_root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 link: EmulatedLink | None = None) -> None:
+        self.address = address
+        self.model = model
+        self.diloco_config = diloco_config
+        self.link = link or unlimited_link()
+        options = list(CHANNEL_OPTIONS)
+        if tls_root_certificates is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates=tls_root_certificates)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._stub = wire_pb2_grpc.SyncerStub(self._channel)
+        self._metadata = ((SCHEMA_KEY, str(SCHEMA_VERSION)),) + (((TOKEN_KEY, token),) if token else ())
+        self._lock = threading.Lock()
+        self._subscription: grpc.Call | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _count(self, *, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    # ---- downlink -----------------------------------------------------------------------------------
+
+    def subscribe(self, join: Join) -> Iterator[tuple[SyncerMessage, float]]:
+        """Join and follow the downlink: (message, deliver_at) pairs until the stream ends. The first
+        message is the Welcome; `deliver_at` is when the emulated link hands the message over."""
+        request = encode_join(join, self.diloco_config)
+        self._count(sent=request.ByteSize())
+        call = self._stub.Subscribe(request, metadata=self._metadata)
+        with self._lock:
+            self._subscription = call
+        decoder = SyncerStreamDecoder(self.model)
+        counted = 0
+        try:
+            for chunk in call:
+                message = decoder.feed(chunk)
+                if message is not None:
+                    nbytes, counted = decoder.wire_bytes - counted, decoder.wire_bytes
+                    self._count(received=nbytes)
+                    yield message, self.link.receive_at(nbytes)
+        finally:
+            with self._lock:
+                if self._subscription is call:
+                    self._subscription = None
+            call.cancel()
+
+    def cancel_subscription(self) -> None:
+        """End the current subscription (its iterator raises a CANCELLED RpcError)."""
+        with self._lock:
+            call = self._subscription
+        if call is not None:
+            call.cancel()
+
+    # ---- uplink ----------------------------------------------------------------------------------------
+
+    def encode_update(self, update: Update) -> list[wire_pb2.UpdateChunk]:
+        return list(encode_update(update, self.model.spec))
+
+    def push(self, chunks: list[wire_pb2.UpdateChunk], *, timeout_s: float = PUSH_TIMEOUT_S) -> wire_pb2.UpdateReply:
+        """Upload one update (its chunks from `encode_update`); the caller applies link timing."""
+        nbytes = sum(c.ByteSize() for c in chunks)
+        reply = self._stub.PushUpdate(iter(chunks), metadata=self._metadata, timeout=timeout_s)
+        self._count(sent=nbytes, received=reply.ByteSize())
+        return reply
+
+    def heartbeat(self, learner_id: int, inner_step: int, *, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        request = wire_pb2.HeartbeatRequest(learner_id=learner_id, inner_step=inner_step)
+        reply = self._stub.Heartbeat(request, metadata=self._metadata, timeout=timeout_s)
+        self._count(sent=request.ByteSize(), received=reply.ByteSize())
+        return reply.known
+
+    def leave(self, learner_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        request = wire_pb2.LeaveRequest(learner_id=learner_id)
+        self._stub.Leave(request, metadata=self._metadata, timeout=timeout_s)
+        self._count(sent=request.ByteSize())
+
+    def status(self, *, timeout_s: float = CALL_TIMEOUT_S) -> dict:
+        reply = self._stub.Status(wire_pb2.StatusRequest(), metadata=self._metadata, timeout=timeout_s)
+        return json.loads(reply.status_json)
+
+    def close(self) -> None:
+        self.cancel_subscription()
+        self._channel.close()

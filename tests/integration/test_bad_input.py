@@ -1,0 +1,277 @@
+"""Bad input against a real `ddiloco syncer`: hand-built protobuf messages over raw gRPC.
+
+One syncer process serves the whole module. A well-behaved raw client joins as learner 0 and gets a
+round committed, so the syncer holds a non-trivial state; then every kind of bad input is thrown at
+it. Each must be refused with a status and a message naming the problem, be counted in the syncer's
+rejections under its reason, and leave the syncer's state (versions, rounds, live learners)
+unchanged; at the end the syncer still serves the good client.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.compression import get_codec
+from ddiloco.learner import Learner
+from ddiloco.messages import SCHEMA_VERSION, FragmentState, Update, Welcome
+from ddiloco.model import build_model
+from ddiloco.runtime.run_config import RunConfig
+from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.grpc_codec import (
+    CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    SyncerStreamDecoder,
+    WireModel,
+    encode_join,
+    encode_update,
+)
+from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "bad-input-test-token-0123456789"
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Syncer:
+    run_dir: object
+    stub: wire_pb2_grpc.SyncerStub
+    config: RunConfig
+    learner: Learner
+    wire: WireModel
+    inbox: queue.Queue
+
+
+def metadata(token: str | None = TOKEN, schema: str | None = str(SCHEMA_VERSION)):
+    return tuple((k, v) for k, v in ((TOKEN_KEY, token), (SCHEMA_KEY, schema)) if v is not None)
+
+
+def follow(stream, wire: WireModel, inbox: queue.Queue) -> None:
+    decoder = SyncerStreamDecoder(wire)
+    try:
+        for chunk in stream:
+            message = decoder.feed(chunk)
+            if message is not None:
+                inbox.put(message)
+    except grpc.RpcError:
+        pass  # the stream ends with the module
+
+
+@pytest.fixture(scope="module")
+def syncer(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bad_input")
+    run_dir = base / "run"
+    token_file = base / "token"
+    token_file.write_text(TOKEN + "\n")
+    os.chmod(token_file, 0o600)
+    procs = Processes(base / "logs")
+    channel = None
+    try:
+        popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *TINY_MODEL_FLAGS, "--learners", "2",
+                            "--num-fragments", "2", "--grace", "none", "--token-file", str(token_file),
+                            "--eval-every-s", "0")
+        info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
+        config = RunConfig.load(run_dir / "config.json")
+        learner = Learner(config.diloco, learner_id=0, model=build_model(config.model))
+        wire = WireModel(learner.spec, learner.plan, config.diloco.codec)
+        channel = grpc.insecure_channel(info["address"])
+        stub = wire_pb2_grpc.SyncerStub(channel)
+        inbox: queue.Queue = queue.Queue()
+        stream = stub.Subscribe(encode_join(learner.join_message(), config.diloco), metadata=metadata())
+        threading.Thread(target=follow, args=(stream, wire, inbox), daemon=True).start()
+        assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), Welcome)
+        handle = Syncer(run_dir, stub, config, learner, wire, inbox)
+        assert push(handle, good_update(handle)).accepted
+        assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), FragmentState)
+        assert state(handle)["rounds_committed"] == 1
+        yield handle
+    finally:
+        if channel is not None:
+            channel.close()
+        procs.kill_all()
+
+
+def status(syncer: Syncer) -> dict:
+    return json.loads(syncer.stub.Status(wire_pb2.StatusRequest(), metadata=metadata(), timeout=CALL_TIMEOUT_S)
+                      .status_json)
+
+
+def state(syncer: Syncer) -> dict:
+    s = status(syncer)
+    return {"rounds_committed": s["rounds_committed"], "versions": s["versions"], "alive": s["alive_learners"]}
+
+
+def good_update(syncer: Syncer, *, learner_id: int = 0, fragment: int = 0) -> Update:
+    codec = get_codec(syncer.config.diloco.codec)
+    shapes = syncer.wire.spec.by_name()
+    generator = torch.Generator().manual_seed(7)
+    payload = {name: codec.encode(1e-3 * torch.randn(shapes[name].shape, generator=generator))
+               for name in syncer.wire.plan.fragments[fragment]}
+    version = status(syncer)["versions"][fragment]
+    return Update(learner_id, fragment, version, inner_step=8, steps=8, tokens=8 * 128,
+                  codec=syncer.config.diloco.codec, payload=payload)
+
+
+def chunks_of(syncer: Syncer, update: Update, chunk_bytes: int = CHUNK_BYTES) -> list[wire_pb2.UpdateChunk]:
+    return list(encode_update(update, syncer.wire.spec, chunk_bytes))
+
+
+def push(syncer: Syncer, update_or_chunks, md=None) -> wire_pb2.UpdateReply:
+    chunks = chunks_of(syncer, update_or_chunks) if isinstance(update_or_chunks, Update) else update_or_chunks
+    return syncer.stub.PushUpdate(iter(chunks), metadata=md or metadata(), timeout=CALL_TIMEOUT_S)
+
+
+def refused(syncer: Syncer, call, *, code: grpc.StatusCode, reason: str, needle: str) -> str:
+    """Run `call`, which must fail with `code` and a message containing `needle`; check the rejection
+    was counted under `reason` and that the syncer's state did not move."""
+    before_state, before_count = state(syncer), status(syncer)["rejections"].get(reason, 0)
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    error = caught.value
+    assert error.code() == code, error.details()
+    assert needle in error.details(), error.details()
+    assert status(syncer)["rejections"].get(reason, 0) == before_count + 1
+    assert state(syncer) == before_state
+    return error.details()
+
+
+# ---- who may talk -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("token", ["wrong-token-0123456789abcdef", None])
+def test_wrong_or_missing_token_is_unauthenticated(syncer, token):
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
+    calls = [lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(token=token), timeout=CALL_TIMEOUT_S))),
+             lambda: push(syncer, good_update(syncer), md=metadata(token=token)),
+             lambda: syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=0), metadata=metadata(token=token),
+                                           timeout=CALL_TIMEOUT_S)]
+    for call in calls:
+        details = refused(syncer, call, code=grpc.StatusCode.UNAUTHENTICATED, reason="unauthenticated",
+                          needle="run token")
+        assert "--token-file" in details
+
+
+def test_wrong_schema_version_is_refused(syncer):
+    refused(syncer, lambda: push(syncer, good_update(syncer), md=metadata(schema="99")),
+            code=grpc.StatusCode.FAILED_PRECONDITION, reason="bad_schema", needle="schema version 99")
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
+    join.learner_id, join.schema_version = 1, 99
+    refused(syncer, lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(), timeout=CALL_TIMEOUT_S))),
+            code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="schema version 99")
+
+
+# ---- who may join -------------------------------------------------------------------------------------
+
+def _join_as_learner_1(syncer: Syncer, edit) -> None:
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
+    join.learner_id = 1
+    edit(join)
+    next(iter(syncer.stub.Subscribe(join, metadata=metadata(), timeout=CALL_TIMEOUT_S)))
+
+
+def test_a_different_model_shape_is_refused_naming_the_parameter(syncer):
+    def wider_head(join):
+        head = next(t for t in join.model_spec if t.name == "lm_head.weight")
+        head.shape[1] = 64
+
+    details = refused(syncer, lambda: _join_as_learner_1(syncer, wider_head), code=grpc.StatusCode.FAILED_PRECONDITION,
+                      reason="refused", needle="model differs")
+    assert "'lm_head.weight' is float32[256, 64], expected float32[256, 32]" in details
+
+
+def test_a_different_algorithm_config_is_refused_naming_the_field(syncer):
+    def other_lr(join):
+        join.diloco_config_json = join.diloco_config_json.replace('"outer_lr": 0.7', '"outer_lr": 0.5')
+
+    refused(syncer, lambda: _join_as_learner_1(syncer, other_lr), code=grpc.StatusCode.FAILED_PRECONDITION,
+            reason="refused", needle="outer_lr is 0.5 on the learner but 0.7 on the syncer")
+
+
+def test_a_learner_id_outside_the_run_is_refused(syncer):
+    refused(syncer, lambda: _join_as_learner_1(syncer, lambda join: setattr(join, "learner_id", 5)),
+            code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="outside 0..1")
+
+
+# ---- what an update may carry ---------------------------------------------------------------------------
+
+def test_an_update_from_an_unknown_learner_is_refused(syncer):
+    refused(syncer, lambda: push(syncer, good_update(syncer, learner_id=1)), code=grpc.StatusCode.NOT_FOUND,
+            reason="unknown_learner", needle="learner 1 has not joined")
+
+
+def test_a_truncated_update_stream_is_refused(syncer):
+    chunks = chunks_of(syncer, good_update(syncer), chunk_bytes=256)
+    refused(syncer, lambda: push(syncer, chunks[:len(chunks) // 2]), code=grpc.StatusCode.INVALID_ARGUMENT,
+            reason="truncated", needle="ended after")
+    refused(syncer, lambda: push(syncer, []), code=grpc.StatusCode.INVALID_ARGUMENT, reason="truncated",
+            needle="before its header")
+
+
+def test_a_wrong_dtype_is_refused(syncer):
+    chunks = chunks_of(syncer, good_update(syncer))
+    chunks[0].header.tensors[0].dtype = "float16"
+    refused(syncer, lambda: push(syncer, chunks), code=grpc.StatusCode.INVALID_ARGUMENT, reason="malformed",
+            needle="dtype 'float16'")
+
+
+def test_nan_values_are_refused(syncer):
+    update = good_update(syncer)
+    name = next(iter(update.payload))
+    poisoned = bytearray(update.payload[name])
+    poisoned[:4] = torch.tensor([math.nan], dtype=torch.float32).numpy().tobytes()  # int4: the first scale
+    update = Update(**{**update.__dict__, "payload": {**update.payload, name: bytes(poisoned)}})
+    refused(syncer, lambda: push(syncer, update), code=grpc.StatusCode.INVALID_ARGUMENT, reason="non_finite",
+            needle="NaN")
+
+
+def test_oversize_updates_are_refused(syncer):
+    chunks = chunks_of(syncer, good_update(syncer))
+    extra = [*chunks, wire_pb2.UpdateChunk(data=b"\0" * 1024)]
+    refused(syncer, lambda: push(syncer, extra), code=grpc.StatusCode.RESOURCE_EXHAUSTED, reason="oversize",
+            needle="more than")
+    huge_chunk = [chunks[0], wire_pb2.UpdateChunk(data=b"\0" * (MAX_CHUNK_BYTES + 1))]
+    refused(syncer, lambda: push(syncer, huge_chunk), code=grpc.StatusCode.RESOURCE_EXHAUSTED, reason="oversize",
+            needle="exceeds the limit")
+
+    def endless():  # declares 1 TB: refused on the header, long before the client would finish
+        header = wire_pb2.UpdateChunk()
+        header.CopyFrom(chunks[0])
+        header.header.tensors[0].nbytes = 10**12
+        yield header
+        while True:
+            yield wire_pb2.UpdateChunk(data=b"\0" * CHUNK_BYTES)
+
+    refused(syncer, lambda: push(syncer, endless()), code=grpc.StatusCode.RESOURCE_EXHAUSTED, reason="oversize",
+            needle="at most")
+
+
+def test_core_rejections_travel_in_the_reply(syncer):
+    update = good_update(syncer, fragment=1)
+    assert push(syncer, update).accepted  # K = 1, no grace: the round commits at once
+    assert isinstance(syncer.inbox.get(timeout=PROCESS_WAIT_S), FragmentState)
+    before = state(syncer)
+    reply = push(syncer, update)  # the same base again: it would count this learner's progress twice
+    assert (reply.accepted, reply.reason) == (False, "stale")
+    assert state(syncer) == before
+    # ... and the syncer brings the learner up to date so that its next update is not stale too.
+    current = syncer.inbox.get(timeout=PROCESS_WAIT_S)
+    assert (current.fragment, current.version) == (1, before["versions"][1])
+
+
+def test_the_syncer_still_serves_after_all_of_it(syncer):
+    before = state(syncer)
+    assert push(syncer, good_update(syncer)).accepted
+    message = syncer.inbox.get(timeout=PROCESS_WAIT_S)
+    assert isinstance(message, FragmentState) and message.version == before["versions"][0] + 1
+    assert state(syncer)["rounds_committed"] == before["rounds_committed"] + 1
+    assert before["alive"] == [0]

@@ -1,0 +1,161 @@
+"""`ddiloco syncer` as a real process: kill -9 and restart, heartbeat timeouts, clean stops.
+
+Real processes (`python -m ddiloco.cli`), real gRPC on 127.0.0.1 with an ephemeral port, real signals.
+Learners are told to train "forever" and are stopped with SIGTERM, so no assertion depends on how
+fast this machine trains; every wait has a hard deadline, and the fixture kills every process it
+started, by PID, whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import defaultdict
+
+import pytest
+import torch
+
+from ddiloco.checkpoint import RoundLog, load_latest_state
+from ddiloco.runtime.run_config import RunConfig
+from ddiloco.runtime.syncer_state import initial_params
+from ddiloco.syncer import replay_rounds
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+
+pytestmark = pytest.mark.integration
+
+RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--inner-steps", "100000000", "--num-fragments", "2",
+             "--sync-every", "8", "--max-wait-s", "0.5", "--heartbeat-timeout-s", "3", "--heartbeat-every-s", "0.5")
+"""Two learners that never finish on their own (the tests stop them), a short waiting bound so they
+train on while the syncer is away, and a heartbeat timeout of 3 s."""
+
+
+@pytest.fixture
+def procs(tmp_path):
+    processes = Processes(tmp_path / "logs")
+    try:
+        yield processes
+    finally:
+        processes.kill_all()
+
+
+def start_syncer(procs: Processes, run_dir, *extra: str, name: str = "syncer"):
+    popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--eval-every-s", "0",
+                        "--full-state-every", "25", *extra)
+    info = wait_until(lambda: (i := read_json_or_none(run_dir / "syncer.json")) and i["pid"] == popen.pid and i,
+                      "syncer.json", alive=[popen])
+    return popen, info["address"]
+
+
+def start_learner(procs: Processes, run_dir, address: str, learner_id: int, *extra: str):
+    return procs.start(f"learner{learner_id}", "learner", "--syncer", address, "--learner-id", str(learner_id),
+                       "--run-dir", str(run_dir), "--threads", "1", *extra)
+
+
+def syncer_status(run_dir) -> dict:
+    return read_json_or_none(run_dir / "syncer_status.json") or {}
+
+
+def learner_status(run_dir, learner_id: int) -> dict:
+    return read_json_or_none(run_dir / "learners" / str(learner_id) / "status.json") or {}
+
+
+def stop(popen, what: str) -> None:
+    popen.send_signal(signal.SIGTERM)
+    assert popen.wait(timeout=PROCESS_WAIT_S) == 0, f"{what} did not exit 0 on SIGTERM"
+
+
+def assert_log_is_gapless(run_dir) -> list:
+    """Every round once, in order, and every fragment's versions 1, 2, 3, ... without a gap."""
+    records = list(RoundLog(run_dir).records())  # raises on a gap or a repeat in the round numbers
+    versions: dict[int, list[int]] = defaultdict(list)
+    for record in records:
+        versions[record.fragment].append(record.version)
+    for fragment, seen in versions.items():
+        assert seen == list(range(1, len(seen) + 1)), f"fragment {fragment} versions {seen}"
+    return records
+
+
+def assert_state_equals_replay(run_dir, records) -> None:
+    config = RunConfig.load(run_dir / "config.json")
+    replayed = replay_rounds(config.diloco, initial_params(config), records)
+    state, _, serial = load_latest_state(run_dir / "checkpoints" / "syncer")
+    assert serial == len(records)
+    for name, tensor in replayed.items():
+        assert torch.equal(state["global"][name], tensor), name
+
+
+def test_syncer_kill9_and_restart_loses_and_repeats_no_committed_round(tmp_path, procs):
+    run_dir = tmp_path / "run"
+    syncer, address = start_syncer(procs, run_dir)
+    learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
+    wait_until(lambda: (s := syncer_status(run_dir)) and s["alive_learners"] == [0, 1] and s["rounds_committed"] >= 20,
+               "both learners syncing", alive=[syncer, *learners])
+    for i in range(2):
+        wait_until(lambda i=i: learner_status(run_dir, i).get("state") in ("training", "waiting"),
+                   f"learner {i} training", alive=[syncer, *learners])
+
+    os.kill(syncer.pid, signal.SIGKILL)
+    syncer.wait()
+    committed = len(RoundLog(run_dir).lines())
+    durable_versions = [0, 0]
+    for line in RoundLog(run_dir).lines():
+        durable_versions[line["fragment"]] = line["version"]
+    held = {i: learner_status(run_dir, i) for i in range(2)}
+    for status in held.values():  # Commit before Send: nobody holds a version the log does not
+        assert all(v <= d for v, d in zip(status["versions"], durable_versions, strict=True))
+
+    # The learners notice, and keep training within the waiting bound while the syncer is away.
+    for i in range(2):
+        wait_until(lambda i=i: not learner_status(run_dir, i).get("connected", True), f"learner {i} disconnected",
+                   alive=learners)
+    steps = {i: learner_status(run_dir, i)["inner_step"] for i in range(2)}
+    for i in range(2):
+        wait_until(lambda i=i: learner_status(run_dir, i)["inner_step"] >= steps[i] + 20,
+                   f"learner {i} training without a syncer", alive=learners)
+
+    restarted, _ = start_syncer(procs, run_dir, "--bind", address, name="syncer-restarted")
+    wait_until(lambda: syncer_status(run_dir).get("pid") == restarted.pid, "status of the restarted syncer",
+               alive=[restarted])
+    # Both learners re-join by themselves (their second Welcome) and syncing resumes.
+    for i in range(2):
+        wait_until(lambda i=i: learner_status(run_dir, i).get("joins", 0) >= 2, f"learner {i} re-joined",
+                   alive=[restarted, *learners])
+    wait_until(lambda: syncer_status(run_dir).get("rounds_committed", 0) >= committed + 10,
+               "10 rounds after the restart", alive=[restarted, *learners])
+
+    for i, learner in enumerate(learners):
+        stop(learner, f"learner {i}")
+    stop(restarted, "the restarted syncer")
+    assert f"resumed at round {committed}" in procs.log("syncer-restarted")
+    records = assert_log_is_gapless(run_dir)
+    assert len(records) >= committed + 10
+    assert_state_equals_replay(run_dir, records)
+    for i in range(2):
+        status = learner_status(run_dir, i)
+        assert status["state"] == "stopped" and status["bytes_sent"] > 0 and status["bytes_received"] > 0
+
+
+def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs):
+    run_dir = tmp_path / "run"
+    syncer, address = start_syncer(procs, run_dir)
+    learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
+    wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "both learners alive",
+               alive=[syncer, *learners])
+
+    # SIGSTOP keeps its connection open: only the missing heartbeats give it away.
+    os.kill(learners[1].pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0], "learner 1 timed out",
+                   alive=[syncer])
+        rounds = syncer_status(run_dir)["rounds_committed"]
+        wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 10,
+                   "rounds without the silent learner", alive=[syncer, learners[0]])
+    finally:
+        os.kill(learners[1].pid, signal.SIGCONT)
+    wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "learner 1 back",
+               alive=[syncer, *learners])
+    wait_until(lambda: learner_status(run_dir, 1).get("joins", 0) >= 2, "learner 1 re-joined", alive=learners)
+    for i, learner in enumerate(learners):
+        stop(learner, f"learner {i}")
+    stop(syncer, "the syncer")
+    assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))

@@ -1,0 +1,160 @@
+"""Durable files: atomic writes, state checkpoints, the round log, and restoring a syncer from them."""
+
+import json
+
+import pytest
+import torch
+
+from ddiloco.checkpoint import (
+    KEEP_STATES,
+    RoundLog,
+    atomic_write_json,
+    join_state,
+    load_latest_state,
+    read_json,
+    save_state,
+    split_state,
+)
+from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.runtime.syncer_state import SyncerStore, replay_onto
+from ddiloco.syncer import Syncer, replay_rounds
+from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
+
+
+def _adamw_after_steps(seed: int = 0, steps: int = 3):
+    model = TinyNet(seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    for batch in make_batches(steps, seed=seed):
+        train_step(model, optimizer, batch)
+    return model, optimizer
+
+
+def test_atomic_json_leaves_no_temporary_files(tmp_path):
+    atomic_write_json(tmp_path / "a.json", {"x": 1})
+    atomic_write_json(tmp_path / "a.json", {"x": 2}, durable=False)
+    assert read_json(tmp_path / "a.json") == {"x": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+    assert read_json(tmp_path / "missing.json") is None
+
+
+def test_split_and_join_keep_int_keys_tuples_and_tensors():
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
+             "param_groups": [{"betas": (0.9, 0.95), "params": [0], "fused": None, "amsgrad": False}]}
+    tensors, tree = split_state(state)
+    assert set(tensors) == {"/state/0/step", "/state/0/exp_avg"}
+    back = join_state(json.loads(json.dumps(tree)), tensors)
+    assert back["param_groups"] == state["param_groups"]
+    assert list(back["state"]) == [0]
+    assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+def test_split_state_refuses_objects_it_cannot_store():
+    with pytest.raises(TypeError, match="object"):
+        split_state({"x": object()})
+
+
+def test_optimizer_state_round_trips_bit_for_bit(tmp_path):
+    model, optimizer = _adamw_after_steps()
+    save_state(tmp_path, {"optimizer": optimizer.state_dict(), "cursor": {"batches": 3}}, serial=3, meta={"k": 1})
+    state, meta, serial = load_latest_state(tmp_path)
+    assert (serial, meta, state["cursor"]) == (3, {"k": 1}, {"batches": 3})
+
+    twin = TinyNet(seed=0)
+    twin.load_state_dict(model.state_dict())
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    twin_optimizer.load_state_dict(state["optimizer"])
+    batch = make_batches(1, seed=99)[0]
+    train_step(model, optimizer, batch)
+    train_step(twin, twin_optimizer, batch)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_only_the_newest_states_are_kept_and_a_damaged_newest_falls_back(tmp_path):
+    for serial in range(5):
+        save_state(tmp_path, {"x": torch.full((2,), float(serial))}, serial=serial)
+    assert len(list(tmp_path.glob("state_*.json"))) == KEEP_STATES
+    state, _, serial = load_latest_state(tmp_path)
+    assert serial == 4 and state["x"].tolist() == [4.0, 4.0]
+    (tmp_path / "state_000000004.safetensors").write_bytes(b"torn")
+    state, _, serial = load_latest_state(tmp_path)
+    assert serial == 3 and state["x"].tolist() == [3.0, 3.0]
+    assert load_latest_state(tmp_path / "nothing") is None
+
+
+def _records(rounds: int, config: DilocoConfig):
+    syncer, hub, _, learners = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"))
+    batches = make_batches(64, seed=1)
+    step = 0
+    while syncer.rounds_committed < rounds:
+        for learner in learners:
+            tokens = train_step(learner.model, learner.optimizer, batches[step % len(batches)])
+            hub.after_inner_step(learner, tokens)
+        step += 1
+    return syncer, hub.round_log
+
+
+def test_round_log_round_trips_and_repairs_a_torn_line(tmp_path):
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    _, records = _records(4, config)
+    log = RoundLog(tmp_path)
+    for record in records:
+        log.append(record)
+    with log.path.open("a") as file:
+        file.write('{"round": 4, "frag')  # a crash in the middle of an append
+    assert len(log.lines()) == len(records)
+    assert log.repair() == len(records)
+    assert log.path.read_bytes().endswith(b"\n")
+    back = list(log.records())
+    assert [r.to_json() for r in back] == [r.to_json() for r in records]
+    for a, b in zip(back, records, strict=True):
+        assert all(torch.equal(a.merged[n], b.merged[n]) for n in b.merged)
+
+
+def test_round_log_refuses_a_gap(tmp_path):
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    _, records = _records(3, config)
+    log = RoundLog(tmp_path)
+    log.append(records[0])
+    log.append(records[2])
+    with pytest.raises(ValueError, match="damaged"):
+        list(log.records())
+
+
+def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
+    """A full state at round 3 plus the log's rounds 3.. gives exactly the live syncer's state."""
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    live, records = _records(9, config)
+    initial = params_of(TinyNet(seed=100))  # make_system's syncer seed
+
+    store = SyncerStore(tmp_path)
+    partial = Syncer(config, QuorumConfig(), initial_params=initial)
+    replay_onto(partial, records[:3])
+    store.save(partial, {"joins": {"0": 1}})
+    for record in records:
+        store.commit(record)
+
+    restored_syncer = Syncer(config, QuorumConfig(), initial_params=initial)
+    restored = store.restore(restored_syncer)
+    assert (restored.state_rounds, restored.replayed, restored.meta) == (3, len(records) - 3, {"joins": {"0": 1}})
+    assert restored_syncer.rounds_committed == live.rounds_committed
+    assert restored_syncer.versions == live.versions
+    expected = live.global_params()
+    got = restored_syncer.global_params()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    assert all(torch.equal(got[n], t) for n, t in replay_rounds(config, initial, records).items())
+    live_outer, restored_outer = live.outer.state_dict(), restored_syncer.outer.state_dict()
+    for a, b in zip(live_outer, restored_outer, strict=True):
+        for index, slot in a["state"].items():
+            assert torch.equal(slot["momentum_buffer"], b["state"][index]["momentum_buffer"])
+    assert {i: info.merged_base for i, info in restored_syncer.learners.items()} == \
+        {i: info.merged_base for i, info in live.learners.items()}
+    assert store.participation()[0]["accepted"] == live.learners[0].accepted
+
+
+def test_replay_refuses_a_round_that_does_not_continue_the_state():
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    _, records = _records(3, config)
+    syncer = Syncer(config, QuorumConfig(), initial_params=params_of(TinyNet(seed=100)))
+    with pytest.raises(ValueError, match="round log has round 1 where 0 was expected"):
+        replay_onto(syncer, records[1:])

@@ -1,0 +1,188 @@
+"""The wire schema: messages <-> protobuf chunks, and every check made before a message is accepted."""
+
+import math
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.compression import get_codec
+from ddiloco.config import DilocoConfig
+from ddiloco.fragments import FragmentPlan
+from ddiloco.learner import Learner
+from ddiloco.messages import FragmentState, ModelSpec, Rejected, RejectReason, Update, Welcome
+from ddiloco.transport import wire_pb2
+from ddiloco.transport.grpc_codec import (
+    SyncerStreamDecoder,
+    UpdateAssembler,
+    WireError,
+    WireModel,
+    config_difference,
+    decode_join,
+    encode_join,
+    encode_syncer_message,
+    encode_update,
+    iter_data,
+)
+from ddiloco.transport.grpc_server import Subscription
+from tests.helpers import TinyNet, params_of
+
+CONFIG = DilocoConfig(num_fragments=2, sync_every=4, codec="int4")
+SMALL_CHUNK = 32
+"""Bytes per data chunk in these tests, so that every tensor spans several chunks."""
+
+
+@pytest.fixture
+def params():
+    return params_of(TinyNet(seed=3))
+
+
+@pytest.fixture
+def model(params):
+    return WireModel(ModelSpec.from_named_tensors(params.items()), FragmentPlan.for_tensors(params, CONFIG), "int4")
+
+
+def _state(model, params, fragment=0, version=5):
+    return FragmentState(fragment, version, {n: params[n] for n in model.plan.fragments[fragment]})
+
+
+def _decode_all(decoder, chunks):
+    out = [m for m in (decoder.feed(c) for c in chunks) if m is not None]
+    return out
+
+
+def _update(model, params, *, fragment=0, scale=0.01, **changes):
+    codec = get_codec("int4")
+    payload = {n: codec.encode(scale * params[n]) for n in model.plan.fragments[fragment]}
+    fields = dict(learner_id=1, fragment=fragment, base_version=2, inner_step=10, steps=4, tokens=96,
+                  codec="int4", payload=payload)
+    fields.update(changes)
+    return Update(**fields)
+
+
+def _assemble(model, chunks):
+    assembler = UpdateAssembler(model)
+    iterator = iter(chunks)
+    assembler.start(next(iterator))
+    for chunk in iterator:
+        assembler.add(chunk)
+    return assembler.finish()
+
+
+def test_iter_data_cuts_the_concatenation_into_chunks():
+    blobs = [b"a" * 5, b"b" * 250, b"", b"c" * 3]
+    chunks = list(iter_data(blobs, chunk_bytes=100))
+    assert b"".join(chunks) == b"".join(blobs)
+    assert [len(c) for c in chunks] == [100, 100, 58]
+
+
+def test_fragment_state_and_welcome_round_trip_exactly(model, params):
+    decoder = SyncerStreamDecoder(model)
+    state = _state(model, params, fragment=1, version=7)
+    chunks = list(encode_syncer_message(state, chunk_bytes=SMALL_CHUNK))
+    assert len(chunks) > 3 and chunks[0].WhichOneof("kind") == "fragment_state"
+    assert all(len(c.data) == SMALL_CHUNK for c in chunks[:-1]) and all(not c.WhichOneof("kind") for c in chunks[1:])
+    (back,) = _decode_all(decoder, chunks)
+    assert (back.fragment, back.version) == (1, 7)
+    assert all(torch.equal(back.tensors[n], state.tensors[n]) for n in state.tensors)
+
+    welcome = Welcome(4, (_state(model, params, 0, 3), _state(model, params, 1, 9)), CONFIG.fingerprint())
+    rejected = Rejected(4, 1, 2, RejectReason.STALE, "5 versions behind")
+    messages = [welcome, rejected, state]
+    chunks = [c for m in messages for c in encode_syncer_message(m, chunk_bytes=SMALL_CHUNK)]
+    back = _decode_all(decoder, chunks)
+    assert [type(m) for m in back] == [Welcome, Rejected, FragmentState]
+    assert back[1] == rejected
+    assert [(s.fragment, s.version) for s in back[0].fragments] == [(0, 3), (1, 9)]
+    for got, sent in zip(back[0].fragments, welcome.fragments, strict=True):
+        assert all(torch.equal(got.tensors[n], sent.tensors[n]) for n in sent.tensors)
+
+
+def test_decoder_refuses_tensors_of_another_model(model, params):
+    state = FragmentState(0, 1, {n: torch.zeros(3, 3) for n in model.plan.fragments[0]})
+    with pytest.raises(WireError, match="shape"):
+        _decode_all(SyncerStreamDecoder(model), encode_syncer_message(state))
+    with pytest.raises(WireError, match="without a header"):
+        SyncerStreamDecoder(model).feed(wire_pb2.SyncerChunk(data=b"xx"))
+
+
+def test_update_round_trips(model, params):
+    update = _update(model, params)
+    chunks = list(encode_update(update, model.spec, chunk_bytes=SMALL_CHUNK))
+    assert chunks[0].HasField("header") and len(chunks[0].data) == SMALL_CHUNK and len(chunks) >= 2
+    assert _assemble(model, chunks) == update
+
+
+@pytest.mark.parametrize(("edit", "reason", "needle"), [
+    (lambda h: setattr(h.tensors[0], "dtype", "float16"), "malformed", "dtype 'float16'"),
+    (lambda h: h.tensors[0].shape.append(2), "wrong_tensors", "shape"),
+    (lambda h: setattr(h.tensors[0], "name", "mystery.weight"), "wrong_tensors", "mystery"),
+    (lambda h: setattr(h, "codec", "fp32"), "wrong_codec", "fp32"),
+    (lambda h: setattr(h, "fragment", 9), "bad_fragment", "fragment 9"),
+    (lambda h: setattr(h, "steps", 0), "bad_counters", "steps=0"),
+    (lambda h: setattr(h, "tokens", -5), "bad_counters", "tokens=-5"),
+    (lambda h: setattr(h, "inner_step", 2), "bad_counters", "inner_step=2"),
+    (lambda h: setattr(h.tensors[0], "nbytes", h.tensors[0].nbytes - 1), "malformed", "declares"),
+    (lambda h: setattr(h.tensors[0], "nbytes", 10**12), "oversize", "at most"),
+])
+def test_bad_update_headers_are_refused_before_any_data(model, params, edit, reason, needle):
+    chunks = list(encode_update(_update(model, params), model.spec))
+    edit(chunks[0].header)
+    with pytest.raises(WireError, match=needle) as caught:
+        UpdateAssembler(model).start(chunks[0])
+    assert caught.value.reason == reason
+
+
+def test_an_update_with_extra_bytes_is_refused_at_the_first_extra_chunk(model, params):
+    chunks = list(encode_update(_update(model, params), model.spec, chunk_bytes=SMALL_CHUNK))
+    assembler = UpdateAssembler(model)
+    assembler.start(chunks[0])
+    for chunk in chunks[1:]:
+        assembler.add(chunk)
+    with pytest.raises(WireError, match="more than") as caught:
+        assembler.add(wire_pb2.UpdateChunk(data=b"\0"))
+    assert caught.value.reason == "oversize" and caught.value.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_truncated_update_is_refused(model, params):
+    chunks = list(encode_update(_update(model, params), model.spec, chunk_bytes=SMALL_CHUNK))
+    with pytest.raises(WireError, match="ended after") as caught:
+        _assemble(model, chunks[:-1])
+    assert caught.value.reason == "truncated"
+
+
+def test_an_update_decoding_to_nan_is_refused(model, params):
+    update = _update(model, params)
+    name = model.plan.fragments[0][0]
+    poisoned = bytearray(update.payload[name])
+    poisoned[0:4] = bytes(bytearray(torch.tensor([math.nan]).numpy().tobytes()))  # the first block's scale
+    update = Update(**{**update.__dict__, "payload": {**update.payload, name: bytes(poisoned)}})
+    with pytest.raises(WireError, match="NaN") as caught:
+        _assemble(model, list(encode_update(update, model.spec)))
+    assert caught.value.reason == "non_finite"
+
+
+def test_join_carries_spec_and_config(params, model):
+    learner = Learner(CONFIG, learner_id=2, model=TinyNet(seed=0))
+    join, config = decode_join(encode_join(learner.join_message(), CONFIG))
+    assert join == learner.join_message()
+    assert config_difference(CONFIG, config) is None
+    other = DilocoConfig(num_fragments=2, sync_every=4, codec="int4", outer_lr=0.5)
+    assert config_difference(other, config) == "outer_lr is 0.7 on the learner but 0.5 on the syncer"
+    request = encode_join(learner.join_message(), CONFIG)
+    request.learner_id = -1
+    with pytest.raises(WireError, match="learner_id=-1"):
+        decode_join(request)
+
+
+def test_subscription_delivers_in_order_and_ends_when_closed(model, params):
+    delivered = []
+    subscription = Subscription(3, on_delivered=lambda state, seconds: delivered.append(state.version))
+    subscription.put(_state(model, params, 0, 1))
+    subscription.put(Rejected(3, 0, 1, RejectReason.DUPLICATE))
+    subscription.put(_state(model, params, 0, 2))
+    subscription.close()
+    subscription.put(_state(model, params, 0, 3))  # after close: dropped
+    back = _decode_all(SyncerStreamDecoder(model), subscription.chunks())
+    assert [type(m).__name__ for m in back] == ["FragmentState", "Rejected", "FragmentState"]
+    assert delivered == [1, 2]
