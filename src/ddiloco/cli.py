@@ -16,6 +16,9 @@ from ddiloco import __version__
 
 COMMAND_MODULES = (
     "ddiloco.plan.commands",
+    "ddiloco.runtime.run_commands",
+    "ddiloco.runtime.process_commands",
+    "ddiloco.sim.commands",
 )
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 

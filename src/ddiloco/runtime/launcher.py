@@ -1,0 +1,330 @@
+"""Starting and stopping the processes of a local run: one `ddiloco syncer` and M `ddiloco learner`.
+
+Owns the command lines of the process contract with `ddiloco syncer` / `ddiloco learner`, the run
+directory's paths, and the life of one child process: each child leads its own process group (so a
+Ctrl-C in the terminal reaches only `ddiloco run`, and stopping a child also stops anything it
+spawned), asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so even a
+SIGKILLed launcher leaves nothing running), and writes its stdout and stderr to `DIR/logs/`.
+Stopping is SIGTERM to the group, then SIGKILL after a timeout. What to start when, and restarts,
+belong to the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
+"""How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
+STOP_POLL_S = 0.05
+"""Poll interval while waiting for a signalled process group to go."""
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal the kernel sends a child when its parent thread dies."""
+LOOPBACK = "127.0.0.1"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+"""Bind addresses that mean "every interface": local learners reach them through loopback."""
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where everything lives in a run directory (the contract's file names)."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def token(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def syncer_json(self) -> Path:
+        return self.root / "syncer.json"
+
+    @property
+    def syncer_status(self) -> Path:
+        return self.root / "syncer_status.json"
+
+    @property
+    def syncer_metrics(self) -> Path:
+        return self.root / "syncer" / "metrics.jsonl"
+
+    @property
+    def rounds(self) -> Path:
+        return self.root / "rounds.jsonl"
+
+    @property
+    def launcher_metrics(self) -> Path:
+        return self.root / "launcher" / "metrics.jsonl"
+
+    @property
+    def processes(self) -> Path:
+        return self.root / "launcher" / "processes.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def learner_dir(self, learner_id: int) -> Path:
+        return self.root / "learners" / str(learner_id)
+
+    def learner_status(self, learner_id: int) -> Path:
+        return self.learner_dir(learner_id) / "status.json"
+
+    def learner_metrics(self, learner_id: int) -> Path:
+        return self.learner_dir(learner_id) / "metrics.jsonl"
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object written atomically by another process, or None when absent or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Temp file, fsync, rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as file:
+        json.dump(data, file, indent=2, sort_keys=True, default=str)
+        file.write("\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
+def connect_address(bound: str) -> str:
+    """The address a learner on this machine dials for a syncer bound to `bound`."""
+    host, _, port = bound.rpartition(":")
+    return f"{LOOPBACK}:{port}" if host in WILDCARD_HOSTS else bound
+
+
+def with_port(bind: str, port: int) -> str:
+    host, _, _ = bind.rpartition(":")
+    return f"{host}:{port}"
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec (only async-signal-safe work: one syscall). The
+    # launcher starts children from its main thread only, so "parent thread died" = launcher died.
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+@dataclass
+class ChildProcess:
+    """One started child: its own process group, its log file, and how it ended."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    log_path: Path
+    log_offset: int
+    started_at: float
+    """Monotonic seconds."""
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code once it has exited (negative: killed by that signal), else None."""
+        if self.returncode is None:
+            self.returncode = self.popen.poll()
+            if self.returncode is not None:
+                # Anything it left in its group (a helper it spawned) goes with it.
+                self.signal_group(signal.SIGKILL)
+        return self.returncode
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def stop(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> int:
+        """SIGTERM the group, wait up to `timeout_s` for the whole group, then SIGKILL it."""
+        stop_processes([self], timeout_s, clock=clock)
+        return self.returncode if self.returncode is not None else self.popen.wait()
+
+    def log_tail(self, max_lines: int = 5) -> list[str]:
+        """The last non-empty lines this start wrote to its log (for "why did it exit")."""
+        try:
+            with self.log_path.open("rb") as file:
+                file.seek(self.log_offset)
+                text = file.read().decode("utf-8", errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if line.strip()][-max_lines:]
+
+
+def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
+                   clock: Callable[[], float] = time.monotonic,
+                   kill_now: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every child's group at once; SIGKILL what is left after `timeout_s` (or as soon as
+    `kill_now()` turns true, e.g. on a second Ctrl-C). Returns once every group is gone."""
+    for child in children:
+        if child.poll() is None:
+            child.signal_group(signal.SIGTERM)
+    deadline = clock() + timeout_s
+    pending = [c for c in children if c.poll() is None]
+    while pending and clock() < deadline and not kill_now():
+        time.sleep(STOP_POLL_S)
+        pending = [c for c in pending if c.poll() is None]
+    for child in pending:
+        logger.warning("[%s] still running %.0f s after SIGTERM: SIGKILL", child.name, timeout_s)
+        child.signal_group(signal.SIGKILL)
+    for child in children:
+        child.returncode = child.popen.wait()
+        child.signal_group(signal.SIGKILL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What the launcher puts on the children's command lines."""
+
+    run_dir: Path
+    """The run directory (contract: config.json, syncer.json, learners/N/, ...)."""
+    num_learners: int
+    """M, learner processes."""
+    threads: int
+    """torch threads per learner (`--threads`)."""
+    syncer_threads: int = 1
+    """torch threads of the syncer (its merges are small; its cores belong to the learners)."""
+    bind: str = f"{LOOPBACK}:0"
+    """Where the syncer listens; port 0 picks a free port on the first start, kept on restarts."""
+    link: str | None = None
+    """`--link BANDWIDTH,LATENCY` for every learner, or None for an unshaped link."""
+    use_token: bool = True
+    """Generate a run token (DIR/token, mode 0600) and hand it to every process."""
+    command: tuple[str, ...] = DEFAULT_COMMAND
+    """The `ddiloco` executable as an argv prefix (tests put a fake one here)."""
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_learners < 1:
+            raise ValueError(f"num_learners={self.num_learners} is invalid: expected >= 1")
+        if self.threads < 1:
+            raise ValueError(f"threads={self.threads} is invalid: expected >= 1")
+        if ":" not in self.bind:
+            raise ValueError(f"bind={self.bind!r} is invalid: expected HOST:PORT")
+
+
+class Launcher:
+    """Builds the contract's command lines and starts children. Stateless besides the token."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.paths = RunPaths(Path(config.run_dir))
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        if config.use_token:
+            self._ensure_token()
+
+    def _ensure_token(self) -> None:
+        token = self.paths.token
+        if not token.exists():
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as file:
+                file.write(os.urandom(24).hex() + "\n")
+
+    def _common_flags(self) -> list[str]:
+        flags = ["--run-dir", str(self.paths.root), "--config", str(self.paths.config)]
+        if self.config.use_token:
+            flags += ["--token-file", str(self.paths.token)]
+        return flags
+
+    def syncer_argv(self, bind: str) -> list[str]:
+        return [*self.config.command, "syncer", "--bind", bind, *self._common_flags()]
+
+    def learner_argv(self, learner_id: int, syncer_address: str) -> list[str]:
+        argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
+                *self._common_flags(), "--threads", str(self.config.threads)]
+        if self.config.link:
+            argv += ["--link", self.config.link]
+        return argv
+
+    def start_syncer(self, bind: str) -> ChildProcess:
+        return self._start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
+
+    def start_learner(self, learner_id: int, syncer_address: str) -> ChildProcess:
+        return self._start(f"learner-{learner_id}", self.learner_argv(learner_id, syncer_address),
+                           self.config.threads)
+
+    def syncer_address(self, pid: int) -> str | None:
+        """The address the syncer with this pid serves on, once it has written syncer.json."""
+        info = read_json(self.paths.syncer_json)
+        if info is None or info.get("pid") != pid or not isinstance(info.get("address"), str):
+            return None
+        return info["address"]
+
+    def _start(self, name: str, argv: list[str], threads: int) -> ChildProcess:
+        log_path = self.paths.log(name)
+        env = dict(os.environ)
+        # OpenMP/MKL pools sized before torch even starts, matching --threads (DESIGN.md section 3).
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+        env.update(self.config.extra_env)
+        with log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
+            log.flush()
+            offset = log.tell()
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                     close_fds=True)
+        logger.info("[%s] started pid %d", name, popen.pid)
+        return ChildProcess(name, argv, popen, log_path, offset, time.monotonic())

@@ -1,0 +1,198 @@
+"""What a running `ddiloco run` shows: a live rich table, or one line per event for scripts and CI.
+
+Reads only files of the process contract (`DIR/syncer_status.json`, `DIR/learners/N/status.json`,
+rewritten by the children about once a second) and the supervisor's own state (process state,
+restarts); it never talks to the children. With a terminal it redraws ~2x per second; with
+`--no-progress` or when stdout is not a terminal it prints a line per learner event (start, state
+change, exit, restart, done) and a short syncer line every `LINE_SUMMARY_EVERY_S`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.runtime.supervisor import ChildState, Event, Slot, Supervisor
+
+REFRESH_INTERVAL_S = 0.5
+"""Redraw (and status-file read) interval: about twice per second."""
+LINE_SUMMARY_EVERY_S = 15.0
+"""In line mode, how often a one-line syncer summary is printed between events."""
+RECENT_EVENTS = 6
+"""Events shown under the live tables."""
+
+
+def format_bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(count) < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def _num(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:{spec}}{suffix}"
+
+
+@dataclass(frozen=True)
+class LearnerRow:
+    """One learner as shown: the supervisor's view merged with its latest status file."""
+
+    learner_id: int
+    pid: int | None
+    """The running process (kill -9 it to watch the supervisor heal the run)."""
+    state: str
+    inner_step: int | None
+    inner_steps: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    rounds: int | None
+    """Updates the syncer merged (rounds this learner contributed to)."""
+    restarts: int
+
+
+def learner_state(slot: Slot, status: Mapping[str, Any] | None, now: float) -> str:
+    """The state a person wants to see: the process state, or the learner's own once it runs."""
+    if slot.state == ChildState.BACKOFF and slot.restart_at is not None:
+        return f"restart in {max(0.0, slot.restart_at - now):.1f}s"
+    if slot.state == ChildState.RUNNING:
+        if status is None or status.get("pid") != slot.pid:
+            return "starting"
+        return str(status.get("state", "running"))
+    return str(slot.state)
+
+
+def learner_row(slot: Slot, status: Mapping[str, Any] | None, syncer_status: Mapping[str, Any] | None,
+                now: float) -> LearnerRow:
+    assert slot.learner_id is not None
+    status = status or {}
+    per_learner = ((syncer_status or {}).get("learners") or {}).get(str(slot.learner_id)) or {}
+    rounds = per_learner.get("accepted", status.get("updates_accepted"))
+    return LearnerRow(slot.learner_id, slot.pid, learner_state(slot, status or None, now), status.get("inner_step"),
+                      status.get("inner_steps"), status.get("loss"), status.get("tokens_per_s"), rounds,
+                      slot.restarts)
+
+
+def learners_table(rows: list[LearnerRow]) -> Table:
+    table = Table(title="learners", title_justify="left", expand=False)
+    for header in ("learner", "pid", "state", "inner step", "loss", "tokens/s", "rounds", "restarts"):
+        table.add_column(header, justify="left" if header == "state" else "right")
+    for row in rows:
+        step = "-" if row.inner_step is None else f"{row.inner_step}/{row.inner_steps or '?'}"
+        style = {"done": "green", "refused": "red", "failed": "red", "disconnected": "yellow",
+                 "waiting": "yellow"}.get(row.state.split()[0], "")
+        table.add_row(str(row.learner_id), _num(row.pid, "d"), Text(row.state, style=style), step,
+                      _num(row.loss, ".3f"), _num(row.tokens_per_s, ",.0f"), _num(row.rounds, "d"), str(row.restarts))
+    return table
+
+
+def syncer_table(slot: Slot, status: Mapping[str, Any] | None) -> Table:
+    table = Table(title="syncer", title_justify="left", expand=False)
+    status = status or {}
+    columns = {
+        "state": str(slot.state) + (f" (restarts {slot.restarts})" if slot.restarts else ""),
+        "rounds": _num(status.get("rounds_committed"), "d"),
+        "versions": " ".join(str(v) for v in status.get("versions", [])) or "-",
+        "quorum": (f"{status['effective_quorum']}/{status.get('min_quorum', '?')} of "
+                   f"{len(status.get('alive_learners', []))} alive" if "effective_quorum" in status else "-"),
+        "grace": _num(status.get("grace_s"), ".2f", "s"),
+        "step/quorum/sync": "/".join(_num(status.get(k), ".2f") for k in ("step_time_s", "quorum_time_s",
+                                                                          "sync_time_s")) + " s",
+        "rejections": ", ".join(f"{k} {v}" for k, v in sorted((status.get("rejections") or {}).items())) or "0",
+        "bytes in/out": f"{format_bytes(status.get('bytes_received'))} / {format_bytes(status.get('bytes_sent'))}",
+        "val loss": _num(status.get("val_loss"), ".3f"),
+    }
+    for header in columns:
+        table.add_column(header, justify="left")
+    table.add_row(*columns.values())
+    return table
+
+
+class ProgressView:
+    """Live tables (terminal) or event lines (scripts). Feed it `on_event` and call `tick()`."""
+
+    def __init__(self, paths: RunPaths, supervisor: Supervisor, *, console: Console, live: bool) -> None:
+        self.paths = paths
+        self.supervisor = supervisor
+        self.console = console
+        self.live = live
+        self._live: Live | None = None
+        self._events: deque[str] = deque(maxlen=RECENT_EVENTS)
+        self._last_refresh = float("-inf")
+        self._last_summary = time.monotonic()
+        self._shown_states: dict[int, str] = {}
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            # No auto-refresh thread: the supervisor loop redraws, so the launcher stays one thread
+            # (its children are forked from it, see launcher._die_with_parent).
+            self._live = Live(console=self.console, auto_refresh=False, transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self.render(), refresh=True)
+            self._live.stop()
+            self._live = None
+
+    def on_event(self, event: Event) -> None:
+        line = f"{time.strftime('%H:%M:%S')} [{event.name}] {event.message}"
+        if self._live is not None:
+            self._events.append(line)
+        else:
+            self._print(line)
+
+    def _print(self, line: str) -> None:
+        # Names like "[learner-1]" are not rich markup.
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh < REFRESH_INTERVAL_S:
+            return
+        self._last_refresh = now
+        if self._live is not None:
+            self._live.update(self.render(), refresh=True)
+        else:
+            self._print_changes(now)
+
+    def snapshot(self) -> tuple[dict[str, Any] | None, list[LearnerRow]]:
+        now = time.monotonic()
+        syncer_status = read_json(self.paths.syncer_status)
+        rows = [learner_row(slot, read_json(self.paths.learner_status(slot.learner_id)), syncer_status, now)
+                for slot in self.supervisor.learners if slot.learner_id is not None]
+        return syncer_status, rows
+
+    def render(self) -> Group:
+        syncer_status, rows = self.snapshot()
+        parts: list[Any] = [syncer_table(self.supervisor.syncer, syncer_status), learners_table(rows)]
+        if self._events:
+            parts.append(Text("\n".join(self._events), style="dim"))
+        return Group(*parts)
+
+    def _print_changes(self, now: float) -> None:
+        syncer_status, rows = self.snapshot()
+        for slot, row in zip(self.supervisor.learners, rows, strict=True):
+            # Only the learner's own states (from its status file); process states arrive as events.
+            if slot.state == ChildState.RUNNING and row.state != "starting" \
+                    and self._shown_states.get(row.learner_id) != row.state:
+                self._shown_states[row.learner_id] = row.state
+                self._print(f"{time.strftime('%H:%M:%S')} [learner-{row.learner_id}] {row.state} at inner step "
+                            f"{row.inner_step}/{row.inner_steps}, loss {_num(row.loss, '.3f')}")
+        if now - self._last_summary >= LINE_SUMMARY_EVERY_S and syncer_status is not None:
+            self._last_summary = now
+            steps = " ".join(f"{r.learner_id}:{r.inner_step}" for r in rows)
+            self._print(f"{time.strftime('%H:%M:%S')} [syncer] {syncer_status.get('rounds_committed', 0)} rounds, "
+                        f"val loss {_num(syncer_status.get('val_loss'), '.3f')}, inner steps {steps}")

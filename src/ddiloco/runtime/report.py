@@ -1,0 +1,314 @@
+"""The end of a run: merged metrics, `summary.json`, PNG plots and the summary table.
+
+Everything is computed from the run directory's files (the process contract), so a report is the
+same whether the run finished, was interrupted, or is re-made later; across `--resume` sessions the
+sources only grow, and the merge is rewritten from them each time:
+
+- `metrics.jsonl`: every line of `syncer/metrics.jsonl`, `learners/N/metrics.jsonl` and
+  `launcher/metrics.jsonl`, tagged with its `source`, sorted by time.
+- `summary.json`: per learner restarts, updates accepted and rejected, rounds contributed, tokens;
+  for the run rounds committed, final validation loss, wall time (this session and all sessions).
+- `val_loss.png` (validation loss vs time), `participation.png` (which learner was merged in which
+  round), `bytes.png` (bytes per direction per learner), drawn with matplotlib's Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ddiloco.runtime.launcher import RunPaths, read_json, write_json_atomic
+from ddiloco.runtime.progress import format_bytes
+
+logger = logging.getLogger(__name__)
+
+VAL_LOSS = "syncer/val_loss"
+"""The syncer's metric name for the global model's validation loss (process contract)."""
+PLOT_DPI = 110
+PLOT_SIZE_IN = (7.0, 4.0)
+_LEARNER_LOSS = re.compile(r"^learner/(\d+)/loss$")
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSONL file; a torn last line (a writer killed mid-line) is skipped."""
+    try:
+        file = path.open(encoding="utf-8")
+    except FileNotFoundError:
+        return
+    with file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                logger.debug("skipping a torn line in %s", path)
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def learner_ids(paths: RunPaths) -> list[int]:
+    """Learner ids that have a directory in the run."""
+    root = paths.root / "learners"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def metric_sources(paths: RunPaths) -> dict[str, Path]:
+    sources = {"syncer": paths.syncer_metrics, "launcher": paths.launcher_metrics}
+    for learner_id in learner_ids(paths):
+        sources[f"learner/{learner_id}"] = paths.learner_metrics(learner_id)
+    return sources
+
+
+def merge_metrics(paths: RunPaths) -> int:
+    """Rewrite `DIR/metrics.jsonl` from every source; returns the number of lines written."""
+    records = []
+    for source, path in metric_sources(paths).items():
+        for record in read_jsonl(path):
+            records.append({**record, "source": source})
+    records.sort(key=lambda r: r.get("time", 0.0) if isinstance(r.get("time"), int | float) else 0.0)
+    tmp = paths.metrics.with_name(paths.metrics.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record, default=str) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, paths.metrics)
+    return len(records)
+
+
+def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
+    return list(read_jsonl(paths.rounds))
+
+
+def final_val_loss(paths: RunPaths) -> tuple[float | None, float | None]:
+    """(latest validation loss, its wall time) from the syncer's metrics, else its status file."""
+    latest: tuple[float | None, float | None] = (None, None)
+    for record in read_jsonl(paths.syncer_metrics):
+        if isinstance(record.get(VAL_LOSS), int | float):
+            latest = (float(record[VAL_LOSS]), record.get("time"))
+    if latest[0] is None:
+        status = read_json(paths.syncer_status) or {}
+        if isinstance(status.get("val_loss"), int | float):
+            latest = (float(status["val_loss"]), status.get("time"))
+    return latest
+
+
+def _launcher_events(paths: RunPaths) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(paths.launcher_metrics) if "event" in r]
+
+
+def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
+                  final_states: Mapping[int, tuple[str, str]] | None = None,
+                  failure: str | None = None) -> dict[str, Any]:
+    """The content of summary.json. `final_states`: learner id -> (state, reason) of this session."""
+    final_states = final_states or {}
+    events = _launcher_events(paths)
+    restarts = Counter(e.get("name") for e in events if e["event"] == "restart_scheduled")
+    rounds = read_rounds(paths)
+    contributed: Counter[int] = Counter()
+    for record in rounds:
+        for participant in record.get("participants", []):
+            contributed[int(participant["learner_id"])] += 1
+    syncer_status = read_json(paths.syncer_status) or {}
+    per_learner_syncer = syncer_status.get("learners") or {}
+    learners = {}
+    for learner_id in sorted(set(range(num_learners)) | set(learner_ids(paths))):
+        status = read_json(paths.learner_status(learner_id)) or {}
+        from_syncer = per_learner_syncer.get(str(learner_id)) or {}
+        state, reason = final_states.get(learner_id, (str(status.get("state", "unknown")), ""))
+        learners[str(learner_id)] = {
+            "state": state,
+            "reason": reason,
+            "restarts": restarts.get(f"learner-{learner_id}", 0),
+            "inner_step": status.get("inner_step"),
+            "updates_sent": status.get("updates_sent"),
+            "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
+            "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
+            "rounds_contributed": contributed.get(learner_id, 0),
+            "tokens": status.get("tokens"),
+            "tokens_merged": from_syncer.get("tokens_merged"),
+            "bytes_sent": status.get("bytes_sent"),
+            "bytes_received": status.get("bytes_received"),
+            "joins": from_syncer.get("joins", status.get("joins")),
+        }
+    val_loss, val_time = final_val_loss(paths)
+    total_wall_s = sum(float(e.get("wall_time_s", 0.0)) for e in events if e["event"] == "run_finished")
+    return {
+        "run_dir": str(paths.root),
+        "outcome": outcome,
+        "failure": failure,
+        "num_learners": num_learners,
+        "rounds_committed": len(rounds),
+        "final_val_loss": val_loss,
+        "final_val_loss_time": val_time,
+        "wall_time_s": round(wall_time_s, 3),
+        "wall_time_total_s": round(max(total_wall_s, wall_time_s), 3),
+        "sessions": sum(1 for e in events if e["event"] == "run_started"),
+        "syncer": {
+            "restarts": restarts.get("syncer", 0),
+            "versions": syncer_status.get("versions"),
+            "bytes_received": syncer_status.get("bytes_received"),
+            "bytes_sent": syncer_status.get("bytes_sent"),
+            "rejections": syncer_status.get("rejections") or {},
+        },
+        "learners": learners,
+    }
+
+
+def write_summary(paths: RunPaths, summary: Mapping[str, Any]) -> None:
+    write_json_atomic(paths.summary, summary)
+
+
+# ---- plots -----------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plot_val_loss(paths: RunPaths, out: Path) -> None:
+    """Validation loss of the global model vs seconds since the run started, with each learner's
+    training loss underneath for context."""
+    plt = _pyplot()
+    merged = list(read_jsonl(paths.metrics))
+    times = [r["time"] for r in merged if isinstance(r.get("time"), int | float)]
+    start = min(times) if times else 0.0
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    train: dict[int, list[tuple[float, float]]] = {}
+    val: list[tuple[float, float]] = []
+    for record in merged:
+        if not isinstance(record.get("time"), int | float):
+            continue
+        t = record["time"] - start
+        if isinstance(record.get(VAL_LOSS), int | float):
+            val.append((t, record[VAL_LOSS]))
+        for key, value in record.items():
+            match = _LEARNER_LOSS.match(key)
+            if match and isinstance(value, int | float):
+                train.setdefault(int(match.group(1)), []).append((t, value))
+    for learner_id, points in sorted(train.items()):
+        ax.plot(*zip(*points, strict=True), linewidth=0.6, alpha=0.4, label=f"learner {learner_id} train")
+    if val:
+        ax.plot(*zip(*val, strict=True), marker="o", color="black", linewidth=1.8, label="global model, validation")
+    else:
+        _no_data(ax, "no validation loss recorded")
+    ax.set_xlabel("wall time since start (s)")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title("validation loss vs time")
+    if val or train:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
+    """One mark per (round, learner merged in it), coloured by the update's staleness."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    xs, ys, colours = [], [], []
+    for record in read_rounds(paths):
+        for participant in record.get("participants", []):
+            xs.append(record["round"])
+            ys.append(participant["learner_id"])
+            colours.append(participant.get("staleness", 0))
+    if xs:
+        points = ax.scatter(xs, ys, c=colours, marker="|", s=60, cmap="viridis")
+        fig.colorbar(points, ax=ax, label="staleness (versions)")
+    else:
+        _no_data(ax, "no committed rounds")
+    ax.set_yticks(range(num_learners))
+    ax.set_xlabel("round")
+    ax.set_ylabel("learner")
+    ax.set_title("per-learner participation in rounds")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
+    """Bytes each learner sent (uplink, pseudo-gradients) and received (downlink, fragments)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    ids = sorted(summary["learners"], key=int)
+    sent = [(summary["learners"][i].get("bytes_sent") or 0) / 1e6 for i in ids]
+    received = [(summary["learners"][i].get("bytes_received") or 0) / 1e6 for i in ids]
+    width = 0.4
+    ax.bar([int(i) - width / 2 for i in ids], sent, width, label="learner -> syncer (uplink)")
+    ax.bar([int(i) + width / 2 for i in ids], received, width, label="syncer -> learner (downlink)")
+    syncer = summary.get("syncer", {})
+    ax.set_title(f"bytes per direction (syncer received {format_bytes(syncer.get('bytes_received'))}, "
+                 f"sent {format_bytes(syncer.get('bytes_sent'))})", fontsize="medium")
+    ax.set_xticks([int(i) for i in ids])
+    ax.set_xlabel("learner")
+    ax.set_ylabel("MB")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def write_plots(paths: RunPaths, summary: Mapping[str, Any]) -> list[Path]:
+    outs = [paths.root / "val_loss.png", paths.root / "participation.png", paths.root / "bytes.png"]
+    plot_val_loss(paths, outs[0])
+    plot_participation(paths, outs[1], int(summary["num_learners"]))
+    plot_bytes(summary, outs[2])
+    return outs
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+def summary_table(summary: Mapping[str, Any]) -> Table:
+    val = summary.get("final_val_loss")
+    caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, final validation loss "
+               f"{'-' if val is None else f'{val:.4f}'}, wall time {summary['wall_time_s']:.1f} s "
+               f"(syncer restarts {summary['syncer']['restarts']})")
+    table = Table(title=f"ddiloco run {summary['run_dir']}", caption=caption, caption_justify="left")
+    for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
+                   "bytes sent", "bytes received"):
+        table.add_column(header, justify="left" if header == "state" else "right")
+    for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
+        state = row["state"] + (f" ({row['reason']})" if row.get("reason") else "")
+        table.add_row(learner_id, state, str(row["restarts"]), _cell(row["updates_accepted"]),
+                      _cell(row["updates_rejected"]), str(row["rounds_contributed"]), _cell(row["inner_step"]),
+                      _cell(row["tokens"], ","), format_bytes(row["bytes_sent"]), format_bytes(row["bytes_received"]))
+    return table
+
+
+def _cell(value: Any, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_summary(summary: Mapping[str, Any], console: Console) -> None:
+    console.print(summary_table(summary))
+    if summary.get("failure"):
+        console.print(f"[red]{summary['failure']}[/red]")
+
+
+def write_report(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
+                 final_states: Mapping[int, tuple[str, str]] | None = None,
+                 failure: str | None = None) -> dict[str, Any]:
+    """Merge metrics, write summary.json and the plots; returns the summary."""
+    merge_metrics(paths)
+    summary = build_summary(paths, num_learners=num_learners, outcome=outcome, wall_time_s=wall_time_s,
+                            final_states=final_states, failure=failure)
+    write_summary(paths, summary)
+    write_plots(paths, summary)
+    return summary

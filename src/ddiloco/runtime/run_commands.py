@@ -1,0 +1,172 @@
+"""`ddiloco run`: the main job. One command starts a syncer and M learners on this machine.
+
+Resolves the run config (defaults, `--config FILE`, or the run directory's own `config.json` with
+`--resume`; flags on top) and writes it to `DIR/config.json`, which every child reads. Then it
+supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
+SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
+report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
+finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_FAILED = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DEFAULT_RUNS_DIR = Path("runs")
+PIPE_COLUMNS = 140
+"""Output width when stdout is not a terminal (rich would assume 80 and truncate the summary table)."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ddiloco.runtime.run_config import add_run_config_flags
+
+    parser = subparsers.add_parser(
+        "run", help="start a syncer and M learner processes on this machine and supervise them",
+        description="Start a syncer and M learner processes here, restart any that die, show progress, and "
+                    "write a run directory (config.json, metrics.jsonl, rounds.jsonl, summary.json, plots). "
+                    "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run.")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where the run writes everything (default: runs/run-<timestamp>)")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="continue a stopped run from its directory (its config.json; flags still apply)")
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="start from this run config JSON instead of the defaults")
+    parser.add_argument("--link", default=None, metavar="BANDWIDTH,LATENCY",
+                        help="emulate this link for every learner, e.g. 2.5gbit,40ms")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per learner (default: max(1, cores // learners))")
+    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
+                        help="where the syncer listens (default: 127.0.0.1:0, a free port)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no live table: one line per learner event (automatic when stdout is not a terminal)")
+    parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
+    add_run_config_flags(parser)
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
+    """The run directory and its resolved RunConfig (written to DIR/config.json)."""
+    from ddiloco.runtime.run_config import RunConfig, run_config_from_args
+
+    if args.resume is not None:
+        run_dir = Path(args.resume)
+        if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ValueError(f"--run-dir {args.run_dir} and --resume {args.resume} name different directories")
+        if args.config is not None:
+            raise ValueError("--config cannot be combined with --resume: the run keeps its own config.json")
+        if not (run_dir / "config.json").is_file():
+            raise ValueError(f"--resume {run_dir}: no config.json there; is it a ddiloco run directory?")
+        config = run_config_from_args(args, RunConfig.load(run_dir / "config.json"))
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir is not None else (
+            DEFAULT_RUNS_DIR / time.strftime("run-%Y%m%d-%H%M%S"))
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ValueError(f"run directory {run_dir} already exists and is not empty: "
+                             f"use --resume {run_dir} to continue it, or another --run-dir")
+        base = RunConfig.load(args.config) if args.config is not None else None
+        config = run_config_from_args(args, base)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save(run_dir / "config.json")
+    return run_dir, config
+
+
+def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
+        supervisor_config: Any = None) -> int:
+    """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
+    from rich.console import Console
+
+    from ddiloco.metrics import JsonlSink
+    from ddiloco.runtime.launcher import DEFAULT_COMMAND, LaunchConfig, Launcher, RunPaths, write_json_atomic
+    from ddiloco.runtime.progress import ProgressView
+    from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
+    if args.link is not None:
+        from ddiloco.transport.link import parse_link
+        parse_link(args.link)  # a bad --link is a usage error here, not a crash loop in every learner
+    run_dir, config = _resolve(args)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // config.num_learners)
+    launch = LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads,
+                          bind=args.bind or LaunchConfig.bind, link=args.link,
+                          command=tuple(command) if command is not None else DEFAULT_COMMAND)
+    launcher = Launcher(launch)
+    paths = RunPaths(run_dir)
+    console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
+    sink = JsonlSink(paths.launcher_metrics)
+    sink.event("run_started", pid=os.getpid(), num_learners=config.num_learners, inner_steps=config.inner_steps,
+               threads=threads, resume=args.resume is not None, child_command=list(launch.command))
+    progress_holder: list[ProgressView] = []
+    started: dict[str, list[int]] = {}
+
+    def on_event(event: Event) -> None:
+        sink.event(event.kind, name=event.name, learner_id=event.learner_id, message=event.message,
+                   **event.fields)
+        if event.kind == "started":
+            # Every pid this session started (each also its process group id), for the operator and tests.
+            started.setdefault(event.name, []).append(event.fields["pid"])
+            write_json_atomic(paths.processes, {"launcher_pid": os.getpid(), "children": started})
+        if progress_holder:
+            progress_holder[0].on_event(event)
+
+    supervisor = Supervisor(supervisor_config or SupervisorConfig(), launcher=launcher, on_event=on_event)
+    progress = ProgressView(paths, supervisor, console=console,
+                            live=not args.no_progress and console.is_terminal)
+    progress_holder.append(progress)
+    if not progress.live:
+        console.print(f"ddiloco run: {config.num_learners} learners x {config.inner_steps} inner steps, "
+                      f"{threads} thread(s) each, run directory {run_dir}", highlight=False, soft_wrap=True)
+
+    def on_signal(signum: int, frame: object) -> None:
+        supervisor.request_stop(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    start = time.monotonic()
+    try:
+        with progress:
+            supervisor.run(on_tick=progress.tick)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    wall_time_s = time.monotonic() - start
+
+    final_states = {s.learner_id: (str(s.state), s.reason) for s in supervisor.learners if s.learner_id is not None}
+    unfinished = [s for s in supervisor.learners if s.state in (ChildState.REFUSED, ChildState.FAILED)]
+    if supervisor.stop_reason is not None:
+        outcome = "interrupted"
+    elif supervisor.failure is not None or unfinished:
+        outcome = "failed"
+    else:
+        outcome = "completed"
+    failure = supervisor.failure or "; ".join(f"{s.name} {s.state}: {s.reason}" for s in unfinished) or None
+    sink.event("run_finished", wall_time_s=wall_time_s, outcome=outcome, stop_reason=supervisor.stop_reason)
+    sink.close()
+    summary = write_report(paths, num_learners=config.num_learners, outcome=outcome, wall_time_s=wall_time_s,
+                           final_states=final_states, failure=failure)
+    print_summary(summary, console)
+    console.print(f"run directory: {run_dir} (summary.json, metrics.jsonl, rounds.jsonl, *.png)",
+                  highlight=False, soft_wrap=True)
+    if outcome == "interrupted":
+        console.print(f"continue it with: ddiloco run --resume {run_dir}", highlight=False, soft_wrap=True)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    if outcome == "interrupted":
+        return _signal_exit_code(supervisor.stop_reason)
+    return 0 if outcome == "completed" else EXIT_FAILED
+
+
+def _signal_exit_code(reason: str | None) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number."""
+    signum = signal.Signals[reason] if reason in signal.Signals.__members__ else signal.SIGINT
+    return 128 + int(signum)

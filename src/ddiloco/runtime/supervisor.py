@@ -1,0 +1,356 @@
+"""Supervision of a local run: keep one syncer and M learners alive until every learner is done.
+
+One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
+
+- The syncer starts first; learners start once it has written `syncer.json` (its real address).
+  Restarts reuse that port, so learners already running reconnect to the new syncer by themselves.
+- A child that dies is restarted after an exponential backoff (`Backoff`: 0.5 s doubling to 8 s,
+  reset once a child has run for `stable_after_s`). Self-healing, DESIGN.md section 4: a dead
+  learner stops only itself.
+- Exit codes decide the rest: a learner exiting 0 is done and never restarted; exit 3 means the
+  syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
+  better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
+  which end the run.
+- The run is finished when every learner is done (or will never run again); `shutdown()` then sends
+  SIGTERM to whatever still runs (learners first, so they can say Leave to a live syncer; then the
+  syncer, which evaluates the final validation loss) and SIGKILL after a timeout.
+
+Everything that happens is an `Event` handed to `on_event` (the progress view and the metrics sink).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
+
+logger = logging.getLogger(__name__)
+
+EXIT_DONE = 0
+EXIT_USAGE = 2
+"""`ddiloco` exits 2 on a bad flag or config: a restart would fail the same way."""
+EXIT_REFUSED = 3
+"""A learner the syncer refused (different model, config, token or schema)."""
+SYNCER = "syncer"
+
+
+class ChildState(enum.StrEnum):
+    STARTING = "starting"
+    """Started; the syncer has not yet published its address."""
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    """Exited; waiting out its backoff before the restart."""
+    PENDING = "pending"
+    """A learner not started yet because the syncer has no address yet."""
+    DONE = "done"
+    REFUSED = "refused"
+    FAILED = "failed"
+    """Will not be restarted (usage error, or too many restarts)."""
+    STOPPED = "stopped"
+
+    @property
+    def final(self) -> bool:
+        return self in (ChildState.DONE, ChildState.REFUSED, ChildState.FAILED, ChildState.STOPPED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    """Timing of the supervision loop; every field in seconds unless it says otherwise."""
+
+    poll_interval_s: float = 0.1
+    """The one loop interval: how quickly an exit is noticed and a signal obeyed."""
+    backoff_initial_s: float = 0.5
+    """First restart delay of a child."""
+    backoff_max_s: float = 8.0
+    """The delay doubles per restart up to this cap."""
+    stable_after_s: float = 30.0
+    """A child that ran at least this long before it died restarts with the initial delay again."""
+    max_restarts: int = 100
+    """Restarts of one child after which it is given up as failed (a crash loop, not a fault)."""
+    syncer_start_timeout_s: float = 120.0
+    """Longest a started syncer may take to write syncer.json before it is killed and restarted."""
+    learner_stop_timeout_s: float = 30.0
+    """SIGTERM -> SIGKILL delay for learners (they save a checkpoint and say Leave)."""
+    syncer_stop_timeout_s: float = 120.0
+    """SIGTERM -> SIGKILL delay for the syncer (it makes its last round durable and evaluates)."""
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval_s", "backoff_initial_s", "backoff_max_s", "syncer_start_timeout_s",
+                     "learner_stop_timeout_s", "syncer_stop_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} is invalid: expected a number > 0 (seconds)")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s={self.backoff_max_s} must be >= backoff_initial_s="
+                             f"{self.backoff_initial_s}")
+        if self.stable_after_s < 0:
+            raise ValueError(f"stable_after_s={self.stable_after_s} is invalid: expected >= 0 (seconds)")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} is invalid: expected >= 0")
+
+
+class Backoff:
+    """Restart delays: initial, doubling, capped; back to initial after a stable run."""
+
+    def __init__(self, initial_s: float, max_s: float, stable_after_s: float) -> None:
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self.stable_after_s = stable_after_s
+        self._next_s = initial_s
+
+    def delay(self, ran_for_s: float) -> float:
+        """The delay before restarting a child that ran `ran_for_s` seconds before it died."""
+        if ran_for_s >= self.stable_after_s:
+            self._next_s = self.initial_s
+        delay = self._next_s
+        self._next_s = min(self._next_s * 2, self.max_s)
+        return delay
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the supervisor did or saw. `name` is "syncer" or "learner-N"."""
+
+    kind: str
+    """started, address, exited, restart_scheduled, done, refused, failed, stopping, stopped."""
+    name: str
+    learner_id: int | None
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Slot:
+    """One supervised role: the syncer or learner N, across all its processes."""
+
+    name: str
+    learner_id: int | None
+    backoff: Backoff
+    state: ChildState = ChildState.PENDING
+    process: ChildProcess | None = None
+    restarts: int = 0
+    restart_at: float | None = None
+    exit_codes: list[int] = field(default_factory=list)
+    reason: str = ""
+    """Why it ended (refused, failed), from its log."""
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.process.returncode is None else None
+
+
+class Supervisor:
+    """Runs a syncer and M learners to completion. See the module docstring."""
+
+    def __init__(self, config: SupervisorConfig, *, launcher: Launcher,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        self.config = config
+        self.launcher = launcher
+        self._on_event = on_event or (lambda event: None)
+        backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s, config.stable_after_s)
+        self.syncer = Slot(SYNCER, None, backoff())
+        self.learners = [Slot(f"learner-{i}", i, backoff()) for i in range(launcher.config.num_learners)]
+        self.syncer_address: str | None = None
+        """Where learners dial the syncer, once known."""
+        self._bind = launcher.config.bind
+        self._stop_reason: str | None = None
+        self._kill_now = False
+        self.failure: str | None = None
+        """Why the run cannot go on (the syncer cannot run), if so."""
+
+    # ---- control ---------------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [self.syncer, *self.learners]
+
+    @property
+    def finished(self) -> bool:
+        """Every learner is done or will never run again, or the run failed."""
+        return self.failure is not None or all(slot.state.final for slot in self.learners)
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to shut down (a signal handler calls this); a second request kills at once."""
+        if self._stop_reason is not None:
+            self._kill_now = True
+        else:
+            self._stop_reason = reason
+
+    def run(self, *, on_tick: Callable[[], None] | None = None) -> None:
+        """Start, supervise until finished or asked to stop, then shut everything down."""
+        self.start()
+        try:
+            while not self.finished and self._stop_reason is None:
+                self.poll()
+                if on_tick is not None:
+                    on_tick()
+                if not self.finished:
+                    time.sleep(self.config.poll_interval_s)
+        finally:
+            self.shutdown()
+            if on_tick is not None:
+                on_tick()
+
+    def start(self) -> None:
+        self._start_syncer()
+
+    def poll(self) -> None:
+        """One supervision step: notice exits, start what is due."""
+        # Wall time throughout: the children are real processes (their start times are monotonic too).
+        now = time.monotonic()
+        self._poll_syncer(now)
+        for slot in self.learners:
+            self._poll_learner(slot, now)
+
+    def shutdown(self) -> None:
+        """Stop every child that still runs: learners first, then the syncer. Idempotent."""
+        running = [s for s in self.learners if s.pid is not None]
+        if running:
+            self._emit("stopping", None, f"stopping {len(running)} learner(s)")
+            self._stop(running, self.config.learner_stop_timeout_s)
+        for slot in self.learners:
+            if not slot.state.final:
+                slot.state = ChildState.STOPPED
+        if self.syncer.pid is not None:
+            self._emit("stopping", self.syncer, "stopping")
+            self._stop([self.syncer], self.config.syncer_stop_timeout_s)
+        if not self.syncer.state.final:
+            self.syncer.state = ChildState.STOPPED
+
+    def _stop(self, slots: list[Slot], timeout_s: float) -> None:
+        processes = [s.process for s in slots if s.process is not None]
+        stop_processes(processes, timeout_s, kill_now=lambda: self._kill_now)
+        for slot in slots:
+            assert slot.process is not None
+            self._emit("stopped", slot, f"stopped (exit {slot.process.returncode})",
+                       exit_code=slot.process.returncode)
+
+    # ---- the syncer ------------------------------------------------------------------------------
+
+    def _start_syncer(self) -> None:
+        slot = self.syncer
+        slot.process = self.launcher.start_syncer(self._bind)
+        slot.pids.append(slot.process.pid)
+        slot.state = ChildState.STARTING
+        slot.restart_at = None
+        self._emit("started", slot, f"started (pid {slot.process.pid}, bind {self._bind})",
+                   pid=slot.process.pid, restarts=slot.restarts)
+
+    def _poll_syncer(self, now: float) -> None:
+        slot = self.syncer
+        if slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at:
+            self._start_syncer()
+            return
+        if slot.process is None or slot.state not in (ChildState.STARTING, ChildState.RUNNING):
+            return
+        code = slot.process.poll()
+        if code is not None:
+            self._syncer_exited(code, now)
+            return
+        if slot.state == ChildState.STARTING:
+            address = self.launcher.syncer_address(slot.process.pid)
+            if address is not None:
+                # Keep the port for restarts, so running learners find the new syncer where the old was.
+                self._bind = with_port(self._bind, int(address.rpartition(":")[2]))
+                self.syncer_address = connect_address(address)
+                slot.state = ChildState.RUNNING
+                self._emit("address", slot, f"serving on {address}", address=address)
+            elif now - slot.process.started_at > self.config.syncer_start_timeout_s:
+                logger.warning("[syncer] no syncer.json after %.0f s: killing it",
+                               self.config.syncer_start_timeout_s)
+                slot.process.stop(self.config.learner_stop_timeout_s)
+                self._syncer_exited(slot.process.returncode or -1, now)
+
+    def _syncer_exited(self, code: int, now: float) -> None:
+        slot = self.syncer
+        assert slot.process is not None
+        slot.exit_codes.append(code)
+        tail = slot.process.log_tail()
+        self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
+                   log_tail=tail)
+        if code in (EXIT_USAGE, EXIT_REFUSED) or slot.restarts >= self.config.max_restarts:
+            slot.state = ChildState.FAILED
+            slot.reason = tail[-1] if tail else _describe_exit(code)
+            self.failure = f"the syncer cannot run: {slot.reason}"
+            self._emit("failed", slot, self.failure, exit_code=code)
+            return
+        self._schedule_restart(slot, now)
+
+    # ---- learners --------------------------------------------------------------------------------
+
+    def _poll_learner(self, slot: Slot, now: float) -> None:
+        if slot.state == ChildState.PENDING or (
+                slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at):
+            if self.syncer_address is not None:
+                self._start_learner(slot)
+            return
+        if slot.state != ChildState.RUNNING or slot.process is None:
+            return
+        code = slot.process.poll()
+        if code is None:
+            return
+        slot.exit_codes.append(code)
+        tail = slot.process.log_tail()
+        if code == EXIT_DONE:
+            slot.state = ChildState.DONE
+            self._emit("done", slot, "exited (done)", exit_code=code)
+        elif code == EXIT_REFUSED:
+            slot.state = ChildState.REFUSED
+            slot.reason = tail[-1] if tail else "refused by the syncer"
+            self._emit("refused", slot, f"refused by the syncer: {slot.reason}", exit_code=code,
+                       reason=slot.reason)
+        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
+            slot.state = ChildState.FAILED
+            slot.reason = (tail[-1] if tail and code == EXIT_USAGE
+                           else f"{_describe_exit(code)} after {slot.restarts} restarts")
+            self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
+        else:
+            self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
+                       log_tail=tail)
+            self._schedule_restart(slot, now)
+
+    def _start_learner(self, slot: Slot) -> None:
+        assert slot.learner_id is not None and self.syncer_address is not None
+        slot.process = self.launcher.start_learner(slot.learner_id, self.syncer_address)
+        slot.pids.append(slot.process.pid)
+        slot.state = ChildState.RUNNING
+        slot.restart_at = None
+        self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid,
+                   restarts=slot.restarts)
+
+    # ---- shared ----------------------------------------------------------------------------------
+
+    def _schedule_restart(self, slot: Slot, now: float) -> None:
+        assert slot.process is not None
+        delay = slot.backoff.delay(now - slot.process.started_at)
+        slot.restarts += 1
+        slot.restart_at = now + delay
+        slot.state = ChildState.BACKOFF
+        self._emit("restart_scheduled", slot, f"restarts in {delay:.1f} s (restart {slot.restarts})",
+                   delay_s=delay, restarts=slot.restarts)
+
+    def _emit(self, kind: str, slot: Slot | None, message: str, **fields: Any) -> None:
+        name = slot.name if slot is not None else "run"
+        learner_id = slot.learner_id if slot is not None else None
+        logger.info("[%s] %s", name, message)
+        self._on_event(Event(kind, name, learner_id, message, fields))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"

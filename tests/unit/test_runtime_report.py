@@ -1,0 +1,146 @@
+"""The end-of-run report and the progress view, from hand-written run directories (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from ddiloco.runtime.launcher import RunPaths, write_json_atomic
+from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
+from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, read_jsonl, write_report
+from ddiloco.runtime.supervisor import Backoff, ChildState, Slot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_lines(path: Path, records, *, torn_tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn_tail)
+
+
+def participant(learner_id: int, staleness: int = 0) -> dict:
+    return {"learner_id": learner_id, "base_version": 0, "staleness": staleness, "steps": 8, "tokens": 16_384,
+            "weight": 1.0}
+
+
+def fake_run(tmp_path: Path) -> RunPaths:
+    """Two learners; learner 1 restarted once; three rounds; two validation losses."""
+    paths = RunPaths(tmp_path / "run")
+    write_lines(paths.syncer_metrics, [
+        {"step": 0, "time": 100.0, "syncer/val_loss": 5.5},
+        {"event": "commit", "time": 101.0, "round": 0},
+        {"step": 3, "time": 104.0, "syncer/val_loss": 4.25},
+    ])
+    write_lines(paths.learner_metrics(0), [{"step": 1, "time": 100.5, "learner/0/loss": 5.4}])
+    # A learner killed with SIGKILL may leave half a line behind.
+    write_lines(paths.learner_metrics(1), [{"step": 1, "time": 100.7, "learner/1/loss": 5.3}],
+                torn_tail='{"step": 2, "ti')
+    write_lines(paths.launcher_metrics, [
+        {"event": "run_started", "time": 99.0},
+        {"event": "restart_scheduled", "time": 102.0, "name": "learner-1", "delay_s": 0.5},
+        {"event": "restart_scheduled", "time": 102.5, "name": "syncer", "delay_s": 0.5},
+        {"event": "run_finished", "time": 105.0, "wall_time_s": 6.0},
+    ])
+    write_lines(paths.rounds, [
+        {"round": 0, "fragment": 0, "version": 1, "participants": [participant(0), participant(1)]},
+        {"round": 1, "fragment": 1, "version": 1, "participants": [participant(0)]},
+        {"round": 2, "fragment": 0, "version": 2, "participants": [participant(0), participant(1, staleness=1)]},
+    ])
+    write_json_atomic(paths.syncer_status, {
+        "time": 104.0, "rounds_committed": 3, "versions": [2, 1], "bytes_received": 3_000, "bytes_sent": 9_000,
+        "rejections": {"stale": 1}, "val_loss": 4.25,
+        "learners": {"0": {"accepted": 3, "rejected": 0, "tokens_merged": 49_152, "joins": 1},
+                     "1": {"accepted": 2, "rejected": 1, "tokens_merged": 32_768, "joins": 2}}})
+    for learner_id, step in ((0, 40), (1, 40)):
+        write_json_atomic(paths.learner_status(learner_id), {
+            "pid": 10 + learner_id, "state": "done", "inner_step": step, "inner_steps": 40, "loss": 4.4,
+            "tokens": 81_920, "updates_accepted": 1, "bytes_sent": 1_500, "bytes_received": 4_500})
+    return paths
+
+
+def test_merge_keeps_every_complete_line_tagged_and_in_time_order(tmp_path):
+    paths = fake_run(tmp_path)
+    assert merge_metrics(paths) == 9
+    merged = list(read_jsonl(paths.metrics))
+    assert [r["time"] for r in merged] == sorted(r["time"] for r in merged)
+    assert {r["source"] for r in merged} == {"syncer", "launcher", "learner/0", "learner/1"}
+    assert merge_metrics(paths) == 9  # rewritten from the sources, not appended
+
+
+def test_summary_counts_from_the_run_files(tmp_path):
+    paths = fake_run(tmp_path)
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("done", "")})
+    assert summary["rounds_committed"] == 3
+    assert summary["final_val_loss"] == 4.25
+    assert summary["wall_time_total_s"] == 6.0 and summary["sessions"] == 1
+    assert summary["syncer"]["restarts"] == 1
+    zero, one = summary["learners"]["0"], summary["learners"]["1"]
+    assert (zero["restarts"], zero["updates_accepted"], zero["updates_rejected"], zero["rounds_contributed"]) \
+        == (0, 3, 0, 3)
+    assert (one["restarts"], one["updates_accepted"], one["updates_rejected"], one["rounds_contributed"]) \
+        == (1, 2, 1, 2)
+    assert one["tokens"] == 81_920 and one["tokens_merged"] == 32_768
+
+
+def test_report_writes_summary_and_three_pngs(tmp_path):
+    paths = fake_run(tmp_path)
+    summary = write_report(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
+    assert json.loads(paths.summary.read_text()) == summary
+    for name in ("val_loss.png", "participation.png", "bytes.png"):
+        assert (paths.root / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def test_report_of_an_empty_run_still_has_plots(tmp_path):
+    paths = RunPaths(tmp_path / "empty")
+    paths.root.mkdir()
+    summary = write_report(paths, num_learners=3, outcome="interrupted", wall_time_s=0.5)
+    assert summary["rounds_committed"] == 0 and summary["final_val_loss"] is None
+    assert sorted(summary["learners"]) == ["0", "1", "2"]
+    assert (paths.root / "val_loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_summary_table_shows_every_learner_and_the_run(tmp_path):
+    paths = fake_run(tmp_path)
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("refused", "model differs")})
+    console = Console(width=200, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert "refused (model differs)" in text
+    assert "3 rounds committed" in text and "4.2500" in text
+
+
+def slot(state: ChildState, pid: int | None = None) -> Slot:
+    s = Slot("learner-1", 1, Backoff(0.5, 8.0, 30.0), state=state)
+    if pid is not None:
+        s.process = SimpleNamespace(pid=pid, returncode=None)  # what `Slot.pid` reads of a ChildProcess
+    return s
+
+
+def test_learner_state_prefers_the_process_view_until_its_own_status_arrives():
+    assert learner_state(slot(ChildState.PENDING), None, 0.0) == "pending"
+    backoff = slot(ChildState.BACKOFF)
+    backoff.restart_at = 3.0
+    assert learner_state(backoff, None, 1.0) == "restart in 2.0s"
+    running = slot(ChildState.RUNNING, pid=42)
+    assert learner_state(running, {"pid": 41, "state": "done"}, 0.0) == "starting"  # an old process's file
+    assert learner_state(running, {"pid": 42, "state": "waiting"}, 0.0) == "waiting"
+    assert learner_state(slot(ChildState.REFUSED), {"state": "training"}, 0.0) == "refused"
+
+
+def test_rows_and_tables_render_what_the_contract_provides(tmp_path):
+    paths = fake_run(tmp_path)
+    syncer_status = json.loads(paths.syncer_status.read_text())
+    status = json.loads(paths.learner_status(1).read_text())
+    row = learner_row(slot(ChildState.RUNNING, pid=11), status, syncer_status, 0.0)
+    assert (row.state, row.inner_step, row.rounds, row.restarts) == ("done", 40, 2, 0)
+    console = Console(width=200, record=True)
+    console.print(learners_table([row]))
+    console.print(syncer_table(slot(ChildState.RUNNING), syncer_status))
+    text = console.export_text()
+    assert "40/40" in text and "stale 1" in text and "3.0 kB / 9.0 kB" in text
+    assert [format_bytes(n) for n in (12, 1_500, 2_500_000, 7e12)] == ["12 B", "1.5 kB", "2.5 MB", "7000.0 GB"]

@@ -1,0 +1,407 @@
+"""The launcher and supervisor with real processes and real signals, but fake children.
+
+`fake_ddiloco` below keeps the process contract's files (syncer.json, status files, a checkpoint)
+and exit codes, and nothing else: it starts in milliseconds and needs no torch, so these tests cover
+restarts, backoff, refusals and clean shutdown in a few seconds. Each test scripts its children's
+behaviour in `DIR/fake_plan.json`. The real `ddiloco syncer` / `learner` run in
+tests/integration/test_run.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive, read_json
+from ddiloco.runtime.supervisor import Backoff, ChildState, Supervisor, SupervisorConfig
+
+WAIT_S = 30.0
+"""Hard limit on every wait for a child to reach a state."""
+FAST = SupervisorConfig(poll_interval_s=0.02, backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=60.0,
+                        learner_stop_timeout_s=5.0, syncer_stop_timeout_s=5.0, syncer_start_timeout_s=20.0)
+
+
+def fake_ddiloco() -> None:
+    """`fake syncer|learner [contract flags]`: writes the contract's files, obeys fake_plan.json."""
+    import argparse
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    step_s = 0.01
+    role = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    for flag in ("--run-dir", "--config", "--token-file", "--bind", "--syncer", "--threads", "--link"):
+        parser.add_argument(flag)
+    parser.add_argument("--learner-id", type=int)
+    args = parser.parse_args(sys.argv[2:])
+    run = Path(args.run_dir)
+    plan_path = run / "fake_plan.json"
+    plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+
+    def write(path, data):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+    with (run / "fake_calls.jsonl").open("a") as calls:
+        calls.write(json.dumps({"role": role, "pid": os.getpid(), "argv": sys.argv[1:],
+                                "omp": os.environ.get("OMP_NUM_THREADS")}) + "\n")
+    if role == "syncer":
+        behaviour = plan.get("syncer", {})
+        if "exit_code" in behaviour:
+            print(behaviour.get("message", "fake syncer failed"), file=sys.stderr)
+            sys.exit(behaviour["exit_code"])
+        host, port = args.bind.rsplit(":", 1)
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, int(port)))
+        listener.listen()
+        address = f"{host}:{listener.getsockname()[1]}"
+        write(run / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
+        while not stop:
+            write(run / "syncer_status.json", {"time": time.time(), "pid": os.getpid(), "address": address,
+                                               "rounds_committed": 0, "versions": [0]})
+            time.sleep(step_s * 5)
+        metrics = run / "syncer" / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        with metrics.open("a") as file:
+            file.write(json.dumps({"step": 0, "time": time.time(), "syncer/val_loss": 1.5}) + "\n")
+        sys.exit(0)
+
+    learner_id = args.learner_id
+    behaviour = plan.get("learners", {}).get(str(learner_id), {})
+    total = json.loads(Path(args.config).read_text())["inner_steps"]
+    home = run / "learners" / str(learner_id)
+    checkpoint = home / "fake_checkpoint.json"
+    state = json.loads(checkpoint.read_text()) if checkpoint.exists() else {"inner_step": 0, "starts": 0}
+    state["starts"] += 1
+    write(checkpoint, state)
+    if "exit_code" in behaviour:
+        print(behaviour.get("message", "fake learner failed"), file=sys.stderr)
+        sys.exit(behaviour["exit_code"])
+    if behaviour.get("ignore_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if behaviour.get("grandchild"):
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        write(home / "grandchild.json", {"pid": helper.pid})
+
+    def status(name):
+        write(home / "status.json", {"time": time.time(), "pid": os.getpid(), "learner_id": learner_id,
+                                     "state": name, "inner_step": state["inner_step"], "inner_steps": total,
+                                     "loss": 5.0 / (1 + state["inner_step"]), "tokens_per_s": 1000.0,
+                                     "tokens": 10 * state["inner_step"], "updates_accepted": 0})
+
+    while state["inner_step"] < total and not stop:
+        time.sleep(step_s)
+        state["inner_step"] += 1
+        write(checkpoint, state)
+        status("training")
+        with (home / "metrics.jsonl").open("a") as file:
+            file.write(json.dumps({"step": state["inner_step"], "time": time.time(),
+                                   f"learner/{learner_id}/loss": 5.0 / (1 + state["inner_step"])}) + "\n")
+        crash_at, crashes = behaviour.get("crash_at_step", total + 1), behaviour.get("crashes", 1)
+        if state["inner_step"] >= crash_at and state["starts"] <= crashes:
+            os._exit(1)
+    status("done" if state["inner_step"] >= total else "disconnected")
+    sys.exit(0)
+
+
+@pytest.fixture
+def fake_command(tmp_path_factory) -> tuple[str, ...]:
+    script = tmp_path_factory.mktemp("fake") / "fake_ddiloco.py"
+    script.write_text(inspect.getsource(fake_ddiloco) + "\n\nfake_ddiloco()\n")
+    return (sys.executable, str(script))
+
+
+def make_run(tmp_path: Path, command, *, learners: int = 2, inner_steps: int = 20, plan=None) -> Launcher:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"inner_steps": inner_steps, "num_learners": learners}))
+    if plan is not None:
+        (run_dir / "fake_plan.json").write_text(json.dumps(plan))
+    return Launcher(LaunchConfig(run_dir=run_dir, num_learners=learners, threads=1, command=tuple(command)))
+
+
+def poll_until(supervisor: Supervisor, condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {WAIT_S} s waiting for {what}"
+        supervisor.poll()
+        time.sleep(supervisor.config.poll_interval_s)
+
+
+def all_pids(supervisor: Supervisor) -> list[int]:
+    return [pid for slot in supervisor.slots for pid in slot.pids]
+
+
+def assert_all_gone(pids) -> None:
+    alive = [pid for pid in pids if process_group_alive(pid)]
+    assert not alive, f"process groups still alive: {alive}"
+
+
+def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
+    backoff = Backoff(0.5, 8.0, stable_after_s=30.0)
+    assert [backoff.delay(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert backoff.delay(30.0) == 0.5
+    assert backoff.delay(0.1) == 1.0
+
+
+@pytest.mark.parametrize("field, value", [("poll_interval_s", 0.0), ("backoff_initial_s", -1.0),
+                                          ("max_restarts", -1), ("stable_after_s", -1.0)])
+def test_supervisor_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SupervisorConfig(**{field: value})
+
+
+def test_learners_run_to_done_then_the_syncer_is_stopped(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, learners=2)
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    assert [s.state for s in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
+    assert [s.restarts for s in supervisor.slots] == [0, 0, 0]
+    assert supervisor.syncer.state == ChildState.STOPPED
+    assert supervisor.syncer.process.returncode == 0  # it got SIGTERM and exited cleanly
+    assert_all_gone(all_pids(supervisor))
+    calls = [json.loads(line) for line in (launcher.paths.root / "fake_calls.jsonl").read_text().splitlines()]
+    learner_argv = [c["argv"] for c in calls if c["role"] == "learner"]
+    address = supervisor.syncer_address
+    assert all(argv[argv.index("--syncer") + 1] == address for argv in learner_argv)
+    assert all("--token-file" in argv and "--threads" in argv for argv in learner_argv)
+    assert {c["omp"] for c in calls} == {"1"}
+    assert [e.kind for e in events][:2] == ["started", "address"]
+
+
+def test_crashed_learner_is_restarted_after_backoff_and_resumes(tmp_path, fake_command):
+    plan = {"learners": {"1": {"crash_at_step": 5}}}
+    launcher = make_run(tmp_path, fake_command, plan=plan)
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    crashed = supervisor.learners[1]
+    assert crashed.state == ChildState.DONE
+    assert crashed.restarts == 1 and crashed.exit_codes == [1, 0]
+    checkpoint = read_json(launcher.paths.learner_dir(1) / "fake_checkpoint.json")
+    assert checkpoint == {"inner_step": 20, "starts": 2}  # resumed at step 5, not from scratch
+    scheduled = [e for e in events if e.kind == "restart_scheduled"]
+    assert [(e.name, e.fields["delay_s"]) for e in scheduled] == [("learner-1", FAST.backoff_initial_s)]
+    assert supervisor.learners[0].restarts == 0
+
+
+def test_sigkilled_learner_is_restarted(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, inner_steps=300)
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.start()
+    try:
+        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
+        victim = supervisor.learners[0].pid
+        os.kill(victim, signal.SIGKILL)
+        poll_until(supervisor, lambda: supervisor.learners[0].pid not in (None, victim), "learner 0 to restart")
+        assert supervisor.learners[0].exit_codes == [-signal.SIGKILL]
+        assert supervisor.learners[0].restarts == 1
+        poll_until(supervisor, lambda: supervisor.finished, "the run to finish")
+        assert supervisor.learners[0].state == ChildState.DONE
+    finally:
+        supervisor.shutdown()
+    assert_all_gone(all_pids(supervisor))
+
+
+def test_refused_learner_is_not_restarted_and_the_reason_is_kept(tmp_path, fake_command):
+    message = "refused by the syncer: parameter 'lm_head.weight' is float32[256, 64], expected float32[256, 128]"
+    launcher = make_run(tmp_path, fake_command, plan={"learners": {"0": {"exit_code": 3, "message": message}}})
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    refused, other = supervisor.learners
+    assert refused.state == ChildState.REFUSED and refused.restarts == 0
+    assert refused.reason == message
+    assert other.state == ChildState.DONE
+
+
+def test_usage_error_and_crash_loops_are_given_up(tmp_path, fake_command):
+    plan = {"learners": {"0": {"exit_code": 2, "message": "error: --bad-flag"},
+                         "1": {"crash_at_step": 1, "crashes": 100}}}
+    launcher = make_run(tmp_path, fake_command, plan=plan)
+    config = dataclasses.replace(FAST, max_restarts=2)
+    supervisor = Supervisor(config, launcher=launcher)
+    supervisor.run()
+    usage, looping = supervisor.learners
+    assert usage.state == ChildState.FAILED and usage.restarts == 0 and "--bad-flag" in usage.reason
+    assert looping.state == ChildState.FAILED and looping.restarts == 2 and looping.exit_codes == [1, 1, 1]
+
+
+def test_dead_syncer_is_restarted_on_the_same_port(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, inner_steps=10_000)
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.start()
+    try:
+        poll_until(supervisor, lambda: supervisor.syncer.state == ChildState.RUNNING, "the syncer to serve")
+        address, first = supervisor.syncer_address, supervisor.syncer.pid
+        learner_pids = [s.pid for s in supervisor.learners]
+        os.kill(first, signal.SIGKILL)
+        poll_until(supervisor, lambda: supervisor.syncer.state == ChildState.RUNNING
+                   and supervisor.syncer.pid != first, "the syncer to come back")
+        assert supervisor.syncer.restarts == 1
+        assert supervisor.syncer_address == address
+        assert [s.pid for s in supervisor.learners] == learner_pids  # learners were left alone
+    finally:
+        supervisor.shutdown()
+    assert_all_gone(all_pids(supervisor))
+
+
+def test_shutdown_kills_what_ignores_sigterm_and_everything_it_spawned(tmp_path, fake_command):
+    plan = {"learners": {"0": {"ignore_sigterm": True, "grandchild": True}}}
+    launcher = make_run(tmp_path, fake_command, inner_steps=100_000, plan=plan)
+    config = dataclasses.replace(FAST, learner_stop_timeout_s=0.5)
+    supervisor = Supervisor(config, launcher=launcher)
+    supervisor.start()
+    grandchild_file = launcher.paths.learner_dir(0) / "grandchild.json"
+    try:
+        poll_until(supervisor, grandchild_file.exists, "learner 0 to spawn a helper")
+        poll_until(supervisor, lambda: launcher.paths.learner_status(1).exists(), "learner 1 to train")
+        supervisor.request_stop("test")
+    finally:
+        supervisor.shutdown()
+    grandchild = read_json(grandchild_file)["pid"]
+    stubborn, polite = supervisor.learners
+    assert stubborn.exit_codes == [] and stubborn.process.returncode == -signal.SIGKILL
+    assert polite.process.returncode == 0
+    assert not process_group_alive(grandchild)
+    assert_all_gone([*all_pids(supervisor), grandchild])
+
+
+def test_a_syncer_that_cannot_start_fails_the_run(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, plan={"syncer": {"exit_code": 2, "message": "error: bad --bind"}})
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    assert supervisor.failure is not None and "bad --bind" in supervisor.failure
+    assert supervisor.learners[0].pids == []  # never started without a syncer
+
+
+# ---- `ddiloco run` itself, with fake children ------------------------------------------------------
+
+def run_parser() -> argparse.ArgumentParser:
+    from ddiloco.runtime import run_commands
+    parser = argparse.ArgumentParser(prog="ddiloco")
+    run_commands.add_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def run_args(run_dir: Path, *extra: str):
+    return run_parser().parse_args(["run", "--run-dir", str(run_dir), "--learners", "2", "--inner-steps", "15",
+                                      "--no-progress", *extra])
+
+
+def test_run_command_writes_the_run_directory(tmp_path, fake_command, capsys):
+    from ddiloco.runtime import run_commands
+    run_dir = tmp_path / "run"
+    code = run_commands.run(run_args(run_dir, "--json"), command=fake_command, supervisor_config=FAST)
+    assert code == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["outcome"] == "completed" and summary["final_val_loss"] == 1.5
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert [summary["learners"][i]["state"] for i in ("0", "1")] == ["done", "done"]
+    for name in ("config.json", "metrics.jsonl", "val_loss.png", "participation.png", "bytes.png"):
+        assert (run_dir / name).is_file(), name
+    assert json.loads((run_dir / "config.json").read_text())["inner_steps"] == 15
+    sources = {json.loads(line)["source"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    assert sources == {"syncer", "launcher", "learner/0", "learner/1"}
+    assert "[learner-1] exited (done)" in out
+    with pytest.raises(ValueError, match="already exists"):
+        run_commands.run(run_args(run_dir), command=fake_command, supervisor_config=FAST)
+
+
+DRIVER = """
+import argparse
+import sys
+from ddiloco.runtime import run_commands
+from ddiloco.runtime.supervisor import SupervisorConfig
+parser = argparse.ArgumentParser(prog="ddiloco")
+run_commands.add_parser(parser.add_subparsers(dest="command"))
+args = parser.parse_args(sys.argv[2:])
+sys.exit(run_commands.run(args, command=(sys.executable, sys.argv[1]),
+                          supervisor_config=SupervisorConfig(poll_interval_s=0.02, backoff_initial_s=0.05)))
+"""
+
+
+def start_driver(tmp_path: Path, fake_command, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """`ddiloco run` with fake children, as a separate process (own session: signals reach only it)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, str(driver), fake_command[1], "run", "--run-dir", str(run_dir), "--learners", "3",
+            "--no-progress", *flags]
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, cwd=Path(__file__).parents[2])
+    return popen, run_dir
+
+
+def wait_for_learners(run_dir: Path, popen: subprocess.Popen, count: int) -> list[int]:
+    deadline = time.monotonic() + WAIT_S
+    paths = RunPaths(run_dir)
+    while True:
+        statuses = [read_json(paths.learner_status(i)) for i in range(count)]
+        if all(s and s.get("inner_step", 0) > 0 for s in statuses):
+            return [s["pid"] for s in statuses]
+        assert popen.poll() is None, popen.communicate()[0]
+        assert time.monotonic() < deadline, "learners did not start training"
+        time.sleep(FAST.poll_interval_s)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_run_stops_every_child_and_writes_the_summary(tmp_path, fake_command, signum):
+    popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "100000")
+    try:
+        wait_for_learners(run_dir, popen, 3)
+        popen.send_signal(signum)
+        out, _ = popen.communicate(timeout=WAIT_S)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+    assert popen.returncode == 128 + signum, out
+    processes = read_json(run_dir / "launcher" / "processes.json")
+    pids = [pid for started in processes["children"].values() for pid in started]
+    assert len(pids) == 4
+    assert_all_gone(pids)
+    summary = read_json(run_dir / "summary.json")
+    assert summary["outcome"] == "interrupted"
+    assert f"--resume {run_dir}" in out
+
+
+def test_children_die_with_a_sigkilled_launcher(tmp_path, fake_command):
+    popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "100000")
+    learner_pids, syncer_pid = [], popen.pid
+    try:
+        learner_pids = wait_for_learners(run_dir, popen, 3)
+        syncer_pid = read_json(run_dir / "syncer.json")["pid"]
+        popen.kill()
+        popen.communicate(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while any(process_group_alive(pid) for pid in [*learner_pids, syncer_pid]):
+            assert time.monotonic() < deadline, "children outlived their launcher"
+            time.sleep(FAST.poll_interval_s)
+    finally:
+        for pid in [*learner_pids, syncer_pid]:
+            if process_group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
