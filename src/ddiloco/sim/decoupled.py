@@ -1,0 +1,528 @@
+"""The Decoupled DiLoCo driver of the virtual-time harness: M learners and the syncer on one clock.
+
+Drives the real `Learner` and `Syncer` cores through their public API only, the way
+`ddiloco.transport.inprocess.InProcessHub` does, but with time: every inner step is really computed
+(`ddiloco.training.inner_step` on the learner's TinyGPT, AdamW and data shard) and lasts a virtual
+duration drawn by `ddiloco.sim.cluster.StepTimer`; every message crosses a simulated link
+(`ddiloco.sim.links`) with latency and bandwidth, per direction; learners fail and recover by a
+`ddiloco.sim.faults.FaultPlan`. Synchronous (Streaming) DiLoCo is this driver with
+`QuorumConfig(min_quorum=M, grace="none")`.
+
+Rules the driver keeps (they mirror the real runtime):
+
+- Messages that reach a learner while it computes an inner step wait in its inbox and are applied
+  before its next inner step; a learner that is idle (joining, or blocked by the tau waiting rule)
+  applies them on arrival. A blocked learner idles until a message lets it go on or
+  `LearnerConfig.max_wait_s` passes, then calls `stop_waiting()`.
+- Learners send `heartbeat()` every `LearnerConfig.heartbeat_every_s` of virtual time; the syncer's
+  `advance` runs at its `next_deadline()`, so silent learners time out and grace windows end on time.
+- A `Commit` is appended to the round log (durable) before the sends that follow it.
+- A failed learner loses its in-flight messages in both directions and its local progress; on
+  recovery a NEW `Learner` with a freshly initialised model and a fresh inner optimizer joins (the
+  self-healing path of the real runtime) and loads the global state from the syncer's `Welcome`; its
+  data cursor continues where the failed one stopped. Its schedule position (`inner_step`,
+  `next_round`, set through `Learner.load_state_dict` when the `Welcome` arrives) is the global one
+  that the `Welcome` implies: round r syncs fragment r mod P and produces version r div P + 1, so the
+  oldest round not yet committed is r = min over p of (P * version_p + p), and the learner is put one
+  inner step before that round is due, so that it publishes it next. Without this, a returning learner
+  publishes its fragments out of phase with the others, and with K = M the tau waiting rule deadlocks
+  (the round the others wait in needs the newcomer's update, which it publishes only after a round
+  that needs theirs) until `max_wait_s` breaks it. Messages the syncer sends to a learner id before
+  the new incarnation's `Join` has reached it go to the dead connection and are lost.
+- The merged fragments' arrival times are reported with `Syncer.observe_sync_time` (adaptive grace).
+- Learners stop when the token budget is spent, send `Leave`, and the driver lets every message in
+  flight arrive, so the last rounds commit; the final global model is evaluated after that.
+
+Paper: Decoupled DiLoCo, arXiv 2604.21428. Metric definitions: `ddiloco.sim.accounting`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
+from ddiloco.data import load_corpus, shard_stream
+from ddiloco.fragments import due_step
+from ddiloco.learner import Learner
+from ddiloco.messages import (
+    Commit,
+    FragmentState,
+    Join,
+    Leave,
+    Rejected,
+    RoundRecord,
+    Send,
+    Update,
+    Welcome,
+)
+from ddiloco.sim.accounting import CurvePoint, FragmentWork, PeakMeter, SimResult, core_metrics, union_length
+from ddiloco.sim.cluster import ClusterConfig, StepTimer
+from ddiloco.sim.engine import EventLoop
+from ddiloco.sim.faults import FaultPlan, Outage
+from ddiloco.sim.links import Link, describe_message, message_nbytes, payload_nbytes
+from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
+from ddiloco.syncer import Syncer
+from ddiloco.training import inner_step, make_inner_optimizer
+
+logger = logging.getLogger(__name__)
+
+INCARNATION_SEED_STRIDE = 1_000_003
+"""Seeds of learner models are seed + 1 + learner_id + stride * incarnation: distinct from the global
+model's seed, and different for every incarnation (a fresh model after a failure)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoupledSimConfig:
+    """One Decoupled DiLoCo (or synchronous DiLoCo) run in the harness."""
+
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    quorum: QuorumConfig = field(default_factory=QuorumConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    seed: int = 0
+    """Seeds the global model (the syncer's), each learner's models and step-time jitter."""
+
+
+class RoundObserver(Protocol):
+    """Optional hooks for experiments that look inside rounds (e.g. update norms)."""
+
+    def on_accepted(self, update: Update) -> None: ...
+    def on_commit(self, record: RoundRecord) -> None: ...
+
+
+@dataclass
+class _Slot:
+    """The driver's view of one learner id across its incarnations."""
+
+    learner_id: int
+    uplink: Link
+    downlink: Link
+    timer: StepTimer
+    stream: Any
+    learner: Learner | None = None
+    state: str = "down"  # joining | stepping | blocked | down | done
+    generation: int = 0  # bumped on every failure: events of a dead incarnation are ignored
+    syncer_generation: int = -1  # incarnation whose Join the syncer has processed
+    inbox: list = field(default_factory=list)
+    step_started_at: float = 0.0
+    wait_started_at: float = 0.0
+    wait_token: int = 0
+    step_intervals: list[tuple[float, float]] = field(default_factory=list)
+    up_intervals: list[tuple[float, float]] = field(default_factory=list)
+    up_since: float | None = None
+    blocked_s: float = 0.0
+    steps_done: int = 0
+    tokens_processed: int = 0
+    incarnations: int = 0
+    waits_abandoned: int = 0
+    rejoining: bool = False  # a returning incarnation that still has to take the global schedule position
+
+
+class DecoupledSim:
+    """Runs one Decoupled DiLoCo configuration under a fault plan; `run()` returns a `SimResult`."""
+
+    def __init__(self, config: DecoupledSimConfig, *, faults: FaultPlan | None = None, name: str = "decoupled",
+                 corpus: bytes | None = None, observers: Sequence[RoundObserver] = ()) -> None:
+        self.config = config
+        self.faults = faults or FaultPlan()
+        self.name = name
+        self.observers = list(observers)
+        cluster, workload = config.cluster, config.workload
+        if any(o.learner_id >= cluster.num_learners for o in self.faults.outages):
+            raise ValueError(f"fault plan names a learner beyond num_learners={cluster.num_learners}")
+        corpus = load_corpus() if corpus is None else corpus
+        self.loop = EventLoop()
+        self.initial_params = {n: p.detach().clone()
+                               for n, p in seeded_model(workload.model, config.seed).named_parameters()}
+        self.syncer = Syncer(config.diloco, config.quorum, initial_params=self.initial_params)
+        self.round_log: list[RoundRecord] = []
+        plan = self.syncer.plan
+        sizes = {name: t.numel() for name, t in self.initial_params.items()}
+        total = sum(sizes.values())
+        self.shares = [sum(sizes[n] for n in names) / total for names in plan.fragments]
+        self.evaluator = Evaluator(workload, corpus=corpus)
+        self.slots = [
+            _Slot(learner_id=m, uplink=Link(cluster.uplink), downlink=Link(cluster.downlink),
+                  timer=StepTimer(cluster, learner_id=m, seed=config.seed),
+                  stream=shard_stream(corpus, workload.data, shard=m, num_shards=cluster.num_learners))
+            for m in range(cluster.num_learners)]
+        self.work = FragmentWork(self.shares, cluster.num_learners)
+        self.budget_tokens = workload.token_budget(cluster.num_learners)
+        self.claimed_tokens = 0
+        self.tokens_processed = 0
+        self.tokens_merged = 0.0
+        self._deadline: float | None = None
+        self._eval_marks = eval_schedule(self.budget_tokens, workload.eval_points)
+        self.curve: list[CurvePoint] = []
+        self.start_s: float | None = None
+        self.end_s = 0.0
+        self.peak_up = PeakMeter(cluster.step_time_s)
+        self.peak_down = PeakMeter(cluster.step_time_s)
+        self.payload_up = 0
+        self.payload_down = 0
+
+    # ---- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        loop = self.loop
+        self._evaluate()
+        for slot in self.slots:
+            self._start_incarnation(slot)
+            outages = self.faults.for_learner(slot.learner_id)
+            if outages:
+                self._schedule_outage(outages[0])
+        loop.run()
+        for slot in self.slots:
+            self._close_up_interval(slot, self.end_s)
+        self.work.finish()
+        final_loss = self.evaluator.loss(self.syncer.global_params())
+        self.curve.append(CurvePoint(self.tokens_processed, self.end_s, final_loss))
+        loop.record("final", val_loss=final_loss, rounds=self.syncer.rounds_committed)
+        return SimResult(system=self.name, metrics=self._metrics(final_loss), curve=self.curve, log=loop.log,
+                         final_params=self.syncer.global_params(), round_log=self.round_log,
+                         settings=self._settings())
+
+    @property
+    def budget_spent(self) -> bool:
+        return self.claimed_tokens + self.config.workload.tokens_per_step > self.budget_tokens
+
+    # ---- learners --------------------------------------------------------------------------------
+
+    def _start_incarnation(self, slot: _Slot) -> None:
+        m = slot.learner_id
+        workload = self.config.workload
+        model = seeded_model(workload.model,
+                             self.config.seed + 1 + m + INCARNATION_SEED_STRIDE * slot.incarnations)
+        optimizer = make_inner_optimizer(model, workload.inner)
+        slot.learner = Learner(self.config.diloco, learner_id=m, model=model, optimizer=optimizer)
+        slot.rejoining = slot.incarnations > 0
+        slot.incarnations += 1
+        slot.state = "joining"
+        slot.inbox.clear()
+        slot.up_since = self.loop.now
+        self.loop.record("incarnation", learner=m, generation=slot.generation, incarnation=slot.incarnations)
+        self._send_up(slot, slot.learner.join_message())
+        self.loop.schedule(self.loop.now + self.config.learner.heartbeat_every_s, "heartbeat", self._on_heartbeat,
+                           m=m, generation=slot.generation)
+
+    def _try_step(self, slot: _Slot) -> None:
+        """Between inner steps: apply the inbox, then step, block, or finish."""
+        learner = slot.learner
+        assert learner is not None
+        inbox, slot.inbox = slot.inbox, []
+        for message in inbox:
+            self._apply(slot, message)
+        if slot.state == "done":
+            return
+        if self.budget_spent:
+            self._finish(slot)
+            return
+        if not learner.joined:
+            slot.state = "joining"
+            return
+        if not learner.can_step:
+            slot.state = "blocked"
+            slot.wait_started_at = self.loop.now
+            slot.wait_token += 1
+            self.loop.record("blocked", learner=slot.learner_id, fragments=learner.blocking_fragments())
+            self.loop.schedule(self.loop.now + self.config.learner.max_wait_s, "wait_timeout",
+                               self._on_wait_timeout, m=slot.learner_id, generation=slot.generation,
+                               token=slot.wait_token)
+            return
+        slot.state = "stepping"
+        slot.step_started_at = self.loop.now
+        if self.start_s is None:
+            self.start_s = self.loop.now
+        self.claimed_tokens += self.config.workload.tokens_per_step
+        duration = slot.timer.next_duration_s()
+        self.loop.schedule(self.loop.now + duration, "step_done", self._on_step_done, m=slot.learner_id,
+                           generation=slot.generation)
+
+    def _on_step_done(self, m: int, generation: int) -> None:
+        slot = self.slots[m]
+        if generation != slot.generation or slot.state != "stepping":
+            return
+        learner = slot.learner
+        assert learner is not None
+        now = self.loop.now
+        batch = slot.stream.next_batch()
+        loss = inner_step(learner.model, learner.optimizer, batch, grad_clip=self.config.workload.inner.grad_clip)
+        updates = learner.after_inner_step(batch.tokens)
+        duration = now - slot.step_started_at
+        slot.step_intervals.append((slot.step_started_at, now))
+        slot.steps_done += 1
+        slot.tokens_processed += batch.tokens
+        self.claimed_tokens += batch.tokens - self.config.workload.tokens_per_step
+        self.tokens_processed += batch.tokens
+        self.end_s = now
+        self.work.step(m, duration)
+        self.loop.record("step", learner=m, inner_step=learner.inner_step, loss=loss, duration_s=duration,
+                         updates=[u.fragment for u in updates])
+        for update in updates:
+            p = update.fragment
+            self.work.published(m, slot.generation, p, update.inner_step)
+            self.peak_up.add(m, now, update.payload_bytes)
+            self._send_up(slot, update)
+        while self._eval_marks and self.tokens_processed >= self._eval_marks[0]:
+            self._eval_marks.pop(0)
+            self._evaluate()
+        self._try_step(slot)
+
+    def _on_wait_timeout(self, m: int, generation: int, token: int) -> None:
+        slot = self.slots[m]
+        if generation != slot.generation or slot.state != "blocked" or token != slot.wait_token:
+            return
+        assert slot.learner is not None
+        abandoned = slot.learner.stop_waiting()
+        slot.waits_abandoned += len(abandoned)
+        self._unblock(slot)
+        self.loop.record("stop_waiting", learner=m, fragments=abandoned)
+        self._try_step(slot)
+
+    def _unblock(self, slot: _Slot) -> None:
+        if slot.state == "blocked":
+            slot.blocked_s += self.loop.now - slot.wait_started_at
+
+    def _on_heartbeat(self, m: int, generation: int) -> None:
+        slot = self.slots[m]
+        if generation != slot.generation or slot.state in ("down", "done"):
+            return
+        assert slot.learner is not None
+        if slot.learner.joined:
+            self._send_up(slot, slot.learner.heartbeat())
+        self.loop.schedule(self.loop.now + self.config.learner.heartbeat_every_s, "heartbeat", self._on_heartbeat,
+                           m=m, generation=generation)
+
+    def _finish(self, slot: _Slot) -> None:
+        self._unblock(slot)
+        slot.state = "done"
+        self._close_up_interval(slot, self.loop.now)
+        self.loop.record("leave", learner=slot.learner_id)
+        self._send_up(slot, Leave(slot.learner_id))
+
+    # ---- failures --------------------------------------------------------------------------------
+
+    def _schedule_outage(self, outage: Outage) -> None:
+        self.loop.schedule(outage.start_s, "fail", self._on_fail, outage=outage)
+
+    def _on_fail(self, outage: Outage) -> None:
+        slot = self.slots[outage.learner_id]
+        if slot.state == "done":
+            return
+        self._unblock(slot)
+        self._close_up_interval(slot, self.loop.now)
+        self.work.crashed(slot.learner_id)
+        if slot.state == "stepping":
+            self.claimed_tokens -= self.config.workload.tokens_per_step
+            slot.step_intervals.append((slot.step_started_at, self.loop.now))  # computing until the crash
+        slot.generation += 1
+        slot.state = "down"
+        slot.learner = None
+        slot.inbox.clear()
+        slot.uplink.reset(self.loop.now)
+        slot.downlink.reset(self.loop.now)
+        self.loop.record("fail", learner=outage.learner_id, until_s=outage.end_s)
+        self.loop.schedule(outage.end_s, "recover", self._on_recover, outage=outage)
+
+    def _on_recover(self, outage: Outage) -> None:
+        slot = self.slots[outage.learner_id]
+        self.loop.record("recover", learner=outage.learner_id)
+        if self.budget_spent:
+            slot.state = "done"
+            return
+        self._start_incarnation(slot)
+        later = [o for o in self.faults.for_learner(outage.learner_id) if o.start_s >= outage.end_s]
+        if later:
+            self._schedule_outage(later[0])
+
+    def _close_up_interval(self, slot: _Slot, now: float) -> None:
+        if slot.up_since is not None:
+            slot.up_intervals.append((slot.up_since, now))
+            slot.up_since = None
+
+    # ---- messages --------------------------------------------------------------------------------
+
+    def _send_up(self, slot: _Slot, message: Any) -> None:
+        nbytes = message_nbytes(message)
+        self.payload_up += payload_nbytes(message)
+        arrival = slot.uplink.send(self.loop.now, nbytes)
+        self.loop.record("send_up", learner=slot.learner_id, message=describe_message(message), bytes=nbytes,
+                         arrival_s=arrival)
+        self.loop.schedule(arrival, "deliver_up", self._on_deliver_up, m=slot.learner_id,
+                           generation=slot.generation, message=message)
+
+    def _on_deliver_up(self, m: int, generation: int, message: Any) -> None:
+        slot = self.slots[m]
+        if generation != slot.generation:
+            self.loop.record("drop_up", learner=m, message=describe_message(message))
+            if isinstance(message, Update):
+                self.work.arrived(m, generation, message.fragment, message.inner_step, outcome="crashed")
+            return
+        if isinstance(message, Join):
+            slot.syncer_generation = generation
+        actions = self.syncer.receive(message, self.loop.now)
+        if isinstance(message, Update):
+            rejected = any(isinstance(a, Send) and isinstance(a.message, Rejected) and a.message.learner_id == m
+                           and a.message.fragment == message.fragment for a in actions)
+            self.work.arrived(m, generation, message.fragment, message.inner_step,
+                              outcome="rejected" if rejected else "accepted")
+            if not rejected:
+                for observer in self.observers:
+                    observer.on_accepted(message)
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list) -> None:
+        committed: set[tuple[int, int]] = set()
+        for action in actions:
+            if isinstance(action, Commit):
+                self._on_commit(action.record)
+                committed.add((action.record.fragment, action.record.version))
+            elif isinstance(action, Send):
+                message = action.message
+                # Only the broadcast of a round just committed measures sync time (not, say, the
+                # current fragment re-sent after a stale rejection).
+                fresh = isinstance(message, FragmentState) and (message.fragment, message.version) in committed
+                self._send_down(action.learner_id, message, committed_at=self.loop.now if fresh else None)
+        self._reschedule_deadline()
+
+    def _on_commit(self, record: RoundRecord) -> None:
+        self.round_log.append(record)  # durable before the sends that follow it
+        share = self.shares[record.fragment]
+        for participant in record.participants:
+            self.work.merged(participant.learner_id, record.fragment)
+            self.tokens_merged += participant.tokens * share
+        self.loop.record("commit", round=record.round_index, fragment=record.fragment, version=record.version,
+                         learners=[p.learner_id for p in record.participants],
+                         staleness=[p.staleness for p in record.participants], grace_s=record.grace_s)
+        for observer in self.observers:
+            observer.on_commit(record)
+
+    def _send_down(self, m: int, message: Any, *, committed_at: float | None = None) -> None:
+        slot = self.slots[m]
+        if slot.state == "down" or slot.syncer_generation != slot.generation:
+            self.loop.record("drop_down", learner=m, message=describe_message(message))
+            return
+        nbytes = message_nbytes(message)
+        self.payload_down += payload_nbytes(message)
+        if isinstance(message, FragmentState):
+            self.peak_down.add(m, self.loop.now, message.payload_bytes)
+        arrival = slot.downlink.send(self.loop.now, nbytes)
+        self.loop.record("send_down", learner=m, message=describe_message(message), bytes=nbytes, arrival_s=arrival)
+        self.loop.schedule(arrival, "deliver_down", self._on_deliver_down, m=m, generation=slot.generation,
+                           message=message, committed_at=committed_at)
+
+    def _on_deliver_down(self, m: int, generation: int, message: Any, committed_at: float | None) -> None:
+        slot = self.slots[m]
+        if generation != slot.generation or slot.state in ("down", "done"):
+            self.loop.record("drop_down", learner=m, message=describe_message(message))
+            return
+        if committed_at is not None:
+            self.syncer.observe_sync_time(self.loop.now - committed_at)
+        if slot.state == "stepping":
+            slot.inbox.append(message)
+            return
+        self._apply(slot, message)
+        if slot.state in ("joining", "blocked") and slot.learner is not None and slot.learner.can_step:
+            self._unblock(slot)
+            self._try_step(slot)
+
+    def _apply(self, slot: _Slot, message: Any) -> None:
+        learner = slot.learner
+        assert learner is not None
+        if isinstance(message, Welcome) and slot.rejoining:
+            slot.rejoining = False
+            self._take_schedule_position(learner, message)
+        before = list(learner.versions)
+        replies = learner.receive(message)
+        for p, (old, new) in enumerate(zip(before, learner.versions, strict=True)):
+            if new != old or isinstance(message, Welcome):
+                self.work.overwritten(slot.learner_id, p)
+        self.loop.record("apply", learner=slot.learner_id, message=describe_message(message))
+        for reply in replies:
+            self._send_up(slot, reply)
+
+    def _take_schedule_position(self, learner: Learner, welcome: Welcome) -> None:
+        num = len(welcome.fragments)
+        next_round = min(num * state.version + state.fragment for state in welcome.fragments)
+        inner = due_step(next_round, self.config.diloco.sync_every, num) - 1
+        learner.load_state_dict({"learner_id": learner.learner_id, "inner_step": inner, "next_round": next_round,
+                                 "optimizer": learner.optimizer.state_dict()})
+        self.loop.record("schedule_position", learner=learner.learner_id, inner_step=inner, next_round=next_round)
+
+    # ---- syncer timers ---------------------------------------------------------------------------
+
+    def _reschedule_deadline(self) -> None:
+        deadline = self.syncer.next_deadline()
+        if deadline is None:
+            return
+        if deadline <= self.loop.now:
+            # The syncer times a learner out only once strictly more than heartbeat_timeout_s has
+            # passed, while next_deadline() names the instant itself: advance just after it.
+            deadline = math.nextafter(self.loop.now, math.inf)
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+            self.loop.schedule(deadline, "syncer_advance", self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._deadline = None
+        self._carry_out(self.syncer.advance(self.loop.now))
+
+    # ---- results ---------------------------------------------------------------------------------
+
+    def _evaluate(self) -> None:
+        loss = self.evaluator.loss(self.syncer.global_params())
+        self.curve.append(CurvePoint(self.tokens_processed, self.loop.now, loss))
+        self.loop.record("eval", tokens=self.tokens_processed, val_loss=loss)
+
+    def _metrics(self, final_loss: float) -> dict[str, Any]:
+        start_s, end_s = self.start_s or 0.0, self.end_s
+        busy = [iv for slot in self.slots for iv in slot.step_intervals]
+        metrics = core_metrics(self.work.ledger, num_learners=len(self.slots), start_s=start_s, end_s=end_s, busy=busy,
+                               final_loss=final_loss, tokens_processed=self.tokens_processed,
+                               tokens_merged=self.tokens_merged)
+        alive_s = union_length([(max(a, start_s), b) for slot in self.slots for a, b in slot.up_intervals],
+                               end_s=end_s)
+        allocated_s = len(self.slots) * (end_s - start_s)
+        steady_s = start_s + self.config.diloco.sync_every * self.config.cluster.step_time_s
+        rounds = max(1, self.syncer.rounds_committed)
+        participants = [len(r.participants) for r in self.round_log]
+        staleness = [p.staleness for r in self.round_log for p in r.participants]
+        metrics.update({
+            "uptime_while_alive": union_length(busy, end_s=end_s) / alive_s if alive_s else 0.0,
+            "bytes_up": sum(slot.uplink.bytes_sent for slot in self.slots),
+            "bytes_down": sum(slot.downlink.bytes_sent for slot in self.slots),
+            "payload_bytes_up": self.payload_up,
+            "payload_bytes_down": self.payload_down,
+            "peak_bytes_per_step_up": self.peak_up.peak(steady_s, end_s),
+            "peak_bytes_per_step_down": self.peak_down.peak(steady_s, end_s),
+            "max_bytes_per_step_up": self.peak_up.peak(),
+            "max_bytes_per_step_down": self.peak_down.peak(),
+            "rounds_committed": self.syncer.rounds_committed,
+            "mean_participants_per_round": sum(participants) / len(participants) if participants else 0.0,
+            "mean_staleness": sum(staleness) / len(staleness) if staleness else 0.0,
+            "rejections": dict(sorted(self.syncer.rejection_counts.items())),
+            "blocked_fraction": sum(s.blocked_s for s in self.slots) / allocated_s if allocated_s else 0.0,
+            "waits_abandoned": sum(s.waits_abandoned for s in self.slots),
+            "participation": {
+                str(slot.learner_id): {
+                    "rounds": sum(1 for r in self.round_log
+                                  if any(p.learner_id == slot.learner_id for p in r.participants)) / rounds,
+                    "inner_steps": slot.steps_done,
+                    "tokens_processed": slot.tokens_processed,
+                    "incarnations": slot.incarnations,
+                    "down_s": self.faults.down_s(slot.learner_id, end_s),
+                } for slot in self.slots},
+        })
+        return metrics
+
+    def _settings(self) -> dict[str, Any]:
+        config = self.config
+        return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
+                "diloco": config.diloco.to_dict(), "quorum": config.quorum.to_dict(),
+                "learner": config.learner.to_dict(), "seed": config.seed, "faults": self.faults.to_json()}

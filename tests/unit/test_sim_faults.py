@@ -1,0 +1,55 @@
+"""Fault plans, the failure model, and seeded models of the virtual-time harness."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ddiloco.sim.faults import FailureModel, FaultPlan, Outage, draw_fault_plan
+
+
+def test_fault_plan_sorts_queries_and_refuses_overlaps():
+    plan = FaultPlan.of([(1, 10.0, 20.0), (0, 5.0, 6.0), (1, 30.0, 31.0)])
+    assert [o.start_s for o in plan.outages] == [5.0, 10.0, 30.0]
+    assert plan.is_down(1, 10.0) and plan.is_down(1, 19.9) and not plan.is_down(1, 20.0)
+    assert plan.down_s(1, until_s=15.0) == pytest.approx(5.0)
+    assert plan.down_s(1, until_s=100.0) == pytest.approx(11.0)
+    with pytest.raises(ValueError, match="overlap"):
+        FaultPlan.of([(2, 0.0, 10.0), (2, 5.0, 6.0)])
+    with pytest.raises(ValueError, match="end_s"):
+        Outage(3.0, 0, 2.0)
+
+
+def test_drawn_fault_plans_are_seeded_and_keep_someone_alive():
+    model = FailureModel(mtbi_s=50.0, recovery_scale_s=20.0)
+    a = draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=7)
+    assert a == draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=7)
+    assert a != draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=8)
+    assert a.outages and all(o.start_s < 1000.0 for o in a.outages)
+    for t in np.arange(0.0, 1200.0, 0.5):
+        assert sum(a.is_down(m, t) for m in range(4)) <= 3
+
+
+def test_recovery_times_follow_the_exponentiated_weibull_quantiles():
+    model = FailureModel(recovery_scale_s=20.0, recovery_shape=0.8, recovery_exponent=1.5, max_recovery_s=1e9)
+    rng = np.random.default_rng(0)
+    draws = np.array([model.sample_recovery_s(rng) for _ in range(20_000)])
+    # F(x) = (1 - exp(-(x / scale)^k))^alpha, so the median solves F = 1/2.
+    median = 20.0 * (-math.log1p(-(0.5 ** (1 / 1.5)))) ** (1 / 0.8)
+    assert np.median(draws) == pytest.approx(median, rel=0.03)
+    capped = FailureModel(max_recovery_s=5.0)
+    assert max(capped.sample_recovery_s(rng) for _ in range(1000)) <= 5.0
+
+
+def test_torch_generator_is_untouched_by_seeded_models():
+    from ddiloco.model import ModelConfig
+    from ddiloco.sim.workload import seeded_model
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    a = seeded_model(ModelConfig(width=16, num_heads=2, context_len=16), 5)
+    b = seeded_model(ModelConfig(width=16, num_heads=2, context_len=16), 5)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
