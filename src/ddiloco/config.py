@@ -26,6 +26,13 @@ def _require(condition: bool, field: str, value: Any, expected: str) -> None:
         raise ValueError(f"{field}={value!r} is invalid: expected {expected}")
 
 
+def require_int(name: str, value: Any, *, minimum: int) -> None:
+    """ValueError naming `name` unless `value` is an int >= minimum (bool is an int subclass, but
+    True as a count is a bug, not a 1)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def _require_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     _require(value in choices, field, value, "one of " + ", ".join(choices))
 

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from ddiloco.config import require_int
+
 VOCAB_SIZE = 256
 """One token per byte value."""
 
@@ -92,11 +94,6 @@ def load_corpus() -> bytes:
     return decode_corpus(compressed)
 
 
-def _require_int(name: str, value: Any, *, minimum: int) -> None:
-    # bool is an int subclass; True as a batch size is a bug, not a 1.
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
@@ -112,9 +109,9 @@ class DataConfig:
     """Base seed of every shard's window sampler; a shard's generator is seeded from (seed, shard)."""
 
     def __post_init__(self) -> None:
-        _require_int("batch_size", self.batch_size, minimum=1)
-        _require_int("context_len", self.context_len, minimum=1)
-        _require_int("seed", self.seed, minimum=0)
+        require_int("batch_size", self.batch_size, minimum=1)
+        require_int("context_len", self.context_len, minimum=1)
+        require_int("seed", self.seed, minimum=0)
         if (
             not isinstance(self.val_fraction, int | float)
             or isinstance(self.val_fraction, bool)
@@ -148,8 +145,8 @@ def shard_byte_range(num_bytes: int, config: DataConfig, *, shard: int, num_shar
     ``train_bytes % num_shards`` training bytes belong to no shard. Raises ``ValueError`` if a shard
     cannot hold one ``context_len + 1`` byte window.
     """
-    _require_int("num_shards", num_shards, minimum=1)
-    _require_int("shard", shard, minimum=0)
+    require_int("num_shards", num_shards, minimum=1)
+    require_int("shard", shard, minimum=0)
     if shard >= num_shards:
         raise ValueError(f"shard must be in [0, num_shards={num_shards}), got {shard}")
     train_bytes = held_out_start(num_bytes, config.val_fraction)
@@ -215,7 +212,7 @@ class ShardStream:
         """
         if batch_size is None:
             batch_size = self.config.batch_size
-        _require_int("batch_size", batch_size, minimum=1)
+        require_int("batch_size", batch_size, minimum=1)
         starts_B = torch.randint(0, self._num_starts, (batch_size,), generator=self._generator)
         self.batches_drawn += 1
         return _windows(self._tokens_N, starts_B, self.config.context_len)
@@ -263,7 +260,7 @@ def validation_batches(corpus: bytes, config: DataConfig, *, num_batches: int) -
     inputs ``tail[j*T : j*T + T]`` and targets ``tail[j*T + 1 : j*T + T + 1]``, so every target
     byte is predicted exactly once and no window touches the training part.
     """
-    _require_int("num_batches", num_batches, minimum=1)
+    require_int("num_batches", num_batches, minimum=1)
     tail_start = held_out_start(len(corpus), config.val_fraction)
     tail_bytes = len(corpus) - tail_start
     num_sequences = num_batches * config.batch_size

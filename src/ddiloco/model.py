@@ -16,22 +16,17 @@ pre-LayerNorm blocks, causal self-attention, GELU MLP.
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddiloco.config import require_int
 from ddiloco.data import Batch
 
 INIT_STD = 0.02
 """GPT-2's standard deviation for every linear and embedding weight."""
 
-
-def _require_int(name: str, value: Any, *, minimum: int) -> None:
-    # bool is an int subclass; True as a layer count is a bug, not a 1.
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +50,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_len", "width", "num_layers", "num_heads", "mlp_ratio"):
-            _require_int(name, getattr(self, name), minimum=1)
+            require_int(name, getattr(self, name), minimum=1)
         if self.width % self.num_heads != 0:
             raise ValueError(
                 f"width must be divisible by num_heads, got width={self.width}, num_heads={self.num_heads}"
