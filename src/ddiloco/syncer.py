@@ -190,7 +190,8 @@ class Syncer:
         """Time has reached `now`: time out silent learners and close rounds whose grace has ended."""
         actions: list[SyncerAction] = []
         for learner_id, info in sorted(self.learners.items()):
-            if info.alive and now - info.last_seen > self.quorum.heartbeat_timeout_s:
+            # >= so that advancing exactly at next_deadline() makes progress (no busy loop).
+            if info.alive and now - info.last_seen >= self.quorum.heartbeat_timeout_s:
                 actions += self._mark_gone(learner_id, now, "heartbeat timeout")
         for p, open_round in enumerate(self._open):
             if open_round.close_at is not None and open_round.close_at <= now:

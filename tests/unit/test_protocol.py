@@ -141,8 +141,9 @@ def test_a_failed_learner_is_never_waited_for():
     clock.advance_to(5.01)
     hub.advance()
     assert syncer.rounds_committed == 1 and syncer.alive_learners() == [0, 1]
-    # A learner that says it leaves is not waited for either.
-    _publish(hub, learners[0], clock, 6.0)
+    # A learner that says it leaves is not waited for either (learner 0 last spoke at 1.0: 5.9 is
+    # inside its heartbeat timeout).
+    _publish(hub, learners[0], clock, 5.9)
     hub.leave(learners[1])
     assert syncer.rounds_committed == 2
 
@@ -389,3 +390,11 @@ def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
     assert syncer.rejections == []
     (record,) = [a.record for a in actions if isinstance(a, Commit)]
     assert [(p.learner_id, p.base_version, p.staleness) for p in record.participants] == [(1, 1, 1)]
+
+
+def test_advancing_exactly_at_the_deadline_times_a_silent_learner_out():
+    syncer, hub, clock, _ = make_system(2, _single_fragment(), QuorumConfig(heartbeat_timeout_s=5.0))
+    deadline = syncer.next_deadline()
+    clock.advance_to(deadline)
+    hub.advance()
+    assert syncer.alive_learners() == [] and syncer.next_deadline() is None

@@ -1,1 +1,9 @@
-"""sim layer of ddiloco (see docs/ and DESIGN.md)."""
+"""The virtual-time harness: Decoupled DiLoCo and its baselines in one process, on a discrete-event clock.
+
+Real inner steps on the real model and data, simulated time, links and failures, the same `Learner`
+and `Syncer` cores as the real runtime. Modules: `engine` (event loop and log), `links`, `faults`,
+`cluster` (speeds, jitter), `workload` (model, data, budget, evaluation), `decoupled` (the Decoupled
+and synchronous DiLoCo driver), `data_parallel` (the baselines), `accounting` (metric definitions),
+`replay` (determinism checks), `probes`, `experiments`, `report`, `commands` (`ddiloco experiment`).
+Results: docs/results.md.
+"""

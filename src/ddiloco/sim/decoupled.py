@@ -24,7 +24,9 @@ Rules the driver keeps (they mirror the real runtime):
   `next_round`, set through `Learner.load_state_dict` when the `Welcome` arrives) is the global one
   that the `Welcome` implies: round r syncs fragment r mod P and produces version r div P + 1, so the
   oldest round not yet committed is r = min over p of (P * version_p + p), and the learner is put one
-  inner step before that round is due, so that it publishes it next. Without this, a returning learner
+  inner step before that round is due, so that it publishes it next (exact when every round commits
+  once, as with K = M; with K = 1, rounds opened by late updates move versions ahead and this only
+  sets the phase, which K = 1 does not depend on). Without this, a returning learner
   publishes its fragments out of phase with the others, and with K = M the tau waiting rule deadlocks
   (the round the others wait in needs the newcomer's update, which it publishes only after a round
   that needs theirs) until `max_wait_s` breaks it. Messages the syncer sends to a learner id before
@@ -328,6 +330,8 @@ class DecoupledSim:
         slot.uplink.reset(self.loop.now)
         slot.downlink.reset(self.loop.now)
         self.loop.record("fail", learner=outage.learner_id, until_s=outage.end_s)
+        logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.learner_id, self.loop.now,
+                    outage.end_s)
         self.loop.schedule(outage.end_s, "recover", self._on_recover, outage=outage)
 
     def _on_recover(self, outage: Outage) -> None:
