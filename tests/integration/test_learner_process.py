@@ -35,7 +35,7 @@ from ddiloco.transport.grpc_client import SyncerClient
 from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
 from ddiloco.transport.link import EmulatedLink, parse_link
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, read_json_or_none, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,14 +43,6 @@ TOKEN = "learner-process-test-token-0123"
 RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--inner-steps", "100000000", "--num-fragments", "2",
              "--sync-every", "8", "--max-wait-s", "0.5", "--heartbeat-timeout-s", "3", "--heartbeat-every-s", "0.5")
 
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path / "logs")
-    try:
-        yield processes
-    finally:
-        processes.kill_all()
 
 
 @pytest.fixture

@@ -29,14 +29,6 @@ RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--inner-steps", "100000000",
 train on while the syncer is away, and a heartbeat timeout of 3 s."""
 
 
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path / "logs")
-    try:
-        yield processes
-    finally:
-        processes.kill_all()
-
 
 def start_syncer(procs: Processes, run_dir, *extra: str, name: str = "syncer"):
     popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--eval-every-s", "0",
