@@ -1,0 +1,174 @@
+"""The control file through which a chaos run switches faults on and off inside a running process.
+
+Faults that live in a process's own transport or training loop (a partition, added latency, a
+bandwidth cap, dropped or corrupted messages, a slowed learner) cannot be injected from outside
+without root. The chaos runner writes them, with their end times, into one small JSON file per
+target; the target process, started with `--chaos-control PATH`, polls that file (at most every
+`refresh_s`, by its modification time) and obeys whatever is active:
+
+    {"faults": [{"kind": "partition", "until": 1764530000.0},
+                {"kind": "latency", "until": 1764530020.0, "latency_s": 0.2}]}
+
+`until` is wall time (`time.time()`, the same clock in every process of one machine). A fault past
+its `until` is over even if the file still lists it, so a runner that dies cannot leave a process
+partitioned for ever. An absent, empty or unreadable file means "no faults".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONTROL_FILE = "chaos.json"
+"""Name of a target's control file inside its own directory (`learners/N/`, `ranks/R/`)."""
+IN_PROCESS_KINDS = ("partition", "latency", "bandwidth", "drop", "corrupt", "straggler")
+"""Faults carried out by the target process itself, through its control file."""
+PARAMS = {"latency": "latency_s", "bandwidth": "bytes_per_s", "drop": "probability", "corrupt": "probability",
+          "straggler": "factor"}
+"""The one parameter each kind carries in the control file (partition carries none)."""
+DEFAULT_REFRESH_S = 0.1
+
+
+@dataclass(frozen=True)
+class ActiveFault:
+    """One fault switched on in a process until wall time `until`."""
+
+    kind: str
+    until: float
+    value: float | None = None
+    """latency_s, bytes_per_s, probability or factor, by kind (see PARAMS)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in IN_PROCESS_KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not carried out in-process: expected one of "
+                             f"{', '.join(IN_PROCESS_KINDS)}")
+        if not math.isfinite(self.until):
+            raise ValueError(f"until={self.until!r} is invalid: expected a finite wall time")
+        if self.kind in PARAMS:
+            _check_value(self.kind, self.value)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"kind": self.kind, "until": self.until}
+        if self.kind in PARAMS:
+            data[PARAMS[self.kind]] = self.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ActiveFault:
+        kind = data.get("kind")
+        param = PARAMS.get(kind) if isinstance(kind, str) else None
+        return cls(str(kind), float(data["until"]), None if param is None else float(data[param]))
+
+
+def _check_value(kind: str, value: float | None) -> None:
+    ok = value is not None and math.isfinite(value)
+    if ok and kind in ("drop", "corrupt"):
+        ok = 0.0 <= value <= 1.0
+    elif ok and kind == "straggler":
+        ok = value >= 1.0
+    elif ok and kind == "bandwidth":
+        ok = value > 0.0
+    elif ok:
+        ok = value >= 0.0
+    if not ok:
+        expected = {"drop": "a probability in [0, 1]", "corrupt": "a probability in [0, 1]",
+                    "straggler": "a slowdown factor >= 1", "bandwidth": "bytes per second > 0",
+                    "latency": "seconds >= 0"}[kind]
+        raise ValueError(f"{kind} fault with {PARAMS[kind]}={value!r} is invalid: expected {expected}")
+
+
+def write_control(path: str | Path, faults: Iterable[ActiveFault]) -> None:
+    """Replace a target's control file atomically (temp file + rename: readers never see half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"faults": [f.to_json() for f in faults]}, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass
+class ChaosControl:
+    """A process's view of its control file. Thread-safe; cheap to query on every message."""
+
+    path: Path
+    clock: Callable[[], float] = time.time
+    refresh_s: float = DEFAULT_REFRESH_S
+    seed: int | None = None
+    """Seed of the draws for drop and corrupt (None: from the OS)."""
+    _faults: dict[str, ActiveFault] = field(default_factory=dict, init=False)
+    _checked_at: float = field(default=-math.inf, init=False)
+    _stamp: tuple[int, int] | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self.rng = random.Random(self.seed)
+
+    def active(self) -> dict[str, ActiveFault]:
+        """kind -> fault, for every fault switched on now."""
+        now = self.clock()
+        with self._lock:
+            if now - self._checked_at >= self.refresh_s:
+                self._checked_at = now
+                self._reload()
+            return {kind: f for kind, f in self._faults.items() if f.until > now}
+
+    def _reload(self) -> None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            self._faults, self._stamp = {}, None
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            entries = json.loads(self.path.read_text(encoding="utf-8")).get("faults", [])
+            faults = [ActiveFault.from_json(entry) for entry in entries]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning("chaos control file %s unreadable (%s): no faults", self.path, exc)
+            faults = []
+        self._stamp = stamp
+        self._faults = {f.kind: f for f in faults}
+
+    def _value(self, kind: str, default: float) -> float:
+        fault = self.active().get(kind)
+        return default if fault is None or fault.value is None else fault.value
+
+    def partitioned(self) -> bool:
+        return "partition" in self.active()
+
+    def extra_latency_s(self) -> float:
+        return self._value("latency", 0.0)
+
+    def bandwidth_bytes_per_s(self) -> float | None:
+        fault = self.active().get("bandwidth")
+        return None if fault is None else fault.value
+
+    def slowdown(self) -> float:
+        return self._value("straggler", 1.0)
+
+    def should_drop(self) -> bool:
+        """A draw: is this message lost? (False whenever no drop fault is active.)"""
+        p = self._value("drop", 0.0)
+        return p > 0.0 and self.rng.random() < p
+
+    def should_corrupt(self) -> bool:
+        """A draw: is this message corrupted in flight?"""
+        p = self._value("corrupt", 0.0)
+        return p > 0.0 and self.rng.random() < p
+
+
+def control_path(target_dir: str | Path) -> Path:
+    return Path(target_dir) / CONTROL_FILE
