@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "ddiloco.runtime.run_commands",
     "ddiloco.runtime.process_commands",
     "ddiloco.sim.commands",
+    "ddiloco.chaos.commands",
 )
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 

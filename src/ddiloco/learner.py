@@ -139,13 +139,26 @@ class Learner:
             if message.learner_id != self.learner_id:
                 raise ValueError(f"Welcome for learner {message.learner_id} delivered to {self.learner_id}")
             for state in message.fragments:
-                self._apply(state, force=True)
-            self._outstanding.clear()
+                # A fragment still at the version this learner holds is the one its local work continues
+                # from (a re-join after a partition or a syncer restart): keep that work.
+                if not 0 <= state.version == self.versions[state.fragment]:
+                    self._apply(state, force=True)
+            replies: list[LearnerMessage] = []
+            for p, outstanding in sorted(self._outstanding.items()):
+                if outstanding.base_version == self.versions[p]:
+                    # Published from the version the syncer still has: that update was lost (the syncer
+                    # restarted with its round open, or it never arrived). Publish again at once, so a
+                    # round that waits for every learner (K = M) does not wait a whole period for it.
+                    update = self._publish(p)
+                    if update is not None:
+                        replies.append(update)
+            self._outstanding = {p: o for p, o in self._outstanding.items()
+                                 if o.published_at_step == self.inner_step and o.base_version == self.versions[p]}
             self.joined = True
             self.stats.joins += 1
-            logger.info("[learner %d | inner %d] joined at versions %s",
-                        self.learner_id, self.inner_step, self.versions)
-            return []
+            logger.info("[learner %d | inner %d] joined at versions %s (%d update(s) published again)",
+                        self.learner_id, self.inner_step, self.versions, len(replies))
+            return replies
         if isinstance(message, Refused):
             self.joined = False
             self.refused_reason = message.reason
@@ -188,6 +201,20 @@ class Learner:
         outstanding = self._outstanding.get(p)
         if outstanding is not None and state.version > outstanding.base_version:
             del self._outstanding[p]
+
+    def take_schedule_position(self, welcome: Welcome) -> None:
+        """Move to the global schedule position that `welcome` implies.
+
+        For synchronous DiLoCo (K = M), where every round commits once: round r syncs fragment r mod P
+        and produces version r div P + 1, so the oldest round not yet committed is
+        min over p of (P x version_p + p); the learner is put one inner step before it falls due, so it
+        publishes that round next. A learner back from a crash otherwise publishes its fragments out of
+        phase with the others, and the waiting rule deadlocks the round that needs its update until the
+        driver's wait bound breaks it. K = 1 does not depend on the phase."""
+        self.next_round = next_uncommitted_round(welcome)
+        self.inner_step = due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) - 1
+        logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
+                    self.learner_id, self.inner_step, self.next_round)
 
     # ---- inner steps -----------------------------------------------------------------------------
 
@@ -246,3 +273,10 @@ class Learner:
         self.inner_step = int(state["inner_step"])
         self.next_round = int(state["next_round"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def next_uncommitted_round(welcome: Welcome) -> int:
+    """The oldest round not yet committed, if every round commits once (K = M; see
+    `Learner.take_schedule_position`)."""
+    num = len(welcome.fragments)
+    return min(num * state.version + state.fragment for state in welcome.fragments)

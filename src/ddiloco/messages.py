@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped on any incompatible change to these messages or their wire encoding."""
 
 
@@ -74,6 +74,8 @@ class RejectReason(enum.StrEnum):
     BAD_COUNTERS = "bad_counters"
     STALE = "stale"
     DUPLICATE = "duplicate"
+    CORRUPT = "corrupt"
+    """The payload's CRC32 does not match its header: bytes changed in flight (found on the wire)."""
 
 
 # ---- learner -> syncer -------------------------------------------------------------------------
@@ -186,6 +188,9 @@ class Participant:
     steps: int
     tokens: int
     weight: float
+    inner_step: int = -1
+    """The learner's inner step when it published this update (-1 in round logs written before it was
+    recorded); with learner_id and the round's fragment it names the update in the learner's work ledger."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -58,13 +59,15 @@ class MemorySink:
 class JsonlSink:
     """One JSON object per line: {"step", "time", metrics...} or {"event", "time", fields...}.
 
-    Lines are flushed as written, so a run killed with SIGKILL still leaves every line it logged."""
+    Lines are flushed as written, so a run killed with SIGKILL still leaves every line it logged; a lock
+    keeps lines whole when several threads (a syncer's gRPC handlers) log at once."""
 
     def __init__(self, path: str | Path, *, wall_clock=time.time) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
         self._wall_clock = wall_clock
+        self._lock = threading.Lock()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._write({"step": step, "time": self._wall_clock(), **metrics})
@@ -73,8 +76,10 @@ class JsonlSink:
         self._write({"event": kind, "time": self._wall_clock(), **fields})
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, default=str) + "\n")
-        self._file.flush()
+        line = json.dumps(record, default=str) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
         self._file.close()

@@ -81,6 +81,17 @@ class _Pending:
     base_version: int
     steps: int
     tokens: int
+    inner_step: int
+
+
+@dataclass(frozen=True)
+class HeldUpdate:
+    """An accepted update still waiting in an open round (lost if the syncer stops now)."""
+
+    learner_id: int
+    fragment: int
+    base_version: int
+    inner_step: int
 
 
 @dataclass
@@ -150,6 +161,12 @@ class Syncer:
         # simulated link (or a send queue) for a while before it is applied.
         tensors = {name: t.clone() for name, t in self._global[fragment].items()}
         return FragmentState(fragment, self.versions[fragment], tensors)
+
+    def held_updates(self) -> list[HeldUpdate]:
+        """Updates accepted into rounds that have not closed, by fragment and learner."""
+        return [HeldUpdate(learner_id, p, pending.base_version, pending.inner_step)
+                for p, open_round in enumerate(self._open)
+                for learner_id, pending in sorted(open_round.updates.items())]
 
     def alive_learners(self) -> list[int]:
         return sorted(i for i, info in self.learners.items() if info.alive)
@@ -310,7 +327,7 @@ class Syncer:
             return self._reject(update, *decoded, now)
         open_round = self._open[update.fragment]
         open_round.updates[update.learner_id] = _Pending(decoded, update.base_version, update.steps,
-                                                         update.tokens)
+                                                         update.tokens, update.inner_step)
         if open_round.first_at is None:
             open_round.first_at = now
         return self._schedule(update.fragment, now)
@@ -364,7 +381,7 @@ class Syncer:
         version_before = self.versions[p]
         self.versions[p] = version_before + 1
         participants = tuple(
-            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w)
+            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step)
             for i, u, w in zip(learner_ids, pending, weights, strict=True))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]

@@ -398,3 +398,27 @@ def test_advancing_exactly_at_the_deadline_times_a_silent_learner_out():
     clock.advance_to(deadline)
     hub.advance()
     assert syncer.alive_learners() == [] and syncer.next_deadline() is None
+
+
+def test_a_rejoin_keeps_work_on_current_fragments_and_publishes_a_lost_update_again():
+    """A syncer restarted with the round open lost the learner's update: the Welcome brings the very
+    version the learner published from, so the learner keeps its local work on that fragment and
+    publishes it again at once (with K = M the others' round waits for exactly that update)."""
+    config = _single_fragment(sync_every=4, overlap_steps=2)
+    syncer, hub, clock, (learner, _) = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"))
+    for t in range(4):
+        _publish(hub, learner, clock, float(t))       # publishes fragment 0 from version 0 at inner step 4
+    assert syncer.rounds_committed == 0 and learner.blocking_fragments() == []
+    local = params_of(learner.model)
+    restarted = Syncer(config, QuorumConfig(min_quorum=2, grace="none"), initial_params=syncer.global_params())
+    welcome = next(a.message for a in restarted.receive(learner.join_message(), 5.0) if isinstance(a, Send))
+    replies = learner.receive(welcome)
+    assert [(u.fragment, u.base_version, u.inner_step, u.steps) for u in replies] == [(0, 0, 4, 4)]
+    for name, value in params_of(learner.model).items():
+        assert torch.equal(value, local[name]), f"{name}: the re-join threw local work away"
+    # A Welcome with a newer version replaces the fragment as before.
+    newer = FragmentState(0, 3, syncer.global_params())
+    learner.receive(dataclasses.replace(welcome, fragments=(newer,)))
+    for name, value in params_of(learner.model).items():
+        assert torch.equal(value, syncer.global_params()[name])
+    assert learner.versions == [3] and learner.can_step

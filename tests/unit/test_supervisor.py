@@ -227,6 +227,28 @@ def test_sigkilled_learner_is_restarted(tmp_path, fake_command):
     assert_all_gone(all_pids(supervisor))
 
 
+def test_a_held_learner_is_not_restarted_before_its_hold_ends(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, inner_steps=300)
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.start()
+    try:
+        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
+        victim, slot = supervisor.learners[0].pid, supervisor.learners[0]
+        hold_s = 1.0
+        held_until = time.monotonic() + hold_s
+        supervisor.hold(slot, held_until)
+        os.kill(victim, signal.SIGKILL)
+        poll_until(supervisor, lambda: slot.state == ChildState.BACKOFF, "learner 0 to be noticed dead")
+        assert slot.restart_at is not None and slot.restart_at >= held_until  # not the 0.05 s backoff
+        poll_until(supervisor, lambda: slot.pid not in (None, victim), "learner 0 to restart after the hold")
+        assert time.monotonic() >= held_until
+        assert supervisor.learners[1].restarts == 0
+    finally:
+        supervisor.shutdown()
+    assert_all_gone(all_pids(supervisor))
+
+
 def test_refused_learner_is_not_restarted_and_the_reason_is_kept(tmp_path, fake_command):
     message = "refused by the syncer: parameter 'lm_head.weight' is float32[256, 64], expected float32[256, 128]"
     launcher = make_run(tmp_path, fake_command, plan={"learners": {"0": {"exit_code": 3, "message": message}}})

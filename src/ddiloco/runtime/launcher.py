@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.chaos.control import control_path
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
@@ -256,6 +258,10 @@ class LaunchConfig:
     command: tuple[str, ...] = DEFAULT_COMMAND
     """The `ddiloco` executable as an argv prefix (tests put a fake one here)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    syncer_args: tuple[str, ...] = ()
+    """More flags for the syncer (e.g. `--eval-every-s 5`)."""
+    chaos_control: bool = False
+    """Start every learner with `--chaos-control DIR/learners/N/chaos.json` (`ddiloco chaos` injects faults there)."""
 
     def __post_init__(self) -> None:
         if self.num_learners < 1:
@@ -290,20 +296,22 @@ class Launcher:
         return flags
 
     def syncer_argv(self, bind: str) -> list[str]:
-        return [*self.config.command, "syncer", "--bind", bind, *self._common_flags()]
+        return [*self.config.command, "syncer", "--bind", bind, *self._common_flags(), *self.config.syncer_args]
 
     def learner_argv(self, learner_id: int, syncer_address: str) -> list[str]:
         argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
                 *self._common_flags(), "--threads", str(self.config.threads)]
         if self.config.link:
             argv += ["--link", self.config.link]
+        if self.config.chaos_control:
+            argv += ["--chaos-control", str(control_path(self.paths.learner_dir(learner_id)))]
         return argv
 
     def start_syncer(self, bind: str) -> ChildProcess:
-        return self._start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
+        return self.start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
 
     def start_learner(self, learner_id: int, syncer_address: str) -> ChildProcess:
-        return self._start(f"learner-{learner_id}", self.learner_argv(learner_id, syncer_address),
+        return self.start(f"learner-{learner_id}", self.learner_argv(learner_id, syncer_address),
                            self.config.threads)
 
     def syncer_address(self, pid: int) -> str | None:
@@ -313,7 +321,9 @@ class Launcher:
             return None
         return info["address"]
 
-    def _start(self, name: str, argv: list[str], threads: int) -> ChildProcess:
+    def start(self, name: str, argv: list[str], threads: int) -> ChildProcess:
+        """Start any child the way the run's own are started: own process group, log file, thread limits,
+        death with the launcher (the data-parallel baseline starts its ranks with it)."""
         log_path = self.paths.log(name)
         env = dict(os.environ)
         # OpenMP/MKL pools sized before torch even starts, matching --threads (DESIGN.md section 3).

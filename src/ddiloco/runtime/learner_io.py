@@ -11,7 +11,14 @@ reads what the syncer sent from the `Inbox` between inner steps. Two background 
 
 Faults are data: an update that cannot be delivered is dropped and counted (lost work costs only
 this learner); a rejection becomes a `Rejected` message for the learner core; a refusal (wrong
-token, schema, model or config) becomes a `Refused` message, and the main thread stops.
+token, schema, model or config) becomes a `Refused` message, and the main thread stops. Every queued
+update gets exactly one fate, reported through `on_fate(update, fate, reason)` from the sender
+thread (or from `close`): accepted, rejected (the syncer's reason), or dropped ("partition", "drop",
+"unreachable", or "exit" when it was still queued as the learner stopped).
+
+Injected faults (see `ddiloco.transport.grpc_client`) need one thing from this layer: after a
+partition that discarded downlink messages, the first heartbeat that gets through triggers a re-join
+(unless the syncer has already forgotten the learner, which asks for one anyway).
 """
 
 from __future__ import annotations
@@ -21,13 +28,23 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
-from ddiloco.transport.grpc_client import Backoff, Fault, SyncerClient, classify, error_reason, error_text
+from ddiloco.transport.grpc_client import (
+    Backoff,
+    ChaosFault,
+    Fault,
+    SyncerClient,
+    classify,
+    drop_reason,
+    error_reason,
+    error_text,
+)
 from ddiloco.transport.grpc_codec import WireError
 
 logger = logging.getLogger(__name__)
@@ -89,20 +106,29 @@ class IOStats:
     updates_rejected: int = 0
     """Updates refused, by the core or on the wire."""
     updates_dropped: int = 0
-    """Updates that could not be delivered (syncer unreachable): that work is lost, to this learner only."""
+    """Updates that could not be delivered (syncer unreachable, or an injected partition or drop): that
+    work is lost, to this learner only."""
     welcomes: int = 0
     disconnects: int = 0
 
 
 _STOP = object()
 
+FateCallback = Callable[[Update, str, str], None]
+"""(update, fate, reason): fate is "accepted", "rejected" or "dropped"; reason "" when accepted."""
+
+
+def _ignore_fate(update: Update, fate: str, reason: str) -> None:
+    """The default `on_fate`: nobody keeps a ledger."""
+
 
 class LearnerIO:
     """The two I/O threads of one learner process, around one `SyncerClient`."""
 
     def __init__(self, client: SyncerClient, join: Join, *, heartbeat_every_s: float,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, on_fate: FateCallback = _ignore_fate) -> None:
         self.client = client
+        self.on_fate = on_fate
         self.join = join
         self.learner_id = join.learner_id
         self.heartbeat_every_s = heartbeat_every_s
@@ -129,12 +155,15 @@ class LearnerIO:
     def send(self, message: Update | Join) -> None:
         """From the main thread: queue an update, or ask to join again."""
         if isinstance(message, Join):
-            self._rejoin.set()
-            self._wake_receiver.set()
-            self.client.cancel_subscription()
+            self._request_rejoin()
             return
         # The link books the bytes now, so consecutive updates overlap their latencies.
         self._outbox.put((message, self.client.link.send_at(message.payload_bytes)))
+
+    def _request_rejoin(self) -> None:
+        self._rejoin.set()
+        self._wake_receiver.set()
+        self.client.cancel_subscription()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued update has been pushed (or dropped); False on timeout."""
@@ -155,6 +184,17 @@ class LearnerIO:
         for thread in self._threads:
             thread.join(THREAD_JOIN_S)
         self.client.close()
+        self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        """Updates still queued when the learner exits never reach the syncer: their fate is "exit"."""
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                self._dropped(item[0], "exit")
 
     # ---- receiver ------------------------------------------------------------------------------------
 
@@ -170,6 +210,8 @@ class LearnerIO:
                         self.stats.welcomes += 1
                         backoff.reset()
                     self.inbox.put(message, deliver_at)
+            except ChaosFault as exc:
+                logger.info("[learner %d] %s; re-joining", self.learner_id, error_text(exc))
             except grpc.RpcError as exc:
                 if classify(exc) is Fault.REFUSED:
                     self._refused(error_text(exc))
@@ -207,6 +249,7 @@ class LearnerIO:
                 continue
             update, deliver_at = item
             if self._stop.wait(max(0.0, deliver_at - self.clock.now())):
+                self._dropped(update, "exit")
                 return
             self._push(update)
 
@@ -217,20 +260,29 @@ class LearnerIO:
         except grpc.RpcError as exc:
             fault = classify(exc)
             if fault is Fault.REFUSED:
+                self.stats.updates_rejected += 1
+                self.on_fate(update, "rejected", error_reason(exc) or "refused")
                 self._refused(error_text(exc))
             elif fault is Fault.REJECTED:
                 self.stats.updates_rejected += 1
+                self.on_fate(update, "rejected", error_reason(exc) or str(RejectReason.MALFORMED))
                 self._rejected(update, error_reason(exc), error_text(exc), generation)
             else:
-                self.stats.updates_dropped += 1
                 logger.info("[learner %d] update for fragment %d dropped: %s", self.learner_id, update.fragment,
                             error_text(exc))
+                self._dropped(update, drop_reason(exc))
             return
         if reply.accepted:
             self.stats.updates_accepted += 1
+            self.on_fate(update, "accepted", "")
         else:
             self.stats.updates_rejected += 1
+            self.on_fate(update, "rejected", reply.reason)
             self._rejected(update, reply.reason, reply.detail, generation)
+
+    def _dropped(self, update: Update, reason: str) -> None:
+        self.stats.updates_dropped += 1
+        self.on_fate(update, "dropped", reason)
 
     def _rejected(self, update: Update, reason: str, detail: str, generation: int) -> None:
         try:
@@ -257,5 +309,9 @@ class LearnerIO:
             if classify(exc) is Fault.REFUSED:
                 self._refused(error_text(exc))
             return
+        missed = self.client.take_downlink_missed()
         if not known and self.connected and self._first_unknown(generation):
             self.inbox.put(Rejected(self.learner_id, -1, -1, RejectReason.UNKNOWN_LEARNER, "heartbeat"))
+        elif known and missed:
+            logger.info("[learner %d] the partition discarded messages from the syncer; re-joining", self.learner_id)
+            self._request_rejoin()

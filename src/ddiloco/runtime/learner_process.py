@@ -11,16 +11,23 @@ Every `checkpoint_every_s` (and on stop) it saves its own progress (inner step, 
 AdamW state, data cursor, counters) under `learners/N/checkpoint/`, written by a background thread
 from a snapshot; not the model, whose parameters come from the syncer at every (re)join. A restarted
 learner resumes from there, or from scratch with a fresh optimizer when there is none.
+
+It always keeps a work ledger, `learners/N/work.jsonl` (`WorkLedger`): what it published, what
+became of each update, what it received, and how much unpublished work each Welcome or the end of
+the process threw away, so a chaos run can account for every inner step (docs/runtime.md). A
+`slowdown` factor above 1 (a straggler injected by a chaos run) stretches every inner step to that
+many times its compute time.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +35,8 @@ from typing import Any
 from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
 from ddiloco.clock import MonotonicClock
 from ddiloco.data import load_corpus, shard_stream
-from ddiloco.learner import Learner
-from ddiloco.messages import Refused
+from ddiloco.learner import Learner, next_uncommitted_round
+from ddiloco.messages import FragmentState, Refused, Update, Welcome
 from ddiloco.metrics import MetricSink
 from ddiloco.model import build_model
 from ddiloco.runtime.learner_io import LearnerIO
@@ -78,6 +85,91 @@ class LearnerProcessConfig:
         return self.run_dir / "learners" / str(self.learner_id)
 
 
+class WorkLedger:
+    """`learners/N/work.jsonl`: one JSON object per line, appended across restarts and flushed per
+    line, so a kill -9 loses no line already written. Thread-safe: the main thread writes what it
+    trains, publishes and receives; the sender thread writes each update's fate.
+
+    "Unpublished" steps of fragment p are the inner steps trained since p was last published or
+    last received, whichever is later: the work a Welcome or an exit throws away. The learner core
+    counts steps only since the last receive, so the ledger keeps its own publish points.
+    """
+
+    def __init__(self, path: str | Path, *, num_fragments: int, inner_step: int,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._wall_clock = wall_clock
+        self._synced_at = [inner_step] * num_fragments
+        """Per fragment, the inner step at which it was last published or received."""
+
+    def write(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            if self._file.closed:  # a sender thread that outlived `close` (stuck in a call) has no say
+                return
+            line = json.dumps({"event": event, "time": self._wall_clock(), **fields})
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def unpublished(self, inner_step: int) -> list[int]:
+        return [inner_step - synced for synced in self._synced_at]
+
+    def start(self, *, inner_step: int, shares: Sequence[float]) -> None:
+        self.write("start", pid=os.getpid(), inner_step=inner_step, shares=list(shares))
+
+    def welcome(self, welcome: Welcome, *, inner_step: int, replaced: Sequence[int]) -> None:
+        """`replaced`: the fragments the Welcome overwrote (a fragment still at the learner's version is kept)."""
+        versions = [s.version for s in sorted(welcome.fragments, key=lambda s: s.fragment)]
+        unpublished = [n if p in replaced else 0 for p, n in enumerate(self.unpublished(inner_step))]
+        self.write("welcome", inner_step=inner_step, versions=versions, unpublished=unpublished)
+        for p in replaced:
+            self._synced_at[p] = inner_step
+
+    def position(self, *, inner_step: int, next_round: int) -> None:
+        """The learner took the global schedule position (synchronous DiLoCo, a fresh incarnation):
+        its inner-step count jumps, so the publish points move with it."""
+        self.write("position", inner_step=inner_step, next_round=next_round)
+        self._synced_at = [inner_step] * len(self._synced_at)
+
+    def publish(self, update: Update) -> None:
+        new_steps = update.inner_step - self._synced_at[update.fragment]
+        self._synced_at[update.fragment] = update.inner_step
+        self.write("publish", fragment=update.fragment, base_version=update.base_version,
+                   inner_step=update.inner_step, steps=update.steps, new_steps=new_steps, tokens=update.tokens)
+
+    def fate(self, update: Update, fate: str, reason: str) -> None:
+        self.write("fate", fragment=update.fragment, base_version=update.base_version, inner_step=update.inner_step,
+                   fate=fate, reason=reason)
+
+    def received(self, state: FragmentState, *, inner_step: int) -> None:
+        unpublished = inner_step - self._synced_at[state.fragment]
+        self._synced_at[state.fragment] = inner_step
+        self.write("received", fragment=state.fragment, version=state.version, inner_step=inner_step,
+                   unpublished=unpublished)
+
+    def end(self, state: str, *, inner_step: int) -> None:
+        self.write("end", inner_step=inner_step, state=state, unpublished=self.unpublished(inner_step))
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def fragment_shares(learner: Learner) -> list[float]:
+    """Fraction of the model's parameters (by count) in each fragment."""
+    sizes = {name: p.numel() for name, p in learner.model.named_parameters()}
+    counts = [sum(sizes[name] for name in names) for names in learner.plan.fragments]
+    total = sum(counts)
+    return [count / total for count in counts]
+
+
+def no_slowdown() -> float:
+    """The default `slowdown`: every inner step at full speed."""
+    return 1.0
+
+
 @dataclass
 class _Progress:
     """What the status thread reads; replaced (not mutated) by the main thread."""
@@ -93,7 +185,8 @@ class LearnerProcess:
     """Runs one learner until it has trained `inner_steps` inner steps. See the module docstring."""
 
     def __init__(self, run_config: RunConfig, config: LearnerProcessConfig,
-                 connect: Callable[[WireModel], SyncerClient], *, sink: MetricSink) -> None:
+                 connect: Callable[[WireModel], SyncerClient], *, sink: MetricSink,
+                 slowdown: Callable[[], float] = no_slowdown) -> None:
         if config.learner_id >= run_config.num_learners:
             raise ValueError(f"learner_id={config.learner_id} is invalid: the run has {run_config.num_learners} "
                              f"learners (ids 0..{run_config.num_learners - 1})")
@@ -110,12 +203,20 @@ class LearnerProcess:
                                optimizer=self.optimizer)
         self.stream = shard_stream(load_corpus(), run_config.data, shard=config.learner_id,
                                    num_shards=run_config.num_learners)
+        self.slowdown = slowdown
         self.client = connect(WireModel(self.learner.spec, self.learner.plan, run_config.diloco.codec))
+        self.ledger: WorkLedger | None = None
+        """Opened in `run`, once the checkpoint has told the inner step this incarnation starts from."""
         self.io = LearnerIO(self.client, self.learner.join_message(),
-                            heartbeat_every_s=run_config.learner.heartbeat_every_s, clock=self.clock)
+                            heartbeat_every_s=run_config.learner.heartbeat_every_s, clock=self.clock,
+                            on_fate=self._fate)
         self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.progress = _Progress()
         self.refusal: str | None = None
+        self._synchronous = run_config.quorum.min_quorum >= run_config.num_learners > 1
+        """K = M: every round waits for every live learner, so a fresh incarnation takes the global schedule
+        position at its first Welcome (`Learner.take_schedule_position`)."""
+        self._positioned = False
         self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
         self._saver: threading.Thread | None = None
         self._last_rate = (time.monotonic(), 0)
@@ -136,6 +237,9 @@ class LearnerProcess:
 
     def run(self) -> int:
         self._restore()
+        self.ledger = WorkLedger(self.config.directory / "work.jsonl", num_fragments=self.learner.plan.num_fragments,
+                                 inner_step=self.learner.inner_step)
+        self.ledger.start(inner_step=self.learner.inner_step, shares=fragment_shares(self.learner))
         total = self.run_config.inner_steps
         self._status_thread.start()
         if self.learner.inner_step >= total:
@@ -175,27 +279,54 @@ class LearnerProcess:
         return self._finish("done" if done else "stopped", leave=True)
 
     def _train_one(self) -> None:
+        started = time.monotonic()
         batch = self.stream.next_batch()
         loss = inner_step(self.model, self.optimizer, batch, grad_clip=self.run_config.inner.grad_clip)
+        # A straggler: this step takes `slowdown` times its compute time (a stop cuts the wait short).
+        extra_s = (self.slowdown() - 1.0) * (time.monotonic() - started)
+        if extra_s > 0:
+            self._stop.wait(extra_s)
+        step_s = time.monotonic() - started
         for update in self.learner.after_inner_step(batch.tokens):
+            self.ledger.publish(update)  # before the I/O thread can write its fate
             self.io.send(update)
         self.io.inner_step = self.learner.inner_step
         tokens = self.progress.tokens + batch.tokens
         self._set(state="disconnected" if not self.io.connected else "training", loss=loss, tokens=tokens)
-        self.sink.log({f"{self.prefix}/loss": loss, f"{self.prefix}/tokens": tokens}, step=self.learner.inner_step)
+        self.sink.log({f"{self.prefix}/loss": loss, f"{self.prefix}/tokens": tokens, f"{self.prefix}/step_s": step_s},
+                      step=self.learner.inner_step)
 
     def _apply_inbox(self) -> None:
         for message in self.io.inbox.take_ready():
             if isinstance(message, Refused):
                 self.refusal = message.reason
+            if (isinstance(message, Welcome) and self._synchronous and not self._positioned
+                    and next_uncommitted_round(message) != self.learner.next_round):
+                self.learner.take_schedule_position(message)
+                self.ledger.position(inner_step=self.learner.inner_step, next_round=self.learner.next_round)
+            if isinstance(message, Welcome):
+                self._positioned = True
+            applied = self.learner.stats.fragments_applied
+            before = list(self.learner.versions)
             try:
                 replies = self.learner.receive(message)
             except ValueError as exc:  # a malformed message: a fault to record, not a crash
                 logger.error("[learner %d | inner %d] ignored a message from the syncer: %s",
                              self.config.learner_id, self.learner.inner_step, exc)
                 continue
+            if isinstance(message, Welcome):
+                replaced = [p for p, v in enumerate(before) if v < 0 or v != self.learner.versions[p]]
+                self.ledger.welcome(message, inner_step=self.learner.inner_step, replaced=replaced)
+            elif isinstance(message, FragmentState) and self.learner.stats.fragments_applied > applied:
+                self.ledger.received(message, inner_step=self.learner.inner_step)
             for reply in replies:
+                if isinstance(reply, Update):
+                    self.ledger.publish(reply)  # an update published again after a re-join
                 self.io.send(reply)
+
+    def _fate(self, update: Update, fate: str, reason: str) -> None:
+        """From the sender thread (or `close`): what became of a published update."""
+        self.ledger.fate(update, fate, reason)
 
     def _set(self, **changes: Any) -> None:
         values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
@@ -204,7 +335,9 @@ class LearnerProcess:
 
     def _finish(self, state: str, *, leave: bool, connected: bool = True) -> int:
         if connected:
-            self.io.close(leave=leave)
+            self.io.close(leave=leave)  # queued updates get their fate ("exit") before the end line
+        self.ledger.end(state, inner_step=self.learner.inner_step)
+        self.ledger.close()
         self._save()
         self._set(state=state)
         self._status_stop.set()

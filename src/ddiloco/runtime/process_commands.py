@@ -66,6 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="period of the learner's local checkpoints (default: 10)")
     learner.add_argument("--status-every-s", type=float, default=1.0,
                          help="period of DIR/learners/N/status.json rewrites (default: 1)")
+    learner.add_argument("--chaos-control", metavar="PATH",
+                         help="obey the faults a chaos run writes to this control file (partition, latency, "
+                              "bandwidth, drop, corrupt, straggler; see ddiloco.chaos.control); default: none")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +166,8 @@ def run_syncer(args: argparse.Namespace) -> int:
             logger.warning("[syncer] --resume: %s holds no syncer state yet; starting fresh", run_dir)
         store.save(syncer, {})  # pin the initial global model: replay starts from here
     sink = run_dir_sink(run_dir / "syncer")
-    sink.event("start", rounds_committed=syncer.rounds_committed, replayed=restored.replayed)
+    source = "checkpoint" if restored.found_state or restored.replayed else "init"
+    sink.event("start", source=source, rounds_committed=syncer.rounds_committed, replayed=restored.replayed)
     service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored)
     model = WireModel(syncer.spec, syncer.plan, run_config.diloco.codec)
     server, port = start_server(service, model, args.bind, token=token, tls=tls)
@@ -195,23 +199,31 @@ def run_learner(args: argparse.Namespace) -> int:
     _set_threads(threads)  # before any torch work (DESIGN.md section 3)
 
     from ddiloco.metrics import run_dir_sink
-    from ddiloco.runtime.learner_process import EXIT_REFUSED, LearnerProcess, LearnerProcessConfig
+    from ddiloco.runtime.learner_process import EXIT_REFUSED, LearnerProcess, LearnerProcessConfig, no_slowdown
     from ddiloco.transport.grpc_client import SyncerClient
-    from ddiloco.transport.link import EmulatedLink, unlimited_link
+    from ddiloco.transport.link import NO_FAULTS, EmulatedLink, unlimited_link
 
     config = LearnerProcessConfig(learner_id=args.learner_id, run_dir=Path(args.run_dir), device=args.device,
                                   checkpoint_every_s=args.checkpoint_every_s, status_every_s=args.status_every_s)
     if args.learner_id >= run_config.num_learners:
         raise ValueError(f"--learner-id {args.learner_id} is invalid: the run has {run_config.num_learners} "
                          f"learners (ids 0..{run_config.num_learners - 1})")
-    link = EmulatedLink(link_spec) if link_spec is not None else unlimited_link()
+    chaos = None
+    if args.chaos_control:
+        from ddiloco.chaos.control import ChaosControl
+
+        # Seeded by the learner id: each learner draws its own drops and corruptions, reproducibly.
+        chaos = ChaosControl(Path(args.chaos_control), seed=args.learner_id)
+    faults = chaos or NO_FAULTS
+    link = EmulatedLink(link_spec, faults=faults) if link_spec is not None else unlimited_link(faults=faults)
 
     def connect(model):
         return SyncerClient(args.syncer, model=model, diloco_config=run_config.diloco, token=token,
                             tls_root_certificates=tls_ca, tls_server_name=args.tls_server_name, link=link)
 
     sink = run_dir_sink(config.directory)
-    process = LearnerProcess(run_config, config, connect, sink=sink)
+    process = LearnerProcess(run_config, config, connect, sink=sink,
+                             slowdown=chaos.slowdown if chaos is not None else no_slowdown)
     _on_stop_signals(process.request_stop)
     code = process.run()
     if code == EXIT_REFUSED:

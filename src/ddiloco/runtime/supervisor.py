@@ -140,6 +140,8 @@ class Slot:
     reason: str = ""
     """Why it ended (refused, failed), from its log."""
     pids: list[int] = field(default_factory=list)
+    held_until: float | None = None
+    """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
 
     @property
     def pid(self) -> int | None:
@@ -186,6 +188,13 @@ class Supervisor:
             self._kill_now = True
         else:
             self._stop_reason = reason
+
+    def hold(self, slot: Slot, until: float) -> None:
+        """Do not restart `slot` before monotonic time `until`, however it exits: a machine that
+        is being replaced (chaos runs) rather than a process the supervisor should bring back at once."""
+        slot.held_until = until
+        if slot.state == ChildState.BACKOFF and slot.restart_at is not None:
+            slot.restart_at = max(slot.restart_at, until)
 
     def run(self, *, on_tick: Callable[[], None] | None = None) -> None:
         """Start, supervise until finished or asked to stop, then shut everything down."""
@@ -335,7 +344,7 @@ class Supervisor:
         assert slot.process is not None
         delay = slot.backoff.delay(now - slot.process.started_at)
         slot.restarts += 1
-        slot.restart_at = now + delay
+        slot.restart_at = max(now + delay, slot.held_until or now)
         slot.state = ChildState.BACKOFF
         self._emit("restart_scheduled", slot, f"restarts in {delay:.1f} s (restart {slot.restarts})",
                    delay_s=delay, restarts=slot.restarts)

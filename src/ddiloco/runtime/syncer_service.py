@@ -52,6 +52,8 @@ from ddiloco.transport.grpc_server import STOP_GRACE_S, Subscription
 
 logger = logging.getLogger(__name__)
 
+DISCARDED_AT_STOP = "syncer stopped with the round open"
+"""Reason of the `discarded` event for each update held in an open round at a clean stop."""
 MIN_TIMER_WAIT_S = 1e-3
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
@@ -144,6 +146,11 @@ class SyncerService:
             thread.join()
         with self._cond:
             self.store.save(self.syncer, self._meta())
+            held = self.syncer.held_updates()
+        for update in held:  # open rounds are not durable: these updates are lost with this process
+            self.sink.event("discarded", learner_id=update.learner_id, fragment=update.fragment,
+                            base_version=update.base_version, inner_step=update.inner_step,
+                            reason=DISCARDED_AT_STOP)
         if self.config.eval_every_s > 0:
             self.evaluate()
         self.write_status()
@@ -205,8 +212,12 @@ class SyncerService:
                     rest.append(action)
             self._carry_out(rest)
             self._cond.notify_all()
-        if not verdict[0]:
-            self._record(update.learner_id, verdict[1], verdict[2])
+        accepted, reason, detail = verdict
+        self.sink.event("update", learner_id=update.learner_id, fragment=update.fragment,
+                        base_version=update.base_version, inner_step=update.inner_step, accepted=accepted,
+                        reason=reason)
+        if not accepted:
+            self._record(update.learner_id, reason, detail, fragment=update.fragment, inner_step=update.inner_step)
         return verdict
 
     def is_member(self, learner_id: int) -> bool:
@@ -239,16 +250,19 @@ class SyncerService:
         logger.warning("[syncer] learner %d disconnected", subscription.learner_id)
         self.sink.event("disconnect", learner_id=subscription.learner_id)
 
-    def record_rejection(self, reason: str, detail: str, *, learner_id: int | None, peer: str) -> None:
-        self._record(learner_id, reason, detail, peer=peer)
+    def record_rejection(self, reason: str, detail: str, *, learner_id: int | None, peer: str,
+                         fragment: int | None = None, inner_step: int | None = None) -> None:
+        self._record(learner_id, reason, detail, peer=peer, fragment=fragment, inner_step=inner_step)
 
-    def _record(self, learner_id: int | None, reason: str, detail: str, *, peer: str = "") -> None:
+    def _record(self, learner_id: int | None, reason: str, detail: str, *, peer: str = "",
+                fragment: int | None = None, inner_step: int | None = None) -> None:
         with self._cond:
             self.rejections[reason] += 1
             if learner_id is not None:
                 self._rejected[learner_id] += 1
         logger.warning("[syncer] rejected %s from learner %s (%s): %s", reason, learner_id, peer or "-", detail)
-        self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer)
+        self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer,
+                        fragment=fragment, inner_step=inner_step)
 
     def _delivered(self, state: FragmentState, seconds: float) -> None:
         with self._cond:

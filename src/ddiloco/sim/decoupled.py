@@ -49,7 +49,6 @@ from typing import Any, Protocol
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import load_corpus, shard_stream
-from ddiloco.fragments import due_step
 from ddiloco.learner import Learner
 from ddiloco.messages import (
     Commit,
@@ -452,12 +451,9 @@ class DecoupledSim:
             self._send_up(slot, reply)
 
     def _take_schedule_position(self, learner: Learner, welcome: Welcome) -> None:
-        num = len(welcome.fragments)
-        next_round = min(num * state.version + state.fragment for state in welcome.fragments)
-        inner = due_step(next_round, self.config.diloco.sync_every, num) - 1
-        learner.load_state_dict({"learner_id": learner.learner_id, "inner_step": inner, "next_round": next_round,
-                                 "optimizer": learner.optimizer.state_dict()})
-        self.loop.record("schedule_position", learner=learner.learner_id, inner_step=inner, next_round=next_round)
+        learner.take_schedule_position(welcome)
+        self.loop.record("schedule_position", learner=learner.learner_id, inner_step=learner.inner_step,
+                         next_round=learner.next_round)
 
     # ---- syncer timers ---------------------------------------------------------------------------
 

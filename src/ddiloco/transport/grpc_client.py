@@ -9,6 +9,17 @@ downloaded message carries the time at which the link would have handed it over.
 Errors: calls raise `grpc.RpcError`. `classify(error)` sorts them into a refusal (wrong token,
 schema, model or config: the learner must stop), a rejection with a reason (the syncer refused this
 update or does not know the learner), or a transient fault (the syncer is unreachable: retry later).
+
+Injected faults (the link's `LinkFaults`, from a chaos control file) act here, on whole messages:
+
+- partition: push, heartbeat, leave and a new subscribe fail at once with a `ChaosFault` (a transient
+  UNAVAILABLE error, "chaos: partitioned from the syncer"); downlink messages that arrive meanwhile
+  are discarded while the stream stays open, so the syncer notices only by the missing heartbeats
+  (a silent partition). `take_downlink_missed()` then tells the caller to re-join for a fresh state.
+- drop: an update or heartbeat is lost before it is sent (a `ChaosFault`); a downlink message is lost
+  before the learner sees it, which ends the subscription so that the caller re-joins.
+- corrupt: one byte of the message's tensor data is inverted in flight, after its CRC32 was computed;
+  the syncer refuses such an update as `corrupt`, and the downlink decoder raises a `WireError`.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import grpc
 from ddiloco.config import DilocoConfig
 from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
-from ddiloco.transport.grpc_codec import SyncerStreamDecoder, WireModel, encode_join, encode_update
+from ddiloco.transport.grpc_codec import SyncerStreamDecoder, WireModel, encode_join, encode_update, flip_data_byte
 from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
 from ddiloco.transport.link import EmulatedLink, unlimited_link
 
@@ -44,6 +55,35 @@ class Fault(enum.Enum):
 
 _REFUSAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                   grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class ChaosFault(grpc.RpcError):
+    """A message the transport itself kept from the syncer because an injected fault said so. It
+    reads like an UNAVAILABLE status, so callers treat it as any transient fault; `reason` says which
+    fault ("partition" or "drop")."""
+
+    def __init__(self, reason: str, details: str) -> None:
+        super().__init__(details)
+        self.reason = reason
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+PARTITIONED = "chaos: partitioned from the syncer"
+
+
+def drop_reason(error: grpc.RpcError) -> str:
+    """Why a message that never reached the syncer was lost: "partition" or "drop" (injected faults),
+    else "unreachable" (a real transport error)."""
+    return error.reason if isinstance(error, ChaosFault) else "unreachable"
 
 
 def error_reason(error: grpc.RpcError) -> str:
@@ -110,6 +150,7 @@ class SyncerClient:
         self._metadata = ((SCHEMA_KEY, str(SCHEMA_VERSION)),) + (((TOKEN_KEY, token),) if token else ())
         self._lock = threading.Lock()
         self._subscription: grpc.Call | None = None
+        self._downlink_missed = False
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -118,30 +159,55 @@ class SyncerClient:
             self.bytes_sent += sent
             self.bytes_received += received
 
+    def _check_partition(self) -> None:
+        if self.link.faults.partitioned():
+            raise ChaosFault("partition", PARTITIONED)
+
     # ---- downlink -----------------------------------------------------------------------------------
 
     def subscribe(self, join: Join) -> Iterator[tuple[SyncerMessage, float]]:
         """Join and follow the downlink: (message, deliver_at) pairs until the stream ends. The first
         message is the Welcome; `deliver_at` is when the emulated link hands the message over."""
+        self._check_partition()
         request = encode_join(join, self.diloco_config)
         self._count(sent=request.ByteSize())
         call = self._stub.Subscribe(request, metadata=self._metadata)
         with self._lock:
             self._subscription = call
         decoder = SyncerStreamDecoder(self.model)
+        faults = self.link.faults
         counted = 0
+        corrupt = False
         try:
             for chunk in call:
+                if chunk.WhichOneof("kind") in ("welcome", "fragment_state"):  # a message with tensors begins
+                    corrupt = faults.should_corrupt()
+                if corrupt and flip_data_byte(chunk):
+                    corrupt = False
                 message = decoder.feed(chunk)
-                if message is not None:
-                    nbytes, counted = decoder.wire_bytes - counted, decoder.wire_bytes
-                    self._count(received=nbytes)
-                    yield message, self.link.receive_at(nbytes)
+                if message is None:
+                    continue
+                nbytes, counted = decoder.wire_bytes - counted, decoder.wire_bytes
+                if faults.partitioned():
+                    with self._lock:
+                        self._downlink_missed = True
+                    continue
+                if faults.should_drop():
+                    raise ChaosFault("drop", f"chaos: a {type(message).__name__} from the syncer was dropped")
+                self._count(received=nbytes)
+                yield message, self.link.receive_at(nbytes)
         finally:
             with self._lock:
                 if self._subscription is call:
                     self._subscription = None
             call.cancel()
+
+    def take_downlink_missed(self) -> bool:
+        """True once after a partition discarded downlink messages: the learner's state is behind
+        the syncer's, and only a re-join (a Welcome) brings it back in line."""
+        with self._lock:
+            missed, self._downlink_missed = self._downlink_missed, False
+            return missed
 
     def cancel_subscription(self) -> None:
         """End the current subscription (its iterator raises a CANCELLED RpcError)."""
@@ -155,20 +221,31 @@ class SyncerClient:
     def encode_update(self, update: Update) -> list[wire_pb2.UpdateChunk]:
         return list(encode_update(update, self.model.spec))
 
+    def _check_send(self, what: str) -> None:
+        """Injected faults on one uplink message, before it is sent: a partition, or a drop."""
+        self._check_partition()
+        if self.link.faults.should_drop():
+            raise ChaosFault("drop", f"chaos: the {what} was dropped")
+
     def push(self, chunks: list[wire_pb2.UpdateChunk], *, timeout_s: float = PUSH_TIMEOUT_S) -> wire_pb2.UpdateReply:
         """Upload one update (its chunks from `encode_update`); the caller applies link timing."""
+        self._check_send("update")
+        if self.link.faults.should_corrupt():
+            any(flip_data_byte(c) for c in chunks)  # the first chunk with data
         nbytes = sum(c.ByteSize() for c in chunks)
         reply = self._stub.PushUpdate(iter(chunks), metadata=self._metadata, timeout=timeout_s)
         self._count(sent=nbytes, received=reply.ByteSize())
         return reply
 
     def heartbeat(self, learner_id: int, inner_step: int, *, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        self._check_send("heartbeat")
         request = wire_pb2.HeartbeatRequest(learner_id=learner_id, inner_step=inner_step)
         reply = self._stub.Heartbeat(request, metadata=self._metadata, timeout=timeout_s)
         self._count(sent=request.ByteSize(), received=reply.ByteSize())
         return reply.known
 
     def leave(self, learner_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self._check_partition()
         request = wire_pb2.LeaveRequest(learner_id=learner_id)
         self._stub.Leave(request, metadata=self._metadata, timeout=timeout_s)
         self._count(sent=request.ByteSize())

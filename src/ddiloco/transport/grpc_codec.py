@@ -8,7 +8,9 @@ global values), codec-encoded pseudo-gradients on the uplink. No pickle anywhere
 Everything read off the wire is checked here before it becomes a message: `WireModel` knows the
 model's tensor names, shapes and dtypes, the fragment plan and the codec, so a header that
 disagrees is refused before its data is read, a stream that carries more bytes than its header
-declared is refused at the first extra byte, and one that ends early is refused as truncated.
+declared is refused at the first extra byte, one that ends early is refused as truncated, and one
+whose bytes do not match the CRC32 in its header is refused as corrupt (checked before decoding, so
+a changed byte is never mistaken for a malformed or non-finite payload).
 Problems raise `WireError(reason, detail, status)`; the gRPC server turns it into an error status
 and a recorded rejection.
 """
@@ -19,6 +21,7 @@ import functools
 import json
 import math
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -144,6 +147,32 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def crc32_of(blobs: Iterable[bytes | memoryview | bytearray]) -> int:
+    """zlib.crc32 of the concatenation of `blobs` (the `crc32` field of every header with tensors)."""
+    crc = 0
+    for blob in blobs:
+        crc = zlib.crc32(blob, crc)
+    return crc
+
+
+def check_crc32(data: bytes | memoryview | bytearray, expected: int, what: str) -> None:
+    actual = zlib.crc32(data)
+    if actual != expected:
+        raise WireError(str(RejectReason.CORRUPT), f"{what}: CRC32 of its {len(data)} tensor bytes is "
+                        f"{actual:#010x}, the header says {expected:#010x} (bytes changed in flight)")
+
+
+def flip_data_byte(chunk) -> bool:
+    """Corrupt a chunk's tensor data in place, leaving its header intact: the middle byte of `data`
+    is inverted. False (nothing changed) when the chunk carries no data. For chaos tests."""
+    if not chunk.data:
+        return False
+    data = bytearray(chunk.data)
+    data[len(data) // 2] ^= 0xFF
+    chunk.data = bytes(data)
+    return True
+
+
 def field_wire_bytes(nbytes: int) -> int:
     """Serialised size of a length-delimited field (field number < 16) of `nbytes`: tag, varint, bytes."""
     return 1 + max(1, (nbytes.bit_length() + 6) // 7) + nbytes
@@ -194,7 +223,7 @@ class _Receiver:
 def _fragment_header(state: FragmentState) -> wire_pb2.FragmentHeader:
     return wire_pb2.FragmentHeader(fragment=state.fragment, version=state.version, tensors=[
         wire_pb2.TensorHeader(name=name, dtype=WIRE_DTYPE, shape=list(t.shape), nbytes=t.numel() * 4)
-        for name, t in state.tensors.items()])
+        for name, t in state.tensors.items()], crc32=crc32_of(tensor_bytes(t) for t in state.tensors.values()))
 
 
 def encode_syncer_message(message: SyncerMessage, chunk_bytes: int = CHUNK_BYTES) -> Iterator[wire_pb2.SyncerChunk]:
@@ -332,10 +361,13 @@ class SyncerStreamDecoder:
         self._header = self._receiver = None
         if header.WhichOneof("kind") == "fragment_state":
             frag = header.fragment_state
+            check_crc32(buffer, frag.crc32, f"fragment {frag.fragment} version {frag.version}")
             tensors, _ = _float32_tensors(frag.tensors, buffer, 0)
             return FragmentState(int(frag.fragment), int(frag.version), tensors)
         states, offset = [], 0
         for frag in header.welcome.fragments:
+            end = offset + sum(t.nbytes for t in frag.tensors)
+            check_crc32(memoryview(buffer)[offset:end], frag.crc32, f"the Welcome's fragment {frag.fragment}")
             tensors, offset = _float32_tensors(frag.tensors, buffer, offset)
             states.append(FragmentState(int(frag.fragment), int(frag.version), tensors))
         return Welcome(int(header.welcome.learner_id), tuple(states), header.welcome.config_fingerprint)
@@ -350,7 +382,8 @@ def encode_update(update: Update, spec: ModelSpec, chunk_bytes: int = CHUNK_BYTE
         learner_id=update.learner_id, fragment=update.fragment, base_version=update.base_version,
         inner_step=update.inner_step, steps=update.steps, tokens=update.tokens, codec=update.codec,
         tensors=[wire_pb2.TensorHeader(name=n, dtype=shapes[n].dtype, shape=list(shapes[n].shape),
-                                       nbytes=len(update.payload[n])) for n in names]))
+                                       nbytes=len(update.payload[n])) for n in names],
+        crc32=crc32_of(update.payload[n] for n in names)))
     yield from _with_first_data(header, iter_data((update.payload[n] for n in names), chunk_bytes),
                                 wire_pb2.UpdateChunk)
 
@@ -405,6 +438,7 @@ class UpdateAssembler:
         assert self.header is not None and self._receiver is not None, "start() first"
         self._receiver.require_complete()
         h, buffer = self.header, self._receiver.buffer
+        check_crc32(buffer, h.crc32, f"update of learner {h.learner_id} for fragment {h.fragment}")
         payload, offset = {}, 0
         for t in h.tensors:
             data = bytes(buffer[offset:offset + t.nbytes])

@@ -137,7 +137,18 @@ class SyncerHandler(Protocol):
 
     def status(self) -> dict: ...
 
-    def record_rejection(self, reason: str, detail: str, *, learner_id: int | None, peer: str) -> None: ...
+    def record_rejection(self, reason: str, detail: str, *, learner_id: int | None, peer: str,
+                         fragment: int | None = None, inner_step: int | None = None) -> None:
+        """A refusal on the wire; `fragment` and `inner_step` come from the update's header once it
+        has been checked (None before that, and for calls that are not updates)."""
+        ...
+
+
+def _update_fields(header: wire_pb2.UpdateHeader | None) -> dict[str, int | None]:
+    """fragment and inner_step of a checked update header, for a rejection record."""
+    if header is None:
+        return {"fragment": None, "inner_step": None}
+    return {"fragment": int(header.fragment), "inner_step": int(header.inner_step)}
 
 
 class SyncerServicer(wire_pb2_grpc.SyncerServicer):
@@ -148,8 +159,10 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     # ---- checks every call passes ----------------------------------------------------------------
 
-    def _refuse(self, context: grpc.ServicerContext, error: WireError, learner_id: int | None) -> None:
-        self.handler.record_rejection(error.reason, error.detail, learner_id=learner_id, peer=context.peer())
+    def _refuse(self, context: grpc.ServicerContext, error: WireError, learner_id: int | None,
+                header: wire_pb2.UpdateHeader | None = None) -> None:
+        self.handler.record_rejection(error.reason, error.detail, learner_id=learner_id, peer=context.peer(),
+                                      **_update_fields(header))
         context.set_trailing_metadata(((REASON_KEY, error.reason),))
         context.abort(error.status, f"{error.reason}: {error.detail}")
 
@@ -219,12 +232,13 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
                 assembler.add(chunk)
             update = assembler.finish()
         except WireError as exc:
-            self._refuse(context, exc, learner_id)
+            self._refuse(context, exc, learner_id, assembler.header)
             return wire_pb2.UpdateReply()
         except grpc.RpcError:
             # The client cancelled mid-stream: nothing reached the syncer.
             self.handler.record_rejection("truncated", "the client cancelled the update stream",
-                                          learner_id=learner_id, peer=context.peer())
+                                          learner_id=learner_id, peer=context.peer(),
+                                          **_update_fields(assembler.header))
             return wire_pb2.UpdateReply()
         accepted, reason, detail = self.handler.update(update)
         return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)

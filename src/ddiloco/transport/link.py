@@ -11,6 +11,16 @@ allowance) followed by a fixed one-way latency:
 Messages queue behind each other in the bucket, as on a real link, while latencies overlap (a
 message does not wait for the previous one's propagation). `parse_link("2.5gbit,40ms")` reads the
 command-line form. This module owns the arithmetic only; the gRPC client applies it.
+
+Faults switched on while a process runs (a chaos run's control file, `ddiloco.chaos.control`) reach
+the link through a `LinkFaults` object, queried per message: extra latency is added to the one-way
+delay, and a bandwidth cap serialises each direction at the capped rate on top of the bucket above:
+
+    capped = max(now, end of the previous capped message) + nbytes / cap
+    deliver = max(ready, capped) + latency + extra latency
+
+The same object tells the client about partitions and which messages to drop or corrupt. `NO_FAULTS`
+is the identity: a learner without a control file never reads one.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddiloco.clock import Clock, MonotonicClock
 
@@ -78,6 +89,43 @@ def parse_link(text: str) -> LinkSpec:
     return LinkSpec(bandwidth_bps=bandwidth, latency_s=latency)
 
 
+class LinkFaults(Protocol):
+    """Faults active on a learner's link right now; every method is cheap and thread-safe.
+    `ddiloco.chaos.control.ChaosControl` is one (this layer does not import it)."""
+
+    def partitioned(self) -> bool: ...
+
+    def extra_latency_s(self) -> float: ...
+
+    def bandwidth_bytes_per_s(self) -> float | None: ...
+
+    def should_drop(self) -> bool: ...
+
+    def should_corrupt(self) -> bool: ...
+
+
+class NoFaults:
+    """The identity `LinkFaults`: nothing is ever active (and no file is ever read)."""
+
+    def partitioned(self) -> bool:
+        return False
+
+    def extra_latency_s(self) -> float:
+        return 0.0
+
+    def bandwidth_bytes_per_s(self) -> float | None:
+        return None
+
+    def should_drop(self) -> bool:
+        return False
+
+    def should_corrupt(self) -> bool:
+        return False
+
+
+NO_FAULTS = NoFaults()
+
+
 class TokenBucket:
     """Bytes per second with a burst allowance. `reserve` books a message and says when it may go.
 
@@ -116,38 +164,56 @@ class TokenBucket:
 
 
 class LinkDirection:
-    """One direction of a link: a token bucket, then a fixed latency."""
+    """One direction of a link: a token bucket, then a fixed latency; and, while a fault says so, a
+    bandwidth cap and extra latency (see the module docstring)."""
 
     def __init__(self, spec: LinkSpec) -> None:
         self.spec = spec
         rate = spec.bandwidth_bps / 8
         burst = max(MIN_BURST_BYTES, rate * BURST_S) if math.isfinite(rate) else math.inf
         self.bucket = TokenBucket(rate, burst)
+        self._capped_until = -math.inf
+        self._lock = threading.Lock()
 
-    def deliver_at(self, nbytes: int, now: float) -> float:
+    def deliver_at(self, nbytes: int, now: float, *, cap_bytes_per_s: float | None = None,
+                   extra_latency_s: float = 0.0) -> float:
         """When a message of `nbytes` handed to the link at `now` reaches the other end."""
-        return self.bucket.reserve(nbytes, now) + self.spec.latency_s
+        ready = self.bucket.reserve(nbytes, now)
+        if cap_bytes_per_s is not None:
+            if not cap_bytes_per_s > 0:
+                raise ValueError(f"cap_bytes_per_s={cap_bytes_per_s!r} is invalid: expected > 0")
+            with self._lock:
+                # No burst allowance: under a cap every byte pays, so n bytes take n / cap seconds.
+                self._capped_until = max(now, self._capped_until) + nbytes / cap_bytes_per_s
+                ready = max(ready, self._capped_until)
+        return ready + self.spec.latency_s + extra_latency_s
 
 
 class EmulatedLink:
-    """Both directions of one learner's link to the syncer (they do not share bandwidth)."""
+    """Both directions of one learner's link to the syncer (they do not share bandwidth), and the
+    faults active on it."""
 
-    def __init__(self, spec: LinkSpec, *, clock: Clock | None = None) -> None:
+    def __init__(self, spec: LinkSpec, *, clock: Clock | None = None, faults: LinkFaults = NO_FAULTS) -> None:
         self.spec = spec
         self.clock = clock or MonotonicClock()
+        self.faults = faults
         self.uplink = LinkDirection(spec)
         self.downlink = LinkDirection(spec)
 
+    def _deliver_at(self, direction: LinkDirection, nbytes: int, now: float) -> float:
+        return direction.deliver_at(nbytes, now, cap_bytes_per_s=self.faults.bandwidth_bytes_per_s(),
+                                    extra_latency_s=self.faults.extra_latency_s())
+
     def send_at(self, nbytes: int) -> float:
         """When a learner->syncer message of `nbytes` booked now reaches the syncer."""
-        return self.uplink.deliver_at(nbytes, self.clock.now())
+        return self._deliver_at(self.uplink, nbytes, self.clock.now())
 
     def receive_at(self, nbytes: int, arrived_at: float | None = None) -> float:
         """When a syncer->learner message of `nbytes`, read off the socket at `arrived_at`, may be
         handed to the learner."""
-        return self.downlink.deliver_at(nbytes, self.clock.now() if arrived_at is None else arrived_at)
+        return self._deliver_at(self.downlink, nbytes, self.clock.now() if arrived_at is None else arrived_at)
 
 
-def unlimited_link(clock: Clock | None = None) -> EmulatedLink:
+def unlimited_link(clock: Clock | None = None, *, faults: LinkFaults = NO_FAULTS) -> EmulatedLink:
     """No shaping: infinite bandwidth, zero latency (the identity link, so callers need no `if`)."""
-    return EmulatedLink(LinkSpec(bandwidth_bps=math.inf, latency_s=0.0), clock=clock)
+    return EmulatedLink(LinkSpec(bandwidth_bps=math.inf, latency_s=0.0), clock=clock, faults=faults)

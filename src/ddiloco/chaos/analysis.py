@@ -1,0 +1,374 @@
+"""What a chaos run cost each system: goodput, uptime, recovery times, loss vs wall time, bytes.
+
+Reads one system directory of a chaos run (DIR/decoupled, DIR/sync_diloco: a `ddiloco run` directory
+with the learners' work ledgers; DIR/data_parallel; each with the runner's `chaos/run.json` and
+`chaos/faults.jsonl`) and returns plain data; plotting is `ddiloco.chaos.report`'s. The definitions
+follow the virtual-time harness (`ddiloco.sim.accounting`), so a real run and a simulated one compare:
+
+- **window**: from the start of the first inner step of any learner (data-parallel: any rank) to
+  `run.json` "ended"; start-up is set-up. T is its length. **allocated** learner-seconds = M x T.
+- **nominal step time**: the median interval between consecutive inner steps (step n, then n + 1) of
+  a learner (data-parallel: of rank 0): a step at its normal pace, loop overhead included, the same
+  measure for every system. Slowed, waiting or hung steps count only this much.
+- **Decoupled / synchronous DiLoCo**, per learner:
+  computed = inner steps logged in the window; lost step-equivalents (each fragment weighted by its
+  share of the parameters): `rejected` (new steps of publishes refused by the syncer), `dropped`
+  (publishes that never arrived), `crashed` (an incarnation killed hard: the steps not yet published
+  of each fragment at its last inner step, and its publishes without a fate), `resync` (what a
+  re-join's Welcome replaced, from non-first welcomes) and `unmerged` (accepted, but in no committed
+  round: the syncer died or stopped with the round open). Work overwritten by a newer version and
+  work unfinished at the end count as useful, as in the harness (sim/accounting.py says why).
+  useful = (computed - lost) x nominal; **goodput** = sum of useful / allocated. `work_s` holds every
+  category in learner-seconds.
+- **data-parallel**: the steps of attempt a are kept up to the
+  `from_step` of attempt a + 1 (the rest was rolled back), all of the last attempt's;
+  goodput = kept x nominal / T (every rank computed each step: M x kept x nominal over M x T).
+- **uptime**: share of the window's `uptime_bin_s` bins in which the global model advanced (a
+  committed round; data-parallel: a step above every earlier step number, since re-done steps are
+  not progress). The last, partial bin counts by its length.
+- per fault, **stall_s**: from its start to the next advance of the global model beyond its
+  pre-fault progress; **rejoin_s**: from its end to when its target contributes again (a learner: the
+  first commit after the end that merges it; the syncer: the next commit; a data-parallel rank: its
+  first step after the end, in the next attempt if one started before that step). None when it did
+  not happen within the window.
+- **rounds_per_min**: commits per minute (data-parallel: kept steps per minute, `progress_unit` says
+  which); **bytes**: syncer payload bytes sent + received (data-parallel: all-reduce bytes computed
+  from the model size, `bytes_label` says which).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("decoupled", "sync_diloco", "data_parallel")
+"""The system directories of a chaos run, in report order."""
+DATA_PARALLEL = "data_parallel"
+DEFAULT_UPTIME_BIN_S = 5.0
+"""Coarse enough that a healthy system commits in every bin (rounds come every second or so), fine
+enough that a 10 s outage shows."""
+LOST_CATEGORIES = ("rejected", "dropped", "crashed", "resync", "unmerged")
+_TARGET = re.compile(r"^(?:learner|rank)-([0-9]+)$")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every readable line of a JSONL file (a torn last line of a killed process is skipped)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def run_info(system_dir: Path) -> dict[str, Any]:
+    info = read_json(system_dir / "chaos" / "run.json")
+    if not isinstance(info, dict):
+        raise ValueError(f"{system_dir / 'chaos' / 'run.json'} is missing or unreadable: expected the chaos "
+                         "runner's record of the system's launch and stop")
+    return info
+
+
+def target_index(target: str | None) -> int | None:
+    """`learner-1` / `rank-1` -> 1; `syncer` -> None."""
+    match = _TARGET.match(target or "")
+    return int(match.group(1)) if match else None
+
+
+def uptime(advances: Iterable[float], start: float, end: float, bin_s: float) -> float:
+    """Share of [start, end) covered by `bin_s` bins holding at least one advance (see the docstring)."""
+    if end <= start:
+        return 0.0
+    covered = 0.0
+    bins = {int((t - start) // bin_s) for t in advances if start <= t <= end}
+    for index in bins:
+        low = start + index * bin_s
+        covered += max(0.0, min(low + bin_s, end) - low)
+    return min(1.0, covered / (end - start))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _first(times: Iterable[float], after: float, end: float) -> float | None:
+    return min((t for t in times if after <= t <= end), default=None)
+
+
+def _fault_rows(system_dir: Path, start: float, end: float, stall, rejoin) -> list[dict[str, Any]]:
+    rows = []
+    for fault in read_jsonl(system_dir / "chaos" / "faults.jsonl"):
+        started = float(fault["started"])
+        ended = float(fault.get("ended", started))
+        next_advance = stall(started)
+        back = rejoin(fault, started, ended)
+        rows.append({"index": fault.get("index"), "kind": fault.get("kind"), "target": fault.get("target"),
+                     "start_s": started - start, "end_s": ended - start, "duration_s": ended - started,
+                     "stall_s": None if next_advance is None else next_advance - started,
+                     "rejoin_s": None if back is None else back - ended})
+    return rows
+
+
+def _step_gaps(steps: list[dict[str, Any]]) -> list[float]:
+    """Wall seconds between consecutive steps (step n, then n + 1): a step at its normal pace, with its
+    share of the loop's own work (logging, publishing), which a step's compute time alone leaves out."""
+    return [float(b["time"]) - float(a["time"]) for a, b in zip(steps, steps[1:], strict=False)
+            if int(b["step"]) == int(a["step"]) + 1 and float(b["time"]) > float(a["time"])]
+
+
+def _per_minute(count: int, window_s: float) -> float:
+    return count / (window_s / 60.0) if window_s > 0 else 0.0
+
+
+# ---- Decoupled and synchronous DiLoCo -----------------------------------------------------------------
+
+class _LearnerLog:
+    """One learner's inner steps (metrics.jsonl) and work ledger (work.jsonl), cut into incarnations."""
+
+    def __init__(self, learner_dir: Path, learner_id: int) -> None:
+        loss_key, self.step_s_key = f"learner/{learner_id}/loss", f"learner/{learner_id}/step_s"
+        self.steps = [m for m in read_jsonl(learner_dir / "metrics.jsonl") if loss_key in m and "step" in m]
+        self.incarnations: list[list[dict[str, Any]]] = []
+        for event in read_jsonl(learner_dir / "work.jsonl"):
+            if event.get("event") == "start" or not self.incarnations:
+                self.incarnations.append([])
+            self.incarnations[-1].append(event)
+
+    def first_step_start(self) -> float | None:
+        if not self.steps:
+            return None
+        first = self.steps[0]
+        return float(first["time"]) - float(first.get(self.step_s_key) or 0.0)
+
+    def nominal_step_s(self) -> float:
+        gaps = _step_gaps(self.steps)
+        if gaps:
+            return _median(gaps)
+        return _median([float(m[self.step_s_key]) for m in self.steps if m.get(self.step_s_key) is not None])
+
+    def last_inner_step(self, index: int) -> int:
+        """The last inner step of incarnation `index`: its last metric line before the next start."""
+        events = self.incarnations[index]
+        begin = float(events[0].get("time", -math.inf))
+        stop = float(self.incarnations[index + 1][0].get("time", math.inf)) \
+            if index + 1 < len(self.incarnations) else math.inf
+        steps = [int(m["step"]) for m in self.steps if begin <= float(m["time"]) < stop]
+        steps += [int(e["inner_step"]) for e in events if e.get("inner_step") is not None]
+        return max(steps, default=0)
+
+
+def _learner_losses(log: _LearnerLog, merged: set[tuple[int, int, int]], learner_id: int) -> dict[str, float]:
+    """Lost step-equivalents of one learner, by category (see the module docstring)."""
+    lost = dict.fromkeys(LOST_CATEGORIES, 0.0)
+    for index, events in enumerate(log.incarnations):
+        start = events[0]
+        shares = [float(s) for s in start.get("shares") or [1.0]]
+        synced = [int(start.get("inner_step", 0))] * len(shares)
+        pending: dict[tuple[int, int, int], dict[str, Any]] = {}
+        welcomes = 0
+        ended = False
+        for event in events:
+            kind = event.get("event")
+            fragment = int(event.get("fragment", 0))
+            key = (fragment, int(event.get("base_version", -1)), int(event.get("inner_step", -1)))
+            if kind == "welcome":
+                if welcomes:
+                    lost["resync"] += sum(u * s for u, s in zip(event.get("unpublished", []), shares, strict=False))
+                welcomes += 1
+                # A fragment the Welcome kept (still at the learner's version) reports 0 and keeps its point.
+                unpublished = event.get("unpublished") or [1] * len(shares)
+                synced = [int(event["inner_step"]) if u else s for s, u in zip(synced, unpublished, strict=False)]
+            elif kind == "position":  # synchronous DiLoCo: the inner-step count jumped to the global phase
+                synced = [int(event["inner_step"])] * len(shares)
+            elif kind == "publish":
+                pending[key] = event
+                synced[fragment] = int(event["inner_step"])
+            elif kind == "received":
+                synced[fragment] = int(event["inner_step"])
+            elif kind == "fate":
+                publish = pending.pop(key, None)
+                steps = float(publish.get("new_steps", 0)) * shares[fragment] if publish else 0.0
+                if event.get("fate") in ("rejected", "dropped"):
+                    lost[event["fate"]] += steps
+                elif (learner_id, fragment, key[2]) not in merged:
+                    lost["unmerged"] += steps
+            elif kind == "end":
+                ended = True
+        # A publish with no fate never reached a verdict: its work went down with the process.
+        lost["crashed"] += sum(float(p.get("new_steps", 0)) * shares[int(p.get("fragment", 0))]
+                               for p in pending.values())
+        if not ended:
+            last = log.last_inner_step(index)
+            lost["crashed"] += sum(max(0, last - s) * share for s, share in zip(synced, shares, strict=True))
+    return lost
+
+
+def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
+    """Results of a Decoupled or synchronous DiLoCo system directory (definitions in the module docstring)."""
+    system_dir = Path(system_dir)
+    info = run_info(system_dir)
+    num_learners = int(info["num_learners"])
+    logs = [_LearnerLog(system_dir / "learners" / str(i), i) for i in range(num_learners)]
+    end = float(info["ended"])
+    start = min((t for log in logs if (t := log.first_step_start()) is not None), default=float(info["started"]))
+    window_s = max(0.0, end - start)
+
+    rounds = read_jsonl(system_dir / "rounds.jsonl")
+    merged = {(int(p["learner_id"]), int(r["fragment"]), int(p.get("inner_step", -1)))
+              for r in rounds for p in r.get("participants", [])}
+    work_s = dict.fromkeys(("computed", *LOST_CATEGORIES, "useful"), 0.0)
+    per_learner = {}
+    for learner_id, log in enumerate(logs):
+        nominal = log.nominal_step_s()
+        computed = sum(1 for m in log.steps if start <= float(m["time"]) <= end)
+        lost = _learner_losses(log, merged, learner_id)
+        useful_steps = max(0.0, computed - sum(lost.values()))
+        per_learner[learner_id] = {"nominal_step_s": nominal, "computed_steps": computed,
+                                   "lost_steps": lost, "useful_s": useful_steps * nominal,
+                                   "incarnations": len(log.incarnations)}
+        work_s["computed"] += computed * nominal
+        for category, steps in lost.items():
+            work_s[category] += steps * nominal
+        work_s["useful"] += useful_steps * nominal
+    allocated = num_learners * window_s
+
+    syncer_events = read_jsonl(system_dir / "syncer" / "metrics.jsonl")
+    commits = sorted((e for e in syncer_events if e.get("event") == "commit"), key=lambda e: float(e["time"]))
+    commit_times = [float(e["time"]) for e in commits if start <= float(e["time"]) <= end]
+    syncer_starts = sum(1 for e in syncer_events if e.get("event") == "start")
+    learner_restarts = sum(max(0, len(log.incarnations) - 1) for log in logs)
+
+    def rejoin(fault: dict[str, Any], started: float, ended: float) -> float | None:
+        learner = target_index(fault.get("target"))
+        times = [float(e["time"]) for e in commits
+                 if learner is None or learner in [int(i) for i in e.get("learners", [])]]
+        return _first(times, ended, end)
+
+    val_loss = [[float(m["time"]) - start, float(m["syncer/val_loss"])] for m in syncer_events
+                if m.get("syncer/val_loss") is not None]
+    status = read_json(system_dir / "syncer_status.json") or {}
+    faults = _fault_rows(system_dir, start, end, lambda t: _first(commit_times, t, end), rejoin)
+    return {
+        "system": info.get("system", system_dir.name), "num_learners": num_learners,
+        "goodput": work_s["useful"] / allocated if allocated > 0 else 0.0,
+        "uptime": uptime(commit_times, start, end, uptime_bin_s), "uptime_bin_s": uptime_bin_s,
+        "work_s": work_s, "allocated_learner_s": allocated, "useful_learner_s": work_s["useful"],
+        "window_s": window_s, "window_start": start, "per_learner": per_learner,
+        "val_loss": val_loss, "final_val_loss": val_loss[-1][1] if val_loss else None,
+        "rounds_per_min": _per_minute(len(commit_times), window_s), "progress_unit": "rounds",
+        "progress": [[t - start, i + 1] for i, t in enumerate(commit_times)],
+        "bytes": int(status.get("bytes_sent", 0)) + int(status.get("bytes_received", 0)),
+        "bytes_label": "syncer payload bytes sent + received",
+        "faults": faults, "faults_injected": len(faults),
+        "restarts": learner_restarts + max(0, syncer_starts - 1),
+        "restart_detail": {"learners": learner_restarts, "syncer": max(0, syncer_starts - 1)},
+    }
+
+
+# ---- data-parallel ------------------------------------------------------------------------------------
+
+def _rank_steps(system_dir: Path, rank: int) -> list[dict[str, Any]]:
+    key = f"dp/{rank}/step_s"
+    lines = [m for m in read_jsonl(system_dir / "ranks" / str(rank) / "metrics.jsonl") if key in m]
+    return sorted(lines, key=lambda m: float(m["time"]))
+
+
+def analyze_data_parallel(system_dir: str | Path, *,
+                          uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
+    """Results of the data-parallel baseline's directory (definitions in the module docstring)."""
+    system_dir = Path(system_dir)
+    info = run_info(system_dir)
+    num_ranks = int(info["num_learners"])
+    ranks = {r: _rank_steps(system_dir, r) for r in range(num_ranks)}
+    rank0 = ranks[0]
+    end = float(info["ended"])
+    starts = [float(lines[0]["time"]) - float(lines[0][f"dp/{r}/step_s"]) for r, lines in ranks.items() if lines]
+    start = min(starts, default=float(info["started"]))
+    window_s = max(0.0, end - start)
+    nominal = _median(_step_gaps(rank0)) if len(rank0) > 1 else _median([float(m["dp/0/step_s"]) for m in rank0])
+
+    events = read_jsonl(system_dir / "metrics.jsonl")
+    attempt_starts = sorted((e for e in events if e.get("event") == "attempt_start"), key=lambda e: int(e["attempt"]))
+    next_from = {int(a["attempt"]): int(b["from_step"]) for a, b in zip(attempt_starts, attempt_starts[1:],
+                                                                         strict=False)}
+    in_window = [m for m in rank0 if start <= float(m["time"]) <= end]
+    kept = sum(1 for m in in_window if int(m["step"]) <= next_from.get(int(m.get("attempt", 0)), math.inf))
+    advances, high = [], -math.inf
+    for m in in_window:
+        if int(m["step"]) > high:
+            high = int(m["step"])
+            advances.append(float(m["time"]))
+    allocated = num_ranks * window_s
+    useful = num_ranks * kept * nominal
+    work_s = {"computed": num_ranks * len(in_window) * nominal,
+              "rolled_back": num_ranks * (len(in_window) - kept) * nominal, "useful": useful}
+
+    def stall(started: float) -> float | None:
+        before = max((int(m["step"]) for m in rank0 if float(m["time"]) <= started), default=-1)
+        return _first((float(m["time"]) for m in rank0 if int(m["step"]) > before), started, end)
+
+    def rejoin(fault: dict[str, Any], started: float, ended: float) -> float | None:
+        rank = target_index(fault.get("target"))
+        lines = ranks.get(rank, rank0) if rank is not None else rank0
+        back = next((m for m in lines if float(m["time"]) >= ended), None)
+        restarted = next((a for a in attempt_starts if float(a["time"]) >= started), None)
+        if restarted is not None and (back is None or float(restarted["time"]) <= float(back["time"])):
+            # The fault ended the attempt: the rank is back once the next attempt steps.
+            back = next((m for m in lines if float(m["time"]) >= ended
+                         and int(m.get("attempt", 0)) >= int(restarted["attempt"])), None)
+        return None if back is None or float(back["time"]) > end else float(back["time"])
+
+    val_loss = [[float(m["time"]) - start, float(m["dp/val_loss"])]
+                for m in read_jsonl(system_dir / "ranks" / "0" / "metrics.jsonl") if m.get("dp/val_loss") is not None]
+    summary = read_json(system_dir / "summary.json") or {}
+    attempts = int(summary.get("attempts", len(attempt_starts)) or 0)
+    faults = _fault_rows(system_dir, start, end, stall, rejoin)
+    return {
+        "system": info.get("system", DATA_PARALLEL), "num_learners": num_ranks,
+        "goodput": useful / allocated if allocated > 0 else 0.0,
+        "uptime": uptime(advances, start, end, uptime_bin_s), "uptime_bin_s": uptime_bin_s,
+        "work_s": work_s, "allocated_learner_s": allocated, "useful_learner_s": useful,
+        "window_s": window_s, "window_start": start, "nominal_step_s": nominal,
+        "kept_steps": kept, "computed_steps": len(in_window),
+        "val_loss": val_loss, "final_val_loss": val_loss[-1][1] if val_loss else summary.get("final_val_loss"),
+        "rounds_per_min": _per_minute(kept, window_s), "progress_unit": "kept steps",
+        "progress": [[float(m["time"]) - start, int(m["step"])] for m in in_window],
+        "bytes": int(summary.get("allreduce_bytes", 0) or 0), "bytes_label": "all-reduce bytes (computed)",
+        "faults": faults, "faults_injected": len(faults),
+        "restarts": max(0, attempts - 1), "attempts": attempts,
+    }
+
+
+def analyze_system(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
+    system_dir = Path(system_dir)
+    if run_info(system_dir).get("system", system_dir.name) == DATA_PARALLEL:
+        return analyze_data_parallel(system_dir, uptime_bin_s=uptime_bin_s)
+    return analyze_runtime(system_dir, uptime_bin_s=uptime_bin_s)
+
+
+def analyze_run(run_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, dict[str, Any]]:
+    """{system: results} for every system directory the chaos run holds, in SYSTEMS order."""
+    run_dir = Path(run_dir)
+    return {name: analyze_system(run_dir / name, uptime_bin_s=uptime_bin_s)
+            for name in SYSTEMS if (run_dir / name / "chaos" / "run.json").exists()}

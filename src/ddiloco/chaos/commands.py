@@ -1,0 +1,164 @@
+"""`ddiloco chaos`: the same fault plan against Decoupled DiLoCo, data-parallel and synchronous DiLoCo.
+
+Resolves the plan (`--plan FILE`, a failure model with `--mtbi-per-chip`, or `--quick`) and the run
+config (the `ddiloco run` flags; chaos runs default to a 5 s heartbeat timeout and 1 s heartbeats so
+that a silent learner is noticed within the plan's time scale), runs each system in turn for the
+plan's duration (`ddiloco.chaos.runner`), then analyses every system directory, checks the
+invariants and writes the report (`report.md`, `results.json`, plots). `--json` prints
+`{"systems": {...}, "invariants": {NAME: bool}}` as the last line of stdout. Exit status: 0 when
+every invariant holds, 1 when one does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_INVARIANT_BROKEN = 1
+DEFAULT_RUNS_DIR = Path("runs")
+CHAOS_HEARTBEAT_TIMEOUT_S = 5.0
+CHAOS_HEARTBEAT_EVERY_S = 1.0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ddiloco.runtime.run_config import add_run_config_flags
+
+    parser = subparsers.add_parser(
+        "chaos", help="inject real faults into real processes and compare with synchronous training",
+        description="Run a fault plan (crashes, hangs, stragglers, partitions, slow or lossy links, syncer crashes) "
+                    "against Decoupled DiLoCo, synchronous data-parallel training (DDP over gloo, restarted from its "
+                    "checkpoint on any failure) and synchronous DiLoCo (K = M), one after the other on this "
+                    "machine; report goodput, uptime, recovery times, validation loss, rounds per minute and bytes, "
+                    "and check the runtime's invariants. See docs/chaos.md.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--plan", type=Path, default=None, metavar="FILE",
+                        help="a fault plan, YAML or JSON (docs/chaos.md shows the format)")
+    source.add_argument("--quick", action="store_true",
+                        help="the built-in short plan: one fault of each kind, 40 s per system")
+    source.add_argument("--mtbi-per-chip", type=float, default=None, metavar="SECONDS",
+                        help="draw crashes from a failure model: mean time between interruptions of one chip")
+    parser.add_argument("--chips-per-learner", type=int, default=1,
+                        help="with --mtbi-per-chip: chips per learner; a learner fails at chips / mtbi (default 1)")
+    parser.add_argument("--recovery-scale-s", type=float, default=None,
+                        help="with --mtbi-per-chip: scale of the exponentiated-Weibull recovery time")
+    parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                        help="seconds each system trains under the plan (default: the plan's, or 120)")
+    parser.add_argument("--plan-seed", type=int, default=0, help="seed of a drawn plan and of drop/corrupt draws")
+    parser.add_argument("--systems", default=",".join(_systems()),
+                        help="comma-separated systems to run (default: all: %(default)s)")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where everything goes (default: runs/chaos-<timestamp>)")
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="start from this run config JSON instead of the defaults")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per learner / rank (default 1)")
+    parser.add_argument("--eval-every-s", type=float, default=5.0, help="validation loss period (default 5)")
+    parser.add_argument("--dp-checkpoint-every-s", type=float, default=20.0,
+                        help="data-parallel checkpoint period, seconds of training (default 20)")
+    parser.add_argument("--dp-hang-timeout-s", type=float, default=10.0,
+                        help="a data-parallel rank without a step for this long has failed (default 10)")
+    parser.add_argument("--uptime-bin-s", type=float, default=5.0,
+                        help="uptime counts the bins of this length in which the global model advanced (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line of stdout")
+    add_run_config_flags(parser)
+
+
+def _systems() -> tuple[str, ...]:
+    from ddiloco.chaos.runner import SYSTEMS
+    return SYSTEMS
+
+
+def _run_config(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from ddiloco.runtime.run_config import RunConfig, run_config_from_args
+
+    base = RunConfig.load(args.config) if args.config is not None else RunConfig()
+    if args.config is None:
+        base = dataclasses.replace(
+            base, quorum=dataclasses.replace(base.quorum, heartbeat_timeout_s=CHAOS_HEARTBEAT_TIMEOUT_S),
+            learner=dataclasses.replace(base.learner, heartbeat_every_s=CHAOS_HEARTBEAT_EVERY_S))
+    return run_config_from_args(args, base)
+
+
+def _plan(args: argparse.Namespace, num_learners: int) -> Any:
+    import dataclasses
+
+    from ddiloco.chaos import plan as plans
+
+    if args.plan is not None or args.quick:
+        plan = plans.load_plan(args.plan, num_learners) if args.plan is not None else plans.quick_plan(
+            num_learners, seed=args.plan_seed)
+        return plan if args.duration is None else dataclasses.replace(plan, duration_s=args.duration)
+    if args.mtbi_per_chip is not None:
+        extra = {} if args.recovery_scale_s is None else {"recovery_scale_s": args.recovery_scale_s}
+        return plans.model_plan(duration_s=args.duration or 120.0, num_learners=num_learners,
+                                mtbi_per_chip_s=args.mtbi_per_chip, chips_per_learner=args.chips_per_learner,
+                                seed=args.plan_seed, **extra)
+    raise ValueError("no fault plan: give --plan FILE, --quick, or --mtbi-per-chip SECONDS")
+
+
+def _parse_systems(text: str) -> list[str]:
+    known = _systems()
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in known]
+    if unknown or not systems:
+        raise ValueError(f"--systems {text!r} is invalid: expected a comma-separated subset of {', '.join(known)}")
+    return [s for s in known if s in systems]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco.chaos.analysis import analyze_system
+    from ddiloco.chaos.invariants import check_invariants
+    from ddiloco.chaos.report import summarize_invariants, write_report
+    from ddiloco.chaos.runner import RUNTIME_SYSTEMS, ChaosSettings, run_data_parallel_system, run_runtime_system
+
+    systems = _parse_systems(args.systems)
+    config = _run_config(args)
+    plan = _plan(args, config.num_learners)
+    settings = ChaosSettings(threads=args.threads, eval_every_s=args.eval_every_s,
+                             dp_checkpoint_every_s=args.dp_checkpoint_every_s, dp_hang_timeout_s=args.dp_hang_timeout_s)
+    if not args.uptime_bin_s > 0:
+        raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
+    run_dir = Path(args.run_dir) if args.run_dir is not None else (
+        DEFAULT_RUNS_DIR / time.strftime("chaos-%Y%m%d-%H%M%S"))
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists and is not empty: choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(run_dir / "plan.json")
+    config.save(run_dir / "config.json")
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    say(f"ddiloco chaos: {len(plan.faults)} faults over {plan.duration_s:g} s per system, systems "
+        f"{', '.join(systems)}, {config.num_learners} learners, run directory {run_dir}")
+    for system in systems:
+        say(f"[{system}] starting")
+        started = time.monotonic()
+        if system in RUNTIME_SYSTEMS:
+            run_runtime_system(system, run_dir / system, config, plan, settings, say=say)
+        else:
+            run_data_parallel_system(run_dir / system, config, plan, settings, say=say)
+        say(f"[{system}] done in {time.monotonic() - started:.0f} s")
+    systems_results = {system: analyze_system(run_dir / system, uptime_bin_s=args.uptime_bin_s)
+                       for system in systems}
+    details = {system: check_invariants(run_dir / system) for system in systems}
+    report = write_report(run_dir, systems_results, details)
+    results = {"systems": systems_results, "invariants": summarize_invariants(details)}
+    _print_summary(results, say)
+    say(f"report: {report}")
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({k: results[k] for k in ("systems", "invariants")}, sort_keys=True, default=str), flush=True)
+    return 0 if all(results["invariants"].values()) else EXIT_INVARIANT_BROKEN
+
+
+def _print_summary(results: dict[str, Any], say: Any) -> None:
+    say(f"{'system':<14} {'goodput':>8} {'uptime':>8} {'val loss':>9} {'rounds/min':>11}")
+    for system, r in results["systems"].items():
+        loss = r.get("final_val_loss")
+        say(f"{system:<14} {r['goodput']:>8.1%} {r['uptime']:>8.1%} "
+            f"{loss if loss is None else format(loss, '.4f'):>9} {r.get('rounds_per_min') or 0:>11.1f}")
+    for name, ok in results["invariants"].items():
+        say(f"invariant {name}: {'holds' if ok else 'BROKEN'}")
