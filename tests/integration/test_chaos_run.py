@@ -49,8 +49,12 @@ def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path)
         fired = [f for f in faults if f["started"] is not None]
         assert len(fired) == len(faults), f"{name}: faults the run did not reach: {faults}"
         for fault in fired:
-            if fault["kind"] in PROCESS_FAULTS:
+            if fault["kind"] in PROCESS_FAULTS and name != "data_parallel":
+                # The supervisor restarts a learner or syncer at once, so there is always a process to signal.
                 assert fault["pids"], f"{name}: {fault['kind']} found no live process to signal"
+            elif fault["kind"] in PROCESS_FAULTS and not fault["pids"]:
+                # The DDP job may still be restarting after the previous fault: then nothing runs.
+                assert "not running" in fault["note"], fault
         record = json.loads((run_dir / name / "chaos" / "run.json").read_text())
         assert record["left_behind"] == []
         assert not [pid for pid in record["pids"] if process_group_alive(pid)]

@@ -65,7 +65,8 @@ def make_runtime_dir(root: Path) -> Path:
     learner 0 (step 1 s, one clean incarnation, 80 steps): rejected 16 x 0.5, dropped 16 x 0.5,
     accepted-but-unmerged 16 x 0.5 -> useful (80 - 24) x 1 = 56 s.
     learner 1 (step 2 s): incarnation 0 killed at inner step 10 (f0 published at 8, f1 published at 10
-    without a fate): crashed (10 - 8) x 0.5 + 10 x 0.5 = 6; incarnation 1 (steps 9..20) re-joins once
+    without a fate), incarnation 1 resumes at 8: crashed = the re-done steps 9..10 once (2) + f1's steps
+    1..8 of the fateless publish x 0.5 (4) = 6; incarnation 1 (steps 9..20) re-joins once
     with unpublished [4, 6]: resync 5 -> useful (22 - 11) x 2 = 22 s.  goodput = 78 / 180.
     Commits at 1027, 1056, 1080: 3 of 18 five-second bins -> uptime 15 / 90.
     """

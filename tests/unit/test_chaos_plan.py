@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,16 @@ def test_quick_plan_has_every_kind_but_bandwidth_within_32_s(num_learners):
                 assert not others, (fault, others)
     with pytest.raises(ValueError, match="num_learners=1 is invalid for the quick plan"):
         quick_plan(1)
+
+
+def test_the_example_plan_in_the_docs_loads_with_every_kind():
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "chaos_plan.yaml", 4)
+    assert {f.kind for f in plan.faults} == set(KINDS)
+    assert plan.duration_s == 120.0
+
+
+def test_a_model_plan_of_process_crashes_restarts_each_at_once():
+    plan = model_plan(150, 4, 150, 1, 1, restart=True)
+    assert plan.faults and all(f.kind == "crash" and f.restart and f.duration_s == 0 for f in plan.faults)
+    assert plan.model["restart"] is True
+    assert plan == model_plan(150, 4, 150, 1, 1, restart=True)

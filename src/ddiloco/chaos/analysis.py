@@ -13,8 +13,9 @@ follow the virtual-time harness (`ddiloco.sim.accounting`), so a real run and a 
 - **Decoupled / synchronous DiLoCo**, per learner:
   computed = inner steps logged in the window; lost step-equivalents (each fragment weighted by its
   share of the parameters): `rejected` (new steps of publishes refused by the syncer), `dropped`
-  (publishes that never arrived), `crashed` (an incarnation killed hard: the steps not yet published
-  of each fragment at its last inner step, and its publishes without a fate), `resync` (what a
+  (publishes that never arrived), `crashed` (an incarnation killed hard: the inner steps the next
+  incarnation trains again after resuming from its checkpoint, once, plus each fragment's work not yet
+  published before that resume point, and its publishes without a fate), `resync` (what a
   re-join's Welcome replaced, from non-first welcomes) and `unmerged` (accepted, but in no committed
   round: the syncer died or stopped with the round open). Work overwritten by a newer version and
   work unfinished at the end count as useful, as in the harness (sim/accounting.py says why).
@@ -215,12 +216,22 @@ def _learner_losses(log: _LearnerLog, merged: set[tuple[int, int, int]], learner
                     lost["unmerged"] += steps
             elif kind == "end":
                 ended = True
-        # A publish with no fate never reached a verdict: its work went down with the process.
-        lost["crashed"] += sum(float(p.get("new_steps", 0)) * shares[int(p.get("fragment", 0))]
-                               for p in pending.values())
+        resume = math.inf
         if not ended:
             last = log.last_inner_step(index)
-            lost["crashed"] += sum(max(0, last - s) * share for s, share in zip(synced, shares, strict=True))
+            # The next incarnation resumes from its checkpoint at `resume` and trains (resume, last] again:
+            # that range counts once as lost (its first pass was thrown away, or, where it was merged,
+            # its second pass repeats it), plus each fragment's unpublished work before the resume point.
+            resume = last
+            if index + 1 < len(log.incarnations):
+                resume = min(last, int(log.incarnations[index + 1][0].get("inner_step", last)))
+            lost["crashed"] += (last - resume) + sum(max(0, resume - s) * share
+                                                     for s, share in zip(synced, shares, strict=True))
+        # A publish with no fate never reached a verdict: its work went down with the process (the part
+        # of it after the resume point is already counted above).
+        for p in pending.values():
+            step, new_steps = int(p.get("inner_step", 0)), float(p.get("new_steps", 0))
+            lost["crashed"] += max(0.0, min(step, resume) - (step - new_steps)) * shares[int(p.get("fragment", 0))]
     return lost
 
 

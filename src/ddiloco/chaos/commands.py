@@ -45,6 +45,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="with --mtbi-per-chip: chips per learner; a learner fails at chips / mtbi (default 1)")
     parser.add_argument("--recovery-scale-s", type=float, default=None,
                         help="with --mtbi-per-chip: scale of the exponentiated-Weibull recovery time")
+    parser.add_argument("--crash-recovery", choices=("held", "restart"), default="held",
+                        help="with --mtbi-per-chip: 'held' keeps a crashed learner down for a drawn recovery time "
+                             "(a machine being replaced); 'restart' restarts it at once (a process crash) "
+                             "(default: held)")
     parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                         help="seconds each system trains under the plan (default: the plan's, or 120)")
     parser.add_argument("--plan-seed", type=int, default=0, help="seed of a drawn plan and of drop/corrupt draws")
@@ -97,7 +101,7 @@ def _plan(args: argparse.Namespace, num_learners: int) -> Any:
         extra = {} if args.recovery_scale_s is None else {"recovery_scale_s": args.recovery_scale_s}
         return plans.model_plan(duration_s=args.duration or 120.0, num_learners=num_learners,
                                 mtbi_per_chip_s=args.mtbi_per_chip, chips_per_learner=args.chips_per_learner,
-                                seed=args.plan_seed, **extra)
+                                seed=args.plan_seed, restart=args.crash_recovery == "restart", **extra)
     raise ValueError("no fault plan: give --plan FILE, --quick, or --mtbi-per-chip SECONDS")
 
 

@@ -357,7 +357,8 @@ DOWN_KINDS = ("crash", "hang")
 def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chips_per_learner: int, seed: int, *,
                start_after_s: float = 10.0, margin_s: float = 10.0, recovery_scale_s: float = 10.0,
                recovery_shape: float = 0.8, recovery_exponent: float = 1.5, max_recovery_s: float = 300.0,
-               max_down_at_once: int | None = None, kind_weights: Mapping[str, float] | None = None) -> FaultPlan:
+               max_down_at_once: int | None = None, kind_weights: Mapping[str, float] | None = None,
+               restart: bool = False) -> FaultPlan:
     """Faults drawn from a failure model, the real-process counterpart of `ddiloco.sim.faults`.
 
     Each learner (a group of `chips_per_learner` chips, any of which failing takes it down) fails as
@@ -370,7 +371,9 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
     `kind_weights` ({kind: weight}, learner kinds only) draws each failure's kind in proportion to the
     weights instead; other kinds get DEFAULT_VALUES. A failure that would leave more than
     `max_down_at_once` (default M - 1) learners crashed or hung at once is dropped, so someone always
-    trains. One seeded generator: the same arguments give the same plan.
+    trains. One seeded generator: the same arguments give the same plan. With `restart` True a crash
+    is a process crash instead: the supervisor (or the data-parallel agent) restarts it at once, and
+    the recovery time is whatever the real restart takes (the drawn time is not used).
     """
     if not (isinstance(chips_per_learner, int) and chips_per_learner >= 1):
         raise ValueError(f"chips_per_learner={chips_per_learner!r} is invalid: expected an integer >= 1")
@@ -408,8 +411,10 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
                 break
             held_s = model.sample_recovery_s(rng)
             kind = kinds[int(rng.choice(len(kinds), p=probabilities))]
+            if kind == "crash" and restart:
+                held_s = 0.0
             candidates.append(Fault(at_s=float(t), kind=kind, target=learner, duration_s=float(held_s),
-                                    restart=kind != "crash", value=DEFAULT_VALUES.get(kind)))
+                                    restart=kind != "crash" or restart, value=DEFAULT_VALUES.get(kind)))
             t += held_s
     kept: list[Fault] = []
     for fault in sorted(candidates, key=lambda f: (f.at_s, f.target)):
@@ -420,6 +425,6 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
                  "chips_per_learner": chips_per_learner, "seed": seed, "start_after_s": start_after_s,
                  "margin_s": margin_s, "recovery_scale_s": recovery_scale_s, "recovery_shape": recovery_shape,
                  "recovery_exponent": recovery_exponent, "max_recovery_s": max_recovery_s,
-                 "max_down_at_once": limit, "kind_weights": weights}
+                 "max_down_at_once": limit, "kind_weights": weights, "restart": restart}
     return FaultPlan(duration_s=duration_s, num_learners=num_learners, faults=tuple(kept), seed=seed,
                      source="model", model=arguments)

@@ -23,7 +23,9 @@ DEFINITIONS = """\
   the first inner step of any learner (rank) to the stop. Decoupled / sync DiLoCo: each learner's inner
   steps in the window, less those lost (rejected, dropped, crashed with a process, replaced by a re-join's
   Welcome, accepted but never merged), each fragment weighted by its share of the parameters, times the
-  learner's median step time. Data-parallel: steps kept (not rolled back by a restart) x median step time.
+  learner's nominal step time. Data-parallel: steps kept (not rolled back by a restart) x nominal step
+  time. Nominal step time: the median interval between consecutive steps, so slowed, waiting or hung
+  steps count only a normal step's worth.
 - **uptime**: share of the window's bins in which the global model advanced (a committed round; DP: a
   step above every earlier one).
 - **stall**: from a fault's start to the next advance of the global model; **rejoin**: from its end to

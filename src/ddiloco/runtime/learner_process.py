@@ -375,6 +375,10 @@ class LearnerProcess:
         logger.debug("[learner %d | inner %d] checkpoint saved", self.config.learner_id, self.learner.inner_step)
 
     def _restore(self) -> None:
+        self._restore_checkpoint()
+        self._skip_trained_batches()
+
+    def _restore_checkpoint(self) -> None:
         latest = load_latest_state(self.checkpoint_dir)
         if latest is None:
             logger.info("[learner %d] no local checkpoint: fresh optimizer, data from the start",
@@ -390,6 +394,24 @@ class LearnerProcess:
         logger.info("[learner %d | inner %d] resumed from its checkpoint", self.config.learner_id,
                     self.learner.inner_step)
         self.sink.event("resume", learner_id=self.config.learner_id, inner_step=self.learner.inner_step)
+
+    def _skip_trained_batches(self) -> None:
+        """A learner killed hard trained past its last checkpoint. Those steps' work was merged or died
+        with the process; training their batches again would only repeat data. So the data cursor and
+        the step count move on to the last inner step the previous process logged (its own metrics),
+        and the rounds due on the way are skipped: they were published, or lost, by that process."""
+        reached = last_logged_step(self.config.directory / "metrics.jsonl", f"{self.prefix}/loss")
+        skip = reached - self.learner.inner_step
+        if skip <= 0:
+            return
+        tokens = sum(self.stream.next_batch().tokens for _ in range(skip))
+        self.learner.skip_steps(skip)
+        self._set(tokens=self.progress.tokens + tokens)
+        self._last_rate = (time.monotonic(), self.progress.tokens)
+        self.io.inner_step = self.learner.inner_step
+        logger.info("[learner %d | inner %d] skipped %d step(s) trained after the checkpoint",
+                    self.config.learner_id, self.learner.inner_step, skip)
+        self.sink.event("skipped", learner_id=self.config.learner_id, inner_step=self.learner.inner_step, steps=skip)
 
     def status(self) -> dict[str, Any]:
         progress = self.progress
@@ -411,3 +433,28 @@ class LearnerProcess:
         while not self._status_stop.wait(self.config.status_every_s):
             self.write_status()
             self.sink.log({f"{self.prefix}/tokens_per_s": self.tokens_per_s}, step=self.progress.inner_step)
+
+
+TAIL_BYTES = 1 << 16
+"""How much of the end of a metrics file `last_logged_step` reads (many steps' lines)."""
+
+
+def last_logged_step(path: Path, metric: str) -> int:
+    """The highest step of `metric` among the last lines of a JSONL metrics file (0 if none)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - TAIL_BYTES))
+            tail = file.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in tail.splitlines():
+        if metric not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the first line of the tail, or a torn last one
+            continue
+        if isinstance(record, dict) and metric in record and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    return max(steps, default=0)
