@@ -50,7 +50,8 @@ def main() -> int:
     argv = [sys.executable, "-m", "ddiloco.cli", "chaos", "--mtbi-per-chip", str(args.mtbi_per_chip),
             "--recovery-scale-s", str(args.recovery_scale_s),
             "--crash-recovery", args.crash_recovery, "--duration", str(args.duration),
-            "--dp-checkpoint-every-s", str(args.dp_checkpoint_every_s), "--learners", str(args.learners), "--plan-seed", str(args.plan_seed), "--run-dir", str(run_dir),
+            "--dp-checkpoint-every-s", str(args.dp_checkpoint_every_s),
+            "--learners", str(args.learners), "--plan-seed", str(args.plan_seed), "--run-dir", str(run_dir),
             "--json", *args.extra]
     print("running:", " ".join(argv[2:]), flush=True)
     started = time.monotonic()
