@@ -1,0 +1,125 @@
+"""A learner's own records on disk: its work ledger and the last inner step it logged.
+
+`WorkLedger` writes `learners/N/work.jsonl`, the record the chaos analysis and invariants read
+(docs/runtime.md lists its lines): what the learner published, what became of each update, what it
+received, and how much unpublished work a Welcome or the end threw away. `last_logged_step` tells a
+restarted learner how far its previous process trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddiloco.learner import Learner
+from ddiloco.messages import FragmentState, Update, Welcome
+
+
+class WorkLedger:
+    """`learners/N/work.jsonl`: one JSON object per line, appended across restarts and flushed per
+    line, so a kill -9 loses no line already written. Thread-safe: the main thread writes what it
+    trains, publishes and receives; the sender thread writes each update's fate.
+
+    "Unpublished" steps of fragment p are the inner steps trained since p was last published or
+    last received, whichever is later: the work a Welcome or an exit throws away. The learner core
+    counts steps only since the last receive, so the ledger keeps its own publish points.
+    """
+
+    def __init__(self, path: str | Path, *, num_fragments: int, inner_step: int,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._wall_clock = wall_clock
+        self._synced_at = [inner_step] * num_fragments
+        """Per fragment, the inner step at which it was last published or received."""
+
+    def write(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            if self._file.closed:  # a sender thread that outlived `close` (stuck in a call) has no say
+                return
+            line = json.dumps({"event": event, "time": self._wall_clock(), **fields})
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def unpublished(self, inner_step: int) -> list[int]:
+        return [inner_step - synced for synced in self._synced_at]
+
+    def start(self, *, inner_step: int, shares: Sequence[float]) -> None:
+        self.write("start", pid=os.getpid(), inner_step=inner_step, shares=list(shares))
+
+    def welcome(self, welcome: Welcome, *, inner_step: int, replaced: Sequence[int]) -> None:
+        """`replaced`: the fragments the Welcome overwrote (a fragment still at the learner's version is kept)."""
+        versions = [s.version for s in sorted(welcome.fragments, key=lambda s: s.fragment)]
+        unpublished = [n if p in replaced else 0 for p, n in enumerate(self.unpublished(inner_step))]
+        self.write("welcome", inner_step=inner_step, versions=versions, unpublished=unpublished)
+        for p in replaced:
+            self._synced_at[p] = inner_step
+
+    def position(self, *, inner_step: int, next_round: int) -> None:
+        """The learner took the global schedule position (synchronous DiLoCo, a fresh incarnation):
+        its inner-step count jumps, so the publish points move with it."""
+        self.write("position", inner_step=inner_step, next_round=next_round)
+        self._synced_at = [inner_step] * len(self._synced_at)
+
+    def publish(self, update: Update) -> None:
+        new_steps = update.inner_step - self._synced_at[update.fragment]
+        self._synced_at[update.fragment] = update.inner_step
+        self.write("publish", fragment=update.fragment, base_version=update.base_version,
+                   inner_step=update.inner_step, steps=update.steps, new_steps=new_steps, tokens=update.tokens)
+
+    def fate(self, update: Update, fate: str, reason: str) -> None:
+        self.write("fate", fragment=update.fragment, base_version=update.base_version, inner_step=update.inner_step,
+                   fate=fate, reason=reason)
+
+    def received(self, state: FragmentState, *, inner_step: int) -> None:
+        unpublished = inner_step - self._synced_at[state.fragment]
+        self._synced_at[state.fragment] = inner_step
+        self.write("received", fragment=state.fragment, version=state.version, inner_step=inner_step,
+                   unpublished=unpublished)
+
+    def end(self, state: str, *, inner_step: int) -> None:
+        self.write("end", inner_step=inner_step, state=state, unpublished=self.unpublished(inner_step))
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def fragment_shares(learner: Learner) -> list[float]:
+    """Fraction of the model's parameters (by count) in each fragment."""
+    sizes = {name: p.numel() for name, p in learner.model.named_parameters()}
+    counts = [sum(sizes[name] for name in names) for names in learner.plan.fragments]
+    total = sum(counts)
+    return [count / total for count in counts]
+
+
+TAIL_BYTES = 1 << 16
+"""How much of the end of a metrics file `last_logged_step` reads (many steps' lines)."""
+
+
+def last_logged_step(path: Path, metric: str) -> int:
+    """The highest step of `metric` among the last lines of a JSONL metrics file (0 if none)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - TAIL_BYTES))
+            tail = file.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in tail.splitlines():
+        if metric not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the first line of the tail, or a torn last one
+            continue
+        if isinstance(record, dict) and metric in record and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    return max(steps, default=0)
