@@ -19,7 +19,7 @@ import torch
 
 from ddiloco.chaos.control import ActiveFault, write_control
 from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
-from ddiloco.chaos.dp_worker import params_digest
+from ddiloco.chaos.dp_common import params_digest
 from ddiloco.checkpoint import load_latest_state
 from ddiloco.model import build_model
 from ddiloco.runtime.launcher import process_group_alive

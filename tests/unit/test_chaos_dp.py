@@ -19,17 +19,16 @@ from ddiloco.chaos.data_parallel import (
     exit_cause,
     last_steps_by_attempt,
 )
-from ddiloco.chaos.dp_worker import (
+from ddiloco.chaos.dp_common import (
     EXIT_BAD_ARGS,
-    RankConfig,
     committed_steps,
     emulated_allreduce_s,
     fault_seed,
     flip_byte,
     gradient_bytes,
-    main,
     params_digest,
 )
+from ddiloco.chaos.dp_worker import RankConfig, main
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.runtime.run_config import RunConfig
 

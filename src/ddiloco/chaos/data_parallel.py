@@ -4,13 +4,13 @@
 machine: start every rank (`ddiloco.chaos.dp_worker`), watch them, and when anything fails restart the
 whole job from its last checkpoint, since synchronous training needs all M ranks. A failure is:
 
-- a rank exits, with any code or signal (its exit codes are `dp_worker.EXIT_MEANINGS`);
+- a rank exits, with any code or signal (its exit codes are `dp_common.EXIT_MEANINGS`);
 - a rank shows no step progress for `hang_timeout_s` (its heartbeat, `ranks/R/status.json`, is rewritten
   every step), or does not reach its first step within `start_timeout_s` of its start. In lockstep every
   rank stalls when one does, so the failure names the rank(s) to blame: a process without signs of life
   (`ranks/R/alive`, touched by a thread every 0.25 s: a SIGSTOPped or frozen process), else a rank stalled
   outside any collective (a partitioned rank), else every rank;
-- the gloo timeout fires inside a rank (it then exits with `dp_worker.EXIT_COLLECTIVE_FAILED`).
+- the gloo timeout fires inside a rank (it then exits with `dp_common.EXIT_COLLECTIVE_FAILED`).
 
 On a failure the agent logs it, SIGKILLs every rank's process group (and sends SIGCONT, in case a chaos run
 had SIGSTOPped one), waits until no rank is held (`hold`: a replica that is unavailable, such as a machine
@@ -23,7 +23,7 @@ The agent runs inside its caller's process and never blocks for long: `start()`,
 all three for tests. Ranks die with the agent's thread (PR_SET_PDEATHSIG, set by `ddiloco.runtime.launcher`,
 which also gives each rank its own process group and log file).
 
-Files in the job directory DIR (`dp_worker.JobPaths`):
+Files in the job directory DIR (`dp_common.JobPaths`):
 
 - `config.json`: the RunConfig every rank reads.
 - `metrics.jsonl`: the agent's events ({"event", "time", ...}): "attempt_start" {attempt, from_step, pids},
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.dp_worker import EXIT_MEANINGS, JobPaths, committed_steps
+from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
 from ddiloco.metrics import JsonlSink
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
