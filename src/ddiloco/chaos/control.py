@@ -55,8 +55,9 @@ class ActiveFault:
                              f"{', '.join(IN_PROCESS_KINDS)}")
         if not math.isfinite(self.until):
             raise ValueError(f"until={self.until!r} is invalid: expected a finite wall time")
-        if self.kind in PARAMS:
-            _check_value(self.kind, self.value)
+        if self.kind in PARAMS and not value_valid(self.kind, self.value):
+            raise ValueError(f"{self.kind} fault with {PARAMS[self.kind]}={self.value!r} is invalid: expected "
+                             f"{VALUE_EXPECTED[self.kind]}")
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": self.kind, "until": self.until}
@@ -71,21 +72,23 @@ class ActiveFault:
         return cls(str(kind), float(data["until"]), None if param is None else float(data[param]))
 
 
-def _check_value(kind: str, value: float | None) -> None:
-    ok = value is not None and math.isfinite(value)
-    if ok and kind in ("drop", "corrupt"):
-        ok = 0.0 <= value <= 1.0
-    elif ok and kind == "straggler":
-        ok = value >= 1.0
-    elif ok and kind == "bandwidth":
-        ok = value > 0.0
-    elif ok:
-        ok = value >= 0.0
-    if not ok:
-        expected = {"drop": "a probability in [0, 1]", "corrupt": "a probability in [0, 1]",
-                    "straggler": "a slowdown factor >= 1", "bandwidth": "bytes per second > 0",
-                    "latency": "seconds >= 0"}[kind]
-        raise ValueError(f"{kind} fault with {PARAMS[kind]}={value!r} is invalid: expected {expected}")
+VALUE_EXPECTED = {"straggler": "a slowdown factor >= 1", "latency": "seconds >= 0",
+                  "bandwidth": "bytes per second > 0", "drop": "a probability in [0, 1]",
+                  "corrupt": "a probability in [0, 1]"}
+"""What each kind's one parameter must be (the plan and the control file check the same rule)."""
+
+
+def value_valid(kind: str, value: float | None) -> bool:
+    """Whether `value` is a valid parameter for a fault of `kind` (see VALUE_EXPECTED)."""
+    if not (isinstance(value, int | float) and math.isfinite(value)):
+        return False
+    if kind in ("drop", "corrupt"):
+        return 0.0 <= value <= 1.0
+    if kind == "straggler":
+        return value >= 1.0
+    if kind == "bandwidth":
+        return value > 0.0
+    return value >= 0.0
 
 
 def write_control(path: str | Path, faults: Iterable[ActiveFault]) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ddiloco.chaos.control import VALUE_EXPECTED, value_valid
 from ddiloco.sim.faults import FailureModel
 from ddiloco.transport.link import parse_link
 
@@ -45,9 +46,6 @@ TIMED_KINDS = ("hang", "straggler", "partition", "latency", "bandwidth", "drop",
 VALUE_KEYS = {"straggler": "factor", "latency": "latency", "bandwidth": "bandwidth", "drop": "probability",
               "corrupt": "probability"}
 """The user-format key of the one parameter each kind takes (stored as Fault.value)."""
-VALUE_EXPECTED = {"straggler": "a slowdown factor >= 1", "latency": "seconds >= 0",
-                  "bandwidth": "bytes per second > 0", "drop": "a probability in [0, 1]",
-                  "corrupt": "a probability in [0, 1]"}
 SYNCER = "syncer"
 _TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "min": 60.0}
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
@@ -123,16 +121,7 @@ class Fault:
 
 
 def _check_value(kind: str, value: float | None) -> None:
-    ok = isinstance(value, int | float) and math.isfinite(value)
-    if ok and kind in ("drop", "corrupt"):
-        ok = 0.0 <= value <= 1.0
-    elif ok and kind == "straggler":
-        ok = value >= 1.0
-    elif ok and kind == "bandwidth":
-        ok = value > 0.0
-    elif ok:
-        ok = value >= 0.0
-    if not ok:
+    if not value_valid(kind, value):
         missing = " is missing" if value is None else f"={value!r} is invalid"
         raise ValueError(f"{VALUE_KEYS[kind]}{missing} for {kind}: expected {VALUE_EXPECTED[kind]}")
 
