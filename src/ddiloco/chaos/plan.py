@@ -218,14 +218,18 @@ def parse_target(value: Any, kind: str) -> int | None:
     return int(match.group(1))
 
 
+def _reject_unknown_keys(mapping: Mapping, allowed: set[str], *, where: str = "") -> None:
+    unknown = sorted(set(map(str, mapping)) - allowed)
+    if unknown:
+        raise ValueError(f"{where}unknown key {', '.join(map(repr, unknown))}: expected some of "
+                         f"{', '.join(sorted(allowed))}")
+
+
 def fault_from_user(entry: Any) -> Fault:
     """One entry of the user format's `faults` list (errors name the field, not the position)."""
     if not isinstance(entry, Mapping):
         raise ValueError(f"{entry!r} is invalid: expected a mapping such as {{at: 20s, kind: crash, target: 1}}")
-    unknown = sorted(set(map(str, entry)) - _FAULT_KEYS)
-    if unknown:
-        raise ValueError(f"unknown key {', '.join(map(repr, unknown))}: expected some of "
-                         f"{', '.join(sorted(_FAULT_KEYS))}")
+    _reject_unknown_keys(entry, _FAULT_KEYS)
     if "kind" not in entry:
         raise ValueError(f"kind is missing: expected one of {', '.join(KINDS)}")
     kind = entry["kind"]
@@ -273,10 +277,7 @@ def load_plan(path: str | Path, num_learners: int) -> FaultPlan:
         raise ValueError(f"{name}: not valid {path.suffix[1:].upper()}: {exc}") from exc
     if not isinstance(data, Mapping):
         raise ValueError(f"{name}: expected a mapping with duration and faults at the top")
-    unknown = sorted(set(map(str, data)) - _PLAN_KEYS)
-    if unknown:
-        raise ValueError(f"{name}: unknown key {', '.join(map(repr, unknown))}: expected some of "
-                         f"{', '.join(sorted(_PLAN_KEYS))}")
+    _reject_unknown_keys(data, _PLAN_KEYS, where=f"{name}: ")
     if "duration" not in data:
         raise ValueError(f"{name}: duration is missing: expected how long each system runs, e.g. duration: 120s")
     try:
