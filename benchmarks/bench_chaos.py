@@ -1,14 +1,17 @@
 """Goodput under real failures: Decoupled DiLoCo vs synchronous data-parallel vs synchronous DiLoCo.
 
-Runs `ddiloco chaos` with crashes drawn from a failure model (Poisson per learner, each learner held
-down for an exponentiated-Weibull recovery time, then started again), the same plan against the
-three systems one after the other on this machine, and prints the figures side by side.
+Runs `ddiloco chaos` with crashes drawn from a failure model (Poisson per learner; by default each a
+process crash, `kill -9`, restarted at once; `--crash-recovery held` keeps the learner down for an
+exponentiated-Weibull recovery time), the same plan against the three systems one after the other on
+this machine, and prints the figures side by side. Restarts run in warm standby processes on every
+side (`--cold-restarts` after `--` turns that off); the data-parallel job checkpoints every 20 s, as
+`ddiloco chaos` does by default (`--dp-checkpoint-every-s 5` shows a job that checkpoints often).
 
 Target (issue 5): at a failure rate where synchronous data-parallel goodput falls below 50 %,
 Decoupled DiLoCo keeps at least 90 % goodput with 100 % uptime. The paper's numbers at 1.2 M
 simulated chips: 88 % vs 27 %.
 
-    .venv/bin/python benchmarks/bench_chaos.py                  # about 10 minutes
+    .venv/bin/python benchmarks/bench_chaos.py                  # about 9 minutes
     .venv/bin/python benchmarks/bench_chaos.py --duration 90    # shorter, noisier
 
 Run by hand (not in CI): it needs the whole machine for ~10 minutes.
@@ -40,8 +43,9 @@ def main() -> int:
     parser.add_argument("--crash-recovery", choices=("held", "restart"), default="restart",
                         help="restart: a process crash, restarted at once (default); held: a crashed learner "
                              "stays down for a drawn recovery time (a machine being replaced)")
-    parser.add_argument("--dp-checkpoint-every-s", type=float, default=5.0,
-                        help="data-parallel checkpoint period (default 5 s: frequent, in DP's favour)")
+    parser.add_argument("--dp-checkpoint-every-s", type=float, default=20.0,
+                        help="data-parallel checkpoint period (default 20 s, `ddiloco chaos`'s default; "
+                             "5 s is frequent, in DP's favour)")
     parser.add_argument("--plan-seed", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("extra", nargs="*", help="more `ddiloco chaos` flags, after --")

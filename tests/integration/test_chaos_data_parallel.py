@@ -53,7 +53,7 @@ def make_job(tmp_path):
     for job in jobs:
         if job.started and not job.finished:
             job.stop()
-        started = [pid for e in events(job, "attempt_start") for pid in e["pids"].values()]
+        started = [pid for e in events(job, "attempt_start") for pid in e["pids"].values()] + job.standby_pids
         left = [pid for pid in started if process_group_alive(pid)]
         assert not left, f"rank processes left behind: {left}"
 
@@ -112,7 +112,7 @@ def test_clean_run_trains_with_identical_replicas(make_job):
 
 
 def test_kill_9_of_one_rank_restarts_every_rank_from_the_checkpoint(make_job):
-    job = make_job()
+    job = make_job(standby_ranks=2)  # the restart runs in warm standby ranks (the SIGSTOP test's restart is cold)
     job.start()
     first = drive(job, lambda: checkpoint_after(job, 0), "a first checkpoint")
     drive(job, lambda: job.step > first + 20, "steps after the checkpoint")
@@ -126,6 +126,7 @@ def test_kill_9_of_one_rank_restarts_every_rank_from_the_checkpoint(make_job):
     assert [(e["attempt"], e["rank"], e["cause"]) for e in events(job, "failure")] == [(1, 1, "signal SIGKILL")]
     new_pids = {int(rank): pid for rank, pid in events(job, "attempt_start")[1]["pids"].items()}
     assert all(new_pids[rank] != old_pids[rank] for rank in (0, 1))
+    assert set(new_pids.values()) <= set(job.standby_pids) and not set(old_pids.values()) & set(job.standby_pids)
     assert restarted_from >= first
     for rank in (0, 1):
         logged = steps(job, rank)

@@ -58,6 +58,14 @@ def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path)
         record = json.loads((run_dir / name / "chaos" / "run.json").read_text())
         assert record["left_behind"] == []
         assert not [pid for pid in record["pids"] if process_group_alive(pid)]
+    # Restarts ran in warm standby processes (the default), and those are accounted for like every child.
+    launcher_events = [json.loads(line) for line in
+                       (run_dir / "decoupled" / "launcher" / "metrics.jsonl").read_text().splitlines()]
+    warm = [e["pid"] for e in launcher_events if e["event"] == "started" and e["name"].startswith("learner-")
+            and e.get("standby")]
+    assert warm, "no learner restart ran in a standby"
+    assert set(warm) <= set(json.loads((run_dir / "decoupled" / "chaos" / "run.json").read_text())["pids"])
+    assert json.loads((run_dir / "settings.json").read_text())["warm_restarts"] is True
     # Decoupled DiLoCo keeps training through learner faults; synchronous data-parallel stops on each.
     assert result["systems"]["decoupled"]["goodput"] > result["systems"]["data_parallel"]["goodput"]
     for name in ("report.md", "results.json"):

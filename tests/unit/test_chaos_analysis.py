@@ -190,6 +190,21 @@ def test_data_parallel_counts_rolled_back_steps_and_only_new_high_water_marks(tm
     assert r["final_val_loss"] == 3.0 and r["bytes"] == 5000 and r["restarts"] == 1
 
 
+@pytest.mark.parametrize(("make", "analyze"), [(make_runtime_dir, analyze_runtime),
+                                               (make_data_parallel_dir, analyze_data_parallel)])
+def test_the_window_ends_at_the_stop_request_not_when_shutting_down_is_over(tmp_path, make, analyze):
+    d = make(tmp_path)
+    before = analyze(d)
+    info = json.loads((d / "chaos" / "run.json").read_text())
+    # Stopping took 30 s after the stop request at the old end: tear-down, not allocated training time.
+    write_json(d / "chaos" / "run.json", {**info, "stop_requested": info["ended"], "ended": info["ended"] + 30.0})
+    after = analyze(d)
+    assert after["window_s"] == before["window_s"] and after["goodput"] == before["goodput"]
+    # Without the record of the request (older runs), the window ends when everything had stopped.
+    write_json(d / "chaos" / "run.json", {**info, "ended": info["ended"] + 30.0})
+    assert analyze(d)["window_s"] == before["window_s"] + 30.0
+
+
 def test_synthetic_runtime_directory_passes_every_invariant(tmp_path):
     results = inv.check_invariants(make_runtime_dir(tmp_path))
     results.pop("global_equals_replay")  # needs real round tensors: the real run below checks it
@@ -283,16 +298,18 @@ def test_report_writes_markdown_results_and_plots(tmp_path):
     make_runtime_dir(tmp_path)
     make_data_parallel_dir(tmp_path)
     quick_plan(2).save(tmp_path / "plan.json")
+    write_json(tmp_path / "settings.json", {"warm_restarts": True, "dp_checkpoint_every_s": 20.0, "threads": 1})
     results = analyze_run(tmp_path)
     assert list(results) == ["decoupled", "data_parallel"]
     path = write_report(tmp_path, results)
     text = path.read_text()
     for needle in ("| decoupled | 43.3% | 16.7% |", "| data_parallel | 57.1% | 71.4% |", "kept steps",
                    "| decoupled | 1 | syncer_crash | syncer |", "no_process_left_behind", "## Plan",
-                   "## Definitions"):
+                   "## Definitions", "Restarts: warm (standby processes); data-parallel checkpoint every 20.0 s"):
         assert needle in text, needle
     document = json.loads((tmp_path / "results.json").read_text())
-    assert set(document) == {"systems", "invariants", "invariant_details", "plan"}
+    assert set(document) == {"systems", "invariants", "invariant_details", "plan", "settings"}
+    assert document["settings"]["warm_restarts"] is True
     assert document["invariants"]["no_process_left_behind"] is True
     assert document["invariants"]["global_equals_replay"] is False  # the synthetic rounds have no tensors
     assert document["plan"]["source"] == "quick"

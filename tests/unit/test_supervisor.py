@@ -167,7 +167,8 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
 
 
 @pytest.mark.parametrize("field, value", [("poll_interval_s", 0.0), ("backoff_initial_s", -1.0),
-                                          ("max_restarts", -1), ("stable_after_s", -1.0)])
+                                          ("max_restarts", -1), ("stable_after_s", -1.0), ("standby_learners", -1),
+                                          ("standby_refill_delay_s", -1.0)])
 def test_supervisor_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         SupervisorConfig(**{field: value})
@@ -225,6 +226,38 @@ def test_sigkilled_learner_is_restarted(tmp_path, fake_command):
     finally:
         supervisor.shutdown()
     assert_all_gone(all_pids(supervisor))
+
+
+def test_a_sigkilled_learner_is_replaced_by_a_warm_standby(tmp_path, fake_command):
+    # A standby runs `python -m MODULE`: the fake becomes a module on the children's PYTHONPATH.
+    script = Path(fake_command[1])
+    launcher = make_run(tmp_path, (sys.executable, "-m", script.stem), inner_steps=300)
+    launcher = Launcher(dataclasses.replace(launcher.config, extra_env={"PYTHONPATH": str(script.parent)}))
+    events = []
+    config = dataclasses.replace(FAST, standby_learners=1, standby_refill_delay_s=0.0)
+    supervisor = Supervisor(config, launcher=launcher, on_event=events.append)
+    supervisor.start()
+    try:
+        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
+        [standby] = supervisor.standby.pids
+        assert standby not in supervisor.learners[0].pids  # first starts are cold
+        victim = supervisor.learners[0].pid
+        os.kill(victim, signal.SIGKILL)
+        poll_until(supervisor, lambda: supervisor.learners[0].pid not in (None, victim), "learner 0 to restart")
+        assert supervisor.learners[0].pid == standby
+        started = [e for e in events if e.kind == "started" and e.name == "learner-0"]
+        assert [e.fields["standby"] for e in started] == [False, True]
+        poll_until(supervisor, lambda: len(supervisor.standby.pids) == 2, "the standby to be replaced")
+        poll_until(supervisor, lambda: supervisor.finished, "the run to finish")
+        assert supervisor.learners[0].state == ChildState.DONE and supervisor.learners[0].restarts == 1
+        calls = [json.loads(line) for line in (launcher.paths.root / "fake_calls.jsonl").read_text().splitlines()]
+        assert standby in [c["pid"] for c in calls if c["role"] == "learner"]  # it ran the learner itself
+        assert "start in standby pid" in launcher.paths.log("learner-0").read_text()
+    finally:
+        supervisor.shutdown()
+    assert_all_gone(supervisor.pids)
+    assert set(supervisor.standby.pids) <= set(supervisor.pids)
 
 
 def test_a_held_learner_is_not_restarted_before_its_hold_ends(tmp_path, fake_command):
@@ -427,3 +460,12 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path, fake_command):
         for pid in [*learner_pids, syncer_pid]:
             if process_group_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_run_refuses_a_negative_standby_count_before_starting_anything(tmp_path, capsys):
+    from ddiloco.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress", "--standby-learners", "-1"]) == 2
+    assert "--standby-learners -1 is invalid: expected an integer >= 0" in capsys.readouterr().err
+    assert not run_dir.exists()

@@ -6,7 +6,8 @@ with the learners' work ledgers; DIR/data_parallel; each with the runner's `chao
 follow the virtual-time harness (`ddiloco.sim.accounting`), so a real run and a simulated one compare:
 
 - **window**: from the start of the first inner step of any learner (data-parallel: any rank) to
-  `run.json` "ended"; start-up is set-up. T is its length. **allocated** learner-seconds = M x T.
+  the stop request (`run.json` "stop_requested": the end of the plan's duration); start-up is set-up
+  and shutting down is tear-down. T is its length. **allocated** learner-seconds = M x T.
 - **nominal step time**: the median interval between consecutive inner steps (step n, then n + 1) of
   a learner (data-parallel: of rank 0): a step at its normal pace, loop overhead included, the same
   measure for every system. Slowed, waiting or hung steps count only this much.
@@ -235,13 +236,18 @@ def _learner_losses(log: _LearnerLog, merged: set[tuple[int, int, int]], learner
     return lost
 
 
+def window_end(info: dict[str, Any]) -> float:
+    """The end of the measured window: the stop request (records written before it existed: the end)."""
+    return float(info.get("stop_requested", info["ended"]))
+
+
 def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
     """Results of a Decoupled or synchronous DiLoCo system directory (definitions in the module docstring)."""
     system_dir = Path(system_dir)
     info = run_info(system_dir)
     num_learners = int(info["num_learners"])
     logs = [_LearnerLog(system_dir / "learners" / str(i), i) for i in range(num_learners)]
-    end = float(info["ended"])
+    end = window_end(info)
     start = min((t for log in logs if (t := log.first_step_start()) is not None), default=float(info["started"]))
     window_s = max(0.0, end - start)
 
@@ -313,7 +319,7 @@ def analyze_data_parallel(system_dir: str | Path, *,
     num_ranks = int(info["num_learners"])
     ranks = {r: _rank_steps(system_dir, r) for r in range(num_ranks)}
     rank0 = ranks[0]
-    end = float(info["ended"])
+    end = window_end(info)
     starts = [float(lines[0]["time"]) - float(lines[0][f"dp/{r}/step_s"]) for r, lines in ranks.items() if lines]
     start = min(starts, default=float(info["started"]))
     window_s = max(0.0, end - start)

@@ -12,6 +12,7 @@ every invariant holds, 1 when one does not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -66,6 +67,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a data-parallel rank without a step for this long has failed (default 10)")
     parser.add_argument("--uptime-bin-s", type=float, default=5.0,
                         help="uptime counts the bins of this length in which the global model advanced (default 5)")
+    parser.add_argument("--cold-restarts", action="store_true",
+                        help="start every restarted process from a new interpreter (default: restarts run in warm "
+                             "standby processes, two restarts' worth: 2 standby learners for the runtime, 2 M "
+                             "standby ranks for data-parallel)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line of stdout")
     add_run_config_flags(parser)
 
@@ -76,8 +81,6 @@ def _systems() -> tuple[str, ...]:
 
 
 def _run_config(args: argparse.Namespace) -> Any:
-    import dataclasses
-
     from ddiloco.runtime.run_config import RunConfig, run_config_from_args
 
     base = RunConfig.load(args.config) if args.config is not None else RunConfig()
@@ -89,8 +92,6 @@ def _run_config(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace, num_learners: int) -> Any:
-    import dataclasses
-
     from ddiloco.chaos import plan as plans
 
     if args.plan is not None or args.quick:
@@ -117,14 +118,16 @@ def _parse_systems(text: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.analysis import analyze_system
     from ddiloco.chaos.invariants import check_invariants
-    from ddiloco.chaos.report import summarize_invariants, write_report
+    from ddiloco.chaos.report import SETTINGS, summarize_invariants, write_report
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, ChaosSettings, run_data_parallel_system, run_runtime_system
+    from ddiloco.runtime.launcher import write_json_atomic
 
     systems = _parse_systems(args.systems)
     config = _run_config(args)
     plan = _plan(args, config.num_learners)
     settings = ChaosSettings(threads=args.threads, eval_every_s=args.eval_every_s,
-                             dp_checkpoint_every_s=args.dp_checkpoint_every_s, dp_hang_timeout_s=args.dp_hang_timeout_s)
+                             dp_checkpoint_every_s=args.dp_checkpoint_every_s, dp_hang_timeout_s=args.dp_hang_timeout_s,
+                             warm_restarts=not args.cold_restarts)
     if not args.uptime_bin_s > 0:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
     run_dir = Path(args.run_dir) if args.run_dir is not None else (
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
+    write_json_atomic(run_dir / SETTINGS, dataclasses.asdict(settings))
     say = lambda line: print(line, flush=True)  # noqa: E731
     say(f"ddiloco chaos: {len(plan.faults)} faults over {plan.duration_s:g} s per system, systems "
         f"{', '.join(systems)}, {config.num_learners} learners, run directory {run_dir}")

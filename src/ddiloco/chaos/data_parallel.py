@@ -61,6 +61,7 @@ from ddiloco.checkpoint import atomic_write_json, read_json
 from ddiloco.metrics import JsonlSink
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
 from ddiloco.runtime.run_config import RunConfig
+from ddiloco.runtime.standby import TORCH_LAZY, StandbyPool
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,14 @@ class DataParallelConfig:
     """Validation batches per evaluation (the syncer's default, so both report the same loss)."""
     poll_s: float = 0.1
     """How often `run()` polls (a caller driving `poll()` itself chooses its own interval)."""
+    standby_ranks: int = 0
+    """Warm rank processes kept waiting (`ddiloco.runtime.standby`: torch and the worker imported); a restart
+    runs its ranks in them while they last (`ddiloco chaos` keeps 2 M: two restarts' worth, as it keeps two
+    standby learners for the runtime, whose restart replaces one learner)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.standby_ranks, int) or self.standby_ranks < 0:
+            raise ValueError(f"standby_ranks={self.standby_ranks!r} is invalid: expected an integer >= 0")
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads={self.threads!r} is invalid: expected an integer >= 1")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
@@ -212,6 +219,7 @@ class DataParallelJob:
         self.world_size = run_config.num_learners
         self.paths = JobPaths(Path(job_dir))
         self._launcher: Launcher | None = None
+        self._standby: StandbyPool | None = None
         self._sink: JsonlSink | None = None
         self._attempts: list[_Attempt] = []
         self._current: _Attempt | None = None
@@ -246,6 +254,11 @@ class DataParallelJob:
             return {}
         return {rank: child.pid for rank, child in self._current.children.items()}
 
+    @property
+    def standby_pids(self) -> list[int]:
+        """Every standby rank process started so far (handed a rank or not)."""
+        return list(self._standby.pids) if self._standby is not None else []
+
     def control_file(self, rank: int) -> Path:
         self._check_rank(rank)
         return self.paths.control(rank)
@@ -273,6 +286,8 @@ class DataParallelJob:
         self.run_config.save(self.paths.config)
         self._launcher = Launcher(LaunchConfig(run_dir=self.paths.root, num_learners=self.world_size,
                                                threads=self.config.threads, use_token=False))
+        self._standby = StandbyPool(self._launcher, size=self.config.standby_ranks, name="standby-rank",
+                                    preload=(WORKER_MODULE, *TORCH_LAZY), threads=self.config.threads)
         self._started_at = time.monotonic()
         self._start_attempt()
 
@@ -293,6 +308,8 @@ class DataParallelJob:
                 self._check_crash_loop(attempt)
         if self._current is None and self.failure is None and not self._held():
             self._start_attempt()
+        if self._standby is not None and self.failure is None:
+            self._standby.fill()
 
     def _check_crash_loop(self, attempt: _Attempt) -> None:
         broken = [rank for rank, child in attempt.children.items() if child.returncode in BROKEN_EXIT_CODES]
@@ -314,6 +331,8 @@ class DataParallelJob:
             raise RuntimeError("the job was never started")
         if self.finished:
             return read_json(self.paths.summary) or {}
+        if self._standby is not None:
+            self._standby.close()
         attempt = self._current
         if attempt is not None:
             children = list(attempt.children.values())
@@ -370,9 +389,12 @@ class DataParallelJob:
                     "--start-timeout-s", str(self.config.start_timeout_s),
                     "--eval-batches", str(self.config.eval_batches),
                     "--chaos-control", str(self.paths.control(rank))]
-            # Launcher._start is the one place that starts a child in its own group, with PR_SET_PDEATHSIG
-            # and thread-limited OpenMP: reused rather than copied.
-            children[rank] = self._launcher.start(f"rank-{rank}-attempt-{number}", argv, self.config.threads)
+            # The Launcher is the one place that starts a child in its own group, with PR_SET_PDEATHSIG and
+            # thread-limited OpenMP: reused rather than copied. A waiting standby is the same, imports done.
+            name = f"rank-{rank}-attempt-{number}"
+            assert self._standby is not None
+            children[rank] = (self._standby.hand_out(name, argv)
+                              or self._launcher.start(name, argv, self.config.threads))
         attempt = _Attempt(number, from_step, children, time.monotonic())
         self._attempts.append(attempt)
         self._current = attempt

@@ -17,6 +17,8 @@ from ddiloco.chaos.invariants import check_invariants
 
 REPORT = "report.md"
 RESULTS = "results.json"
+SETTINGS = "settings.json"
+"""How `ddiloco chaos` ran the systems (`ChaosSettings`), saved beside plan.json."""
 PLOTS = ("val_loss.png", "progress.png", "goodput_uptime.png")
 DEFINITIONS = """\
 - **goodput**: useful learner-seconds / allocated learner-seconds (M x the window). The window runs from
@@ -64,13 +66,18 @@ def summarize_invariants(details: dict[str, dict[str, dict[str, Any]]]) -> dict[
     return out
 
 
-def _markdown(results: dict[str, Any], details: dict[str, Any], plan: dict[str, Any] | None) -> str:
+def _markdown(results: dict[str, Any], details: dict[str, Any], plan: dict[str, Any] | None,
+              settings: dict[str, Any] | None = None) -> str:
     systems = _ordered(results)
     lines = ["# Chaos run", ""]
     if plan:
         lines += [f"Plan: {len(plan.get('faults', []))} faults over {plan.get('duration_s')} s per system, "
                   f"{plan.get('num_learners')} learners, seed {plan.get('seed')} ({plan.get('source') or 'given'}).",
                   ""]
+    if settings:
+        restarts = "warm (standby processes)" if settings.get("warm_restarts") else "cold (new interpreters)"
+        lines += [f"Restarts: {restarts}; data-parallel checkpoint every {settings.get('dp_checkpoint_every_s')} s; "
+                  f"{settings.get('threads')} torch thread(s) per process.", ""]
     lines += ["## Systems", ""]
     lines += _table(["system", "goodput", "uptime", "final val loss", "rounds/min", "bytes", "faults", "restarts"],
                     [[s, _fmt(r["goodput"], ".1%"), _fmt(r["uptime"], ".1%"), _fmt(r.get("final_val_loss"), ".4f"),
@@ -166,11 +173,12 @@ def write_report(run_dir: str | Path, results: dict[str, dict[str, Any]],
     run_dir = Path(run_dir)
     details = invariants if invariants is not None else collect_invariants(run_dir, _ordered(results))
     plan = read_json(run_dir / "plan.json")
+    settings = read_json(run_dir / SETTINGS)
     document = {"systems": results, "invariants": summarize_invariants(details), "invariant_details": details,
-                "plan": plan}
+                "plan": plan, "settings": settings}
     (run_dir / RESULTS).write_text(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n",
                                    encoding="utf-8")
     _plots(run_dir, results)
     path = run_dir / REPORT
-    path.write_text(_markdown(results, details, plan), encoding="utf-8")
+    path.write_text(_markdown(results, details, plan, settings), encoding="utf-8")
     return path

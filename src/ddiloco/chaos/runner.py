@@ -16,8 +16,9 @@ The `FaultInjector` turns the plan's faults into real actions at their times:
   loop obey. A partitioned data-parallel rank is also held: the job cannot restart without it.
 
 Every executed fault is appended to `SYSTEM_DIR/chaos/faults.jsonl` when it fires (so a crashed
-runner still leaves the record), and `SYSTEM_DIR/chaos/run.json` records the launch and stop times,
-every pid started and any process still alive after the stop.
+runner still leaves the record), and `SYSTEM_DIR/chaos/run.json` records the launch time, the stop
+request (the end of the measured window), the time everything had stopped, every pid started (standby
+processes included) and any process still alive after the stop.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ POLL_S = 0.1
 """The one loop interval of a chaos run: fault times are kept to about this."""
 PROGRESS_EVERY_S = 10.0
 SYNCER = "syncer"
+STANDBY_RESTARTS = 2
+"""Under chaos each system keeps warm standby processes for this many restarts: a second crash soon after
+a first (before the used standbys' replacements have imported torch) still finds them. A runtime restart
+replaces one learner, a data-parallel restart all M ranks."""
 
 
 class Targets(Protocol):
@@ -231,6 +236,10 @@ class ChaosSettings:
     """Data-parallel checkpoint period (wall seconds of training)."""
     dp_hang_timeout_s: float = 10.0
     """A data-parallel rank without a step for this long has failed (the job restarts)."""
+    warm_restarts: bool = True
+    """Restarts run in warm standby processes (`ddiloco.runtime.standby`), enough for `STANDBY_RESTARTS`
+    restarts: the runtime keeps that many standby learners, the data-parallel agent that many times M
+    standby ranks. False: every restart is a cold start."""
 
     def __post_init__(self) -> None:
         for name in ("eval_every_s", "ready_timeout_s", "dp_checkpoint_every_s", "dp_hang_timeout_s"):
@@ -279,7 +288,8 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
         if event.kind in ("exited", "restart_scheduled", "failed", "refused"):
             say(f"  [{system}] {event.name} {event.message}")
 
-    supervisor = Supervisor(SupervisorConfig(), launcher=launcher, on_event=on_event)
+    supervisor = Supervisor(SupervisorConfig(standby_learners=STANDBY_RESTARTS if settings.warm_restarts else 0),
+                            launcher=launcher, on_event=on_event)
     injector = FaultInjector(plan, RuntimeTargets(supervisor, paths), system_dir / "chaos" / "faults.jsonl", say=say)
     started = time.time()
     supervisor.start()
@@ -289,6 +299,7 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
         _drive(injector, plan, system, step=supervisor.poll, failed=lambda: supervisor.failure,
                status=lambda: _runtime_status(paths), say=say)
     finally:
+        stop_requested = time.time()
         injector.finish()
         supervisor.shutdown()
         sink.close()
@@ -296,9 +307,8 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
     final_states = {s.learner_id: (str(s.state), s.reason) for s in supervisor.learners}
     write_report(paths, num_learners=config.num_learners, outcome="completed", wall_time_s=ended - started,
                  final_states=final_states, failure=supervisor.failure)
-    pids = [pid for slot in supervisor.slots for pid in slot.pids]
-    return _write_run_record(system_dir, system, config.num_learners, started, ended, pids,
-                             t0=injector.t0, failure=supervisor.failure)
+    return _write_run_record(system_dir, system, config.num_learners, started, stop_requested, ended,
+                             supervisor.pids, t0=injector.t0, failure=supervisor.failure)
 
 
 def _runtime_status(paths: RunPaths) -> str:
@@ -344,11 +354,12 @@ def _drive(injector: FaultInjector, plan: FaultPlan, system: str, *, step: Calla
         time.sleep(POLL_S)
 
 
-def _write_run_record(system_dir: Path, system: str, num_learners: int, started: float, ended: float,
-                      pids: list[int], *, t0: float | None, failure: str | None) -> dict[str, Any]:
+def _write_run_record(system_dir: Path, system: str, num_learners: int, started: float, stop_requested: float,
+                      ended: float, pids: list[int], *, t0: float | None, failure: str | None) -> dict[str, Any]:
     left_behind = [pid for pid in pids if process_group_alive(pid)]
-    record = {"system": system, "num_learners": num_learners, "started": started, "ended": ended,
-              "plan_started": t0, "pids": pids, "left_behind": left_behind, "failure": failure}
+    record = {"system": system, "num_learners": num_learners, "started": started,
+              "stop_requested": stop_requested, "ended": ended, "plan_started": t0, "pids": pids,
+              "left_behind": left_behind, "failure": failure}
     write_json_atomic(system_dir / "chaos" / "run.json", record)
     return record
 
@@ -387,9 +398,11 @@ def run_data_parallel_system(system_dir: Path, run_config: Any, plan: FaultPlan,
     from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
 
     system_dir.mkdir(parents=True, exist_ok=False)
+    standby_ranks = STANDBY_RESTARTS * run_config.num_learners if settings.warm_restarts else 0
     job = DataParallelJob(DataParallelConfig(threads=settings.threads, eval_every_s=settings.eval_every_s,
                                              checkpoint_every_s=settings.dp_checkpoint_every_s,
-                                             hang_timeout_s=settings.dp_hang_timeout_s),
+                                             hang_timeout_s=settings.dp_hang_timeout_s,
+                                             standby_ranks=standby_ranks),
                           run_config=run_config, job_dir=system_dir)
     injector = FaultInjector(plan, DataParallelTargets(job), system_dir / "chaos" / "faults.jsonl", say=say)
     seen: list[int] = []
@@ -406,8 +419,10 @@ def run_data_parallel_system(system_dir: Path, run_config: Any, plan: FaultPlan,
         _drive(injector, plan, "data_parallel", step=step, failed=lambda: job.failure,
                status=lambda: f"step {job.step}, failures {job.failures}", say=say)
     finally:
+        stop_requested = time.time()
         injector.finish()
         job.stop()
     ended = time.time()
-    return _write_run_record(system_dir, "data_parallel", run_config.num_learners, started, ended, seen,
-                             t0=injector.t0, failure=job.failure)
+    pids = seen + [pid for pid in job.standby_pids if pid not in seen]
+    return _write_run_record(system_dir, "data_parallel", run_config.num_learners, started, stop_requested, ended,
+                             pids, t0=injector.t0, failure=job.failure)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.chaos.control import control_path
+from ddiloco.runtime.standby import role_message
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,12 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signum)
 
+    def close_stdin(self) -> None:
+        """End-of-file on a standby's stdin (it exits by itself); nothing for other children."""
+        if self.popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.popen.stdin.close()
+
     def stop(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> int:
         """SIGTERM the group, wait up to `timeout_s` for the whole group, then SIGKILL it."""
         stop_processes([self], timeout_s, clock=clock)
@@ -310,10 +317,6 @@ class Launcher:
     def start_syncer(self, bind: str) -> ChildProcess:
         return self.start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
 
-    def start_learner(self, learner_id: int, syncer_address: str) -> ChildProcess:
-        return self.start(f"learner-{learner_id}", self.learner_argv(learner_id, syncer_address),
-                           self.config.threads)
-
     def syncer_address(self, pid: int) -> str | None:
         """The address the syncer with this pid serves on, once it has written syncer.json."""
         info = read_json(self.paths.syncer_json)
@@ -321,9 +324,10 @@ class Launcher:
             return None
         return info["address"]
 
-    def start(self, name: str, argv: list[str], threads: int) -> ChildProcess:
+    def start(self, name: str, argv: list[str], threads: int, *, stdin_pipe: bool = False) -> ChildProcess:
         """Start any child the way the run's own are started: own process group, log file, thread limits,
-        death with the launcher (the data-parallel baseline starts its ranks with it)."""
+        death with the launcher (the data-parallel baseline starts its ranks with it). `stdin_pipe`: a pipe
+        to its stdin instead of /dev/null (a standby reads its role there)."""
         log_path = self.paths.log(name)
         env = dict(os.environ)
         # OpenMP/MKL pools sized before torch even starts, matching --threads (DESIGN.md section 3).
@@ -333,8 +337,26 @@ class Launcher:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
             log.flush()
             offset = log.tell()
-            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent,
-                                     close_fds=True)
+            popen = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent, close_fds=True)
         logger.info("[%s] started pid %d", name, popen.pid)
         return ChildProcess(name, argv, popen, log_path, offset, time.monotonic())
+
+    def hand_role(self, standby: ChildProcess, name: str, argv: list[str], module: str,
+                  args: list[str]) -> ChildProcess | None:
+        """Turn a waiting standby (`ddiloco.runtime.standby`) into child `name` running `python -m module
+        args...`, logging where a fresh start of `name` would; None if the standby is gone."""
+        log_path = self.paths.log(name)
+        with log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start in standby pid {standby.pid}: "
+                      f"{' '.join(argv)}\n".encode())
+            offset = log.tell()
+        assert standby.popen.stdin is not None, "a standby is started with stdin_pipe=True"
+        try:
+            standby.popen.stdin.write(role_message(module, args, str(log_path)))
+            standby.popen.stdin.close()
+        except (BrokenPipeError, ValueError):
+            return None
+        logger.info("[%s] runs in standby pid %d", name, standby.pid)
+        return ChildProcess(name, argv, standby.popen, log_path, offset, time.monotonic())

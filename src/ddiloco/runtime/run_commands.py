@@ -47,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads per learner (default: max(1, cores // learners))")
     parser.add_argument("--bind", default=None, metavar="HOST:PORT",
                         help="where the syncer listens (default: 127.0.0.1:0, a free port)")
+    parser.add_argument("--standby-learners", type=int, default=0, metavar="N",
+                        help="keep N warm learner processes (torch imported, waiting) so that a crashed learner is "
+                             "replaced without a cold start (default 0)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no live table: one line per learner event (automatic when stdout is not a terminal)")
     parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
+    if args.standby_learners < 0:
+        raise ValueError(f"--standby-learners {args.standby_learners} is invalid: expected an integer >= 0")
     if args.link is not None:
         from ddiloco.transport.link import parse_link
         parse_link(args.link)  # a bad --link is a usage error here, not a crash loop in every learner
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         if progress_holder:
             progress_holder[0].on_event(event)
 
-    supervisor = Supervisor(supervisor_config or SupervisorConfig(), launcher=launcher, on_event=on_event)
+    supervisor_config = supervisor_config or SupervisorConfig(standby_learners=args.standby_learners)
+    supervisor = Supervisor(supervisor_config, launcher=launcher, on_event=on_event)
     progress = ProgressView(paths, supervisor, console=console,
                             live=not args.no_progress and console.is_terminal)
     progress_holder.append(progress)

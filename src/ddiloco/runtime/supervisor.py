@@ -11,6 +11,9 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
   which end the run.
+- With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
+  torch and the learner's modules imported, waiting for a role); a learner (re)start runs in one
+  when one is waiting, so a restart costs no interpreter start and no imports.
 - The run is finished when every learner is done (or will never run again); `shutdown()` then sends
   SIGTERM to whatever still runs (learners first, so they can say Leave to a live syncer; then the
   syncer, which evaluates the final validation loss) and SIGKILL after a timeout.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
+from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +83,18 @@ class SupervisorConfig:
     """SIGTERM -> SIGKILL delay for learners (they save a checkpoint and say Leave)."""
     syncer_stop_timeout_s: float = 120.0
     """SIGTERM -> SIGKILL delay for the syncer (it makes its last round durable and evaluates)."""
+    standby_learners: int = 0
+    """Warm learner processes kept waiting for a role (`ddiloco.runtime.standby`); 0: every start is cold."""
+    standby_refill_delay_s: float = DEFAULT_REFILL_DELAY_S
+    """How long after a standby is used its replacement starts (its imports then do not compete with
+    the restarted learner's own start)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.standby_learners, int) or self.standby_learners < 0:
+            raise ValueError(f"standby_learners={self.standby_learners!r} is invalid: expected an integer >= 0")
+        if not self.standby_refill_delay_s >= 0:
+            raise ValueError(f"standby_refill_delay_s={self.standby_refill_delay_s!r} is invalid: "
+                             "expected seconds >= 0")
         for name in ("poll_interval_s", "backoff_initial_s", "backoff_max_s", "syncer_start_timeout_s",
                      "learner_stop_timeout_s", "syncer_stop_timeout_s"):
             value = getattr(self, name)
@@ -159,6 +173,9 @@ class Supervisor:
         backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s, config.stable_after_s)
         self.syncer = Slot(SYNCER, None, backoff())
         self.learners = [Slot(f"learner-{i}", i, backoff()) for i in range(launcher.config.num_learners)]
+        self.standby = StandbyPool(launcher, size=config.standby_learners, name="standby-learner",
+                                   preload=LEARNER_PRELOAD, threads=launcher.config.threads,
+                                   refill_delay_s=config.standby_refill_delay_s, on_start=self._standby_started)
         self.syncer_address: str | None = None
         """Where learners dial the syncer, once known."""
         self._bind = launcher.config.bind
@@ -213,6 +230,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._start_syncer()
+        self.standby.fill()  # their imports overlap the syncer's start
 
     def poll(self) -> None:
         """One supervision step: notice exits, start what is due."""
@@ -221,9 +239,17 @@ class Supervisor:
         self._poll_syncer(now)
         for slot in self.learners:
             self._poll_learner(slot, now)
+        if self._stop_reason is None:
+            self.standby.fill()
+
+    @property
+    def pids(self) -> list[int]:
+        """Every pid this supervisor started: syncer, learners, standbys (handed out or not)."""
+        return sorted({pid for slot in self.slots for pid in slot.pids} | set(self.standby.pids))
 
     def shutdown(self) -> None:
-        """Stop every child that still runs: learners first, then the syncer. Idempotent."""
+        """Stop every child that still runs: standbys, learners, then the syncer. Idempotent."""
+        self.standby.close()
         running = [s for s in self.learners if s.pid is not None]
         if running:
             self._emit("stopping", None, f"stopping {len(running)} learner(s)")
@@ -331,12 +357,20 @@ class Supervisor:
 
     def _start_learner(self, slot: Slot) -> None:
         assert slot.learner_id is not None and self.syncer_address is not None
-        slot.process = self.launcher.start_learner(slot.learner_id, self.syncer_address)
+        argv = self.launcher.learner_argv(slot.learner_id, self.syncer_address)
+        # A first start is cold: the standbys are for replacing learners that died.
+        warm = self.standby.hand_out(slot.name, argv) if slot.restarts > 0 else None
+        slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads)
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None
-        self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid,
-                   restarts=slot.restarts)
+        how = ", in a warm standby" if warm is not None else ""
+        self._emit("started", slot, f"started (pid {slot.process.pid}{how})", pid=slot.process.pid,
+                   restarts=slot.restarts, standby=warm is not None)
+
+    def _standby_started(self, child: ChildProcess) -> None:
+        self._on_event(Event("started", child.name, None, f"standby started (pid {child.pid})",
+                             {"pid": child.pid, "standby": True}))
 
     # ---- shared ----------------------------------------------------------------------------------
 
