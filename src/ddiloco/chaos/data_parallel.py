@@ -14,9 +14,11 @@ whole job from its last checkpoint, since synchronous training needs all M ranks
 
 On a failure the agent logs it, SIGKILLs every rank's process group (and sends SIGCONT, in case a chaos run
 had SIGSTOPped one), waits until no rank is held (`hold`: a replica that is unavailable, such as a machine
-being replaced or a partition that has not healed) and starts every rank again: a new attempt. Nothing of
-the restart is assumed: the process start, torch import, rendezvous, gloo connection and checkpoint load
-take what they take, and the "training" event records it (`start_s`).
+being replaced or a partition that has not healed) and starts every rank again: a new attempt, its ranks in
+waiting standby processes where `standby_ranks` keeps some (`ddiloco.runtime.standby`: interpreter start and
+torch import already done), else cold. Nothing of the restart is assumed: the process start or hand-over,
+rendezvous, gloo connection and checkpoint load take what they take, and the "training" event records it
+(`start_s`).
 
 The agent runs inside its caller's process and never blocks for long: `start()`, then `poll()` every
 `poll_s` (from the chaos runner's one loop, next to fault injection), then `stop()`; `run(duration_s)` does

@@ -12,8 +12,8 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
   which end the run.
 - With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
-  torch and the learner's modules imported, waiting for a role); a learner (re)start runs in one
-  when one is waiting, so a restart costs no interpreter start and no imports.
+  torch and the learner's modules imported, waiting for a role); a restart runs in one when one is
+  waiting, so it costs no interpreter start and no imports (first starts are cold).
 - The run is finished when every learner is done (or will never run again); `shutdown()` then sends
   SIGTERM to whatever still runs (learners first, so they can say Leave to a live syncer; then the
   syncer, which evaluates the final validation loss) and SIGKILL after a timeout.
