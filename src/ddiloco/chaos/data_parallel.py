@@ -60,6 +60,7 @@ from typing import Any
 
 from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
+from ddiloco.config import require_int
 from ddiloco.metrics import JsonlSink
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
 from ddiloco.runtime.run_config import RunConfig
@@ -107,8 +108,7 @@ class DataParallelConfig:
     standby learners for the runtime, whose restart replaces one learner)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.standby_ranks, int) or self.standby_ranks < 0:
-            raise ValueError(f"standby_ranks={self.standby_ranks!r} is invalid: expected an integer >= 0")
+        require_int("standby_ranks", self.standby_ranks, minimum=0)
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads={self.threads!r} is invalid: expected an integer >= 1")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 1:

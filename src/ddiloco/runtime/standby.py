@@ -1,7 +1,8 @@
 """Warm standby processes: replacing a crashed process without paying for a new interpreter.
 
-A process restarted from scratch spends most of its start-up importing torch: about 1.2 s on an idle
-core, 5-6 s on a machine whose cores are busy training (measured in `ddiloco chaos` runs). A standby
+A process restarted from scratch spends most of its start-up importing torch and, when it builds its
+first optimizer, `torch._dynamo`: about 1.9 s on an idle core, 5-6 s on a machine whose cores are busy
+training (measured in `ddiloco chaos` runs). A standby
 is a `python -m ddiloco.runtime.standby --preload MODULE ...` process that has already done that work
 and waits on its stdin for a role: one JSON line `{"module", "args", "log"}`. It then sends its output
 to the role's log and runs `python -m MODULE ARGS...` in place (`runpy`), so the role runs exactly as
@@ -36,10 +37,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-logger = logging.getLogger(__name__)
+from ddiloco.config import require_int
 
-if TYPE_CHECKING:  # the launcher imports this module; a standby process must not import the launcher's deps
+if TYPE_CHECKING:  # the launcher imports this module: at run time the import would be a cycle
     from ddiloco.runtime.launcher import ChildProcess, Launcher
+
+logger = logging.getLogger(__name__)
 
 STANDBY_MODULE = "ddiloco.runtime.standby"
 TORCH_LAZY = ("torch._dynamo",)
@@ -168,8 +171,7 @@ class StandbyPool:
     def __init__(self, launcher: Launcher, *, size: int, name: str, preload: Sequence[str], threads: int,
                  refill_delay_s: float = DEFAULT_REFILL_DELAY_S, clock: Callable[[], float] = time.monotonic,
                  on_start: Callable[[ChildProcess], None] | None = None, nice: int = DEFAULT_NICE) -> None:
-        if not isinstance(size, int) or size < 0:
-            raise ValueError(f"size={size!r} is invalid: expected an integer >= 0 (standby processes)")
+        require_int("size", size, minimum=0)
         if not refill_delay_s >= 0:
             raise ValueError(f"refill_delay_s={refill_delay_s!r} is invalid: expected seconds >= 0")
         self.launcher = launcher

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddiloco.config import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 
@@ -90,8 +91,7 @@ class SupervisorConfig:
     the restarted learner's own start)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.standby_learners, int) or self.standby_learners < 0:
-            raise ValueError(f"standby_learners={self.standby_learners!r} is invalid: expected an integer >= 0")
+        require_int("standby_learners", self.standby_learners, minimum=0)
         if not self.standby_refill_delay_s >= 0:
             raise ValueError(f"standby_refill_delay_s={self.standby_refill_delay_s!r} is invalid: "
                              "expected seconds >= 0")
