@@ -185,7 +185,6 @@ class StandbyPool:
         self._on_start = on_start or (lambda child: None)
         self._waiting: list[ChildProcess] = []
         self._refill_at: list[float] = []
-        self._started = 0
         self.pids: list[int] = []
         """Every standby pid this pool started (handed out or not)."""
         self.handed_out = 0
@@ -247,11 +246,10 @@ class StandbyPool:
             logger.warning("[%s] %s", self.name, self.gave_up)
 
     def _start_one(self) -> None:
-        self._started += 1
         argv = [sys.executable, "-m", STANDBY_MODULE, "--nice", str(self.nice)]
         for module in self.preload:
             argv += ["--preload", module]
-        child = self.launcher.start(f"{self.name}-{self._started}", argv, self.threads, stdin_pipe=True)
+        child = self.launcher.start(f"{self.name}-{len(self.pids) + 1}", argv, self.threads, stdin_pipe=True)
         self.pids.append(child.pid)
         self._waiting.append(child)
         self._on_start(child)
