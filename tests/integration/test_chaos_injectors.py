@@ -227,8 +227,11 @@ def test_a_partition_drops_updates_times_the_learner_out_and_it_rejoins_afterwar
                and run.syncer_status()["alive_learners"] == [0], "the learner re-joined",
                alive=[run.syncer, run.learner])
     _accepted_after(run, until)
-    status = read_json_or_none(run.learner_dir / "status.json")
-    assert status["joins"] >= 2 and status["updates_dropped"] >= len(in_window)
+    # status.json is rewritten periodically (every 0.2 s here): wait for the write after the re-join.
+    status = lambda: read_json_or_none(run.learner_dir / "status.json") or {}
+    wait_until(lambda: status().get("joins", 0) >= 2, "the learner's status to count the re-join",
+               alive=[run.syncer, run.learner])
+    assert status()["updates_dropped"] >= len(in_window)
 
 
 def test_after_every_fault_each_publish_has_one_fate_and_the_state_replays(run):
