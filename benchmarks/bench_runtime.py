@@ -51,7 +51,7 @@ def bare_worker(shard: int, num_shards: int, steps: int) -> None:
 
     from ddiloco.data import load_corpus, shard_stream
     from ddiloco.model import build_model
-    from ddiloco.runtime.run_config import RunConfig
+    from ddiloco.run_config import RunConfig
     from ddiloco.training import inner_step, make_inner_optimizer
 
     config = RunConfig()

@@ -4,6 +4,36 @@ Independent learners train their own copy of a model at their own pace; a CPU sy
 fragment-wise pseudo-gradients once a minimum quorum has reported, weights them by tokens, averages
 them with radial-directional averaging and applies an outer Nesterov step.
 Paper: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training", arXiv 2604.21428.
+
+The public API (docs/your_model.md):
+
+- `ddiloco.environment()`: this process's place in a run (learner id, number of learners, device, role);
+- `ddiloco.session(model, optimizer, state=...)`: wrap a training loop; `sync.step(tokens=...)` per step;
+- `ddiloco.watch(model, evaluate)`: evaluate the global model while the run trains;
+- `ddiloco.InProcessHub`, `ddiloco.DilocoConfig`, `ddiloco.QuorumConfig`: the syncer in one process.
 """
 
 __version__ = "0.1.0"
+
+_SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
+_EXPORTS = {
+    "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
+    "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.transport.inprocess",
+    "LearnerEnvironment": _SESSION, "RefusedError": _SESSION, "Session": _SESSION, "environment": _SESSION,
+    "session": _SESSION, "Watcher": _EVALUATOR, "watch": _EVALUATOR,
+}
+"""Public name -> the module that owns it. Imported on first use, so `import ddiloco` (and the `ddiloco`
+command's --help) does not pay for importing torch."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -48,9 +48,23 @@ def _configure_logging(verbosity: int) -> None:
                         stream=sys.stderr)
 
 
+SCRIPT_COMMANDS = ("run",)
+"""Commands that take a learner script after `--` (`ddiloco run [flags] -- python train.py ARGS`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] | None = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, script = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if script is not None and args.command not in SCRIPT_COMMANDS:
+        parser.error(f"`ddiloco {args.command}` takes no script after --")
+    if script == []:
+        parser.error("nothing after --: give the learner command, e.g. -- python train.py")
+    args.script = script or []
     _configure_logging(args.verbose)
     handler = args.handler
     try:

@@ -50,9 +50,11 @@ class DilocoConfig:
     before it must hold a newer version of that fragment (it waits at that point, see LearnerConfig)."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
-    embedding_pattern: str = r"embedding"
-    """Regular expression (re.search on the parameter name) marking embedding tensors, which are
-    merged with the plain weighted mean because they are not near-orthogonal across learners."""
+    embedding_pattern: str = ""
+    """Embedding tensors are merged with the plain weighted mean, because they are not near-orthogonal
+    across learners. Empty (the default): they are the weights of the model's `nn.Embedding` modules,
+    whatever their names. Otherwise a regular expression (re.search on the parameter name) that
+    chooses them instead, for embeddings that are not `nn.Embedding` modules."""
     merge: str = "rda"
     """rda (radial-directional averaging, embeddings by weighted mean) or mean (weighted mean)."""
     outer_lr: float = 0.7

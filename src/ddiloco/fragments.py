@@ -14,10 +14,11 @@ Streaming DiLoCo, arXiv 2501.18512):
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ddiloco.config import DilocoConfig
 
@@ -77,6 +78,18 @@ def strided(sizes: Mapping[str, int], num_fragments: int, *,
     return _in_model_order(sizes, bins)
 
 
+def embedding_names(model: nn.Module, pattern: str = "") -> frozenset[str]:
+    """The model's embedding tables: parameters of `nn.Embedding` modules (any name: `wte`, `embed_tokens`,
+    `token_embedding`, ...), or, with a non-empty `pattern`, the parameter names it matches (re.search),
+    for embeddings that are not `nn.Embedding` modules. Tied weights count once, under the name
+    `named_parameters()` gives them."""
+    names = dict(model.named_parameters())
+    if pattern:
+        return frozenset(n for n in names if re.search(pattern, n))
+    ids = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    return frozenset(name for name, param in names.items() if id(param) in ids)
+
+
 def due_step(round_index: int, sync_every: int, num_fragments: int) -> int:
     """The inner step at which round `round_index` (syncing fragment round_index mod P) is due.
 
@@ -96,15 +109,23 @@ class FragmentPlan:
 
     @classmethod
     def for_tensors(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-                    config: DilocoConfig) -> FragmentPlan:
+                    config: DilocoConfig, *, embeddings: Iterable[str] = ()) -> FragmentPlan:
+        """`embeddings`: the parameters merged by plain weighted mean (see `embedding_names`); with
+        `config.embedding_pattern` set, the names it matches instead."""
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
         sizes = {name: t.numel() * t.element_size() for name, t in items}
         if config.fragment_strategy == "strided":
             bins = strided(sizes, config.num_fragments)
         else:
             bins = balanced(sizes, config.num_fragments)
-        embeddings = frozenset(n for n in sizes if re.search(config.embedding_pattern, n))
-        return cls(tuple(tuple(names) for names in bins), embeddings)
+        if config.embedding_pattern:
+            chosen = frozenset(n for n in sizes if re.search(config.embedding_pattern, n))
+        else:
+            chosen = frozenset(embeddings)
+            unknown = sorted(chosen - set(sizes))
+            if unknown:
+                raise ValueError(f"embedding {unknown[0]!r} is not a parameter of the model")
+        return cls(tuple(tuple(names) for names in bins), chosen)
 
     @property
     def num_fragments(self) -> int:

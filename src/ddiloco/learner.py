@@ -30,7 +30,7 @@ from torch import nn
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
-from ddiloco.fragments import FragmentPlan, due_step
+from ddiloco.fragments import FragmentPlan, due_step, embedding_names
 from ddiloco.messages import (
     FragmentState,
     Heartbeat,
@@ -85,13 +85,21 @@ class Learner:
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
         self._params = dict(model.named_parameters())
         self.spec = ModelSpec.from_named_tensors(self._params.items())
-        self.plan = FragmentPlan.for_tensors(self._params, config)
+        self.embeddings = embedding_names(model, config.embedding_pattern)
+        canonical = {id(p): name for name, p in self._params.items()}
+        every = model.named_parameters(remove_duplicate=False)
+        self.aliases = tuple(sorted((alias, canonical[id(p)]) for alias, p in every if canonical[id(p)] != alias))
+        """Tied weights: (state_dict key, parameter name) pairs for parameters known under two names."""
+        self.plan = FragmentPlan.for_tensors(self._params, config, embeddings=self.embeddings)
         self._codec = get_codec(config.codec)
         num = self.plan.num_fragments
         self._base: list[dict[str, torch.Tensor]] = [{} for _ in range(num)]
         self.versions = [-1] * num
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
+        self.synced_at = [0] * num
+        """Per fragment, the inner step at which it was last published or received: the steps after it are
+        this learner's unpublished work on that fragment."""
         self.inner_step = 0
         self.next_round = 0
         self.joined = False
@@ -102,7 +110,8 @@ class Learner:
     # ---- joining -------------------------------------------------------------------------------
 
     def join_message(self) -> Join:
-        return Join(self.learner_id, self.spec, self.config.fingerprint())
+        return Join(self.learner_id, self.spec, self.config.fingerprint(), embeddings=tuple(sorted(self.embeddings)),
+                    aliases=self.aliases)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.learner_id, self.inner_step)
@@ -196,6 +205,7 @@ class Learner:
         self.versions[p] = state.version
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self.synced_at[p] = self.inner_step
         self.stats.bytes_received += state.payload_bytes
         self.stats.fragments_applied += 1
         outstanding = self._outstanding.get(p)
@@ -222,6 +232,7 @@ class Learner:
         driver's wait bound breaks it. K = 1 does not depend on the phase."""
         self.next_round = next_uncommitted_round(welcome)
         self.inner_step = due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) - 1
+        self.synced_at = [self.inner_step] * self.plan.num_fragments
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.next_round)
 
@@ -261,9 +272,30 @@ class Learner:
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
+        self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
         self.stats.bytes_sent += update.payload_bytes
         return update
+
+    def unpublished(self) -> list[int]:
+        """Per fragment, inner steps trained since it was last published or received."""
+        return [self.inner_step - at for at in self.synced_at]
+
+    def flush(self) -> list[Update]:
+        """At the end of training: publish every fragment that holds unpublished work and has no update
+        still waiting for its round (a newer version of such a fragment overwrites the steps trained
+        after its update anyway), so the final global model includes this learner's last inner steps.
+        Rounds are not advanced: the learner is finishing."""
+        if not self.joined:
+            return []
+        unpublished = self.unpublished()
+        updates = []
+        for p in range(self.plan.num_fragments):
+            if unpublished[p] > 0 and self.steps_since[p] > 0 and p not in self._outstanding:
+                update = self._publish(p)
+                if update is not None:
+                    updates.append(update)
+        return updates
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -281,6 +313,7 @@ class Learner:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
         self.next_round = int(state["next_round"])
+        self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any incompatible change to these messages or their wire encoding."""
 
 
@@ -88,6 +88,12 @@ class Join:
     model_spec: ModelSpec
     config_fingerprint: str
     schema_version: int = SCHEMA_VERSION
+    embeddings: tuple[str, ...] = ()
+    """The parameters the learner's model holds as embedding tables (`fragments.embedding_names`): the
+    syncer of a new run takes them from its genesis join, to merge them by plain weighted mean."""
+    aliases: tuple[tuple[str, str], ...] = ()
+    """Tied weights: (alias, parameter name) for each other name under which the model's state_dict holds
+    a parameter; kept with the genesis so that `ddiloco export` writes every key the model loads."""
 
 
 @dataclass(frozen=True)

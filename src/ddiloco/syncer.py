@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -127,11 +127,13 @@ class Syncer:
     """The global side of Decoupled DiLoCo. See the module docstring."""
 
     def __init__(self, config: DilocoConfig, quorum: QuorumConfig, *,
-                 initial_params: Mapping[str, torch.Tensor]) -> None:
+                 initial_params: Mapping[str, torch.Tensor], embeddings: Iterable[str] = ()) -> None:
+        """`initial_params`: the run's genesis (the global model before any round); `embeddings`: which
+        of them are embedding tables (merged by plain weighted mean; see `FragmentPlan.for_tensors`)."""
         self.config = config
         self.quorum = quorum
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
-        self.plan = FragmentPlan.for_tensors(initial_params, config)
+        self.plan = FragmentPlan.for_tensors(initial_params, config, embeddings=embeddings)
         self._codec = get_codec(config.codec)
         self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
                          for name in names} for names in self.plan.fragments]

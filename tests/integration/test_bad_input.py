@@ -24,7 +24,7 @@ from ddiloco.compression import get_codec
 from ddiloco.learner import Learner
 from ddiloco.messages import SCHEMA_VERSION, FragmentState, Update, Welcome
 from ddiloco.model import build_model
-from ddiloco.runtime.run_config import RunConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.grpc_codec import (
     CHUNK_BYTES,

@@ -22,8 +22,8 @@ from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
 from ddiloco.chaos.dp_common import params_digest
 from ddiloco.checkpoint import load_latest_state
 from ddiloco.model import build_model
+from ddiloco.run_config import add_run_config_flags, run_config_from_args
 from ddiloco.runtime.launcher import process_group_alive
-from ddiloco.runtime.run_config import add_run_config_flags, run_config_from_args
 from tests.helpers import TINY_MODEL_FLAGS, read_json_or_none, wait_until
 
 pytestmark = pytest.mark.integration

@@ -26,14 +26,14 @@ from ddiloco.learner import Learner
 from ddiloco.messages import Welcome
 from ddiloco.metrics import NullSink
 from ddiloco.model import ModelConfig, build_model
-from ddiloco.runtime.learner_io import LearnerIO
-from ddiloco.runtime.run_config import RunConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore, initial_params
 from ddiloco.syncer import Syncer
 from ddiloco.transport.grpc_client import SyncerClient
 from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
+from ddiloco.transport.learner_io import LearnerIO
 from ddiloco.transport.link import EmulatedLink, parse_link
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, read_json_or_none, wait_until
 

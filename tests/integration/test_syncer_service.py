@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddiloco.checkpoint import RoundLog, load_latest_state
-from ddiloco.runtime.run_config import RunConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import initial_params
 from ddiloco.syncer import replay_rounds
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until

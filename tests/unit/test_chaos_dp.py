@@ -30,7 +30,7 @@ from ddiloco.chaos.dp_common import (
 )
 from ddiloco.chaos.dp_worker import RankConfig, main
 from ddiloco.model import ModelConfig, build_model
-from ddiloco.runtime.run_config import RunConfig
+from ddiloco.run_config import RunConfig
 
 # ---- emulated link time --------------------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, ModelSpec, RejectReason, Update, Welcome
-from ddiloco.runtime.work_ledger import WorkLedger, fragment_shares
 from ddiloco.syncer import HeldUpdate
 from ddiloco.transport.grpc_client import PARTITIONED, ChaosFault, Fault, SyncerClient, classify, drop_reason
 from ddiloco.transport.grpc_codec import (
@@ -34,6 +33,7 @@ from ddiloco.transport.grpc_codec import (
     flip_data_byte,
 )
 from ddiloco.transport.link import NO_FAULTS, EmulatedLink, LinkSpec, parse_link, unlimited_link
+from ddiloco.work_ledger import WorkLedger, fragment_shares
 from tests.helpers import TinyNet, make_system, params_of, train_step
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=4, codec="int4")
@@ -307,7 +307,7 @@ def test_participants_carry_the_inner_step_and_open_rounds_can_be_listed():
 
 
 def test_last_logged_step_reads_the_tail_and_ignores_torn_lines(tmp_path):
-    from ddiloco.runtime.work_ledger import last_logged_step
+    from ddiloco.work_ledger import last_logged_step
 
     path = tmp_path / "metrics.jsonl"
     assert last_logged_step(path, "learner/0/loss") == 0

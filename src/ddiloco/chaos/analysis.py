@@ -282,8 +282,8 @@ def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPT
                  if learner is None or learner in [int(i) for i in e.get("learners", [])]]
         return _first(times, ended, end)
 
-    val_loss = [[float(m["time"]) - start, float(m["syncer/val_loss"])] for m in syncer_events
-                if m.get("syncer/val_loss") is not None]
+    val_loss = [[float(m["time"]) - start, float(m["eval/val_loss"])]
+                for m in read_jsonl(system_dir / "evaluator" / "metrics.jsonl") if m.get("eval/val_loss") is not None]
     status = read_json(system_dir / "syncer_status.json") or {}
     faults = _fault_rows(system_dir, start, end, lambda t: _first(commit_times, t, end), rejoin)
     return {

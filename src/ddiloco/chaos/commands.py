@@ -26,7 +26,7 @@ CHAOS_HEARTBEAT_EVERY_S = 1.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ddiloco.runtime.run_config import add_run_config_flags
+    from ddiloco.run_config import add_run_config_flags
 
     parser = subparsers.add_parser(
         "chaos", help="inject real faults into real processes and compare with synchronous training",
@@ -81,7 +81,7 @@ def _systems() -> tuple[str, ...]:
 
 
 def _run_config(args: argparse.Namespace) -> Any:
-    from ddiloco.runtime.run_config import RunConfig, run_config_from_args
+    from ddiloco.run_config import RunConfig, run_config_from_args
 
     base = RunConfig.load(args.config) if args.config is not None else RunConfig()
     if args.config is None:

@@ -62,8 +62,8 @@ from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
 from ddiloco.config import require_int
 from ddiloco.metrics import JsonlSink
+from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
-from ddiloco.runtime.run_config import RunConfig
 from ddiloco.runtime.standby import TORCH_LAZY, StandbyPool
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ from ddiloco.checkpoint import atomic_write_json, load_latest_state, read_json, 
 from ddiloco.data import load_corpus, shard_stream, validation_batches
 from ddiloco.metrics import JsonlSink
 from ddiloco.model import build_model, estimate_loss
-from ddiloco.runtime.run_config import RunConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.training import inner_step, make_inner_optimizer
 
 logger = logging.getLogger(__name__)

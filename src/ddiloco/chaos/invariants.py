@@ -29,9 +29,8 @@ import torch
 
 from ddiloco.chaos.analysis import DATA_PARALLEL, read_json, read_jsonl
 from ddiloco.checkpoint import RoundLog, load_latest_state
-from ddiloco.runtime.run_config import RunConfig
-from ddiloco.runtime.syncer_state import STATE_DIR, initial_params
-from ddiloco.syncer import replay_rounds
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.syncer_state import STATE_DIR, replay_genesis
 
 EXAMPLES = 3
 """How many unexplained cases a detail names (the counts say how many there were)."""
@@ -138,7 +137,7 @@ def global_equals_replay(system_dir: str | Path) -> Result:
     if serial != len(records):
         return False, f"the final state is at round {serial}, the log holds {len(records)}: not comparable"
     config = RunConfig.load(system_dir / "config.json")
-    replayed = replay_rounds(config.diloco, initial_params(config), records)
+    replayed = replay_genesis(system_dir, config.diloco, records)
     final = state["global"]
     if set(final) != set(replayed):
         return False, f"parameter names differ: {sorted(set(final) ^ set(replayed))[:EXAMPLES]}"

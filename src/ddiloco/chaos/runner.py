@@ -280,7 +280,8 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
     paths = RunPaths(system_dir)
     config.save(paths.config)
     launcher = Launcher(LaunchConfig(run_dir=system_dir, num_learners=config.num_learners, threads=settings.threads,
-                                     chaos_control=True, syncer_args=("--eval-every-s", str(settings.eval_every_s))))
+                                     chaos_control=True, eval_every_s=settings.eval_every_s,
+                                     seed=config.seed))
     sink = JsonlSink(paths.launcher_metrics)
 
     def on_event(event: Event) -> None:
@@ -313,7 +314,7 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
 
 def _runtime_status(paths: RunPaths) -> str:
     status = read_json(paths.syncer_status) or {}
-    loss = status.get("val_loss")
+    loss = (read_json(paths.evaluator_status) or {}).get("val_loss")
     return (f"rounds {status.get('rounds_committed', 0)}, alive learners {status.get('alive_learners', '?')}, "
             f"val loss {loss:.3f}" if isinstance(loss, int | float) else
             f"rounds {status.get('rounds_committed', 0)}, alive learners {status.get('alive_learners', '?')}")

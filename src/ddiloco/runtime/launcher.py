@@ -32,6 +32,10 @@ from ddiloco.runtime.standby import role_message
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
+BUILTIN_LEARNER = "ddiloco.train_tinygpt"
+"""The module `ddiloco run` starts as the evaluator when there is no user script."""
+ENV_PREFIX = "DDILOCO_"
+"""Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
 """How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
 STOP_POLL_S = 0.05
 """Poll interval while waiting for a signalled process group to go."""
@@ -69,6 +73,14 @@ class RunPaths:
     @property
     def syncer_metrics(self) -> Path:
         return self.root / "syncer" / "metrics.jsonl"
+
+    @property
+    def evaluator_metrics(self) -> Path:
+        return self.root / "evaluator" / "metrics.jsonl"
+
+    @property
+    def evaluator_status(self) -> Path:
+        return self.root / "evaluator" / "status.json"
 
     @property
     def rounds(self) -> Path:
@@ -266,11 +278,25 @@ class LaunchConfig:
     """The `ddiloco` executable as an argv prefix (tests put a fake one here)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     syncer_args: tuple[str, ...] = ()
-    """More flags for the syncer (e.g. `--eval-every-s 5`)."""
+    """More flags for the syncer (e.g. `--init FILE`)."""
     chaos_control: bool = False
     """Start every learner with `--chaos-control DIR/learners/N/chaos.json` (`ddiloco chaos` injects faults there)."""
+    script: tuple[str, ...] = ()
+    """The user's learner command (`ddiloco run -- python train.py ARGS`); empty: the built-in TinyGPT learner."""
+    devices: tuple[str, ...] = ("cpu",)
+    """torch devices dealt to the learners round-robin (`--device cuda:0,cuda:1`)."""
+    evaluator: bool = True
+    """Also run one evaluator (the script with DDILOCO_ROLE=evaluator; the built-in one without a script)."""
+    eval_every_s: float = 10.0
+    """The evaluator's period (seconds between evaluations of the global model)."""
+    seed: int = 0
+    """The run's seed, handed to every learner (DDILOCO_SEED) so each builds the same initial model."""
 
     def __post_init__(self) -> None:
+        if not self.devices or not all(self.devices):
+            raise ValueError(f"devices={self.devices!r} is invalid: expected one or more torch devices")
+        if not self.eval_every_s >= 0:
+            raise ValueError(f"eval_every_s={self.eval_every_s!r} is invalid: expected seconds >= 0")
         if self.num_learners < 1:
             raise ValueError(f"num_learners={self.num_learners} is invalid: expected >= 1")
         if self.threads < 1:
@@ -305,14 +331,38 @@ class Launcher:
     def syncer_argv(self, bind: str) -> list[str]:
         return [*self.config.command, "syncer", "--bind", bind, *self._common_flags(), *self.config.syncer_args]
 
+    def device(self, learner_id: int) -> str:
+        return self.config.devices[learner_id % len(self.config.devices)]
+
     def learner_argv(self, learner_id: int, syncer_address: str) -> list[str]:
+        """The user's script as it stands (its place in the run travels in `learner_env`), or the built-in
+        `ddiloco learner` with flags."""
+        if self.config.script:
+            return list(self.config.script)
         argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
-                *self._common_flags(), "--threads", str(self.config.threads)]
+                *self._common_flags(), "--threads", str(self.config.threads), "--device", self.device(learner_id)]
         if self.config.link:
             argv += ["--link", self.config.link]
         if self.config.chaos_control:
             argv += ["--chaos-control", str(control_path(self.paths.learner_dir(learner_id)))]
         return argv
+
+    def evaluator_argv(self) -> list[str]:
+        return list(self.config.script) if self.config.script else [sys.executable, "-m", BUILTIN_LEARNER]
+
+    def learner_env(self, learner_id: int, syncer_address: str, *, role: str = "learner") -> dict[str, str]:
+        """A learner's place in the run, for `ddiloco.environment()` (docs/your_model.md lists the variables)."""
+        env = {"SYNCER": syncer_address, "LEARNER_ID": str(learner_id), "NUM_LEARNERS": str(self.config.num_learners),
+               "RUN_DIR": str(self.paths.root), "CONFIG": str(self.paths.config), "DEVICE": self.device(learner_id),
+               "ROLE": role, "SEED": str(self.config.seed), "THREADS": str(self.config.threads),
+               "EVAL_EVERY_S": str(self.config.eval_every_s)}
+        if self.config.use_token:
+            env["TOKEN_FILE"] = str(self.paths.token)
+        if self.config.link:
+            env["LINK"] = self.config.link
+        if self.config.chaos_control and role == "learner":
+            env["CHAOS_CONTROL"] = str(control_path(self.paths.learner_dir(learner_id)))
+        return {ENV_PREFIX + name: value for name, value in env.items()}
 
     def start_syncer(self, bind: str) -> ChildProcess:
         return self.start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
@@ -324,7 +374,8 @@ class Launcher:
             return None
         return info["address"]
 
-    def start(self, name: str, argv: list[str], threads: int, *, stdin_pipe: bool = False) -> ChildProcess:
+    def start(self, name: str, argv: list[str], threads: int, *, stdin_pipe: bool = False,
+              env_extra: Mapping[str, str] | None = None) -> ChildProcess:
         """Start any child the way the run's own are started: own process group, log file, thread limits,
         death with the launcher (the data-parallel baseline starts its ranks with it). `stdin_pipe`: a pipe
         to its stdin instead of /dev/null (a standby reads its role there)."""
@@ -333,6 +384,7 @@ class Launcher:
         # OpenMP/MKL pools sized before torch even starts, matching --threads (DESIGN.md section 3).
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         env.update(self.config.extra_env)
+        env.update(env_extra or {})
         with log_path.open("ab") as log:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
             log.flush()

@@ -38,12 +38,12 @@ from ddiloco.learner import Learner, next_uncommitted_round
 from ddiloco.messages import FragmentState, Refused, Update, Welcome
 from ddiloco.metrics import MetricSink
 from ddiloco.model import build_model
-from ddiloco.runtime.learner_io import LearnerIO
-from ddiloco.runtime.run_config import RunConfig
-from ddiloco.runtime.work_ledger import WorkLedger, fragment_shares, last_logged_step
+from ddiloco.run_config import RunConfig
 from ddiloco.training import inner_step, make_inner_optimizer
 from ddiloco.transport.grpc_client import SyncerClient
 from ddiloco.transport.grpc_codec import WireModel
+from ddiloco.transport.learner_io import LearnerIO
+from ddiloco.work_ledger import WorkLedger, fragment_shares, last_logged_step
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddiloco.runtime.run_config import RunConfig, add_run_config_flags, run_config_from_args
+from ddiloco.run_config import RunConfig, add_run_config_flags, run_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +39,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="serve a non-loopback address without a run token (trusted networks only)")
     syncer.add_argument("--resume", action="store_true",
                         help="continue from DIR's durable state (done anyway whenever one exists)")
-    syncer.add_argument("--eval-every-s", type=float, default=10.0,
-                        help="validation loss of the global model every this many seconds; 0 = off (default: 10)")
-    syncer.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default: 4)")
+    syncer.add_argument("--init", metavar="FILE.safetensors",
+                        help="a new run's initial global parameters (default: the first learner's own); the "
+                             "model's parameter names must be in it, extra tensors (buffers) are ignored")
     syncer.add_argument("--full-state-every", type=int, default=100, metavar="ROUNDS",
                         help="write the full syncer state every this many rounds; rounds in between are "
                              "replayed from the round log on restart (default: 100)")
     syncer.add_argument("--threads", type=int, default=1, help="torch threads of the syncer (default: 1)")
 
     learner = subparsers.add_parser(
-        "learner", help="train one learner against a syncer (a learner process)",
-        description="Run one learner: joins the syncer, trains inner steps on its data shard, exchanges fragments "
-                    "in the background, checkpoints its own progress, and leaves after --inner-steps.")
+        "learner", help="train one built-in TinyGPT learner against a syncer (a learner process)",
+        description="Run the built-in learner (ddiloco.train_tinygpt: TinyGPT on the embedded corpus, through "
+                    "ddiloco.session): joins the syncer, trains inner steps on its data shard, exchanges fragments "
+                    "in the background, checkpoints its own progress, and leaves after --inner-steps. Your own "
+                    "model: `ddiloco run -- python train.py`.")
     learner.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's address")
     learner.add_argument("--learner-id", type=int, required=True, metavar="N", help="this learner's id, 0..M-1")
     _add_common(learner)
@@ -66,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="period of the learner's local checkpoints (default: 10)")
     learner.add_argument("--status-every-s", type=float, default=1.0,
                          help="period of DIR/learners/N/status.json rewrites (default: 1)")
+    add_export_parser(subparsers)
     learner.add_argument("--chaos-control", metavar="PATH",
                          help="obey the faults a chaos run writes to this control file (partition, latency, "
                               "bandwidth, drop, corrupt, straggler; see ddiloco.chaos.control); default: none")
@@ -84,6 +87,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.command == "syncer":
         return run_syncer(args)
+    if args.command == "export":
+        return run_export(args)
     return run_learner(args)
 
 
@@ -144,43 +149,45 @@ def run_syncer(args: argparse.Namespace) -> int:
     from ddiloco.checkpoint import atomic_write_json
     from ddiloco.metrics import run_dir_sink
     from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
-    from ddiloco.runtime.syncer_state import SyncerStore, initial_params
-    from ddiloco.syncer import Syncer
-    from ddiloco.transport.grpc_codec import WireModel
+    from ddiloco.runtime.syncer_state import Restored, SyncerStore, load_init_file, read_genesis
     from ddiloco.transport.grpc_server import start_server
 
-    service_config = SyncerServiceConfig(full_state_every_rounds=args.full_state_every,
-                                         eval_every_s=args.eval_every_s, eval_batches=args.eval_batches)
+    service_config = SyncerServiceConfig(full_state_every_rounds=args.full_state_every)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.json").exists():
         run_config.save(run_dir / "config.json")
-    syncer = Syncer(run_config.diloco, run_config.quorum, initial_params=initial_params(run_config))
+    genesis = read_genesis(run_dir)
+    init = None
+    if args.init and genesis is not None:
+        logger.warning("[syncer] --init %s ignored: the run already has its genesis", args.init)
+    elif args.init:
+        init = load_init_file(args.init)
     store = SyncerStore(run_dir)
-    restored = store.restore(syncer)
-    if restored.found_state or restored.replayed:
+    syncer, restored = None, Restored()
+    if genesis is not None:
+        syncer = genesis.syncer(run_config.diloco, run_config.quorum)
+        restored = store.restore(syncer)
         logger.warning("[syncer] resumed at round %d (state at %d + %d replayed from the round log)",
                        syncer.rounds_committed, restored.state_rounds, restored.replayed)
-    else:
-        if args.resume:
-            logger.warning("[syncer] --resume: %s holds no syncer state yet; starting fresh", run_dir)
-        store.save(syncer, {})  # pin the initial global model: replay starts from here
+    elif args.resume:
+        logger.warning("[syncer] --resume: %s holds no genesis yet; starting fresh", run_dir)
     sink = run_dir_sink(run_dir / "syncer")
-    source = "checkpoint" if restored.found_state or restored.replayed else "init"
-    sink.event("start", source=source, rounds_committed=syncer.rounds_committed, replayed=restored.replayed)
-    service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored)
-    model = WireModel(syncer.spec, syncer.plan, run_config.diloco.codec)
-    server, port = start_server(service, model, args.bind, token=token, tls=tls)
+    sink.event("start", source="checkpoint" if genesis is not None else "new",
+               rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed)
+    service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored,
+                            init=init, init_source=f"--init {args.init}" if init is not None else "")
+    server, port = start_server(service, args.bind, token=token, tls=tls)
     host, _ = split_host_port(args.bind)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     stop = threading.Event()
     _on_stop_signals(stop.set)
     service.start(address)
     atomic_write_json(run_dir / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
-    logger.warning("[syncer] serving on %s (round %d)", address, syncer.rounds_committed)
+    logger.warning("[syncer] serving on %s (round %d)", address, service.rounds_committed)
     stop.wait()
     service.close(server)
-    logger.warning("[syncer] stopped after %d rounds", syncer.rounds_committed)
+    logger.warning("[syncer] stopped after %d rounds", service.rounds_committed)
     return 0
 
 
@@ -193,39 +200,59 @@ def run_learner(args: argparse.Namespace) -> int:
     run_config = resolve_run_config(args)
     token = read_token(args)
     split_host_port(args.syncer)
-    link_spec = parse_link(args.link) if args.link else None
+    if args.link:
+        parse_link(args.link)
     tls_ca = read_ca_file(args.tls_ca)
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // run_config.num_learners)
     _set_threads(threads)  # before any torch work (DESIGN.md section 3)
-
-    from ddiloco.metrics import run_dir_sink
-    from ddiloco.runtime.learner_process import EXIT_REFUSED, LearnerProcess, LearnerProcessConfig, no_slowdown
-    from ddiloco.transport.grpc_client import SyncerClient
-    from ddiloco.transport.link import NO_FAULTS, EmulatedLink, unlimited_link
-
-    config = LearnerProcessConfig(learner_id=args.learner_id, run_dir=Path(args.run_dir), device=args.device,
-                                  checkpoint_every_s=args.checkpoint_every_s, status_every_s=args.status_every_s)
     if args.learner_id >= run_config.num_learners:
         raise ValueError(f"--learner-id {args.learner_id} is invalid: the run has {run_config.num_learners} "
                          f"learners (ids 0..{run_config.num_learners - 1})")
-    chaos = None
-    if args.chaos_control:
-        from ddiloco.chaos.control import ChaosControl
+    for name in ("checkpoint_every_s", "status_every_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: expected seconds > 0")
 
-        # Seeded by the learner id: each learner draws its own drops and corruptions, reproducibly.
-        chaos = ChaosControl(Path(args.chaos_control), seed=args.learner_id)
-    faults = chaos or NO_FAULTS
-    link = EmulatedLink(link_spec, faults=faults) if link_spec is not None else unlimited_link(faults=faults)
+    from ddiloco.learner_session import RefusedError
+    from ddiloco.train_tinygpt import train
 
-    def connect(model):
-        return SyncerClient(args.syncer, model=model, diloco_config=run_config.diloco, token=token,
-                            tls_root_certificates=tls_ca, tls_server_name=args.tls_server_name, link=link)
+    try:
+        train(run_config, learner_id=args.learner_id, device=args.device, syncer=args.syncer,
+              run_dir=Path(args.run_dir), token=token, link=args.link, tls_ca=tls_ca,
+              tls_server_name=args.tls_server_name, chaos_control=args.chaos_control,
+              checkpoint_every_s=args.checkpoint_every_s, status_every_s=args.status_every_s)
+    except RefusedError as exc:
+        print(f"ddiloco learner: {exc}", file=sys.stderr)
+        return int(exc.code)
+    return 0
 
-    sink = run_dir_sink(config.directory)
-    process = LearnerProcess(run_config, config, connect, sink=sink,
-                             slowdown=chaos.slowdown if chaos is not None else no_slowdown)
-    _on_stop_signals(process.request_stop)
-    code = process.run()
-    if code == EXIT_REFUSED:
-        print(f"ddiloco learner: refused by the syncer: {process.refusal}", file=sys.stderr)
-    return code
+
+# ---- ddiloco export ---------------------------------------------------------------------------------------
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser(
+        "export", help="write a run's global model as a safetensors file",
+        description="Write the global parameters of the latest committed round of RUN_DIR under the model's own "
+                    "parameter names (tied weights under each of their names), so that "
+                    "`model.load_state_dict(safetensors.torch.load_file(FILE))` restores them.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    export.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the parameters")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ddiloco.checkpoint import atomic_write_bytes
+    from ddiloco.run_config import RunConfig
+    from ddiloco.runtime.syncer_state import exported_params
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
+    config = RunConfig.load(run_dir / "config.json")
+    params, rounds = exported_params(run_dir, config.diloco)
+    from safetensors.torch import save
+
+    out = Path(args.out)
+    atomic_write_bytes(out, save({n: t.contiguous() for n, t in params.items()},
+                                 metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds)}))
+    count = sum(t.numel() for n, t in params.items())
+    print(f"wrote {out}: {len(params)} tensors, {count:,} values, the global model after {rounds} rounds")
+    return 0

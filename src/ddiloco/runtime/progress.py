@@ -171,6 +171,9 @@ class ProgressView:
     def snapshot(self) -> tuple[dict[str, Any] | None, list[LearnerRow]]:
         now = time.monotonic()
         syncer_status = read_json(self.paths.syncer_status)
+        evaluator = read_json(self.paths.evaluator_status) or {}
+        if syncer_status is not None:  # the validation loss comes from the evaluator (ddiloco.watch)
+            syncer_status = {**syncer_status, "val_loss": evaluator.get("val_loss")}
         rows = [learner_row(slot, read_json(self.paths.learner_status(slot.learner_id)), syncer_status, now)
                 for slot in self.supervisor.learners if slot.learner_id is not None]
         return syncer_status, rows

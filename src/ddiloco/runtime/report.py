@@ -31,7 +31,7 @@ from ddiloco.runtime.progress import format_bytes
 
 logger = logging.getLogger(__name__)
 
-VAL_LOSS = "syncer/val_loss"
+VAL_LOSS = "eval/val_loss"
 """The syncer's metric name for the global model's validation loss (process contract)."""
 PLOT_DPI = 110
 PLOT_SIZE_IN = (7.0, 4.0)
@@ -64,7 +64,7 @@ def learner_ids(paths: RunPaths) -> list[int]:
 
 
 def metric_sources(paths: RunPaths) -> dict[str, Path]:
-    sources = {"syncer": paths.syncer_metrics, "launcher": paths.launcher_metrics}
+    sources = {"syncer": paths.syncer_metrics, "evaluator": paths.evaluator_metrics, "launcher": paths.launcher_metrics}
     for learner_id in learner_ids(paths):
         sources[f"learner/{learner_id}"] = paths.learner_metrics(learner_id)
     return sources
@@ -92,13 +92,13 @@ def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
 
 
 def final_val_loss(paths: RunPaths) -> tuple[float | None, float | None]:
-    """(latest validation loss, its wall time) from the syncer's metrics, else its status file."""
+    """(latest validation loss, its wall time) from the evaluator's metrics, else its status file."""
     latest: tuple[float | None, float | None] = (None, None)
-    for record in read_jsonl(paths.syncer_metrics):
+    for record in read_jsonl(paths.evaluator_metrics):
         if isinstance(record.get(VAL_LOSS), int | float):
             latest = (float(record[VAL_LOSS]), record.get("time"))
     if latest[0] is None:
-        status = read_json(paths.syncer_status) or {}
+        status = read_json(paths.evaluator_status) or {}
         if isinstance(status.get("val_loss"), int | float):
             latest = (float(status["val_loss"]), status.get("time"))
     return latest

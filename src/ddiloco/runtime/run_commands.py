@@ -28,12 +28,16 @@ PIPE_COLUMNS = 140
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ddiloco.runtime.run_config import add_run_config_flags
+    from ddiloco.run_config import add_run_config_flags
 
     parser = subparsers.add_parser(
         "run", help="start a syncer and M learner processes on this machine and supervise them",
+        usage="ddiloco run [flags] [-- COMMAND ...]",
         description="Start a syncer and M learner processes here, restart any that die, show progress, and "
                     "write a run directory (config.json, metrics.jsonl, rounds.jsonl, summary.json, plots). "
+                    "After --, the learner command: M copies of your script (e.g. -- python train.py ARGS) "
+                    "that call ddiloco.session, each told its place in the run by DDILOCO_* environment "
+                    "variables (docs/your_model.md); without one, the built-in TinyGPT learner. "
                     "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run.")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run writes everything (default: runs/run-<timestamp>)")
@@ -50,6 +54,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--standby-learners", type=int, default=0, metavar="N",
                         help="keep N warm learner processes (torch imported, waiting) so that a crashed learner is "
                              "replaced without a cold start (default 0)")
+    parser.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
+                        help="torch device of each learner, dealt round-robin: cpu, cuda, cuda:0,cuda:1 (default: cpu)")
+    parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run an evaluator: the script with DDILOCO_ROLE=evaluator, which calls ddiloco.watch "
+                             "(default: on for the built-in learner, off for a script)")
+    parser.add_argument("--eval-every-s", type=float, default=10.0,
+                        help="seconds between two evaluations of the global model (default: 10)")
+    parser.add_argument("--init", type=Path, default=None, metavar="FILE.safetensors",
+                        help="a new run's initial global parameters (default: the first learner's own)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no live table: one line per learner event (automatic when stdout is not a terminal)")
     parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
@@ -58,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
     """The run directory and its resolved RunConfig (written to DIR/config.json)."""
-    from ddiloco.runtime.run_config import RunConfig, run_config_from_args
+    from ddiloco.run_config import RunConfig, run_config_from_args
 
     if args.resume is not None:
         run_dir = Path(args.resume)
@@ -100,11 +113,21 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     if args.link is not None:
         from ddiloco.transport.link import parse_link
         parse_link(args.link)  # a bad --link is a usage error here, not a crash loop in every learner
+    if not args.eval_every_s >= 0:
+        raise ValueError(f"--eval-every-s {args.eval_every_s} is invalid: expected seconds >= 0")
+    if args.init is not None and not args.init.is_file():
+        raise ValueError(f"--init {args.init}: no such file")
+    script = tuple(getattr(args, "script", ()) or ())
+    devices = tuple(d.strip() for d in args.device.split(","))
     run_dir, config = _resolve(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // config.num_learners)
+    evaluate = args.evaluate if args.evaluate is not None else not script
     launch = LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads,
                           bind=args.bind or LaunchConfig.bind, link=args.link,
-                          command=tuple(command) if command is not None else DEFAULT_COMMAND)
+                          command=tuple(command) if command is not None else DEFAULT_COMMAND,
+                          script=script, devices=devices, evaluator=evaluate, eval_every_s=args.eval_every_s,
+                          seed=config.seed,
+                          syncer_args=("--init", str(args.init.resolve())) if args.init is not None else ())
     launcher = Launcher(launch)
     paths = RunPaths(run_dir)
     console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)

@@ -43,6 +43,7 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 """A learner the syncer refused (different model, config, token or schema)."""
 SYNCER = "syncer"
+EVALUATOR = "evaluator"
 
 
 class ChildState(enum.StrEnum):
@@ -173,6 +174,8 @@ class Supervisor:
         backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s, config.stable_after_s)
         self.syncer = Slot(SYNCER, None, backoff())
         self.learners = [Slot(f"learner-{i}", i, backoff()) for i in range(launcher.config.num_learners)]
+        self.evaluator = Slot(EVALUATOR, None, backoff()) if launcher.config.evaluator else None
+        """The read-only evaluator (`ddiloco.watch`); a run is finished without it."""
         self.standby = StandbyPool(launcher, size=config.standby_learners, name="standby-learner",
                                    preload=LEARNER_PRELOAD, threads=launcher.config.threads,
                                    refill_delay_s=config.standby_refill_delay_s, on_start=self._standby_started)
@@ -188,7 +191,7 @@ class Supervisor:
 
     @property
     def slots(self) -> list[Slot]:
-        return [self.syncer, *self.learners]
+        return [self.syncer, *self.learners, *([self.evaluator] if self.evaluator is not None else [])]
 
     @property
     def finished(self) -> bool:
@@ -239,6 +242,8 @@ class Supervisor:
         self._poll_syncer(now)
         for slot in self.learners:
             self._poll_learner(slot, now)
+        if self.evaluator is not None:
+            self._poll_evaluator(self.evaluator, now)
         if self._stop_reason is None:
             self.standby.fill()
 
@@ -257,6 +262,14 @@ class Supervisor:
         for slot in self.learners:
             if not slot.state.final:
                 slot.state = ChildState.STOPPED
+        # The evaluator goes after the learners (its SIGTERM makes it evaluate the final global model) and
+        # before the syncer it reads that model from.
+        if self.evaluator is not None:
+            if self.evaluator.pid is not None:
+                self._emit("stopping", self.evaluator, "stopping")
+                self._stop([self.evaluator], self.config.syncer_stop_timeout_s)
+            if not self.evaluator.state.final:
+                self.evaluator.state = ChildState.STOPPED
         if self.syncer.pid is not None:
             self._emit("stopping", self.syncer, "stopping")
             self._stop([self.syncer], self.config.syncer_stop_timeout_s)
@@ -355,12 +368,48 @@ class Supervisor:
                        log_tail=tail)
             self._schedule_restart(slot, now)
 
+    def _poll_evaluator(self, slot: Slot, now: float) -> None:
+        """Started with the learners, restarted like one when it fails; done when it exits 0."""
+        if slot.state == ChildState.PENDING or (
+                slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at):
+            if self.syncer_address is not None and self._stop_reason is None:
+                env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
+                slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(),
+                                                   self.launcher.config.threads, env_extra=env)
+                slot.pids.append(slot.process.pid)
+                slot.state = ChildState.RUNNING
+                self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid,
+                           restarts=slot.restarts)
+            return
+        if slot.state != ChildState.RUNNING or slot.process is None:
+            return
+        code = slot.process.poll()
+        if code is None:
+            return
+        slot.exit_codes.append(code)
+        if code == EXIT_DONE:
+            slot.state = ChildState.DONE
+            self._emit("done", slot, "exited (done)", exit_code=code)
+        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
+            tail = slot.process.log_tail()
+            slot.state = ChildState.FAILED
+            slot.reason = tail[-1] if tail else _describe_exit(code)
+            self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
+        else:
+            self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
+                       log_tail=slot.process.log_tail())
+            self._schedule_restart(slot, now)
+
     def _start_learner(self, slot: Slot) -> None:
         assert slot.learner_id is not None and self.syncer_address is not None
         argv = self.launcher.learner_argv(slot.learner_id, self.syncer_address)
+        env = self.launcher.learner_env(slot.learner_id, self.syncer_address)
         # A first start is cold: the standbys are for replacing learners that died.
-        warm = self.standby.hand_out(slot.name, argv) if slot.restarts > 0 else None
-        slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads)
+        # A user's script reads its place in the run from the environment, which a standby (started before
+        # the role was known) does not have: only the built-in learner, whose flags say it all, runs in one.
+        warm = (self.standby.hand_out(slot.name, argv)
+                if slot.restarts > 0 and not self.launcher.config.script else None)
+        slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None

@@ -6,8 +6,14 @@ gRPC server threads (joins, updates, heartbeats, leaves, ended subscriptions), t
 call that may have moved the deadline) and the status writer. Actions are carried out in order
 under the lock: a `Commit` is durable (round log line and merged tensors fsynced) before any `Send`
 that follows it is queued, and a `Send` goes to the learner's `Subscription`, whose stream delivers
-it. Validation loss is computed in its own thread on a snapshot of the global parameters, so it
-never blocks the service.
+it.
+
+The service knows the model only as named tensors. A new run has no Syncer core until its genesis:
+the first learner that joins either gets the parameters of the `--init` file (restricted to its own
+parameter names, checked against their shapes) or is asked for its own initial parameters
+(`no_genesis`, then `genesis`). The genesis is written durably once (`write_genesis`) before any
+Welcome; later and restarted learners are checked against it like any joiner. Evaluation is not done
+here: an evaluator is a read-only subscriber (`snapshot`, the Watch call) running the user's function.
 
 A learner's subscription stream is its connection: when it ends (the learner died or left), the
 learner is treated as gone at once, without waiting for the heartbeat timeout; heartbeats still
@@ -28,7 +34,6 @@ import torch
 
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.clock import Clock, MonotonicClock
-from ddiloco.data import load_corpus, validation_batches
 from ddiloco.messages import (
     Commit,
     FragmentState,
@@ -41,14 +46,14 @@ from ddiloco.messages import (
     Send,
     SyncerAction,
     Update,
+    Welcome,
 )
 from ddiloco.metrics import MetricSink
-from ddiloco.model import build_model, estimate_loss
-from ddiloco.runtime.run_config import RunConfig
-from ddiloco.runtime.syncer_state import Restored, SyncerStore
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, genesis_from_init, write_genesis
 from ddiloco.syncer import Syncer
-from ddiloco.transport.grpc_codec import config_difference
-from ddiloco.transport.grpc_server import STOP_GRACE_S, Subscription
+from ddiloco.transport.grpc_codec import Genesis, WireModel, config_difference
+from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, Subscription
 
 logger = logging.getLogger(__name__)
 
@@ -68,30 +73,28 @@ class SyncerServiceConfig:
     tensors are always written, and a restart replays the rounds after the latest full state."""
     status_every_s: float = 1.0
     """Period of syncer_status.json rewrites."""
-    eval_every_s: float = 10.0
-    """Period, in seconds of wall time, of the global model's validation loss (0 disables it)."""
-    eval_batches: int = 4
-    """Validation batches per evaluation."""
 
     def __post_init__(self) -> None:
         if self.full_state_every_rounds < 1:
             raise ValueError(f"full_state_every_rounds={self.full_state_every_rounds} is invalid: expected >= 1")
         if not self.status_every_s > 0:
             raise ValueError(f"status_every_s={self.status_every_s} is invalid: expected > 0 (seconds)")
-        if self.eval_every_s < 0:
-            raise ValueError(f"eval_every_s={self.eval_every_s} is invalid: expected >= 0 (seconds, 0 = off)")
-        if self.eval_batches < 1:
-            raise ValueError(f"eval_batches={self.eval_batches} is invalid: expected >= 1")
 
 
 class SyncerService:
     """Implements `ddiloco.transport.grpc_server.SyncerHandler` around one Syncer core."""
 
-    def __init__(self, run_config: RunConfig, syncer: Syncer, store: SyncerStore, *, sink: MetricSink,
+    def __init__(self, run_config: RunConfig, syncer: Syncer | None, store: SyncerStore, *, sink: MetricSink,
                  config: SyncerServiceConfig | None = None, restored: Restored | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, init: dict[str, torch.Tensor] | None = None,
+                 init_source: str = "") -> None:
+        """`syncer`: the core, restored from the run directory; None for a new run that has no genesis yet,
+        which it then takes from `init` (an --init file's tensors) or from the first learner."""
         self.run_config = run_config
-        self.syncer = syncer
+        self.syncer: Syncer | None = None
+        self._wire: WireModel | None = None
+        self._init = init
+        self._init_source = init_source
         self.store = store
         self.sink = sink
         self.config = config or SyncerServiceConfig()
@@ -109,12 +112,15 @@ class SyncerService:
         self._joins = Counter({int(k): v for k, v in meta.get("joins", {}).items()})
         self._bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
         self._participation = store.participation()
-        self._rounds_at_save = syncer.rounds_committed
+        self._rounds_at_save = 0
         self.sends_dropped = 0
-        self.val_loss: float | None = meta.get("val_loss")
-        self._eval_lock = threading.Lock()
-        self._eval_model: torch.nn.Module | None = None
-        self._eval_batches: list = []
+        if syncer is not None:
+            self._adopt(syncer)
+
+    def _adopt(self, syncer: Syncer) -> None:
+        self.syncer = syncer
+        self._wire = WireModel(syncer.spec, syncer.plan, self.run_config.diloco.codec)
+        self._rounds_at_save = syncer.rounds_committed
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -122,16 +128,13 @@ class SyncerService:
         self.address = address
         self._threads = [threading.Thread(target=self._timer_loop, name="syncer-timer", daemon=True),
                          threading.Thread(target=self._status_loop, name="syncer-status", daemon=True)]
-        if self.config.eval_every_s > 0:
-            self._threads.append(threading.Thread(target=self._eval_loop, name="syncer-eval", daemon=True))
         for thread in self._threads:
             thread.start()
         self.write_status()
 
     def close(self, server=None) -> None:
         """Stop serving: end every subscription, let calls in flight finish (a round being made
-        durable completes under the lock), then write the full state, a last validation loss and
-        the final status."""
+        durable completes under the lock), then write the full state and the final status."""
         with self._cond:
             self._closing = True
             subscriptions = list(self._subscriptions.values())
@@ -145,19 +148,26 @@ class SyncerService:
         for thread in self._threads:
             thread.join()
         with self._cond:
-            self.store.save(self.syncer, self._meta())
-            held = self.syncer.held_updates()
+            held = []
+            if self.syncer is not None:
+                self.store.save(self.syncer, self._meta())
+                held = self.syncer.held_updates()
         for update in held:  # open rounds are not durable: these updates are lost with this process
             self.sink.event("discarded", learner_id=update.learner_id, fragment=update.fragment,
                             base_version=update.base_version, inner_step=update.inner_step,
                             reason=DISCARDED_AT_STOP)
-        if self.config.eval_every_s > 0:
-            self.evaluate()
         self.write_status()
-        self.sink.event("stopped", rounds_committed=self.syncer.rounds_committed)
+        self.sink.event("stopped", rounds_committed=self.rounds_committed)
         self.sink.close()
 
     # ---- the SyncerHandler protocol (gRPC server threads) ---------------------------------------------
+
+    @property
+    def rounds_committed(self) -> int:
+        return self.syncer.rounds_committed if self.syncer is not None else 0
+
+    def wire_model(self) -> WireModel | None:
+        return self._wire
 
     def join(self, join: Join, diloco_config: dict, peer: str) -> Subscription | str | None:
         refusal = self._refusal(join, diloco_config)
@@ -167,11 +177,16 @@ class SyncerService:
         with self._cond:
             if self._closing:
                 return None
-            actions = self.syncer.receive(join, self.clock.now())
-            refused = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Refused)]
-            if refused:
-                reason = refused[0].reason
-            else:
+            reason = self._genesis_for(join) if self.syncer is None else None
+            if reason is NO_GENESIS:
+                return NO_GENESIS
+            refused = reason is not None
+            if not refused:
+                assert self.syncer is not None
+                actions = self.syncer.receive(join, self.clock.now())
+                refusals = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Refused)]
+                refused, reason = bool(refusals), (refusals[0].reason if refusals else None)
+            if not refused:
                 subscription = Subscription(join.learner_id, on_delivered=self._delivered)
                 old = self._subscriptions.get(join.learner_id)
                 self._subscriptions[join.learner_id] = subscription
@@ -187,21 +202,80 @@ class SyncerService:
         self.sink.event("join", learner_id=join.learner_id, peer=peer, joins=self._joins[join.learner_id])
         return subscription
 
+    def _genesis_for(self, join: Join) -> str | None:
+        """A new run's first join (lock held): the genesis from the --init file, NO_GENESIS to ask the
+        learner for its own parameters, or why the file does not fit the learner's model."""
+        if self._init is None:
+            return NO_GENESIS
+        by_name = join.model_spec.by_name()
+        made = genesis_from_init(self._init, list(by_name), join.embeddings,
+                                 {name: spec.shape for name, spec in by_name.items()}, self._init_source,
+                                 join.aliases)
+        if isinstance(made, str):
+            return made
+        self._establish(made)
+        return None
+
     def _refusal(self, join: Join, diloco_config: dict) -> str | None:
         if join.learner_id >= self.run_config.num_learners:
             return (f"learner_id {join.learner_id} is outside 0..{self.run_config.num_learners - 1}: the run has "
                     f"{self.run_config.num_learners} learners (data shards)")
-        difference = config_difference(self.syncer.config, diloco_config)
+        difference = config_difference(self.run_config.diloco, diloco_config)
         if difference is not None:
             return f"algorithm config differs: {difference}"
-        model = self.syncer.spec.difference(join.model_spec)
+        syncer = self.syncer
+        model = syncer.spec.difference(join.model_spec) if syncer is not None else None
         if model is not None:
             return f"model differs from the syncer's: {model}"
+        return None
+
+    def genesis(self, genesis: Genesis, peer: str) -> tuple[bool, str]:
+        """A learner's initial parameters, proposed after a `no_genesis` answer: the first one wins."""
+        with self._cond:
+            if self._closing:
+                return False, "the syncer is shutting down"
+            if self.syncer is not None:
+                return False, "the run already has its genesis"
+            if self._init is not None:
+                return False, "the run's genesis comes from its --init file"
+            if genesis.learner_id >= self.run_config.num_learners:
+                return False, f"learner_id {genesis.learner_id} is outside 0..{self.run_config.num_learners - 1}"
+            self._establish(GenesisRecord(dict(genesis.tensors), genesis.embeddings,
+                                          f"learner {genesis.learner_id} ({peer})", genesis.aliases))
+        return True, ""
+
+    def _establish(self, genesis: GenesisRecord) -> None:
+        """Make `genesis` the run's origin (lock held): durable first, then the core, then the pinned state
+        that replay starts from."""
+        write_genesis(self.store.run_dir, genesis)
+        syncer = genesis.syncer(self.run_config.diloco, self.run_config.quorum)
+        self.store.save(syncer, {})
+        self._adopt(syncer)
+        count = sum(t.numel() for t in genesis.params.values())
+        logger.warning("[syncer] genesis: %d parameters in %d tensors from %s", count, len(genesis.params),
+                       genesis.source)
+        self.sink.event("genesis", source=genesis.source, parameters=count, tensors=len(genesis.params),
+                        embeddings=list(genesis.embeddings))
+        self._cond.notify_all()
+
+    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | None:
+        """For a read-only subscriber: once more than `after_round` rounds have committed (or at once, with
+        -1, as soon as there is a genesis) and not before monotonic time `not_before`, (rounds committed,
+        the whole global model as a Welcome). None when the syncer stops."""
+        with self._cond:
+            while not self._closing:
+                now = self.clock.now()
+                ready = self.syncer is not None and self.syncer.rounds_committed > after_round
+                if ready and now >= not_before:
+                    states = tuple(self.syncer.fragment_state(p) for p in range(self.syncer.plan.num_fragments))
+                    return self.syncer.rounds_committed, Welcome(0, states, self.syncer.config.fingerprint())
+                self._cond.wait(max(MIN_TIMER_WAIT_S, not_before - now) if ready else None)
         return None
 
     def update(self, update: Update) -> tuple[bool, str, str]:
         verdict = (True, "", "")
         with self._cond:
+            assert self.syncer is not None, "the wire layer refuses updates before the genesis"
             actions = self.syncer.receive(update, self.clock.now())
             rest: list[SyncerAction] = []
             for action in actions:
@@ -222,11 +296,13 @@ class SyncerService:
 
     def is_member(self, learner_id: int) -> bool:
         with self._cond:
-            info = self.syncer.learners.get(learner_id)
+            info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
             return learner_id in self._subscriptions and info is not None and info.alive
 
     def heartbeat(self, heartbeat: Heartbeat) -> bool:
         with self._cond:
+            if self.syncer is None:
+                return False
             actions = self.syncer.receive(heartbeat, self.clock.now())
             self._cond.notify_all()
         return not any(isinstance(a, Send) and isinstance(a.message, Rejected) for a in actions)
@@ -234,7 +310,8 @@ class SyncerService:
     def leave(self, leave: Leave) -> None:
         with self._cond:
             subscription = self._subscriptions.pop(leave.learner_id, None)
-            self._carry_out(self.syncer.receive(leave, self.clock.now()))
+            if self.syncer is not None:
+                self._carry_out(self.syncer.receive(leave, self.clock.now()))
             self._cond.notify_all()
         if subscription is not None:
             subscription.close()
@@ -266,11 +343,13 @@ class SyncerService:
 
     def _delivered(self, state: FragmentState, seconds: float) -> None:
         with self._cond:
-            self.syncer.observe_sync_time(seconds)
+            if self.syncer is not None:
+                self.syncer.observe_sync_time(seconds)
 
     # ---- carrying out actions (lock held) -----------------------------------------------------------------
 
     def _carry_out(self, actions: list[SyncerAction]) -> None:
+        assert self.syncer is not None, "actions come from the core"
         for action in actions:
             if isinstance(action, Commit):
                 self.store.commit(action.record)  # durable before any Send that follows
@@ -305,7 +384,7 @@ class SyncerService:
     def _meta(self) -> dict[str, Any]:
         received, sent = self._bytes_base
         return {"rejections": dict(self.rejections), "rejected": {str(k): v for k, v in self._rejected.items()},
-                "joins": {str(k): v for k, v in self._joins.items()}, "val_loss": self.val_loss,
+                "joins": {str(k): v for k, v in self._joins.items()},
                 "bytes_received": received + self.syncer.bytes_received, "bytes_sent": sent + self.syncer.bytes_sent}
 
     # ---- threads ---------------------------------------------------------------------------------------------
@@ -313,6 +392,9 @@ class SyncerService:
     def _timer_loop(self) -> None:
         with self._cond:
             while not self._closing:
+                if self.syncer is None:
+                    self._cond.wait()  # woken by the genesis (or the stop)
+                    continue
                 now = self.clock.now()
                 deadline = self.syncer.next_deadline()
                 if deadline is not None and deadline <= now:
@@ -325,33 +407,17 @@ class SyncerService:
         while not self._stop.wait(self.config.status_every_s):
             self.write_status()
 
-    def _eval_loop(self) -> None:
-        while not self._stop.wait(self.config.eval_every_s):
-            self.evaluate()
-
-    def evaluate(self) -> float:
-        """Validation loss of the current global model (snapshot under the lock, forward outside)."""
-        with self._eval_lock:
-            if self._eval_model is None:
-                self._eval_model = build_model(self.run_config.model)
-                self._eval_batches = validation_batches(load_corpus(), self.run_config.data,
-                                                        num_batches=self.config.eval_batches)
-            with self._cond:
-                params = self.syncer.global_params()
-                rounds = self.syncer.rounds_committed
-            with torch.no_grad():
-                for name, param in self._eval_model.named_parameters():
-                    param.copy_(params[name])
-            loss = estimate_loss(self._eval_model, self._eval_batches)
-        self.val_loss = loss
-        self.sink.log({"syncer/val_loss": loss, "syncer/rounds_committed": rounds}, step=rounds)
-        logger.info("[syncer | round %d] validation loss %.4f", rounds, loss)
-        return loss
-
     def status(self) -> dict[str, Any]:
         with self._cond:
             s = self.syncer
             received, sent = self._bytes_base
+            if s is None:
+                return {"time": time.time(), "pid": os.getpid(), "address": self.address, "genesis": False,
+                        "rounds_committed": 0, "versions": [], "alive_learners": [],
+                        "min_quorum": self.run_config.quorum.min_quorum, "effective_quorum": 0, "grace_s": 0.0,
+                        "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
+                        "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
+                        "learners": {}, "sends_dropped": self.sends_dropped}
             learners = {}
             for learner_id in sorted(set(s.learners) | set(self._participation) | set(self._joins)):
                 tally = self._participation.get(learner_id, {})
@@ -361,14 +427,14 @@ class SyncerService:
                     "tokens_merged": tally.get("tokens_merged", 0), "joins": self._joins[learner_id],
                     "alive": bool(info is not None and info.alive)}
             return {
-                "time": time.time(), "pid": os.getpid(), "address": self.address,
+                "time": time.time(), "pid": os.getpid(), "address": self.address, "genesis": True,
                 "rounds_committed": s.rounds_committed, "versions": list(s.versions),
                 "alive_learners": s.alive_learners(), "min_quorum": s.quorum.min_quorum,
                 "effective_quorum": s.effective_quorum(), "grace_s": s.grace_window(),
                 "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
                 "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
                 "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
-                "learners": learners, "val_loss": self.val_loss, "sends_dropped": self.sends_dropped,
+                "learners": learners, "sends_dropped": self.sends_dropped,
             }
 
     def write_status(self) -> None:

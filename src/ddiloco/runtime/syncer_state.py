@@ -2,6 +2,8 @@
 
 Layout in the run directory:
 
+    genesis.safetensors                   the run's initial global parameters (written once, before any
+                                          round), with their order and embeddings in its metadata
     rounds.jsonl                          one committed round per line (RoundRecord.to_json())
     rounds/round_NNNNNN.safetensors       that round's merged pseudo-gradient
     checkpoints/syncer/state_NNNNNNNNN.*  full states: global parameters, outer momentum, versions,
@@ -18,31 +20,138 @@ exactly where the state ends.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, save_state
+from ddiloco.checkpoint import RoundLog, atomic_write_bytes, load_latest_state, save_state
+from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import RoundRecord
-from ddiloco.model import build_model
-from ddiloco.runtime.run_config import RunConfig
-from ddiloco.syncer import Syncer
+from ddiloco.syncer import Syncer, replay_rounds
 
 logger = logging.getLogger(__name__)
 
 STATE_DIR = Path("checkpoints") / "syncer"
+GENESIS_FILE = "genesis.safetensors"
 
 
-def initial_params(run_config: RunConfig) -> dict[str, torch.Tensor]:
-    """The global model before any round: TinyGPT under `torch.manual_seed(seed)`, the same in every
-    process (the syncer builds it; replay and tests rebuild it)."""
-    torch.manual_seed(run_config.seed)
-    model = build_model(run_config.model)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+@dataclass(frozen=True)
+class GenesisRecord:
+    """A run's initial global parameters (float32, in the model's parameter order) and which of them
+    are embedding tables; `source` says where they came from (a learner, or an --init file)."""
+
+    params: dict[str, torch.Tensor]
+    embeddings: tuple[str, ...]
+    source: str
+    aliases: tuple[tuple[str, str], ...] = ()
+    """Tied weights: (state_dict key, parameter name), so an export holds every key the model loads."""
+
+    def syncer(self, config: DilocoConfig, quorum: QuorumConfig) -> Syncer:
+        return Syncer(config, quorum, initial_params=self.params, embeddings=self.embeddings)
+
+
+def write_genesis(run_dir: str | Path, genesis: GenesisRecord) -> None:
+    """Durably, once: refuses to replace an existing genesis (nothing may change a run's origin)."""
+    path = Path(run_dir) / GENESIS_FILE
+    if path.exists():
+        raise ValueError(f"{path} already exists: a run's genesis is written once")
+    meta = {"order": json.dumps(list(genesis.params)), "embeddings": json.dumps(list(genesis.embeddings)),
+            "source": genesis.source, "aliases": json.dumps([list(pair) for pair in genesis.aliases])}
+    plain = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in genesis.params.items()}
+    atomic_write_bytes(path, save_safetensors(plain, metadata=meta))
+
+
+def read_genesis(run_dir: str | Path) -> GenesisRecord | None:
+    """The run's genesis, or None before it has one. A damaged file is an error, never a fresh start."""
+    path = Path(run_dir) / GENESIS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        tensors = load_safetensors(data)
+        meta = _safetensors_metadata(data)
+        order = json.loads(meta["order"])
+        embeddings = tuple(json.loads(meta["embeddings"]))
+        aliases = tuple((str(a), str(n)) for a, n in json.loads(meta.get("aliases", "[]")))
+    except (SafetensorError, KeyError, ValueError) as exc:
+        raise ValueError(f"{path} is damaged ({exc}): restore it from a backup; the run cannot go on "
+                         "without its genesis") from None
+    if sorted(order) != sorted(tensors) or not set(embeddings) <= set(tensors):
+        raise ValueError(f"{path} is damaged: its metadata does not match its tensors")
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path} is damaged: tensor {name!r} is not finite float32")
+    return GenesisRecord({name: tensors[name] for name in order}, embeddings, meta.get("source", ""), aliases)
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    return dict(header.get("__metadata__") or {})
+
+
+def load_init_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of an --init safetensors file (e.g. `safetensors.torch.save_model(model, path)` of a
+    pretrained model), or a ValueError that says what is wrong with it."""
+    try:
+        return load_safetensors(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise ValueError(f"--init {path}: no such file") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"--init {path} is not a readable safetensors file: {exc}") from None
+
+
+def genesis_from_init(init: Mapping[str, torch.Tensor], order: Iterable[str], embeddings: Iterable[str],
+                      shapes: Mapping[str, tuple[int, ...]], source: str,
+                      aliases: tuple[tuple[str, str], ...] = ()) -> GenesisRecord | str:
+    """The genesis a --init file gives a joining model (its parameter names and shapes, in its order), or
+    why it cannot: a parameter the file lacks, or holds with another shape."""
+    params = {}
+    init = {**{name: init[alias] for alias, name in aliases if alias in init and name not in init}, **init}
+    for name in order:
+        if name not in init:
+            return f"the --init file has no tensor {name!r} (the model's parameter)"
+        tensor = init[name]
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            return (f"the --init file holds {name!r} with shape {list(tensor.shape)}, the model's is "
+                    f"{list(shapes[name])}")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            return f"the --init file's {name!r} is not a finite floating-point tensor"
+        params[name] = tensor.to(torch.float32)
+    return GenesisRecord(params, tuple(sorted(embeddings)), source, aliases)
+
+
+def exported_params(run_dir: str | Path, config: DilocoConfig) -> tuple[dict[str, torch.Tensor], int]:
+    """The global parameters after the run's last committed round under every name the model's state_dict
+    uses (tied weights under each of their names), and that round count; recomputed from the latest full
+    state and the round log, as a restarted syncer would (what `ddiloco export` writes)."""
+    genesis = read_genesis(run_dir)
+    if genesis is None:
+        raise ValueError(f"{run_dir} has no {GENESIS_FILE}: no learner has joined this run yet")
+    syncer = genesis.syncer(config, QuorumConfig())
+    SyncerStore(run_dir).restore(syncer)
+    params = syncer.global_params()
+    for alias, name in genesis.aliases:
+        params[alias] = params[name].clone()
+    return params, syncer.rounds_committed
+
+
+def replay_genesis(run_dir: str | Path, config: DilocoConfig,
+                   records: Sequence[RoundRecord]) -> dict[str, torch.Tensor]:
+    """The global parameters that `records` produce from the run's genesis (bit-exact replay)."""
+    genesis = read_genesis(run_dir)
+    if genesis is None:
+        raise ValueError(f"{run_dir} has no {GENESIS_FILE}")
+    return replay_rounds(config, genesis.params, records)
 
 
 def replay_onto(syncer: Syncer, records: Sequence[RoundRecord]) -> None:

@@ -32,10 +32,18 @@ from collections.abc import Iterator
 import grpc
 
 from ddiloco.config import DilocoConfig
-from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update
+from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update, Welcome
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
-from ddiloco.transport.grpc_codec import SyncerStreamDecoder, WireModel, encode_join, encode_update, flip_data_byte
-from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.grpc_codec import (
+    Genesis,
+    SyncerStreamDecoder,
+    WireModel,
+    encode_genesis,
+    encode_join,
+    encode_update,
+    flip_data_byte,
+)
+from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
 from ddiloco.transport.link import EmulatedLink, unlimited_link
 
 CALL_TIMEOUT_S = 10.0
@@ -51,6 +59,9 @@ class Fault(enum.Enum):
     """The syncer refused one message; the learner may go on (and re-join if it is unknown)."""
     TRANSIENT = "transient"
     """Unreachable, timed out, cancelled: try again later."""
+    NO_GENESIS = "no_genesis"
+    """A new run's syncer has no global model yet: push this learner's initial parameters
+    (`push_genesis`), then subscribe again."""
 
 
 _REFUSAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -97,6 +108,8 @@ def error_reason(error: grpc.RpcError) -> str:
 
 def classify(error: grpc.RpcError) -> Fault:
     code = error.code() if callable(getattr(error, "code", None)) else None
+    if error_reason(error) == NO_GENESIS:
+        return Fault.NO_GENESIS
     if code in _REFUSAL_CODES:
         return Fault.REFUSED
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -249,6 +262,33 @@ class SyncerClient:
         request = wire_pb2.LeaveRequest(learner_id=learner_id)
         self._stub.Leave(request, metadata=self._metadata, timeout=timeout_s)
         self._count(sent=request.ByteSize())
+
+    def push_genesis(self, genesis: Genesis, *, timeout_s: float = PUSH_TIMEOUT_S) -> bool:
+        """Propose this learner's initial parameters as the run's global model (after a NO_GENESIS
+        refusal of Subscribe). True when they became the genesis; False when the run already has one."""
+        self._check_partition()
+        chunks = list(encode_genesis(genesis))
+        reply = self._stub.PushGenesis(iter(chunks), metadata=self._metadata, timeout=timeout_s)
+        self._count(sent=sum(c.ByteSize() for c in chunks), received=reply.ByteSize())
+        return reply.accepted
+
+    def watch(self, *, min_interval_s: float) -> Iterator[Welcome]:
+        """A read-only subscription (an evaluator): the whole global model, at once and then after new
+        rounds, at most every `min_interval_s`. Ends when the syncer stops or the call is cancelled."""
+        call = self._stub.Watch(wire_pb2.WatchRequest(min_interval_s=min_interval_s), metadata=self._metadata)
+        with self._lock:
+            self._subscription = call
+        decoder = SyncerStreamDecoder(self.model)
+        try:
+            for chunk in call:
+                message = decoder.feed(chunk)
+                if isinstance(message, Welcome):
+                    yield message
+        finally:
+            with self._lock:
+                if self._subscription is call:
+                    self._subscription = None
+            call.cancel()
 
     def status(self, *, timeout_s: float = CALL_TIMEOUT_S) -> dict:
         reply = self._stub.Status(wire_pb2.StatusRequest(), metadata=self._metadata, timeout=timeout_s)

@@ -10,7 +10,9 @@ The server is a thin shell between the network and a `SyncerHandler` (the syncer
    refused before its data is read, an oversize stream at its first extra byte (RESOURCE_EXHAUSTED),
    a truncated one when it ends; each refusal is recorded and the server keeps serving;
 3. streams: `Subscribe` is the join, and then stays open as the learner's downlink, fed from its
-   `Subscription` queue; `PushUpdate` reassembles an update from its chunks.
+   `Subscription` queue; `PushUpdate` reassembles an update from its chunks; `PushGenesis` a new run's
+   initial parameters (after a Subscribe refused with `no_genesis`); `Watch` streams the whole global
+   model to a read-only subscriber (an evaluator) as rounds commit.
 
 Error statuses carry the rejection reason in the trailing metadata key `ddiloco-reason`.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -37,11 +40,14 @@ from ddiloco.messages import (
     RejectReason,
     SyncerMessage,
     Update,
+    Welcome,
 )
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.grpc_codec import (
     MAX_LEARNER_ID,
     MAX_MESSAGE_BYTES,
+    Genesis,
+    GenesisAssembler,
     UpdateAssembler,
     WireError,
     WireModel,
@@ -115,6 +121,11 @@ class Subscription:
                 self._on_delivered(message, time.monotonic() - queued_at)
 
 
+NO_GENESIS = "no_genesis"
+"""The reason of a Subscribe refused because the run has no global model yet (the learner then pushes its
+initial parameters with PushGenesis and subscribes again)."""
+
+
 class SyncerHandler(Protocol):
     """What the server needs from the syncer service. Every method is called from server threads."""
 
@@ -125,6 +136,20 @@ class SyncerHandler(Protocol):
 
     def update(self, update: Update) -> tuple[bool, str, str]:
         """(accepted, reason, detail) of the syncer core."""
+        ...
+
+    def wire_model(self) -> WireModel | None:
+        """What a well-formed update looks like, or None before the run has its genesis."""
+        ...
+
+    def genesis(self, genesis: Genesis, peer: str) -> tuple[bool, str]:
+        """(accepted, detail): the proposed genesis became the run's global model, or why not."""
+        ...
+
+    def snapshot(self, after_round: int, min_interval_s: float) -> tuple[int, Welcome] | None:
+        """Blocks until more than `after_round` rounds have committed (at once when after_round is -1)
+        and `min_interval_s` has passed; (rounds committed, the whole global model). None when the
+        syncer stops."""
         ...
 
     def is_member(self, learner_id: int) -> bool: ...
@@ -152,9 +177,8 @@ def _update_fields(header: wire_pb2.UpdateHeader | None) -> dict[str, int | None
 
 
 class SyncerServicer(wire_pb2_grpc.SyncerServicer):
-    def __init__(self, handler: SyncerHandler, model: WireModel, *, token: str | None) -> None:
+    def __init__(self, handler: SyncerHandler, *, token: str | None) -> None:
         self.handler = handler
-        self.model = model
         self._token = token.encode() if token else None
 
     # ---- checks every call passes ----------------------------------------------------------------
@@ -196,6 +220,11 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             self._refuse(context, exc, None)
             return
         answer = self.handler.join(join, config, context.peer())
+        if answer is NO_GENESIS:
+            context.set_trailing_metadata(((REASON_KEY, NO_GENESIS),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{NO_GENESIS}: the run has no global model yet; push the initial parameters")
+            return
         if answer is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down")
             return
@@ -216,7 +245,12 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     def PushUpdate(self, request_iterator, context: grpc.ServicerContext) -> wire_pb2.UpdateReply:
         self._check_call(context)
-        assembler = UpdateAssembler(self.model)
+        model = self.handler.wire_model()
+        if model is None:
+            self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model yet: "
+                                            "join first", grpc.StatusCode.NOT_FOUND), None)
+            return wire_pb2.UpdateReply()
+        assembler = UpdateAssembler(model)
         learner_id = None
         try:
             first = next(request_iterator, None)
@@ -265,8 +299,42 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         self._check_call(context)
         return wire_pb2.StatusReply(status_json=json.dumps(self.handler.status(), sort_keys=True))
 
+    def PushGenesis(self, request_iterator, context: grpc.ServicerContext) -> wire_pb2.GenesisReply:
+        self._check_call(context)
+        assembler = GenesisAssembler()
+        try:
+            first = next(request_iterator, None)
+            if first is None:
+                raise WireError("truncated", "the genesis stream ended before its header")
+            assembler.start(first)
+            for chunk in request_iterator:
+                assembler.add(chunk)
+            genesis = assembler.finish()
+        except WireError as exc:
+            learner_id = int(assembler.header.learner_id) if assembler.header is not None else None
+            self._refuse(context, exc, learner_id)
+            return wire_pb2.GenesisReply()
+        except grpc.RpcError:
+            return wire_pb2.GenesisReply()  # cancelled mid-stream: nothing reached the syncer
+        accepted, detail = self.handler.genesis(genesis, context.peer())
+        return wire_pb2.GenesisReply(accepted=accepted, detail=detail)
 
-def start_server(handler: SyncerHandler, model: WireModel, bind: str, *, token: str | None,
+    def Watch(self, request: wire_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.SyncerChunk]:
+        self._check_call(context)
+        interval = request.min_interval_s
+        if not (math.isfinite(interval) and interval >= 0):
+            self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"), None)
+            return
+        after = -1
+        while context.is_active():
+            answer = self.handler.snapshot(after, interval)
+            if answer is None:
+                return
+            after, welcome = answer
+            yield from encode_syncer_message(welcome)
+
+
+def start_server(handler: SyncerHandler, bind: str, *, token: str | None,
                  tls: tuple[bytes, bytes] | None = None,
                  max_workers: int = DEFAULT_MAX_WORKERS) -> tuple[grpc.Server, int]:
     """Serve on `bind` (HOST:PORT; port 0 picks a free one). `tls` = (private key PEM, certificate
@@ -275,7 +343,7 @@ def start_server(handler: SyncerHandler, model: WireModel, bind: str, *, token: 
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
         options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
                  ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)])
-    wire_pb2_grpc.add_SyncerServicer_to_server(SyncerServicer(handler, model, token=token), server)
+    wire_pb2_grpc.add_SyncerServicer_to_server(SyncerServicer(handler, token=token), server)
     try:
         if tls is None:
             port = server.add_insecure_port(bind)

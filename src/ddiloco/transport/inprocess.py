@@ -1,19 +1,29 @@
 """In-process transport: learners and the syncer in one Python process, messages delivered at once.
 
-The smallest driver of the sans-I/O cores, for the library quickstart, notebooks and tests. There is
-no network, no thread and no serialisation: a learner's messages reach the syncer when the learner
-calls the hub, and the syncer's answers reach the learners before the call returns, so a fragment
-is always applied between two inner steps.
+The smallest driver of the sans-I/O cores, for notebooks, tests and the in-process form of
+`ddiloco.session(..., hub=hub)`. There is no network, no thread and no serialisation: a learner's
+messages reach the syncer when the learner sends them, and the syncer's answers are handed to the
+learner's `deliver` callback before the call returns.
+
+Like the real syncer, a hub made without a `Syncer` takes its genesis from the first learner that
+joins: its initial parameters become the global model; every later learner loads them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import torch
 
 from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.learner import Learner
-from ddiloco.messages import Commit, LearnerMessage, Leave, RoundRecord, Send, SyncerAction
+from ddiloco.messages import Commit, Join, LearnerMessage, Leave, RoundRecord, Send, SyncerAction, SyncerMessage
 from ddiloco.syncer import Syncer
+
+Deliver = Callable[[SyncerMessage], None]
+GenesisSource = Callable[[], tuple[Mapping[str, torch.Tensor], tuple[str, ...]]]
+"""() -> (initial parameters, embedding names) of a learner, asked for only by a hub without a syncer."""
 
 
 class JoinRefusedError(RuntimeError):
@@ -21,40 +31,52 @@ class JoinRefusedError(RuntimeError):
 
 
 class InProcessHub:
-    """Routes messages between a `Syncer` and the `Learner`s attached to it, in one process."""
+    """Routes messages between a `Syncer` and the learners connected to it, in one process."""
 
-    def __init__(self, syncer: Syncer, *, clock: Clock | None = None,
+    def __init__(self, syncer: Syncer | None = None, *, config: DilocoConfig | None = None,
+                 quorum: QuorumConfig | None = None, clock: Clock | None = None,
                  on_commit: Callable[[RoundRecord], None] | None = None) -> None:
+        """Either a ready `syncer`, or the `config` (and `quorum`) of one made from the first learner's
+        parameters."""
+        if syncer is None and config is None:
+            raise ValueError("InProcessHub needs a syncer, or config= to make one from the first learner")
         self.syncer = syncer
+        self.config = syncer.config if syncer is not None else config
+        self.quorum = syncer.quorum if syncer is not None else (quorum or QuorumConfig())
         self.clock = clock or MonotonicClock()
-        self.learners: dict[int, Learner] = {}
         self.round_log: list[RoundRecord] = []
         self._on_commit = on_commit
+        self._endpoints: dict[int, tuple[Deliver, GenesisSource | None]] = {}
+        self.learners: dict[int, Learner] = {}
+        """Learners attached with `join` (the core-level helpers below)."""
 
-    def join(self, learner: Learner) -> None:
-        """Attach a learner and load the global parameters into it. Raises JoinRefusedError."""
-        self.learners[learner.learner_id] = learner
-        self._deliver([learner.join_message()])
-        if not learner.joined:
-            del self.learners[learner.learner_id]
-            raise JoinRefusedError(learner.refused_reason or "no answer from the syncer")
+    # ---- endpoints (ddiloco.session) ---------------------------------------------------------------
 
-    def after_inner_step(self, learner: Learner, tokens: int) -> None:
-        """Call after each inner step of `learner` (after `optimizer.step()`)."""
-        self._deliver(learner.after_inner_step(tokens))
-        self.advance()
+    def connect(self, learner_id: int, deliver: Deliver, *, genesis: GenesisSource | None = None) -> None:
+        """Route the syncer's messages for `learner_id` to `deliver`; `genesis` is asked for its initial
+        parameters if this learner joins a hub that has no syncer yet."""
+        self._endpoints[learner_id] = (deliver, genesis)
+
+    def disconnect(self, learner_id: int) -> None:
+        self._endpoints.pop(learner_id, None)
+
+    def send(self, message: LearnerMessage) -> None:
+        """A learner's message reaches the syncer; its answers are delivered before this returns."""
+        if self.syncer is None:
+            if not isinstance(message, Join):
+                return  # nothing can have joined a hub without a syncer
+            _, genesis = self._endpoints.get(message.learner_id, (None, None))
+            if genesis is None:
+                raise JoinRefusedError(f"learner {message.learner_id} joined a hub that has no global model yet "
+                                       "and offered no initial parameters")
+            params, embeddings = genesis()
+            self.syncer = Syncer(self.config, self.quorum, initial_params=params, embeddings=embeddings)
+        self._run(self.syncer.receive(message, self.clock.now()))
 
     def advance(self) -> None:
         """Let the syncer close rounds whose grace window has ended."""
-        self._run(self.syncer.advance(self.clock.now()))
-
-    def leave(self, learner: Learner) -> None:
-        self.learners.pop(learner.learner_id, None)
-        self._deliver([Leave(learner.learner_id)])
-
-    def _deliver(self, messages: list[LearnerMessage]) -> None:
-        for message in messages:
-            self._run(self.syncer.receive(message, self.clock.now()))
+        if self.syncer is not None:
+            self._run(self.syncer.advance(self.clock.now()))
 
     def _run(self, actions: list[SyncerAction]) -> None:
         for action in actions:
@@ -63,6 +85,38 @@ class InProcessHub:
                 if self._on_commit is not None:
                     self._on_commit(action.record)
             elif isinstance(action, Send):
-                learner = self.learners.get(action.learner_id)
-                if learner is not None:
-                    self._deliver(learner.receive(action.message))
+                endpoint = self._endpoints.get(action.learner_id)
+                if endpoint is not None:
+                    endpoint[0](action.message)
+
+    # ---- learner cores driven directly (tests, experiments) ------------------------------------------
+
+    def join(self, learner: Learner) -> None:
+        """Attach a bare `Learner` core and load the global parameters into it. Raises JoinRefusedError."""
+        self.learners[learner.learner_id] = learner
+
+        def deliver(message: SyncerMessage) -> None:
+            for reply in learner.receive(message):
+                self.send(reply)
+
+        def genesis() -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+            return ({n: p.detach().clone() for n, p in learner.model.named_parameters()},
+                    tuple(sorted(learner.embeddings)))
+
+        self.connect(learner.learner_id, deliver, genesis=genesis)
+        self.send(learner.join_message())
+        if not learner.joined:
+            del self.learners[learner.learner_id]
+            self.disconnect(learner.learner_id)
+            raise JoinRefusedError(learner.refused_reason or "no answer from the syncer")
+
+    def after_inner_step(self, learner: Learner, tokens: int) -> None:
+        """Call after each inner step of `learner` (after `optimizer.step()`)."""
+        for update in learner.after_inner_step(tokens):
+            self.send(update)
+        self.advance()
+
+    def leave(self, learner: Learner) -> None:
+        self.learners.pop(learner.learner_id, None)
+        self.disconnect(learner.learner_id)
+        self.send(Leave(learner.learner_id))

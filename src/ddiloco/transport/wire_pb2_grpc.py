@@ -59,6 +59,16 @@ class SyncerStub:
                 request_serializer=ddiloco_dot_transport_dot_wire__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_transport_dot_wire__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.PushGenesis = channel.stream_unary(
+                '/ddiloco.wire.Syncer/PushGenesis',
+                request_serializer=ddiloco_dot_transport_dot_wire__pb2.GenesisChunk.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_wire__pb2.GenesisReply.FromString,
+                _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/ddiloco.wire.Syncer/Watch',
+                request_serializer=ddiloco_dot_transport_dot_wire__pb2.WatchRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_wire__pb2.SyncerChunk.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -95,6 +105,18 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushGenesis(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Watch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +144,16 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ddiloco_dot_transport_dot_wire__pb2.StatusRequest.FromString,
                     response_serializer=ddiloco_dot_transport_dot_wire__pb2.StatusReply.SerializeToString,
+            ),
+            'PushGenesis': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushGenesis,
+                    request_deserializer=ddiloco_dot_transport_dot_wire__pb2.GenesisChunk.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_wire__pb2.GenesisReply.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=ddiloco_dot_transport_dot_wire__pb2.WatchRequest.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_wire__pb2.SyncerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +291,60 @@ class Syncer:
             '/ddiloco.wire.Syncer/Status',
             ddiloco_dot_transport_dot_wire__pb2.StatusRequest.SerializeToString,
             ddiloco_dot_transport_dot_wire__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushGenesis(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ddiloco.wire.Syncer/PushGenesis',
+            ddiloco_dot_transport_dot_wire__pb2.GenesisChunk.SerializeToString,
+            ddiloco_dot_transport_dot_wire__pb2.GenesisReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddiloco.wire.Syncer/Watch',
+            ddiloco_dot_transport_dot_wire__pb2.WatchRequest.SerializeToString,
+            ddiloco_dot_transport_dot_wire__pb2.SyncerChunk.FromString,
             options,
             channel_credentials,
             insecure,

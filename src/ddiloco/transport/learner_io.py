@@ -5,7 +5,10 @@ reads what the syncer sent from the `Inbox` between inner steps. Two background 
 
 - the receiver joins (a `Subscribe` call is the join) and follows the downlink into the inbox; when
   the stream breaks it re-joins with exponential backoff, and a re-join loads the syncer's current
-  state (the Welcome), so a learner resumes syncing after a syncer restart without restarting;
+  state (the Welcome), so a learner resumes syncing after a syncer restart without restarting. A new
+  run's syncer that has no global model yet answers `no_genesis`: the receiver then proposes the
+  learner's initial parameters (`genesis()`, taken while the main thread still waits for its first
+  Welcome) and subscribes again;
 - the sender uploads queued updates (each held back until its emulated link would have delivered
   it) and sends a heartbeat every `heartbeat_every_s`.
 
@@ -45,7 +48,7 @@ from ddiloco.transport.grpc_client import (
     error_reason,
     error_text,
 )
-from ddiloco.transport.grpc_codec import WireError
+from ddiloco.transport.grpc_codec import Genesis, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +129,13 @@ class LearnerIO:
     """The two I/O threads of one learner process, around one `SyncerClient`."""
 
     def __init__(self, client: SyncerClient, join: Join, *, heartbeat_every_s: float,
-                 clock: Clock | None = None, on_fate: FateCallback = _ignore_fate) -> None:
+                 clock: Clock | None = None, on_fate: FateCallback = _ignore_fate,
+                 genesis: Callable[[], Genesis] | None = None) -> None:
+        """`genesis`: the learner's initial parameters, asked for only if the syncer has none yet (None: this
+        learner never proposes them, and waits for another learner to)."""
         self.client = client
         self.on_fate = on_fate
+        self.genesis = genesis
         self.join = join
         self.learner_id = join.learner_id
         self.heartbeat_every_s = heartbeat_every_s
@@ -213,9 +220,12 @@ class LearnerIO:
             except ChaosFault as exc:
                 logger.info("[learner %d] %s; re-joining", self.learner_id, error_text(exc))
             except grpc.RpcError as exc:
-                if classify(exc) is Fault.REFUSED:
+                fault = classify(exc)
+                if fault is Fault.REFUSED:
                     self._refused(error_text(exc))
                     return
+                if fault is Fault.NO_GENESIS and self.genesis is not None and self._propose_genesis():
+                    continue
                 if not (self._stop.is_set() or self._rejoin.is_set()):
                     logger.warning("[learner %d] syncer unreachable (%s); retrying", self.learner_id, error_text(exc))
             except WireError as exc:
@@ -226,6 +236,19 @@ class LearnerIO:
             if not self._rejoin.is_set():
                 self._wake_receiver.wait(backoff.next_delay())
             self._wake_receiver.clear()
+
+    def _propose_genesis(self) -> bool:
+        """Push the initial parameters; True to subscribe again at once (they, or another learner's, are
+        the genesis now), False on a transport fault (retry after the backoff)."""
+        assert self.genesis is not None
+        try:
+            accepted = self.client.push_genesis(self.genesis())
+        except grpc.RpcError as exc:
+            logger.warning("[learner %d] genesis not delivered (%s); retrying", self.learner_id, error_text(exc))
+            return False
+        logger.info("[learner %d] %s", self.learner_id, "its initial parameters are the run's genesis" if accepted
+                    else "the run already has a genesis")
+        return True
 
     def _refused(self, text: str) -> None:
         logger.error("[learner %d] refused by the syncer: %s", self.learner_id, text)

@@ -1,0 +1,202 @@
+"""`ddiloco.watch`: evaluate the global model while a run trains, outside the syncer.
+
+An evaluator is a read-only subscriber. It never joins as a learner (the syncer does not count it, wait
+for it, or merge anything from it); it receives the whole global model every `every_s` seconds once
+new rounds have committed (the Watch call), loads it into the user's model and runs the user's
+function, which returns a loss or a dict of metrics:
+
+```python
+if env.role == "evaluator":                 # ddiloco run --evaluate starts one such copy of the script
+    ddiloco.watch(model, evaluate)          # returns when the run ends
+```
+
+Metrics go to `DIR/evaluator/metrics.jsonl` as `eval/NAME` (step = rounds committed) and the latest
+values to `DIR/evaluator/status.json`, which the live view, the report and the plots read. When the
+syncer goes away the evaluator reconnects (a restarted syncer serves the same run); SIGTERM (the end of
+the run) makes it evaluate the latest global model once more and return.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from torch import nn
+
+from ddiloco.checkpoint import atomic_write_json
+from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.messages import ModelSpec, Welcome
+from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.run_config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EVERY_S = 10.0
+EVALUATOR_DIR = "evaluator"
+RECONNECT_S = (0.2, 5.0)
+"""(first, longest) delay between attempts to reach the syncer again."""
+
+Evaluate = Callable[[nn.Module], "float | Mapping[str, float]"]
+
+
+def _as_metrics(result: Any) -> dict[str, float]:
+    if isinstance(result, Mapping):
+        metrics = {str(k): float(v) for k, v in result.items()}
+    else:
+        metrics = {"val_loss": float(result)}
+    bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+    if bad:
+        logger.warning("[evaluator] non-finite metric(s) %s", bad)
+    return metrics
+
+
+@torch.no_grad()
+def load_global(model: nn.Module, welcome: Welcome) -> int:
+    """Copy the global parameters of `welcome` into `model`; returns the rounds committed (the sum of the
+    fragment versions: every round moves one fragment one version on)."""
+    params = dict(model.named_parameters())
+    for state in welcome.fragments:
+        for name, tensor in state.tensors.items():
+            params[name].copy_(tensor)
+    return sum(state.version for state in welcome.fragments)
+
+
+class Watcher:
+    """Runs `evaluate` on the global model as a run trains (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, evaluate: Evaluate, *, address: str, config: RunConfig,
+                 every_s: float = DEFAULT_EVERY_S, token: str | None = None, run_dir: Path | None = None,
+                 sink: MetricSink | None = None, tls_ca: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
+        if not (math.isfinite(every_s) and every_s >= 0):
+            raise ValueError(f"every_s={every_s!r} is invalid: expected seconds >= 0")
+        from ddiloco.transport.grpc_client import SyncerClient
+        from ddiloco.transport.grpc_codec import WireModel
+
+        params = dict(model.named_parameters())
+        plan = FragmentPlan.for_tensors(params, config.diloco,
+                                        embeddings=embedding_names(model, config.diloco.embedding_pattern))
+        wire = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.diloco.codec)
+        self.client = SyncerClient(address, model=wire, diloco_config=config.diloco, token=token,
+                                   tls_root_certificates=tls_ca, tls_server_name=tls_server_name)
+        self.model = model
+        self.evaluate = evaluate
+        self.every_s = every_s
+        self.directory = run_dir / EVALUATOR_DIR if run_dir is not None else None
+        self.sink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
+        self._stop = threading.Event()
+        self.evaluations = 0
+        self.latest: dict[str, float] = {}
+        self.rounds = -1
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        threading.Thread(target=self.client.cancel_subscription, daemon=True).start()
+
+    def run(self) -> None:
+        """Evaluate until stopped; then once more on the latest global model."""
+        delay = RECONNECT_S[0]
+        while not self._stop.is_set():
+            try:
+                for welcome in self.client.watch(min_interval_s=self.every_s):
+                    self._evaluate(welcome)
+                    delay = RECONNECT_S[0]
+                    if self._stop.is_set():
+                        break
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    logger.info("[evaluator] syncer unreachable (%s); retrying", exc.code() if hasattr(exc, "code")
+                                else exc)
+            if self._stop.wait(delay):
+                break
+            delay = min(delay * 2, RECONNECT_S[1])
+        self._final()
+        self.client.close()
+        self.sink.close()
+
+    def _final(self) -> None:
+        try:
+            welcome = next(iter(self.client.watch(min_interval_s=0.0)), None)
+        except grpc.RpcError:
+            welcome = None  # the syncer is gone already: the last evaluation stands
+        if welcome is not None and sum(s.version for s in welcome.fragments) != self.rounds:
+            self._evaluate(welcome)
+
+    def _evaluate(self, welcome: Welcome) -> None:
+        rounds = load_global(self.model, welcome)
+        was_training = self.model.training
+        self.model.eval()
+        started = time.monotonic()
+        metrics = _as_metrics(self.evaluate(self.model))
+        self.model.train(was_training)
+        self.rounds, self.latest = rounds, metrics
+        self.evaluations += 1
+        self.sink.log({**{f"eval/{k}": v for k, v in metrics.items()}, "eval/rounds_committed": rounds,
+                       "eval/seconds": time.monotonic() - started}, step=rounds)
+        logger.info("[evaluator | round %d] %s", rounds, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if self.directory is not None:
+            atomic_write_json(self.directory / "status.json",
+                              {"time": time.time(), "pid": os.getpid(), "rounds_committed": rounds,
+                               "evaluations": self.evaluations, "metrics": metrics,
+                               "val_loss": metrics.get("val_loss")}, durable=False)
+
+
+def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None, syncer: str | None = None,
+          run_dir: str | Path | None = None, token_file: str | Path | None = None,
+          config: RunConfig | str | Path | None = None, tls_ca: str | Path | None = None,
+          tls_server_name: str | None = None) -> Watcher:
+    """Evaluate the run's global model with `evaluate(model)` (a float loss, or a dict of metrics) every
+    `every_s` seconds until the run ends (SIGTERM); returns the finished `Watcher`. Where to connect comes
+    from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`)."""
+    from ddiloco.learner_session import environment
+
+    env = environment()
+    address = syncer or env.syncer
+    if address is None:
+        raise ValueError("ddiloco.watch: no syncer to watch. Start the script with `ddiloco run --evaluate -- "
+                         "python SCRIPT`, or pass syncer='host:port'")
+    run_dir = Path(run_dir) if run_dir is not None else env.run_dir
+    if isinstance(config, RunConfig):
+        run_config = config
+    elif config is not None:
+        run_config = RunConfig.load(config)
+    elif env.config is not None:
+        run_config = RunConfig.load(env.config)
+    elif run_dir is not None and (run_dir / "config.json").is_file():
+        run_config = RunConfig.load(run_dir / "config.json")
+    else:
+        run_config = RunConfig()
+    token_path = token_file if token_file is not None else env.token_file
+    token = None
+    if token_path is not None:
+        from ddiloco.runtime.auth import read_token_file
+
+        token = read_token_file(token_path)
+    tls = None
+    if tls_ca is not None:
+        from ddiloco.runtime.auth import read_ca_file
+
+        tls = read_ca_file(tls_ca)
+    period = every_s if every_s is not None else float(os.environ.get("DDILOCO_EVAL_EVERY_S") or DEFAULT_EVERY_S)
+    watcher = Watcher(model, evaluate, address=address, config=run_config, every_s=period, token=token,
+                      run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: watcher.request_stop())
+    try:
+        watcher.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return watcher

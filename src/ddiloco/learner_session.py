@@ -1,0 +1,685 @@
+"""`ddiloco.session`: the public learner API. Your model, your optimizer, your loop, one added line.
+
+```python
+import ddiloco
+env = ddiloco.environment()                       # learner id, number of learners, device, seed
+with ddiloco.session(model, optimizer, state={"data": loader, "sched": scheduler}) as sync:
+    while not sync.done:
+        ...; loss.backward(); optimizer.step(); optimizer.zero_grad()
+        sync.step(tokens=batch_tokens)            # the one line the loop gains
+```
+
+ddiloco never calls the model (any `nn.Module`, any forward signature) and never owns the loop. A
+`Session` wraps the `Learner` core and the learner's rules between messages (`LearnerRules`), and
+moves messages through one of two transports:
+
+- **gRPC** (the real runtime): where to connect comes from the environment that `ddiloco run` sets
+  (`environment()`, the `DDILOCO_*` variables), or from keywords (`syncer="host:port"`,
+  `learner_id=`, `run_dir=`, `token_file=`, `config=`, TLS). Background threads (`LearnerIO`) own the
+  channel; the training thread only applies what arrived between two inner steps. With a run
+  directory the session also checkpoints (`learners/N/checkpoint/`: its progress, the inner
+  optimizer and every object in `state=`, every `checkpoint_every_s` and at the end), keeps the work
+  ledger (`learners/N/work.jsonl`), metrics and `status.json`; a restarted learner resumes its
+  optimizer, schedule and data position from there (`sync.inner_step` says where). SIGTERM ends the
+  loop cleanly: `done` turns true after the current step.
+- **in-process** (`hub=InProcessHub(...)`): the syncer in the same process, for notebooks and tests.
+  `step()` never blocks there; `ready` says whether the waiting rule lets the learner train now.
+
+Entering the session joins: the learner's own initialisation is replaced by the global parameters
+(the first learner of a new run provides them). `step()` publishes the fragments that fall due and
+applies what the syncer sent; while the waiting rule blocks it waits, bounded by
+`LearnerConfig.max_wait_s`. Leaving the `with` block normally (or `done`) publishes every fragment's
+unpublished work once more, so the final global model includes it. Embedding tables are found by
+module type (`nn.Embedding`), or by `DilocoConfig.embedding_pattern` when it is set.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
+from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.config import DilocoConfig, LearnerConfig
+from ddiloco.learner import Learner
+from ddiloco.learner_rules import Action, LearnerRules
+from ddiloco.messages import LearnerMessage, SyncerMessage
+from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.run_config import RunConfig
+from ddiloco.transport.inprocess import InProcessHub
+from ddiloco.work_ledger import WorkLedger, fragment_shares
+
+logger = logging.getLogger(__name__)
+
+EXIT_REFUSED = 3
+"""Exit status of a learner process the syncer refused (the supervisor never restarts it)."""
+COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
+            "bytes_sent", "bytes_received", "joins", "waits_abandoned")
+"""Counters reported in status.json, carried across restarts by the checkpoint."""
+STOP_FLUSH_S = 1.0
+"""After a stop request (SIGTERM), how long queued updates may take to go out before the learner leaves."""
+
+ENV_PREFIX = "DDILOCO_"
+"""`ddiloco run` describes each learner's place in the run in these environment variables."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class RefusedError(SystemExit):
+    """The syncer refused this learner (different model, algorithm config, token or schema). A
+    `SystemExit` with status 3: uncaught, it ends the script the way `ddiloco run` expects of a refused
+    learner (which it never restarts). `reason` names the mismatch."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_REFUSED)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"refused by the syncer: {self.reason}"
+
+
+# ---- the environment ddiloco run sets -----------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerEnvironment:
+    """This process's place in a run, as `ddiloco run` (or the user) describes it."""
+
+    learner_id: int = 0
+    num_learners: int = 1
+    device: str = "cpu"
+    """torch device this learner should put its model on (`ddiloco run --device`)."""
+    role: str = "learner"
+    """learner, or evaluator (`ddiloco run --evaluate`: a read-only copy of the script; see `ddiloco.watch`)."""
+    seed: int = 0
+    """The run's seed: build the model under `torch.manual_seed(seed)` so every learner starts alike."""
+    syncer: str | None = None
+    run_dir: Path | None = None
+    token_file: Path | None = None
+    config: Path | None = None
+    """The run's config.json."""
+    link: str | None = None
+    """BANDWIDTH,LATENCY of an emulated link to the syncer."""
+    chaos_control: Path | None = None
+    threads: int | None = None
+
+    @property
+    def managed(self) -> bool:
+        """True when this process was started by `ddiloco run` (or told where its syncer is)."""
+        return self.syncer is not None
+
+
+def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
+    """Read the `DDILOCO_*` variables (`ddiloco run` sets them; docs/your_model.md lists them). Outside a
+    run: learner 0 of 1, cpu, no syncer."""
+    env = os.environ if environ is None else environ
+
+    def get(name: str) -> str | None:
+        value = env.get(ENV_PREFIX + name)
+        return value if value else None
+
+    def number(name: str, default: int) -> int:
+        value = get(name)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name}={value!r} is invalid: expected an integer") from None
+
+    def path(name: str) -> Path | None:
+        value = get(name)
+        return Path(value) if value is not None else None
+
+    found = LearnerEnvironment(
+        learner_id=number("LEARNER_ID", 0), num_learners=number("NUM_LEARNERS", 1), device=get("DEVICE") or "cpu",
+        role=get("ROLE") or "learner", seed=number("SEED", 0), syncer=get("SYNCER"), run_dir=path("RUN_DIR"),
+        token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
+        chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None)
+    if not 0 <= found.learner_id < found.num_learners:
+        raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
+                         f"learners (ids 0..{found.num_learners - 1})")
+    if found.role not in ("learner", "evaluator"):
+        raise ValueError(f"{ENV_PREFIX}ROLE={found.role!r} is invalid: expected learner or evaluator")
+    return found
+
+
+# ---- transports -----------------------------------------------------------------------------------------
+
+class _Transport(Protocol):
+    connected: bool
+
+    def start(self) -> None: ...
+    def send(self, message: LearnerMessage) -> None: ...
+    def take_ready(self) -> list[SyncerMessage]: ...
+    def wait(self, timeout_s: float | None) -> None: ...
+    def wake(self) -> None: ...
+    def flush(self, timeout_s: float) -> bool: ...
+    def close(self, *, leave: bool) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+
+
+class _HubTransport:
+    """The in-process hub: delivery is immediate, and nothing may block (one thread may drive many
+    learners), so `wait` only lets the hub close rounds whose grace window has ended."""
+
+    blocking = False
+
+    def __init__(self, hub: InProcessHub, learner: Learner) -> None:
+        self.hub = hub
+        self.learner = learner
+        self._inbox: list[SyncerMessage] = []
+        self.connected = False
+
+    def _genesis(self) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+        params = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.learner.model.named_parameters()}
+        return params, tuple(sorted(self.learner.embeddings))
+
+    def start(self) -> None:
+        self.hub.connect(self.learner.learner_id, self._inbox.append, genesis=self._genesis)
+        self.connected = True
+        self.hub.send(self.learner.join_message())
+
+    def send(self, message: LearnerMessage) -> None:
+        self.hub.send(message)
+
+    def take_ready(self) -> list[SyncerMessage]:
+        ready, self._inbox = self._inbox, []
+        return ready
+
+    def wait(self, timeout_s: float | None) -> None:
+        self.hub.advance()
+
+    def wake(self) -> None:
+        pass
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, *, leave: bool) -> None:
+        if leave:
+            from ddiloco.messages import Leave
+
+            self.hub.send(Leave(self.learner.learner_id))
+        self.hub.disconnect(self.learner.learner_id)
+        self.connected = False
+
+    def counters(self) -> dict[str, int]:
+        stats = self.learner.stats
+        return {"updates_accepted": 0, "updates_rejected": sum(stats.rejections.values()), "updates_dropped": 0,
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins}
+
+
+class _GrpcTransport:
+    """The real runtime: `LearnerIO`'s threads around one `SyncerClient`."""
+
+    blocking = True
+
+    def __init__(self, learner: Learner, rules: LearnerRules, *, address: str, token: str | None,
+                 config: RunConfig, link: str | None, tls_ca: bytes | None, tls_server_name: str | None,
+                 chaos: Any, clock: Clock) -> None:
+        from ddiloco.transport.grpc_client import SyncerClient
+        from ddiloco.transport.grpc_codec import Genesis, WireModel
+        from ddiloco.transport.learner_io import LearnerIO
+        from ddiloco.transport.link import NO_FAULTS, EmulatedLink, parse_link, unlimited_link
+
+        faults = chaos or NO_FAULTS
+        emulated = EmulatedLink(parse_link(link), faults=faults) if link else unlimited_link(faults=faults)
+        self.client = SyncerClient(address, model=WireModel(learner.spec, learner.plan, config.diloco.codec),
+                                   diloco_config=config.diloco, token=token, tls_root_certificates=tls_ca,
+                                   tls_server_name=tls_server_name, link=emulated)
+
+        def genesis() -> Genesis:
+            params = {n: p.detach() for n, p in learner.model.named_parameters()}
+            return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
+
+        self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,
+                            clock=clock, on_fate=rules.fate, genesis=genesis)
+        self.learner = learner
+
+    @property
+    def connected(self) -> bool:
+        return self.io.connected
+
+    def start(self) -> None:
+        self.io.start()
+
+    def send(self, message: LearnerMessage) -> None:
+        self.io.inner_step = self.learner.inner_step
+        self.io.send(message)
+
+    def take_ready(self) -> list[SyncerMessage]:
+        self.io.inner_step = self.learner.inner_step
+        return self.io.inbox.take_ready()
+
+    def wait(self, timeout_s: float | None) -> None:
+        self.io.inbox.wait(timeout_s)
+
+    def wake(self) -> None:
+        # Possibly from a signal handler while this very thread holds the inbox's condition: wake it from
+        # another thread so the handler never blocks on it.
+        threading.Thread(target=self.io.inbox.wake, daemon=True).start()
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.io.flush(timeout_s)
+
+    def close(self, *, leave: bool) -> None:
+        self.io.close(leave=leave)
+
+    def counters(self) -> dict[str, int]:
+        io = self.io.stats
+        return {"updates_accepted": io.updates_accepted, "updates_rejected": io.updates_rejected,
+                "updates_dropped": io.updates_dropped, "bytes_sent": self.client.bytes_sent,
+                "bytes_received": self.client.bytes_received, "joins": io.welcomes}
+
+
+# ---- the session ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Progress:
+    """What the status thread reads; replaced (not mutated) by the training thread."""
+
+    state: str = "joining"
+    inner_step: int = 0
+    loss: float | None = None
+    tokens: int = 0
+    versions: list[int] = field(default_factory=list)
+
+
+class Session:
+    """One learner's participation in a run, around the user's model and optimizer. Use `session()`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, config: RunConfig, learner_id: int,
+                 state: Mapping[str, Stateful] | None = None, hub: InProcessHub | None = None,
+                 syncer: str | None = None, run_dir: str | Path | None = None, token: str | None = None,
+                 link: str | None = None, tls_ca: bytes | None = None, tls_server_name: str | None = None,
+                 chaos_control: str | Path | None = None, checkpoint_every_s: float = 10.0,
+                 status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
+                 sink: MetricSink | None = None, clock: Clock | None = None) -> None:
+        for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} is invalid: expected seconds > 0")
+        if (hub is None) == (syncer is None):
+            raise ValueError("a session needs exactly one of hub= (in process) or syncer= (HOST:PORT)")
+        if not 0 <= learner_id < config.num_learners:
+            raise ValueError(f"learner_id={learner_id} is invalid: the run has {config.num_learners} learners "
+                             f"(ids 0..{config.num_learners - 1})")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        owned = {id(p) for p in model.parameters()}
+        if not any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer that trains "
+                             "this model")
+        self.state = dict(state or {})
+        for name, obj in self.state.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"state[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict()")
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.clock = clock or MonotonicClock()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.directory = self.run_dir / "learners" / str(learner_id) if self.run_dir is not None else None
+        self.prefix = f"learner/{learner_id}"
+        self.checkpoint_every_s = checkpoint_every_s
+        self.status_every_s = status_every_s
+        self.flush_timeout_s = flush_timeout_s
+        self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer)
+        self._chaos = None
+        if chaos_control is not None:
+            from ddiloco.chaos.control import ChaosControl
+
+            # Seeded by the learner id: each learner draws its own drops and corruptions, reproducibly.
+            self._chaos = ChaosControl(Path(chaos_control), seed=learner_id)
+        ledger = WorkLedger(self.directory / "work.jsonl", num_fragments=self.learner.plan.num_fragments,
+                            inner_step=0) if self.directory is not None else None
+        self.rules = LearnerRules(self.learner, config.learner, events=ledger,
+                                  synchronous=config.quorum.min_quorum >= config.num_learners > 1)
+        self._ledger = ledger
+        self.sink: MetricSink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
+        self.transport: _Transport
+        if hub is not None:
+            self.transport = _HubTransport(hub, self.learner)
+        else:
+            assert syncer is not None
+            self.transport = _GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
+                                            link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
+                                            chaos=self._chaos, clock=self.clock)
+        self._handle_sigterm = handle_sigterm and hub is None
+        self._previous_handler: Any = None
+        self._stop = threading.Event()
+        self._status_stop = threading.Event()
+        self._status_thread: threading.Thread | None = None
+        self._saver: threading.Thread | None = None
+        self._last_checkpoint = 0.0
+        self._step_started: float | None = None
+        self._entered = False
+        self._closed = False
+        self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.progress = _Progress()
+        self._last_rate = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+        self.final_state: str | None = None
+
+    # ---- what the loop reads -------------------------------------------------------------------------
+
+    @property
+    def learner_id(self) -> int:
+        return self.learner.learner_id
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps this learner has trained in the run (resumed from its checkpoint after a restart)."""
+        return self.learner.inner_step
+
+    @property
+    def done(self) -> bool:
+        """True once the run's inner-step budget is reached, or a stop was requested (SIGTERM)."""
+        return self.learner.inner_step >= self.config.inner_steps or self._stop.is_set()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the waiting rule lets the learner train now (always, after `step()` returns over gRPC)."""
+        return self.rules.next(self.clock.now()).action is Action.STEP
+
+    def request_stop(self) -> None:
+        """Safe from a signal handler: `done` turns true and a wait in `step()` ends."""
+        self._stop.set()
+        self.transport.wake()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def start(self) -> None:
+        """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded."""
+        if self._entered:
+            raise RuntimeError("a session is started once")
+        self._entered = True
+        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
+        self._restore()
+        if self._ledger is not None:
+            self._ledger.start(inner_step=self.learner.inner_step, shares=fragment_shares(self.learner))
+        if self.directory is not None:
+            self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+            self._status_thread.start()
+        self._last_checkpoint = self.clock.now()
+        self.transport.start()
+        self._settle()
+        self._step_started = time.monotonic()
+
+    def step(self, tokens: int, *, loss: float | None = None) -> None:
+        """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
+        trained on (the syncer weights learners by it); `loss`, if given, is logged and shown."""
+        if not self._entered or self._closed:
+            raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
+        started = self._step_started or time.monotonic()
+        self._straggle(started)
+        step_s = time.monotonic() - started
+        for update in self.rules.after_inner_step(tokens):
+            self.transport.send(update)
+        total = self.progress.tokens + tokens
+        self._set(state="training" if self.transport.connected else "disconnected",
+                  loss=float(loss) if loss is not None else self.progress.loss, tokens=total)
+        metrics = {f"{self.prefix}/tokens": total, f"{self.prefix}/step_s": step_s}
+        if loss is not None:
+            metrics[f"{self.prefix}/loss"] = float(loss)
+        self.sink.log(metrics, step=self.learner.inner_step)
+        if self.directory is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
+            self._save(wait=False)
+            self._last_checkpoint = self.clock.now()
+        if not self.done:
+            self._settle()
+        self._step_started = time.monotonic()
+
+    def _straggle(self, started: float) -> None:
+        """A straggler injected by a chaos run: this step takes `slowdown` times its compute time."""
+        if self._chaos is None:
+            return
+        extra_s = (self._chaos.slowdown() - 1.0) * (time.monotonic() - started)
+        if extra_s > 0:
+            self._stop.wait(extra_s)
+
+    def _settle(self) -> None:
+        """Apply what arrived; then wait as the rules say until the next inner step may run (gRPC), or
+        until nothing more can happen without another learner's step (in process)."""
+        while True:
+            self._apply_inbox()
+            now = self.clock.now()
+            nxt = self.rules.next(now)
+            if nxt.action is Action.REFUSED:
+                self._refused()
+            if nxt.action is Action.STEP:
+                if self.rules.last_wait_s is not None:
+                    self.sink.log({f"{self.prefix}/wait_s": self.rules.last_wait_s}, step=self.learner.inner_step)
+                    self.rules.last_wait_s = None
+                return
+            if self._stop.is_set():
+                return
+            if not getattr(self.transport, "blocking", True):
+                self.transport.wait(0.0)  # in process: rounds whose grace ended close now
+                self._apply_inbox()
+                return
+            if nxt.action is Action.JOIN:
+                self._set(state="joining" if self.rules.welcomes == 0 else "disconnected")
+                self.transport.wait(None)
+            else:
+                self._set(state="waiting")
+                self.transport.wait(max(0.0, (nxt.until or now) - now))
+
+    def _apply_inbox(self) -> None:
+        for message in self.transport.take_ready():
+            for reply in self.rules.receive(message, self.clock.now()):
+                self.transport.send(reply)
+
+    def _refused(self) -> None:
+        reason = self.rules.refusal or "refused"
+        logger.error("[learner %d] refused by the syncer: %s", self.learner_id, reason)
+        self._finish("refused", flush=False)
+        raise RefusedError(reason)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Publish the last work (unless `failed` or stopped), flush, leave, checkpoint. Idempotent."""
+        if self._closed or not self._entered:
+            return
+        done = self.learner.inner_step >= self.config.inner_steps
+        state = "failed" if failed else ("done" if done else "stopped")
+        self._finish(state, flush=not failed and not self._stop.is_set())
+
+    def _finish(self, state: str, *, flush: bool) -> None:
+        self._closed = True
+        self.final_state = state
+        if flush and self.learner.joined:
+            self._apply_inbox()
+            for update in self.rules.finish():
+                self.transport.send(update)
+        self.transport.flush(self.flush_timeout_s if state == "done" else STOP_FLUSH_S)
+        self.transport.close(leave=state != "refused")
+        self.rules.end(state)
+        if self._ledger is not None:
+            self._ledger.close()
+        if self.directory is not None:
+            self._save()
+        self._set(state=state)
+        if self._status_thread is not None:
+            self._status_stop.set()
+            self._status_thread.join()
+            self.write_status()
+        self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
+        self.sink.close()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    # ---- checkpoints and status ------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "checkpoint"
+
+    def counters(self) -> dict[str, int]:
+        stats = self.learner.stats
+        current = {"updates_sent": stats.updates_sent, "fragments_applied": stats.fragments_applied,
+                   "waits_abandoned": stats.waits_abandoned, **self.transport.counters()}
+        return {name: self.base[name] + current[name] for name in COUNTERS}
+
+    def _save(self, *, wait: bool = True) -> None:
+        """Checkpoint. The snapshot is taken here, between inner steps (a deep copy: the optimizer updates its
+        tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
+        checkpoint costs the training loop only the copy."""
+        if self._saver is not None:
+            self._saver.join()  # one write at a time, in order
+        user = {name: obj.state_dict() for name, obj in self.state.items()}
+        state = copy.deepcopy({"learner": self.learner.state_dict(), "state": user})
+        meta = {"tokens": self.progress.tokens, "counters": self.counters()}
+        self._saver = threading.Thread(target=save_state, args=(self.checkpoint_dir, state),
+                                       kwargs={"serial": self.learner.inner_step, "meta": meta},
+                                       name="learner-checkpoint", daemon=True)
+        self._saver.start()
+        if wait:
+            self._saver.join()
+
+    def _restore(self) -> None:
+        if self.directory is None:
+            return
+        latest = load_latest_state(self.checkpoint_dir)
+        if latest is None:
+            logger.info("[learner %d] no local checkpoint: fresh optimizer, data from the start", self.learner_id)
+            return
+        state, meta, _ = latest
+        self.learner.load_state_dict(state["learner"])
+        saved = state.get("state", {})
+        for name, obj in self.state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", self.learner_id,
+                               name)
+        self.base.update({k: int(v) for k, v in meta.get("counters", {}).items() if k in self.base})
+        self._set(tokens=int(meta.get("tokens", 0)))
+        self._last_rate = (time.monotonic(), self.progress.tokens)
+        logger.info("[learner %d | inner %d] resumed from its checkpoint", self.learner_id, self.learner.inner_step)
+        self.sink.event("resume", learner_id=self.learner_id, inner_step=self.learner.inner_step)
+
+    def _set(self, **changes: Any) -> None:
+        values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
+                  "versions": list(self.learner.versions), **changes}
+        self.progress = _Progress(**values)
+
+    def status(self) -> dict[str, Any]:
+        progress = self.progress
+        now = time.monotonic()
+        last_time, last_tokens = self._last_rate
+        if now > last_time:
+            self.tokens_per_s = (progress.tokens - last_tokens) / (now - last_time)
+        self._last_rate = (now, progress.tokens)
+        return {"time": time.time(), "pid": os.getpid(), "learner_id": self.learner_id,
+                "state": progress.state, "inner_step": progress.inner_step,
+                "inner_steps": self.config.inner_steps, "loss": progress.loss,
+                "tokens_per_s": self.tokens_per_s, "tokens": progress.tokens, "versions": progress.versions,
+                "connected": self.transport.connected, **self.counters()}
+
+    def write_status(self) -> None:
+        assert self.directory is not None
+        atomic_write_json(self.directory / "status.json", self.status(), durable=False)
+
+    def _status_loop(self) -> None:
+        self.write_status()
+        while not self._status_stop.wait(self.status_every_s):
+            self.write_status()
+            self.sink.log({f"{self.prefix}/tokens_per_s": self.tokens_per_s}, step=self.progress.inner_step)
+
+
+def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mapping[str, Stateful] | None = None,
+            hub: InProcessHub | None = None, learner_id: int | None = None, syncer: str | None = None,
+            run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
+            config: RunConfig | DilocoConfig | str | Path | None = None, inner_steps: int | None = None,
+            tls_ca: str | Path | bytes | None = None, tls_server_name: str | None = None, link: str | None = None,
+            **options: Any) -> Session:
+    """A `Session` for `model` trained by `optimizer`: use it as a context manager (see the module docstring).
+
+    Without keywords, everything comes from the environment `ddiloco run` sets (`environment()`). Keywords
+    override it: `hub=` an `InProcessHub` (in process), or `syncer="host:port"` with `learner_id=`,
+    `run_dir=`, `token_file=` (or the token itself, `token=`), `config=` (a `RunConfig`, a path to a run's
+    config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
+    `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
+    (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
+    `handle_sigterm`, `sink`, `chaos_control`.
+    """
+    env = environment()
+    run_config = _resolve_config(config, env, hub)
+    learner_id = env.learner_id if learner_id is None else learner_id
+    if hub is None:
+        syncer = syncer or env.syncer
+        if syncer is None:
+            raise ValueError("ddiloco.session: no syncer to connect to. Start the script with `ddiloco run -- python "
+                             "SCRIPT`, pass syncer='host:port', or hub=InProcessHub(...) to train in this process")
+        run_dir = run_dir if run_dir is not None else env.run_dir
+        token_file = token_file if token_file is not None else env.token_file
+        link = link if link is not None else env.link
+        options.setdefault("chaos_control", env.chaos_control)
+    if inner_steps is not None:
+        run_config = _replace(run_config, inner_steps=inner_steps)
+    if token is None and token_file is not None:
+        from ddiloco.runtime.auth import read_token_file
+
+        token = read_token_file(token_file)
+    tls = tls_ca if isinstance(tls_ca, bytes) else None
+    if isinstance(tls_ca, str | Path):
+        from ddiloco.runtime.auth import read_ca_file
+
+        tls = read_ca_file(tls_ca)
+    return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
+                   run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
+
+
+def _replace(config: RunConfig, **changes: Any) -> RunConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: LearnerEnvironment,
+                    hub: InProcessHub | None) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config
+    if isinstance(config, str | Path):
+        return RunConfig.load(config)
+    if isinstance(config, DilocoConfig):
+        return RunConfig(diloco=config, num_learners=max(env.num_learners, 1), inner_steps=_UNBOUNDED)
+    if hub is not None:
+        return RunConfig(diloco=hub.config, quorum=hub.quorum, learner=LearnerConfig(), num_learners=_HUB_LEARNERS,
+                         inner_steps=_UNBOUNDED)
+    if env.config is not None:
+        return RunConfig.load(env.config)
+    if env.run_dir is not None and (env.run_dir / "config.json").is_file():
+        return RunConfig.load(env.run_dir / "config.json")
+    return RunConfig(num_learners=env.num_learners)
+
+
+_UNBOUNDED = 2**62
+"""The inner-step budget of a session without a run config: `done` never turns true by itself."""
+_HUB_LEARNERS = 2**31 - 1
+"""An in-process hub takes any number of learners (pass config=RunConfig(...) to say how many)."""
