@@ -272,7 +272,7 @@ def bench_learner_recovery(repeats: int = 3) -> None:
             return _read(run_dir / "learners" / str(learner_id) / "status.json")
 
         try:
-            syncer = start("syncer", *flags, "--eval-every-s", "0")
+            syncer = start("syncer", *flags)
             address = _wait_for(lambda: _read(run_dir / "syncer.json").get("address"), "the syncer")
             victim = learner(0)
             learner(1)

@@ -151,7 +151,7 @@ class Watcher:
 
 
 def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None, syncer: str | None = None,
-          run_dir: str | Path | None = None, token_file: str | Path | None = None,
+          run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
           config: RunConfig | str | Path | None = None, tls_ca: str | Path | None = None,
           tls_server_name: str | None = None) -> Watcher:
     """Evaluate the run's global model with `evaluate(model)` (a float loss, or a dict of metrics) every
@@ -176,8 +176,7 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     else:
         run_config = RunConfig()
     token_path = token_file if token_file is not None else env.token_file
-    token = None
-    if token_path is not None:
+    if token is None and token_path is not None:
         from ddiloco.runtime.auth import read_token_file
 
         token = read_token_file(token_path)
@@ -186,7 +185,7 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
         from ddiloco.runtime.auth import read_ca_file
 
         tls = read_ca_file(tls_ca)
-    period = every_s if every_s is not None else float(os.environ.get("DDILOCO_EVAL_EVERY_S") or DEFAULT_EVERY_S)
+    period = every_s if every_s is not None else env.eval_every_s
     watcher = Watcher(model, evaluate, address=address, config=run_config, every_s=period, token=token,
                       run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name)
     previous = None

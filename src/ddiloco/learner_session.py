@@ -115,6 +115,10 @@ class LearnerEnvironment:
     """BANDWIDTH,LATENCY of an emulated link to the syncer."""
     chaos_control: Path | None = None
     threads: int | None = None
+    eval_every_s: float = 10.0
+    """An evaluator's period (`ddiloco run --eval-every-s`)."""
+    checkpoint_every_s: float = 10.0
+    """The period of the learner's local checkpoints (`ddiloco run --checkpoint-every-s`)."""
 
     @property
     def managed(self) -> bool:
@@ -148,7 +152,9 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         learner_id=number("LEARNER_ID", 0), num_learners=number("NUM_LEARNERS", 1), device=get("DEVICE") or "cpu",
         role=get("ROLE") or "learner", seed=number("SEED", 0), syncer=get("SYNCER"), run_dir=path("RUN_DIR"),
         token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
-        chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None)
+        chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None,
+        eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
+        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0))
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")
@@ -197,7 +203,8 @@ class _HubTransport:
         self.hub.send(message)
 
     def take_ready(self) -> list[SyncerMessage]:
-        ready, self._inbox = self._inbox, []
+        ready = list(self._inbox)
+        self._inbox.clear()  # in place: the hub holds this very list's append
         return ready
 
     def wait(self, timeout_s: float | None) -> None:
@@ -392,7 +399,10 @@ class Session:
 
     @property
     def ready(self) -> bool:
-        """Whether the waiting rule lets the learner train now (always, after `step()` returns over gRPC)."""
+        """Whether the waiting rule lets the learner train now (always, after `step()` returns over gRPC). In
+        process, asking applies what the hub delivered meanwhile."""
+        if not getattr(self.transport, "blocking", True):
+            self._settle()
         return self.rules.next(self.clock.now()).action is Action.STEP
 
     def request_stop(self) -> None:
@@ -640,6 +650,7 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         token_file = token_file if token_file is not None else env.token_file
         link = link if link is not None else env.link
         options.setdefault("chaos_control", env.chaos_control)
+        options.setdefault("checkpoint_every_s", env.checkpoint_every_s)
     if inner_steps is not None:
         run_config = _replace(run_config, inner_steps=inner_steps)
     if token is None and token_file is not None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ddiloco.compression import get_codec
+from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import SCHEMA_VERSION, FragmentState, Update, Welcome
 from ddiloco.model import build_model
@@ -78,9 +79,17 @@ def syncer(tmp_path_factory):
     procs = Processes(base / "logs")
     channel = None
     try:
+        from safetensors.torch import save_file
+
+        from ddiloco.model import ModelConfig
+        from ddiloco.train_tinygpt import initial_params
+
+        init = base / "init.safetensors"  # the genesis, from the first join: the wire checks know the model
+        tiny = ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32)
+        save_file(initial_params(RunConfig(model=tiny, data=DataConfig(context_len=32))), str(init))
         popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *TINY_MODEL_FLAGS, "--learners", "2",
                             "--num-fragments", "2", "--grace", "none", "--token-file", str(token_file),
-                            "--eval-every-s", "0")
+                            "--init", str(init))
         info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
         config = RunConfig.load(run_dir / "config.json")
         learner = Learner(config.diloco, learner_id=0, model=build_model(config.model))

@@ -40,8 +40,9 @@ from ddiloco.metrics import MemorySink
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
-from ddiloco.runtime.syncer_state import SyncerStore, initial_params
+from ddiloco.runtime.syncer_state import SyncerStore
 from ddiloco.syncer import Syncer, replay_rounds
+from ddiloco.train_tinygpt import initial_params
 from ddiloco.transport.grpc_client import SyncerClient
 from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
@@ -106,7 +107,7 @@ def run(tmp_path_factory):
     run_dir = base / "run"
     procs = Processes(base / "logs")
     try:
-        syncer = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--eval-every-s", "0")
+        syncer = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS)
         info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[syncer])
         address = info["address"]
         control = control_path(base / "control")
@@ -295,8 +296,8 @@ def two_learners(tmp_path, control: Path):
     syncer = Syncer(TWO_LEARNERS.diloco, TWO_LEARNERS.quorum, initial_params=initial_params(TWO_LEARNERS))
     sink = MemorySink()
     service = SyncerService(TWO_LEARNERS, syncer, SyncerStore(tmp_path), sink=sink,
-                            config=SyncerServiceConfig(eval_every_s=0))
-    server, port = start_server(service, WireModel(syncer.spec, syncer.plan, "int4"), "127.0.0.1:0", token=None)
+                            config=SyncerServiceConfig())
+    server, port = start_server(service, "127.0.0.1:0", token=None)
     service.start(f"127.0.0.1:{port}")
     fates: list[tuple] = []
     ios = []

@@ -28,8 +28,9 @@ from ddiloco.metrics import NullSink
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
-from ddiloco.runtime.syncer_state import SyncerStore, initial_params
+from ddiloco.runtime.syncer_state import SyncerStore
 from ddiloco.syncer import Syncer
+from ddiloco.train_tinygpt import initial_params
 from ddiloco.transport.grpc_client import SyncerClient
 from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
@@ -54,7 +55,7 @@ def token_file(tmp_path):
 
 
 def start_syncer(procs, run_dir, token_file):
-    popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--eval-every-s", "0",
+    popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
                         "--token-file", str(token_file))
     info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
     return popen, info["address"]
@@ -146,8 +147,8 @@ def serving(tmp_path, *, tls=None):
     """A syncer service in this process behind a real gRPC server on 127.0.0.1; yields (syncer, port)."""
     syncer = Syncer(TINY_RUN.diloco, TINY_RUN.quorum, initial_params=initial_params(TINY_RUN))
     service = SyncerService(TINY_RUN, syncer, SyncerStore(tmp_path), sink=NullSink(),
-                            config=SyncerServiceConfig(eval_every_s=0))
-    server, port = start_server(service, WireModel(syncer.spec, syncer.plan, "int4"), "127.0.0.1:0", token=None,
+                            config=SyncerServiceConfig())
+    server, port = start_server(service, "127.0.0.1:0", token=None,
                                 tls=tls)
     service.start(f"127.0.0.1:{port}")
     try:

@@ -17,8 +17,8 @@ import torch
 
 from ddiloco.checkpoint import RoundLog, load_latest_state
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.syncer_state import initial_params
 from ddiloco.syncer import replay_rounds
+from ddiloco.train_tinygpt import initial_params
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ train on while the syncer is away, and a heartbeat timeout of 3 s."""
 
 
 def start_syncer(procs: Processes, run_dir, *extra: str, name: str = "syncer"):
-    popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--eval-every-s", "0",
+    popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
                         "--full-state-every", "25", *extra)
     info = wait_until(lambda: (i := read_json_or_none(run_dir / "syncer.json")) and i["pid"] == popen.pid and i,
                       "syncer.json", alive=[popen])

@@ -107,7 +107,6 @@ def make_runtime_dir(root: Path) -> Path:
     ])
     write_jsonl(d / "syncer" / "metrics.jsonl", [
         {"event": "start", "time": 1001.0, "source": "init", "rounds_committed": 0},
-        {"step": 0, "time": 1005.0, "syncer/val_loss": 5.0},
         update(1019.0, 0, 0, 0, 8, True), update(1026.5, 1, 0, 0, 8, True),
         {"event": "commit", "time": 1027.0, "round": 0, "fragment": 0, "version": 1, "learners": [0, 1]},
         update(1027.0, 0, 1, 0, 16, False, "stale"),
@@ -116,9 +115,10 @@ def make_runtime_dir(root: Path) -> Path:
         {"event": "start", "time": 1062.0, "source": "checkpoint", "rounds_committed": 2},
         update(1071.0, 1, 1, 0, 18, True),
         {"event": "commit", "time": 1080.0, "round": 2, "fragment": 1, "version": 1, "learners": [1]},
-        {"step": 3, "time": 1099.0, "syncer/val_loss": 3.5},
         {"event": "stopped", "time": 1099.5, "rounds_committed": 3},
     ])
+    write_jsonl(d / "evaluator" / "metrics.jsonl", [
+        {"step": 0, "time": 1005.0, "eval/val_loss": 5.0}, {"step": 3, "time": 1099.0, "eval/val_loss": 3.5}])
     write_jsonl(d / "rounds.jsonl", [
         {"round": 0, "fragment": 0, "version": 1, "participants": [participant(0, 0, 8), participant(1, 0, 8)]},
         {"round": 1, "fragment": 0, "version": 2, "participants": [participant(0, 1, 40)]},

@@ -61,8 +61,35 @@ def test_every_fragment_syncs_exactly_once_per_period(sync_every, num_fragments)
 def test_plan_marks_embeddings_by_pattern():
     tensors = {"token_embedding.weight": torch.zeros(4, 2), "blocks.0.weight": torch.zeros(2, 2),
                "lm_head.weight": torch.zeros(4, 2)}
-    plan = FragmentPlan.for_tensors(tensors, DilocoConfig(num_fragments=2, codec="fp32"))
+    plan = FragmentPlan.for_tensors(tensors, DilocoConfig(num_fragments=2, codec="fp32", embedding_pattern="embedding"),
+                                    embeddings=["lm_head.weight"])  # the pattern, when set, decides alone
     assert plan.embeddings == {"token_embedding.weight"}
     assert sorted(n for f in plan.fragments for n in f) == sorted(tensors)
     assert plan.fragment_of("lm_head.weight") in (0, 1)
+
+
+def test_embeddings_are_found_by_module_type_whatever_their_names():
+    """A Hugging Face style model names its tables wte/wpe and ties the output layer to wte: the default
+    (no pattern) finds both tables by module type and counts the tied weight once."""
+    from torch import nn
+
+    from ddiloco.fragments import embedding_names
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(8, 4), nn.Embedding(6, 4)
+            self.proj = nn.Linear(4, 4)
+            self.lm_head = nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    model = Tied()
+    assert embedding_names(model) == {"wte.weight", "wpe.weight"}
+    assert embedding_names(model, "proj") == {"proj.weight", "proj.bias"}
+    params = dict(model.named_parameters())
+    plan = FragmentPlan.for_tensors(params, DilocoConfig(num_fragments=2, codec="fp32"),
+                                    embeddings=embedding_names(model))
+    assert plan.embeddings == {"wte.weight", "wpe.weight"}
+    with pytest.raises(ValueError, match="not a parameter"):
+        FragmentPlan.for_tensors(params, DilocoConfig(num_fragments=2, codec="fp32"), embeddings=["nope.weight"])
 

@@ -10,7 +10,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _quickstart_source() -> str:
     text = README.read_text(encoding="utf-8")
-    section = text.split("## Library quickstart", 1)[1]
+    section = text.split("### In one process", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert match is not None, "README quickstart has no python block"
     return match.group(1)
@@ -23,7 +23,7 @@ def test_readme_quickstart_runs_and_trains(capsys):
     syncer, learners = namespace["syncer"], namespace["learners"]
     # 64 inner steps per learner, P = 4 and H = 32: one round is due every 8 steps per learner.
     assert syncer.rounds_committed >= 8
-    assert all(learner.inner_step == 64 for learner in learners)
+    assert all(sync.inner_step == 64 and sync.final_state == "done" for sync in learners)
     assert "rounds committed" in capsys.readouterr().out
     torch.manual_seed(0)
     from ddiloco.model import build_model

@@ -29,11 +29,9 @@ def participant(learner_id: int, staleness: int = 0) -> dict:
 def fake_run(tmp_path: Path) -> RunPaths:
     """Two learners; learner 1 restarted once; three rounds; two validation losses."""
     paths = RunPaths(tmp_path / "run")
-    write_lines(paths.syncer_metrics, [
-        {"step": 0, "time": 100.0, "syncer/val_loss": 5.5},
-        {"event": "commit", "time": 101.0, "round": 0},
-        {"step": 3, "time": 104.0, "syncer/val_loss": 4.25},
-    ])
+    write_lines(paths.syncer_metrics, [{"event": "commit", "time": 101.0, "round": 0}])
+    write_lines(paths.evaluator_metrics, [
+        {"step": 0, "time": 100.0, "eval/val_loss": 5.5}, {"step": 3, "time": 104.0, "eval/val_loss": 4.25}])
     write_lines(paths.learner_metrics(0), [{"step": 1, "time": 100.5, "learner/0/loss": 5.4}])
     # A learner killed with SIGKILL may leave half a line behind.
     write_lines(paths.learner_metrics(1), [{"step": 1, "time": 100.7, "learner/1/loss": 5.3}],
@@ -66,7 +64,7 @@ def test_merge_keeps_every_complete_line_tagged_and_in_time_order(tmp_path):
     assert merge_metrics(paths) == 9
     merged = list(read_jsonl(paths.metrics))
     assert [r["time"] for r in merged] == sorted(r["time"] for r in merged)
-    assert {r["source"] for r in merged} == {"syncer", "launcher", "learner/0", "learner/1"}
+    assert {r["source"] for r in merged} == {"syncer", "evaluator", "launcher", "learner/0", "learner/1"}
     assert merge_metrics(paths) == 9  # rewritten from the sources, not appended
 
 

@@ -46,7 +46,8 @@ def fake_ddiloco() -> None:
     step_s = 0.01
     role = sys.argv[1]
     parser = argparse.ArgumentParser()
-    for flag in ("--run-dir", "--config", "--token-file", "--bind", "--syncer", "--threads", "--link"):
+    for flag in ("--run-dir", "--config", "--token-file", "--bind", "--syncer", "--threads", "--link", "--device",
+                 "--every-s", "--checkpoint-every-s"):
         parser.add_argument(flag)
     parser.add_argument("--learner-id", type=int)
     args = parser.parse_args(sys.argv[2:])
@@ -82,10 +83,14 @@ def fake_ddiloco() -> None:
             write(run / "syncer_status.json", {"time": time.time(), "pid": os.getpid(), "address": address,
                                                "rounds_committed": 0, "versions": [0]})
             time.sleep(step_s * 5)
-        metrics = run / "syncer" / "metrics.jsonl"
+        sys.exit(0)
+    if role == "evaluator":
+        while not stop:
+            time.sleep(step_s * 5)
+        metrics = run / "evaluator" / "metrics.jsonl"
         metrics.parent.mkdir(parents=True, exist_ok=True)
         with metrics.open("a") as file:
-            file.write(json.dumps({"step": 0, "time": time.time(), "syncer/val_loss": 1.5}) + "\n")
+            file.write(json.dumps({"step": 0, "time": time.time(), "eval/val_loss": 1.5}) + "\n")
         sys.exit(0)
 
     learner_id = args.learner_id
@@ -180,7 +185,8 @@ def test_learners_run_to_done_then_the_syncer_is_stopped(tmp_path, fake_command)
     supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
     supervisor.run()
     assert [s.state for s in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
-    assert [s.restarts for s in supervisor.slots] == [0, 0, 0]
+    assert [s.restarts for s in supervisor.slots] == [0, 0, 0, 0]  # syncer, 2 learners, evaluator
+    assert supervisor.evaluator is not None and supervisor.evaluator.state == ChildState.STOPPED
     assert supervisor.syncer.state == ChildState.STOPPED
     assert supervisor.syncer.process.returncode == 0  # it got SIGTERM and exited cleanly
     assert_all_gone(all_pids(supervisor))
@@ -381,7 +387,7 @@ def test_run_command_writes_the_run_directory(tmp_path, fake_command, capsys):
         assert (run_dir / name).is_file(), name
     assert json.loads((run_dir / "config.json").read_text())["inner_steps"] == 15
     sources = {json.loads(line)["source"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
-    assert sources == {"syncer", "launcher", "learner/0", "learner/1"}
+    assert sources == {"evaluator", "launcher", "learner/0", "learner/1"}  # the fake syncer logs nothing
     assert "[learner-1] exited (done)" in out
     with pytest.raises(ValueError, match="already exists"):
         run_commands.run(run_args(run_dir), command=fake_command, supervisor_config=FAST)
@@ -437,7 +443,7 @@ def test_a_signal_to_run_stops_every_child_and_writes_the_summary(tmp_path, fake
     assert popen.returncode == 128 + signum, out
     processes = read_json(run_dir / "launcher" / "processes.json")
     pids = [pid for started in processes["children"].values() for pid in started]
-    assert len(pids) == 4
+    assert len(pids) == 5  # syncer, 3 learners, evaluator
     assert_all_gone(pids)
     summary = read_json(run_dir / "summary.json")
     assert summary["outcome"] == "interrupted"

@@ -32,8 +32,6 @@ from ddiloco.runtime.standby import role_message
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
-BUILTIN_LEARNER = "ddiloco.train_tinygpt"
-"""The module `ddiloco run` starts as the evaluator when there is no user script."""
 ENV_PREFIX = "DDILOCO_"
 """Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
 """How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
@@ -291,6 +289,8 @@ class LaunchConfig:
     """The evaluator's period (seconds between evaluations of the global model)."""
     seed: int = 0
     """The run's seed, handed to every learner (DDILOCO_SEED) so each builds the same initial model."""
+    checkpoint_every_s: float = 10.0
+    """Period of every learner's local checkpoints (a learner killed hard redoes at most this much work)."""
 
     def __post_init__(self) -> None:
         if not self.devices or not all(self.devices):
@@ -340,22 +340,27 @@ class Launcher:
         if self.config.script:
             return list(self.config.script)
         argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
-                *self._common_flags(), "--threads", str(self.config.threads), "--device", self.device(learner_id)]
+                *self._common_flags(), "--threads", str(self.config.threads), "--device", self.device(learner_id),
+                "--checkpoint-every-s", str(self.config.checkpoint_every_s)]
         if self.config.link:
             argv += ["--link", self.config.link]
         if self.config.chaos_control:
             argv += ["--chaos-control", str(control_path(self.paths.learner_dir(learner_id)))]
         return argv
 
-    def evaluator_argv(self) -> list[str]:
-        return list(self.config.script) if self.config.script else [sys.executable, "-m", BUILTIN_LEARNER]
+    def evaluator_argv(self, syncer_address: str) -> list[str]:
+        """The user's script (in the evaluator role, by `learner_env`), or the built-in `ddiloco evaluator`."""
+        if self.config.script:
+            return list(self.config.script)
+        return [*self.config.command, "evaluator", "--syncer", syncer_address, *self._common_flags(),
+                "--threads", str(self.config.threads), "--every-s", str(self.config.eval_every_s)]
 
     def learner_env(self, learner_id: int, syncer_address: str, *, role: str = "learner") -> dict[str, str]:
         """A learner's place in the run, for `ddiloco.environment()` (docs/your_model.md lists the variables)."""
         env = {"SYNCER": syncer_address, "LEARNER_ID": str(learner_id), "NUM_LEARNERS": str(self.config.num_learners),
                "RUN_DIR": str(self.paths.root), "CONFIG": str(self.paths.config), "DEVICE": self.device(learner_id),
                "ROLE": role, "SEED": str(self.config.seed), "THREADS": str(self.config.threads),
-               "EVAL_EVERY_S": str(self.config.eval_every_s)}
+               "EVAL_EVERY_S": str(self.config.eval_every_s), "CHECKPOINT_EVERY_S": str(self.config.checkpoint_every_s)}
         if self.config.use_token:
             env["TOKEN_FILE"] = str(self.paths.token)
         if self.config.link:

@@ -69,6 +69,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     learner.add_argument("--status-every-s", type=float, default=1.0,
                          help="period of DIR/learners/N/status.json rewrites (default: 1)")
     add_export_parser(subparsers)
+    evaluator = subparsers.add_parser(
+        "evaluator", help="evaluate the built-in TinyGPT's global model while a run trains",
+        description="The built-in evaluator (ddiloco.watch with TinyGPT's validation loss on the held-out tail): a "
+                    "read-only subscriber of the syncer, until SIGTERM.")
+    evaluator.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's address")
+    _add_common(evaluator)
+    evaluator.add_argument("--every-s", type=float, default=10.0, help="seconds between evaluations (default: 10)")
+    evaluator.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    evaluator.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
     learner.add_argument("--chaos-control", metavar="PATH",
                          help="obey the faults a chaos run writes to this control file (partition, latency, "
                               "bandwidth, drop, corrupt, straggler; see ddiloco.chaos.control); default: none")
@@ -89,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return run_syncer(args)
     if args.command == "export":
         return run_export(args)
+    if args.command == "evaluator":
+        return run_evaluator(args)
     return run_learner(args)
 
 
@@ -223,6 +234,24 @@ def run_learner(args: argparse.Namespace) -> int:
     except RefusedError as exc:
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return int(exc.code)
+    return 0
+
+
+# ---- ddiloco evaluator ------------------------------------------------------------------------------------
+
+def run_evaluator(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.auth import split_host_port
+
+    run_config = resolve_run_config(args)
+    token = read_token(args)
+    split_host_port(args.syncer)
+    if not args.every_s >= 0:
+        raise ValueError(f"--every-s {args.every_s} is invalid: expected seconds >= 0")
+    _set_threads(args.threads)
+    from ddiloco.train_tinygpt import evaluate_global
+
+    evaluate_global(run_config, device=args.device, syncer=args.syncer, run_dir=Path(args.run_dir), token=token,
+                    every_s=args.every_s)
     return 0
 
 

@@ -61,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(default: on for the built-in learner, off for a script)")
     parser.add_argument("--eval-every-s", type=float, default=10.0,
                         help="seconds between two evaluations of the global model (default: 10)")
+    parser.add_argument("--checkpoint-every-s", type=float, default=10.0,
+                        help="period of each learner's local checkpoint: a kill -9 redoes at most this much "
+                             "(default: 10)")
     parser.add_argument("--init", type=Path, default=None, metavar="FILE.safetensors",
                         help="a new run's initial global parameters (default: the first learner's own)")
     parser.add_argument("--no-progress", action="store_true",
@@ -113,6 +116,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     if args.link is not None:
         from ddiloco.transport.link import parse_link
         parse_link(args.link)  # a bad --link is a usage error here, not a crash loop in every learner
+    if not args.checkpoint_every_s > 0:
+        raise ValueError(f"--checkpoint-every-s {args.checkpoint_every_s} is invalid: expected seconds > 0")
     if not args.eval_every_s >= 0:
         raise ValueError(f"--eval-every-s {args.eval_every_s} is invalid: expected seconds >= 0")
     if args.init is not None and not args.init.is_file():
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
                           bind=args.bind or LaunchConfig.bind, link=args.link,
                           command=tuple(command) if command is not None else DEFAULT_COMMAND,
                           script=script, devices=devices, evaluator=evaluate, eval_every_s=args.eval_every_s,
-                          seed=config.seed,
+                          seed=config.seed, checkpoint_every_s=args.checkpoint_every_s,
                           syncer_args=("--init", str(args.init.resolve())) if args.init is not None else ())
     launcher = Launcher(launch)
     paths = RunPaths(run_dir)

@@ -374,7 +374,7 @@ class Supervisor:
                 slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at):
             if self.syncer_address is not None and self._stop_reason is None:
                 env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
-                slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(),
+                slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(self.syncer_address),
                                                    self.launcher.config.threads, env_extra=env)
                 slot.pids.append(slot.process.pid)
                 slot.state = ChildState.RUNNING
