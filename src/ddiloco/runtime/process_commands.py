@@ -184,7 +184,7 @@ def run_syncer(args: argparse.Namespace) -> int:
     elif args.resume:
         logger.warning("[syncer] --resume: %s holds no genesis yet; starting fresh", run_dir)
     sink = run_dir_sink(run_dir / "syncer")
-    sink.event("start", source="checkpoint" if genesis is not None else "new",
+    sink.event("start", source="checkpoint" if genesis is not None else "init",
                rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed)
     service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored,
                             init=init, init_source=f"--init {args.init}" if init is not None else "")
