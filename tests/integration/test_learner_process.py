@@ -54,9 +54,9 @@ def token_file(tmp_path):
     return path
 
 
-def start_syncer(procs, run_dir, token_file):
+def start_syncer(procs, run_dir, token_file, *extra):
     popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
-                        "--token-file", str(token_file))
+                        "--token-file", str(token_file), *extra)
     info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
     return popen, info["address"]
 
@@ -116,8 +116,14 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_contributes_again(tmp
 
 
 def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_path, procs, token_file):
+    from safetensors.torch import save_file
+
     run_dir = tmp_path / "run"
-    syncer, address = start_syncer(procs, run_dir, token_file)
+    # The run's model is fixed by its genesis: here an --init file (else the first learner to join).
+    init = tmp_path / "init.safetensors"
+    tiny = ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32)
+    save_file(initial_params(RunConfig(model=tiny, data=DataConfig(context_len=32))), str(init))
+    syncer, address = start_syncer(procs, run_dir, token_file, "--init", str(init))
     wrong_token = tmp_path / "wrong-token"
     wrong_token.write_text("not-the-run-token-at-all-0123")
     os.chmod(wrong_token, 0o600)

@@ -212,7 +212,7 @@ class SyncerService:
                                  {name: spec.shape for name, spec in by_name.items()}, self._init_source,
                                  join.aliases)
         if isinstance(made, str):
-            return made
+            return f"model differs from the run's --init file: {made}"
         self._establish(made)
         return None
 
