@@ -521,7 +521,8 @@ class Session:
         self._closed = True
         self.final_state = state
         if flush and self.learner.joined:
-            self._apply_inbox()
+            # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
+            # publishes (an update one version stale is still merged, see the syncer's late-update rule).
             for update in self.rules.finish():
                 self.transport.send(update)
         self.transport.flush(self.flush_timeout_s if state == "done" else STOP_FLUSH_S)

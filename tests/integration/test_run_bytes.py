@@ -44,7 +44,18 @@ def test_predicted_bytes_match_a_real_run_within_five_percent(tmp_path):
     params = dict(build_model().named_parameters())
     predicted = predict_run_bytes(fragment_numels=fragment_numels(params, config), codec=config.codec,
                                   sync_every=config.sync_every, inner_steps=INNER_STEPS, learners=LEARNERS)
+    assert predicted.flush_sent > 0  # INNER_STEPS is not a round boundary: the end publishes the last steps
+    genesis = []
     for learner_id in range(LEARNERS):
         measured = summary["learners"][str(learner_id)]
-        assert measured["bytes_sent"] == pytest.approx(predicted.learner_sent, rel=0.05)
-        assert measured["bytes_received"] == pytest.approx(predicted.learner_received, rel=0.05)
+        sent = measured["bytes_sent"]
+        # Exactly one learner (the first to join) uploaded its initial parameters as the run's genesis.
+        proposed = sent > predicted.learner_sent + predicted.genesis_sent / 2
+        genesis.append(proposed)
+        expected = predicted.learner_sent + (predicted.genesis_sent if proposed else 0)
+        assert sent == pytest.approx(expected, rel=0.05)
+        # The flush rounds' results reach a learner only if they come before it leaves: a range.
+        received = measured["bytes_received"]
+        assert predicted.learner_received * 0.95 <= received
+        assert received <= (predicted.learner_received + predicted.flush_received_max) * 1.05
+    assert genesis.count(True) == 1

@@ -117,7 +117,7 @@ def test_rounds_due_counts_the_schedule():
 def test_predict_run_bytes_by_hand():
     # P = 2, H = 4: rounds due at inner steps 2, 4, 6, 8, 10 -> fragments 0, 1, 0, 1, 0 by step 10.
     bytes_ = predict_run_bytes(fragment_numels=[[100, 28], [64]], codec="int4", sync_every=4, inner_steps=10,
-                               learners=3)
+                               learners=3, final_flush=False)
     fragment0 = (2 * 4 + 50) + (4 + 14)   # int4, each tensor encoded on its own: 58 + 18
     fragment1 = 4 + 32
     assert bytes_.rounds_per_learner == 5
@@ -125,6 +125,12 @@ def test_predict_run_bytes_by_hand():
     # Join: the whole model in fp32 (192 values); then each round's merged fragment in fp32.
     assert bytes_.learner_received == 4 * 192 + 3 * 4 * 128 + 2 * 4 * 64 == 2816
     assert bytes_.syncer_received == 3 * 300 and bytes_.syncer_sent == 3 * 2816
+    # The end: fragment 0's round fell due at step 10 (still waiting for its result), fragment 1 was
+    # last synced at step 8 and trained 2 more steps: the final flush publishes fragment 1 once more.
+    flushed = predict_run_bytes(fragment_numels=[[100, 28], [64]], codec="int4", sync_every=4, inner_steps=10,
+                                learners=3)
+    assert flushed.flush_sent == fragment1 and flushed.learner_sent == 300 + fragment1
+    assert flushed.flush_received_max == 3 * 4 * 64 and flushed.genesis_sent == 4 * 192
 
 
 def test_even_fragments_split_the_parameter_count():
@@ -160,7 +166,7 @@ def test_prediction_matches_a_real_in_process_run_exactly():
                     param.add_(0.01 * torch.randn(param.shape, generator=generator))
             hub.after_inner_step(learner, tokens=8)
     predicted = predict_run_bytes(fragment_numels=fragment_numels(initial, config), codec="int4",
-                                  sync_every=6, inner_steps=steps, learners=2)
+                                  sync_every=6, inner_steps=steps, learners=2, final_flush=False)
     assert predicted.rounds_per_learner == hub.syncer.rounds_committed
     for learner in learners:
         assert learner.stats.bytes_sent == predicted.learner_sent

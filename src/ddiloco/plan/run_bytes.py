@@ -8,7 +8,12 @@ checked against a run's metrics (`Learner.stats.bytes_sent` / `bytes_received`, 
   fragment r mod P) carries each tensor of that fragment encoded separately by the codec, so the
   codec's per-tensor and per-block scales count (`ddiloco.compression`'s `encoded_nbytes`);
 - downlink: a join brings the whole model as float32 (4 B/value); every committed round sends the
-  merged fragment as float32 to every learner alive.
+  merged fragment as float32 to every learner alive;
+- the end (`Learner.flush`): each fragment trained since its last round is published once more, so
+  the final global model holds every learner's last steps (`flush_sent`); learners finish at different
+  moments, so each one's flush may make rounds of its own, and their merged results reach a learner only
+  if they arrive before it leaves: at most one per learner and flushed fragment (`flush_received_max`);
+- the genesis: the first learner of a new run uploads its whole model once as float32 (`genesis_sent`).
 
 Assumed, as in a lockstep run: every learner runs the same inner steps, every round commits once and
 reaches every learner, and no update is rejected as stale (a rejection adds one fragment download).
@@ -42,6 +47,13 @@ class RunBytes:
     """Per learner, downlink: the join's model plus one merged fragment per round."""
     syncer_received: int
     syncer_sent: int
+    flush_sent: int = 0
+    """Per learner, the final flush's uplink (included in learner_sent and syncer_received)."""
+    flush_received_max: int = 0
+    """Per learner, the most the flush rounds' downlink can add to learner_received (a race with leaving):
+    one merged fragment per learner and flushed fragment."""
+    genesis_sent: int = 0
+    """Uplink of the one learner whose initial parameters became the run's genesis (not in learner_sent)."""
 
 
 def rounds_due(inner_steps: int, sync_every: int, num_fragments: int) -> int:
@@ -70,8 +82,16 @@ def fragment_numels(named_params: Mapping[str, torch.Tensor], config: DilocoConf
     return [[named_params[name].numel() for name in names] for names in plan.fragments]
 
 
+def flushed_fragments(inner_steps: int, sync_every: int, num_fragments: int) -> list[int]:
+    """Fragments the final flush publishes: those trained after their last round. A fragment whose round
+    fell due at the very last inner step is still waiting for that round's result and is not flushed."""
+    rounds = rounds_due(inner_steps, sync_every, num_fragments)
+    last_due = {r % num_fragments: due_step(r, sync_every, num_fragments) for r in range(rounds)}
+    return [p for p in range(num_fragments) if last_due.get(p, 0) < inner_steps] if inner_steps > 0 else []
+
+
 def predict_run_bytes(*, fragment_numels: Sequence[Sequence[int]], codec: str, sync_every: int, inner_steps: int,
-                      learners: int, joins_per_learner: int = 1) -> RunBytes:
+                      learners: int, joins_per_learner: int = 1, final_flush: bool = True) -> RunBytes:
     """Bytes per learner and direction, and at the syncer, for `inner_steps` inner steps of every learner.
 
     `fragment_numels[p]` lists the element counts of fragment p's tensors (P = its length); use
@@ -88,6 +108,9 @@ def predict_run_bytes(*, fragment_numels: Sequence[Sequence[int]], codec: str, s
     down = [DOWNLINK_BYTES_PER_VALUE * sum(tensors) for tensors in fragment_numels]
     rounds = rounds_due(inner_steps, sync_every, num_fragments)
     cycles, partial = divmod(rounds, num_fragments)  # round r syncs fragment r mod P
-    sent = cycles * sum(up) + sum(up[:partial])
+    flushed = flushed_fragments(inner_steps, sync_every, num_fragments) if final_flush else []
+    flush_sent = sum(up[p] for p in flushed)
+    sent = cycles * sum(up) + sum(up[:partial]) + flush_sent
     received = joins_per_learner * sum(down) + cycles * sum(down) + sum(down[:partial])
-    return RunBytes(rounds, sent, received, learners * sent, learners * received)
+    return RunBytes(rounds, sent, received, learners * sent, learners * received, flush_sent=flush_sent,
+                    flush_received_max=learners * sum(down[p] for p in flushed), genesis_sent=sum(down))
