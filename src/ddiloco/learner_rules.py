@@ -8,11 +8,12 @@ themselves (like h11 keeps every state transition in one module):
 - **When to train** (`next(now)`): not before the first Welcome; while the tau waiting rule blocks,
   wait, but for at most `LearnerConfig.max_wait_s`, after which `Learner.stop_waiting()` is called and
   the learner trains on.
-- **Where to resume on a (re)join** (`receive(Welcome)`): a new incarnation of a learner in a
-  synchronous run (K = M: every round commits once) takes the global schedule position its first
-  Welcome implies (`Learner.take_schedule_position`), so it publishes in phase with the others and
-  the waiting rule cannot deadlock the round that needs its update. With K < M rounds close without
-  it and the phase does not matter, so it keeps its own position (a restarted learner: its checkpoint's).
+- **Where to resume on a (re)join** (`receive(Welcome)`): at the first Welcome of an incarnation, a
+  learner takes the global schedule position that Welcome implies (`Learner.take_schedule_position`),
+  so it publishes in phase with the others, when it has no position of its own (a fresh incarnation:
+  nothing restored) or when the run is synchronous (K = M: every round commits once, and a learner out
+  of phase would make the waiting rule deadlock the round that needs its update). A learner resumed
+  from its checkpoint in a run with K < M keeps the checkpoint's position: rounds close without it.
 - **Malformed messages** are faults, not crashes: logged and ignored.
 - **The end** (`finish()`): every fragment's unpublished work is published once more
   (`Learner.flush`), so the final global model includes the learner's last inner steps.
@@ -97,6 +98,9 @@ class LearnerRules:
         self.learner = learner
         self.config = config
         self.synchronous = synchronous
+        self.resumed = False
+        """Set by the driver when the learner's progress came from its checkpoint (it keeps that position
+        unless the run is synchronous)."""
         self.events: WorkEvents = events or NoWorkEvents()
         self.refusal: str | None = None
         self.welcomes = 0
@@ -112,7 +116,7 @@ class LearnerRules:
         if isinstance(message, Refused):
             self.refusal = message.reason
         if isinstance(message, Welcome):
-            if (self.synchronous and self.welcomes == 0
+            if ((self.synchronous or not self.resumed) and self.welcomes == 0
                     and next_uncommitted_round(message) != learner.next_round):
                 learner.take_schedule_position(message)
                 self.events.position(inner_step=learner.inner_step, next_round=learner.next_round)

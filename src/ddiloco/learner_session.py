@@ -581,6 +581,7 @@ class Session:
             return
         state, meta, _ = latest
         self.learner.load_state_dict(state["learner"])
+        self.rules.resumed = True
         saved = state.get("state", {})
         for name, obj in self.state.items():
             if name in saved:

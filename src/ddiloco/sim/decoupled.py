@@ -10,30 +10,25 @@ duration drawn by `ddiloco.sim.cluster.StepTimer`; every message crosses a simul
 
 Rules the driver keeps (they mirror the real runtime):
 
-- Messages that reach a learner while it computes an inner step wait in its inbox and are applied
-  before its next inner step; a learner that is idle (joining, or blocked by the tau waiting rule)
-  applies them on arrival. A blocked learner idles until a message lets it go on or
-  `LearnerConfig.max_wait_s` passes, then calls `stop_waiting()`.
+- The learner's rules between messages are `ddiloco.learner_rules.LearnerRules`, the same object the
+  real runtime (`ddiloco.session`) drives: when to train or wait (bounded by `LearnerConfig.max_wait_s`),
+  where a new incarnation resumes, the final flush. Messages that reach a learner while it computes an
+  inner step wait in its inbox and are applied before its next inner step; a learner that is idle
+  (joining, or blocked by the tau waiting rule) applies them on arrival.
 - Learners send `heartbeat()` every `LearnerConfig.heartbeat_every_s` of virtual time; the syncer's
   `advance` runs at its `next_deadline()`, so silent learners time out and grace windows end on time.
 - A `Commit` is appended to the round log (durable) before the sends that follow it.
 - A failed learner loses its in-flight messages in both directions and its local progress; on
   recovery a NEW `Learner` with a freshly initialised model and a fresh inner optimizer joins (the
-  self-healing path of the real runtime) and loads the global state from the syncer's `Welcome`; its
-  data cursor continues where the failed one stopped. Its schedule position (`inner_step`,
-  `next_round`, set through `Learner.load_state_dict` when the `Welcome` arrives) is the global one
-  that the `Welcome` implies: round r syncs fragment r mod P and produces version r div P + 1, so the
-  oldest round not yet committed is r = min over p of (P * version_p + p), and the learner is put one
-  inner step before that round is due, so that it publishes it next (exact when every round commits
-  once, as with K = M; with K = 1, rounds opened by late updates move versions ahead and this only
-  sets the phase, which K = 1 does not depend on). Without this, a returning learner
-  publishes its fragments out of phase with the others, and with K = M the tau waiting rule deadlocks
-  (the round the others wait in needs the newcomer's update, which it publishes only after a round
-  that needs theirs) until `max_wait_s` breaks it. Messages the syncer sends to a learner id before
-  the new incarnation's `Join` has reached it go to the dead connection and are lost.
+  self-healing path of the real runtime, without a checkpoint) and loads the global state from the
+  syncer's `Welcome`; its data cursor continues where the failed one stopped. Having no position of
+  its own, it takes the global schedule position that Welcome implies (`LearnerRules`). Messages the
+  syncer sends to a learner id before the new incarnation's `Join` has reached it go to the dead
+  connection and are lost.
 - The merged fragments' arrival times are reported with `Syncer.observe_sync_time` (adaptive grace).
-- Learners stop when the token budget is spent, send `Leave`, and the driver lets every message in
-  flight arrive, so the last rounds commit; the final global model is evaluated after that.
+- Learners stop when the token budget is spent, publish their last work (`LearnerRules.finish`), send
+  `Leave`, and the driver lets every message in flight arrive, so the last rounds commit; the final
+  global model is evaluated after that.
 
 Paper: Decoupled DiLoCo, arXiv 2604.21428. Metric definitions: `ddiloco.sim.accounting`.
 """
@@ -50,6 +45,7 @@ from typing import Any, Protocol
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import load_corpus, shard_stream
 from ddiloco.learner import Learner
+from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.messages import (
     Commit,
     FragmentState,
@@ -107,6 +103,7 @@ class _Slot:
     timer: StepTimer
     stream: Any
     learner: Learner | None = None
+    rules: LearnerRules | None = None
     state: str = "down"  # joining | stepping | blocked | down | done
     generation: int = 0  # bumped on every failure: events of a dead incarnation are ignored
     syncer_generation: int = -1  # incarnation whose Join the syncer has processed
@@ -122,7 +119,6 @@ class _Slot:
     tokens_processed: int = 0
     incarnations: int = 0
     waits_abandoned: int = 0
-    rejoining: bool = False  # a returning incarnation that still has to take the global schedule position
 
 
 class DecoupledSim:
@@ -202,7 +198,8 @@ class DecoupledSim:
                              self.config.seed + 1 + m + INCARNATION_SEED_STRIDE * slot.incarnations)
         optimizer = make_inner_optimizer(model, workload.inner)
         slot.learner = Learner(self.config.diloco, learner_id=m, model=model, optimizer=optimizer)
-        slot.rejoining = slot.incarnations > 0
+        quorum, learners = self.config.quorum.min_quorum, self.config.cluster.num_learners
+        slot.rules = LearnerRules(slot.learner, self.config.learner, synchronous=quorum >= learners > 1)
         slot.incarnations += 1
         slot.state = "joining"
         slot.inbox.clear()
@@ -224,18 +221,27 @@ class DecoupledSim:
         if self.budget_spent:
             self._finish(slot)
             return
-        if not learner.joined:
+        assert slot.rules is not None
+        abandoned_before = learner.stats.waits_abandoned
+        blocking = learner.blocking_fragments()
+        nxt = slot.rules.next(self.loop.now)
+        if nxt.action is Action.JOIN:
             slot.state = "joining"
             return
-        if not learner.can_step:
-            slot.state = "blocked"
-            slot.wait_started_at = self.loop.now
+        if learner.stats.waits_abandoned > abandoned_before:
+            slot.waits_abandoned += learner.stats.waits_abandoned - abandoned_before
+            self._unblock(slot)
+            self.loop.record("stop_waiting", learner=slot.learner_id, fragments=blocking)
+        if nxt.action is Action.WAIT:
+            if slot.state != "blocked":
+                slot.state = "blocked"
+                slot.wait_started_at = self.loop.now
+                self.loop.record("blocked", learner=slot.learner_id, fragments=blocking)
             slot.wait_token += 1
-            self.loop.record("blocked", learner=slot.learner_id, fragments=learner.blocking_fragments())
-            self.loop.schedule(self.loop.now + self.config.learner.max_wait_s, "wait_timeout",
-                               self._on_wait_timeout, m=slot.learner_id, generation=slot.generation,
-                               token=slot.wait_token)
+            self.loop.schedule(nxt.until, "wait_timeout", self._on_wait_timeout, m=slot.learner_id,
+                               generation=slot.generation, token=slot.wait_token)
             return
+        self._unblock(slot)
         slot.state = "stepping"
         slot.step_started_at = self.loop.now
         if self.start_s is None:
@@ -279,16 +285,12 @@ class DecoupledSim:
         slot = self.slots[m]
         if generation != slot.generation or slot.state != "blocked" or token != slot.wait_token:
             return
-        assert slot.learner is not None
-        abandoned = slot.learner.stop_waiting()
-        slot.waits_abandoned += len(abandoned)
-        self._unblock(slot)
-        self.loop.record("stop_waiting", learner=m, fragments=abandoned)
-        self._try_step(slot)
+        self._try_step(slot)  # the rules stop waiting once their bound has passed
 
     def _unblock(self, slot: _Slot) -> None:
         if slot.state == "blocked":
             slot.blocked_s += self.loop.now - slot.wait_started_at
+            slot.state = "ready"
 
     def _on_heartbeat(self, m: int, generation: int) -> None:
         slot = self.slots[m]
@@ -304,6 +306,11 @@ class DecoupledSim:
         self._unblock(slot)
         slot.state = "done"
         self._close_up_interval(slot, self.loop.now)
+        assert slot.rules is not None
+        for update in slot.rules.finish():  # the last work of every fragment, before leaving
+            self.work.published(slot.learner_id, slot.generation, update.fragment, update.inner_step)
+            self.peak_up.add(slot.learner_id, self.loop.now, update.payload_bytes)
+            self._send_up(slot, update)
         self.loop.record("leave", learner=slot.learner_id)
         self._send_up(slot, Leave(slot.learner_id))
 
@@ -325,6 +332,7 @@ class DecoupledSim:
         slot.generation += 1
         slot.state = "down"
         slot.learner = None
+        slot.rules = None
         slot.inbox.clear()
         slot.uplink.reset(self.loop.now)
         slot.downlink.reset(self.loop.now)
@@ -436,24 +444,20 @@ class DecoupledSim:
             self._try_step(slot)
 
     def _apply(self, slot: _Slot, message: Any) -> None:
-        learner = slot.learner
-        assert learner is not None
-        if isinstance(message, Welcome) and slot.rejoining:
-            slot.rejoining = False
-            self._take_schedule_position(learner, message)
+        learner, rules = slot.learner, slot.rules
+        assert learner is not None and rules is not None
         before = list(learner.versions)
-        replies = learner.receive(message)
+        position = (learner.inner_step, learner.next_round)
+        replies = rules.receive(message, self.loop.now)
+        if isinstance(message, Welcome) and (learner.inner_step, learner.next_round) != position:
+            self.loop.record("schedule_position", learner=learner.learner_id, inner_step=learner.inner_step,
+                             next_round=learner.next_round)
         for p, (old, new) in enumerate(zip(before, learner.versions, strict=True)):
             if new != old or isinstance(message, Welcome):
                 self.work.overwritten(slot.learner_id, p)
         self.loop.record("apply", learner=slot.learner_id, message=describe_message(message))
         for reply in replies:
             self._send_up(slot, reply)
-
-    def _take_schedule_position(self, learner: Learner, welcome: Welcome) -> None:
-        learner.take_schedule_position(welcome)
-        self.loop.record("schedule_position", learner=learner.learner_id, inner_step=learner.inner_step,
-                         next_round=learner.next_round)
 
     # ---- syncer timers ---------------------------------------------------------------------------
 

@@ -1,0 +1,104 @@
+"""`ddiloco.session` in process (the hub): joining, the budget, checkpoints of the user's state, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddiloco
+from ddiloco.learner_session import RefusedError, environment
+from tests.helpers import TinyNet, make_batches, train_step
+
+CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
+
+
+class Cursor:
+    """A data position the session checkpoints (anything with state_dict / load_state_dict)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def hub():
+    return ddiloco.InProcessHub(config=CONFIG, quorum=ddiloco.QuorumConfig(grace="none"))
+
+
+def test_the_first_learner_is_the_genesis_and_later_ones_load_it():
+    shared = hub()
+    first, second = TinyNet(seed=1), TinyNet(seed=2)
+    genesis = {n: p.detach().clone() for n, p in first.named_parameters()}
+    with (ddiloco.session(first, torch.optim.SGD(first.parameters(), lr=0.1), hub=shared, learner_id=0),
+          ddiloco.session(second, torch.optim.SGD(second.parameters(), lr=0.1), hub=shared, learner_id=1)):
+        assert all(torch.equal(genesis[n], p) for n, p in second.named_parameters())
+    assert shared.syncer is not None and shared.syncer.plan.embeddings == {"token_embedding.weight"}
+
+
+def test_a_session_trains_to_its_budget_checkpoints_and_resumes_the_users_state(tmp_path):
+    shared = hub()
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cursor = Cursor()
+    with ddiloco.session(model, optimizer, state={"data": cursor}, hub=shared, learner_id=0, inner_steps=6,
+                         run_dir=tmp_path) as sync:
+        batches = iter(make_batches(10, seed=0))
+        while not sync.done:
+            cursor.position += 1
+            sync.step(tokens=train_step(model, optimizer, next(batches)), loss=1.0)
+    assert sync.inner_step == 6 and sync.final_state == "done"
+    assert shared.syncer.rounds_committed >= 3  # rounds at steps 2, 4, 6, and the final flush
+    status = (tmp_path / "learners" / "0" / "status.json").read_text()
+    assert '"state": "done"' in status
+
+    # A new process of the same learner: its optimizer, schedule position and data cursor come back.
+    again, cursor2 = TinyNet(seed=5), Cursor()
+    optimizer2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    with ddiloco.session(again, optimizer2, state={"data": cursor2}, hub=shared, learner_id=0, inner_steps=8,
+                         run_dir=tmp_path) as resumed:
+        assert resumed.inner_step == 6 and cursor2.position == 6
+        assert optimizer2.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+        while not resumed.done:
+            resumed.step(tokens=4)
+    assert resumed.inner_step == 8
+
+
+def test_bad_input_is_refused_with_a_clear_message():
+    model = TinyNet()
+    other = TinyNet()
+    with pytest.raises(ValueError, match="optimizer holds none of the model"):
+        ddiloco.session(model, torch.optim.SGD(other.parameters(), lr=0.1), hub=hub(), learner_id=0)
+    with pytest.raises(TypeError, match="needs state_dict"):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=0,
+                        state={"data": object()})
+    with pytest.raises(ValueError, match="no syncer"):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with (ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=0) as sync,
+          pytest.raises(ValueError, match="tokens=-1")):
+        sync.step(tokens=-1)
+
+
+def test_a_refused_learner_raises_a_system_exit_with_status_3():
+    shared = hub()
+    model = TinyNet()
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0):
+        pass
+    wider = TinyNet(width=12)  # another model than the run's genesis
+    with pytest.raises(RefusedError) as caught:
+        ddiloco.session(wider, torch.optim.SGD(wider.parameters(), lr=0.1), hub=shared, learner_id=1).start()
+    assert caught.value.code == 3 and "model differs" in caught.value.reason
+
+
+def test_the_environment_ddiloco_run_sets():
+    env = environment({"DDILOCO_SYNCER": "127.0.0.1:5", "DDILOCO_LEARNER_ID": "2", "DDILOCO_NUM_LEARNERS": "3",
+                       "DDILOCO_DEVICE": "cuda:1", "DDILOCO_ROLE": "evaluator", "DDILOCO_SEED": "7"})
+    assert (env.learner_id, env.num_learners, env.device, env.role, env.seed) == (2, 3, "cuda:1", "evaluator", 7)
+    assert env.managed and not environment({}).managed
+    with pytest.raises(ValueError, match="DDILOCO_LEARNER_ID=3"):
+        environment({"DDILOCO_LEARNER_ID": "3", "DDILOCO_NUM_LEARNERS": "3"})
+    with pytest.raises(ValueError, match="expected an integer"):
+        environment({"DDILOCO_LEARNER_ID": "one"})
