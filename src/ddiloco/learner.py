@@ -212,15 +212,6 @@ class Learner:
         if outstanding is not None and state.version > outstanding.base_version:
             del self._outstanding[p]
 
-    def skip_steps(self, count: int) -> None:
-        """Count `count` inner steps as done without training them, and skip the rounds that fell due
-        meanwhile (a restarted learner whose previous process trained them; see learner_process)."""
-        if count < 0:
-            raise ValueError(f"count={count} is invalid: expected >= 0")
-        self.inner_step += count
-        while due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) <= self.inner_step:
-            self.next_round += 1
-
     def take_schedule_position(self, welcome: Welcome) -> None:
         """Move to the global schedule position that `welcome` implies.
 

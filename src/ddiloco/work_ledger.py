@@ -1,9 +1,9 @@
-"""A learner's own records on disk: its work ledger and the last inner step it logged.
+"""A learner's own record on disk: its work ledger.
 
 `WorkLedger` writes `learners/N/work.jsonl`, the record the chaos analysis and invariants read
 (docs/runtime.md lists its lines): what the learner published, what became of each update, what it
-received, and how much unpublished work a Welcome or the end threw away. `last_logged_step` tells a
-restarted learner how far its previous process trained.
+received, and how much unpublished work a Welcome or the end threw away. It implements the
+`ddiloco.learner_rules.WorkEvents` the rules report to.
 """
 
 from __future__ import annotations
@@ -98,28 +98,3 @@ def fragment_shares(learner: Learner) -> list[float]:
     counts = [sum(sizes[name] for name in names) for names in learner.plan.fragments]
     total = sum(counts)
     return [count / total for count in counts]
-
-
-TAIL_BYTES = 1 << 16
-"""How much of the end of a metrics file `last_logged_step` reads (many steps' lines)."""
-
-
-def last_logged_step(path: Path, metric: str) -> int:
-    """The highest step of `metric` among the last lines of a JSONL metrics file (0 if none)."""
-    try:
-        with path.open("rb") as file:
-            file.seek(max(0, file.seek(0, os.SEEK_END) - TAIL_BYTES))
-            tail = file.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return 0
-    steps = []
-    for line in tail.splitlines():
-        if metric not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the first line of the tail, or a torn last one
-            continue
-        if isinstance(record, dict) and metric in record and isinstance(record.get("step"), int):
-            steps.append(record["step"])
-    return max(steps, default=0)

@@ -304,14 +304,3 @@ def test_participants_carry_the_inner_step_and_open_rounds_can_be_listed():
     for participant in line["participants"]:  # a round log written before inner_step was recorded
         del participant["inner_step"]
     assert [p.inner_step for p in round_record_from_json(line, dict(record.merged)).participants] == [-1, -1]
-
-
-def test_last_logged_step_reads_the_tail_and_ignores_torn_lines(tmp_path):
-    from ddiloco.work_ledger import last_logged_step
-
-    path = tmp_path / "metrics.jsonl"
-    assert last_logged_step(path, "learner/0/loss") == 0
-    lines = [json.dumps({"step": s, "time": 1.0, "learner/0/loss": 2.0}) for s in range(1, 5000)]
-    lines.append(json.dumps({"step": 9999, "time": 1.0, "learner/0/tokens_per_s": 5.0}))
-    path.write_text("\n".join(lines) + '\n{"step": 5000, "time": 1.0, "learner/0/lo')
-    assert last_logged_step(path, "learner/0/loss") == 4999

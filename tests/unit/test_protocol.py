@@ -422,12 +422,3 @@ def test_a_rejoin_keeps_work_on_current_fragments_and_publishes_a_lost_update_ag
     for name, value in params_of(learner.model).items():
         assert torch.equal(value, syncer.global_params()[name])
     assert learner.versions == [3] and learner.can_step
-
-
-def test_skipping_steps_moves_the_schedule_past_the_rounds_due_meanwhile():
-    config = _single_fragment(sync_every=4, overlap_steps=2)
-    learner = Learner(config, learner_id=0, model=TinyNet(seed=0))
-    learner.skip_steps(9)                          # rounds due at inner steps 4 and 8 were the old process's
-    assert (learner.inner_step, learner.next_round) == (9, 2)
-    with pytest.raises(ValueError, match="count=-1"):
-        learner.skip_steps(-1)

@@ -48,7 +48,7 @@ STANDBY_MODULE = "ddiloco.runtime.standby"
 TORCH_LAZY = ("torch._dynamo",)
 """What torch imports lazily on first use: building the first optimizer imports torch._dynamo (about 800
 modules, sympy among them: 0.9 s on an idle core)."""
-LEARNER_PRELOAD = ("ddiloco.cli", "ddiloco.runtime.process_commands", "ddiloco.runtime.learner_process",
+LEARNER_PRELOAD = ("ddiloco.cli", "ddiloco.runtime.process_commands", "ddiloco.train_tinygpt",
                    "ddiloco.transport.grpc_client", "ddiloco.chaos.control", *TORCH_LAZY)
 """What a learner process imports before its first step (torch, grpc, the model, the data pipeline)."""
 DEFAULT_REFILL_DELAY_S = 5.0
