@@ -49,7 +49,8 @@ def test_predicted_bytes_match_a_real_run_within_five_percent(tmp_path):
     for learner_id in range(LEARNERS):
         measured = summary["learners"][str(learner_id)]
         sent = measured["bytes_sent"]
-        # Exactly one learner (the first to join) uploaded its initial parameters as the run's genesis.
+        # A learner that found the run without a genesis uploaded its initial parameters once; learners
+        # that join at the same moment may both do so (the first upload wins, the other is told so).
         proposed = sent > predicted.learner_sent + predicted.genesis_sent / 2
         genesis.append(proposed)
         expected = predicted.learner_sent + (predicted.genesis_sent if proposed else 0)
@@ -58,4 +59,4 @@ def test_predicted_bytes_match_a_real_run_within_five_percent(tmp_path):
         received = measured["bytes_received"]
         assert predicted.learner_received * 0.95 <= received
         assert received <= (predicted.learner_received + predicted.flush_received_max) * 1.05
-    assert genesis.count(True) == 1
+    assert 1 <= genesis.count(True) <= LEARNERS
