@@ -14,7 +14,12 @@ batches. Target (issue "Your model, your data, your loop"): ratio >= 0.98.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +29,9 @@ import torch
 import ddiloco
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.data import DataConfig, load_corpus, shard_stream
-from ddiloco.metrics import NullSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.syncer_service import SyncerService
-from ddiloco.runtime.syncer_state import SyncerStore
-from ddiloco.transport.grpc_server import start_server
+
+SYNCER_START_S = 60.0
 
 
 def tinygpt():
@@ -52,6 +55,18 @@ def gpt2():
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1))
 
     return module.build_model, loss_of
+
+
+def wait_for_address(path: Path, syncer: subprocess.Popen) -> str:
+    deadline = time.monotonic() + SYNCER_START_S
+    while time.monotonic() < deadline:
+        if syncer.poll() is not None:
+            raise RuntimeError(f"the syncer exited with {syncer.returncode}")
+        try:
+            return json.loads(path.read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            time.sleep(0.05)
+    raise RuntimeError(f"no {path} after {SYNCER_START_S} s")
 
 
 def timed_steps(model, optimizer, loss_of, batches, sync=None) -> float:
@@ -81,24 +96,27 @@ def bench(name: str, steps: int, repeats: int) -> tuple[float, float]:
     timed_steps(bare_model, bare_opt, loss_of, batches[:10])  # warm-up: allocator, lazy imports
     run_config = RunConfig(diloco=config, quorum=QuorumConfig(), num_learners=1, inner_steps=2**62)
     with tempfile.TemporaryDirectory() as tmp:
-        service = SyncerService(run_config, None, SyncerStore(tmp), sink=NullSink())
-        server, port = start_server(service, "127.0.0.1:0", token=None)
-        service.start(f"127.0.0.1:{port}")
+        run_config.save(Path(tmp) / "config.json")
+        syncer = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", "127.0.0.1:0",
+                                   "--run-dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
         try:
-            with ddiloco.session(session_model, session_opt, syncer=f"127.0.0.1:{port}", learner_id=0,
-                                 config=run_config, handle_sigterm=False) as sync:
+            address = wait_for_address(Path(tmp) / "syncer.json", syncer)
+            with ddiloco.session(session_model, session_opt, syncer=address, learner_id=0, config=run_config,
+                                 handle_sigterm=False) as sync:
                 timed_steps(session_model, session_opt, loss_of, batches[:10], sync)
                 bare, wrapped = [], []
                 for _ in range(repeats):
                     bare.append(timed_steps(bare_model, bare_opt, loss_of, batches))
                     wrapped.append(timed_steps(session_model, session_opt, loss_of, batches, sync))
-                rounds = service.rounds_committed
+                rounds = sum(sync.learner.versions)
         finally:
-            service.close(server)
+            os.killpg(syncer.pid, signal.SIGTERM)
+            syncer.wait(timeout=60)
     b, w = statistics.median(bare), statistics.median(wrapped)
     print(f"{name:8s} bare {b:7.1f} steps/s  session {w:7.1f} steps/s  ratio {w / b:.3f}  "
           f"(median of {repeats} x {steps} steps; each: bare {[round(x, 1) for x in bare]}, "
-          f"session {[round(x, 1) for x in wrapped]}; {rounds} rounds committed)")
+          f"session {[round(x, 1) for x in wrapped]}; {rounds} rounds committed, as the learner saw them)")
     return b, w
 
 
