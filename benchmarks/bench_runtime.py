@@ -165,7 +165,12 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
     plan = FragmentPlan.for_tensors(params, config)
     states = [FragmentState(p, 1, {n: params[n] for n in plan.fragments[p]}) for p in range(plan.num_fragments)]
 
+    model = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.codec)
+
     class Handler:
+        def wire_model(self):
+            return model
+
         def join(self, join, diloco_config, peer):
             subscription = Subscription(join.learner_id)
             for i in range(count):
@@ -179,8 +184,7 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
         def record_rejection(self, reason, detail, *, learner_id, peer):
             print(f"server rejected: {reason} {detail}", file=sys.stderr)
 
-    model = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.codec)
-    server, port = start_server(Handler(), model, "127.0.0.1:0", token=None)
+    server, port = start_server(Handler(), "127.0.0.1:0", token=None)
     port_queue.put(port)
     stop.wait()
     server.stop(0)

@@ -243,7 +243,7 @@ class Supervisor:
         for slot in self.learners:
             self._poll_learner(slot, now)
         if self.evaluator is not None:
-            self._poll_evaluator(self.evaluator, now)
+            self._poll_learner(self.evaluator, now, start=self._start_evaluator)
         if self._stop_reason is None:
             self.standby.fill()
 
@@ -337,11 +337,12 @@ class Supervisor:
 
     # ---- learners --------------------------------------------------------------------------------
 
-    def _poll_learner(self, slot: Slot, now: float) -> None:
+    def _poll_learner(self, slot: Slot, now: float, *, start: Callable[[Slot], None] | None = None) -> None:
+        """A learner's (or, with `start`, the evaluator's) start, exit and restart."""
         if slot.state == ChildState.PENDING or (
                 slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at):
             if self.syncer_address is not None:
-                self._start_learner(slot)
+                (start or self._start_learner)(slot)
             return
         if slot.state != ChildState.RUNNING or slot.process is None:
             return
@@ -368,37 +369,16 @@ class Supervisor:
                        log_tail=tail)
             self._schedule_restart(slot, now)
 
-    def _poll_evaluator(self, slot: Slot, now: float) -> None:
-        """Started with the learners, restarted like one when it fails; done when it exits 0."""
-        if slot.state == ChildState.PENDING or (
-                slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at):
-            if self.syncer_address is not None and self._stop_reason is None:
-                env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
-                slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(self.syncer_address),
-                                                   self.launcher.config.threads, env_extra=env)
-                slot.pids.append(slot.process.pid)
-                slot.state = ChildState.RUNNING
-                self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid,
-                           restarts=slot.restarts)
-            return
-        if slot.state != ChildState.RUNNING or slot.process is None:
-            return
-        code = slot.process.poll()
-        if code is None:
-            return
-        slot.exit_codes.append(code)
-        if code == EXIT_DONE:
-            slot.state = ChildState.DONE
-            self._emit("done", slot, "exited (done)", exit_code=code)
-        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
-            tail = slot.process.log_tail()
-            slot.state = ChildState.FAILED
-            slot.reason = tail[-1] if tail else _describe_exit(code)
-            self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
-        else:
-            self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
-                       log_tail=slot.process.log_tail())
-            self._schedule_restart(slot, now)
+    def _start_evaluator(self, slot: Slot) -> None:
+        """The evaluator: started with the learners, supervised like one; done when it exits 0."""
+        assert self.syncer_address is not None
+        env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
+        slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(self.syncer_address),
+                                           self.launcher.config.threads, env_extra=env)
+        slot.pids.append(slot.process.pid)
+        slot.state = ChildState.RUNNING
+        slot.restart_at = None
+        self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid, restarts=slot.restarts)
 
     def _start_learner(self, slot: Slot) -> None:
         assert slot.learner_id is not None and self.syncer_address is not None
