@@ -19,7 +19,8 @@ _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {
     "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
     "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.transport.inprocess",
-    "LearnerEnvironment": _SESSION, "RefusedError": _SESSION, "Session": _SESSION, "environment": _SESSION,
+    "LearnerEnvironment": "ddiloco.environment", "RefusedError": _SESSION, "Session": _SESSION,
+    "environment": "ddiloco.environment",
     "session": _SESSION, "Watcher": _EVALUATOR, "watch": _EVALUATOR,
 }
 """Public name -> the module that owns it. Imported on first use, so `import ddiloco` (and the `ddiloco`

@@ -157,7 +157,7 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     """Evaluate the run's global model with `evaluate(model)` (a float loss, or a dict of metrics) every
     `every_s` seconds until the run ends (SIGTERM); returns the finished `Watcher`. Where to connect comes
     from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`)."""
-    from ddiloco.learner_session import environment
+    from ddiloco.environment import environment
 
     env = environment()
     address = syncer or env.syncer

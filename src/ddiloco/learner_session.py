@@ -52,12 +52,13 @@ from torch import nn
 from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DilocoConfig, LearnerConfig
+from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
-from ddiloco.messages import LearnerMessage, SyncerMessage
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.run_config import RunConfig
 from ddiloco.transport.inprocess import InProcessHub
+from ddiloco.transport.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dro
 STOP_FLUSH_S = 1.0
 """After a stop request (SIGTERM), how long queued updates may take to go out before the learner leaves."""
 
-ENV_PREFIX = "DDILOCO_"
-"""`ddiloco run` describes each learner's place in the run in these environment variables."""
 
 
 class Stateful(Protocol):
@@ -90,207 +89,6 @@ class RefusedError(SystemExit):
 
     def __str__(self) -> str:
         return f"refused by the syncer: {self.reason}"
-
-
-# ---- the environment ddiloco run sets -----------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class LearnerEnvironment:
-    """This process's place in a run, as `ddiloco run` (or the user) describes it."""
-
-    learner_id: int = 0
-    num_learners: int = 1
-    device: str = "cpu"
-    """torch device this learner should put its model on (`ddiloco run --device`)."""
-    role: str = "learner"
-    """learner, or evaluator (`ddiloco run --evaluate`: a read-only copy of the script; see `ddiloco.watch`)."""
-    seed: int = 0
-    """The run's seed: build the model under `torch.manual_seed(seed)` so every learner starts alike."""
-    syncer: str | None = None
-    run_dir: Path | None = None
-    token_file: Path | None = None
-    config: Path | None = None
-    """The run's config.json."""
-    link: str | None = None
-    """BANDWIDTH,LATENCY of an emulated link to the syncer."""
-    chaos_control: Path | None = None
-    threads: int | None = None
-    eval_every_s: float = 10.0
-    """An evaluator's period (`ddiloco run --eval-every-s`)."""
-    checkpoint_every_s: float = 10.0
-    """The period of the learner's local checkpoints (`ddiloco run --checkpoint-every-s`)."""
-
-    @property
-    def managed(self) -> bool:
-        """True when this process was started by `ddiloco run` (or told where its syncer is)."""
-        return self.syncer is not None
-
-
-def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
-    """Read the `DDILOCO_*` variables (`ddiloco run` sets them; docs/your_model.md lists them). Outside a
-    run: learner 0 of 1, cpu, no syncer."""
-    env = os.environ if environ is None else environ
-
-    def get(name: str) -> str | None:
-        value = env.get(ENV_PREFIX + name)
-        return value if value else None
-
-    def number(name: str, default: int) -> int:
-        value = get(name)
-        if value is None:
-            return default
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name}={value!r} is invalid: expected an integer") from None
-
-    def path(name: str) -> Path | None:
-        value = get(name)
-        return Path(value) if value is not None else None
-
-    found = LearnerEnvironment(
-        learner_id=number("LEARNER_ID", 0), num_learners=number("NUM_LEARNERS", 1), device=get("DEVICE") or "cpu",
-        role=get("ROLE") or "learner", seed=number("SEED", 0), syncer=get("SYNCER"), run_dir=path("RUN_DIR"),
-        token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
-        chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None,
-        eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
-        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0))
-    if not 0 <= found.learner_id < found.num_learners:
-        raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
-                         f"learners (ids 0..{found.num_learners - 1})")
-    if found.role not in ("learner", "evaluator"):
-        raise ValueError(f"{ENV_PREFIX}ROLE={found.role!r} is invalid: expected learner or evaluator")
-    return found
-
-
-# ---- transports -----------------------------------------------------------------------------------------
-
-class _Transport(Protocol):
-    connected: bool
-
-    def start(self) -> None: ...
-    def send(self, message: LearnerMessage) -> None: ...
-    def take_ready(self) -> list[SyncerMessage]: ...
-    def wait(self, timeout_s: float | None) -> None: ...
-    def wake(self) -> None: ...
-    def flush(self, timeout_s: float) -> bool: ...
-    def close(self, *, leave: bool) -> None: ...
-    def counters(self) -> dict[str, int]: ...
-
-
-class _HubTransport:
-    """The in-process hub: delivery is immediate, and nothing may block (one thread may drive many
-    learners), so `wait` only lets the hub close rounds whose grace window has ended."""
-
-    blocking = False
-
-    def __init__(self, hub: InProcessHub, learner: Learner) -> None:
-        self.hub = hub
-        self.learner = learner
-        self._inbox: list[SyncerMessage] = []
-        self.connected = False
-
-    def _genesis(self) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-        params = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.learner.model.named_parameters()}
-        return params, tuple(sorted(self.learner.embeddings))
-
-    def start(self) -> None:
-        self.hub.connect(self.learner.learner_id, self._inbox.append, genesis=self._genesis)
-        self.connected = True
-        self.hub.send(self.learner.join_message())
-
-    def send(self, message: LearnerMessage) -> None:
-        self.hub.send(message)
-
-    def take_ready(self) -> list[SyncerMessage]:
-        ready = list(self._inbox)
-        self._inbox.clear()  # in place: the hub holds this very list's append
-        return ready
-
-    def wait(self, timeout_s: float | None) -> None:
-        self.hub.advance()
-
-    def wake(self) -> None:
-        pass
-
-    def flush(self, timeout_s: float) -> bool:
-        return True
-
-    def close(self, *, leave: bool) -> None:
-        if leave:
-            from ddiloco.messages import Leave
-
-            self.hub.send(Leave(self.learner.learner_id))
-        self.hub.disconnect(self.learner.learner_id)
-        self.connected = False
-
-    def counters(self) -> dict[str, int]:
-        stats = self.learner.stats
-        return {"updates_accepted": 0, "updates_rejected": sum(stats.rejections.values()), "updates_dropped": 0,
-                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins}
-
-
-class _GrpcTransport:
-    """The real runtime: `LearnerIO`'s threads around one `SyncerClient`."""
-
-    blocking = True
-
-    def __init__(self, learner: Learner, rules: LearnerRules, *, address: str, token: str | None,
-                 config: RunConfig, link: str | None, tls_ca: bytes | None, tls_server_name: str | None,
-                 chaos: Any, clock: Clock) -> None:
-        from ddiloco.transport.grpc_client import SyncerClient
-        from ddiloco.transport.grpc_codec import Genesis, WireModel
-        from ddiloco.transport.learner_io import LearnerIO
-        from ddiloco.transport.link import NO_FAULTS, EmulatedLink, parse_link, unlimited_link
-
-        faults = chaos or NO_FAULTS
-        emulated = EmulatedLink(parse_link(link), faults=faults) if link else unlimited_link(faults=faults)
-        self.client = SyncerClient(address, model=WireModel(learner.spec, learner.plan, config.diloco.codec),
-                                   diloco_config=config.diloco, token=token, tls_root_certificates=tls_ca,
-                                   tls_server_name=tls_server_name, link=emulated)
-
-        def genesis() -> Genesis:
-            params = {n: p.detach() for n, p in learner.model.named_parameters()}
-            return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
-
-        self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,
-                            clock=clock, on_fate=rules.fate, genesis=genesis)
-        self.learner = learner
-
-    @property
-    def connected(self) -> bool:
-        return self.io.connected
-
-    def start(self) -> None:
-        self.io.start()
-
-    def send(self, message: LearnerMessage) -> None:
-        self.io.inner_step = self.learner.inner_step
-        self.io.send(message)
-
-    def take_ready(self) -> list[SyncerMessage]:
-        self.io.inner_step = self.learner.inner_step
-        return self.io.inbox.take_ready()
-
-    def wait(self, timeout_s: float | None) -> None:
-        self.io.inbox.wait(timeout_s)
-
-    def wake(self) -> None:
-        # Possibly from a signal handler while this very thread holds the inbox's condition: wake it from
-        # another thread so the handler never blocks on it.
-        threading.Thread(target=self.io.inbox.wake, daemon=True).start()
-
-    def flush(self, timeout_s: float) -> bool:
-        return self.io.flush(timeout_s)
-
-    def close(self, *, leave: bool) -> None:
-        self.io.close(leave=leave)
-
-    def counters(self) -> dict[str, int]:
-        io = self.io.stats
-        return {"updates_accepted": io.updates_accepted, "updates_rejected": io.updates_rejected,
-                "updates_dropped": io.updates_dropped, "bytes_sent": self.client.bytes_sent,
-                "bytes_received": self.client.bytes_received, "joins": io.welcomes}
 
 
 # ---- the session ------------------------------------------------------------------------------------------
@@ -357,12 +155,12 @@ class Session:
                                   synchronous=config.quorum.min_quorum >= config.num_learners > 1)
         self._ledger = ledger
         self.sink: MetricSink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
-        self.transport: _Transport
+        self.transport: SessionTransport
         if hub is not None:
-            self.transport = _HubTransport(hub, self.learner)
+            self.transport = HubTransport(hub, self.learner)
         else:
             assert syncer is not None
-            self.transport = _GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
+            self.transport = GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
                                             link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
                                             chaos=self._chaos, clock=self.clock)
         self._handle_sigterm = handle_sigterm and hub is None

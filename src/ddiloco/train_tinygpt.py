@@ -19,7 +19,8 @@ import torch
 
 import ddiloco
 from ddiloco.data import load_corpus, shard_stream, validation_batches
-from ddiloco.learner_session import LearnerEnvironment, RefusedError, environment
+from ddiloco.environment import LearnerEnvironment, environment
+from ddiloco.learner_session import RefusedError
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig
 from ddiloco.training import inner_step, make_inner_optimizer

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import ddiloco
-from ddiloco.learner_session import RefusedError, environment
+from ddiloco.environment import environment
+from ddiloco.learner_session import RefusedError
 from tests.helpers import TinyNet, make_batches, train_step
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")

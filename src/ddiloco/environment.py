@@ -1,0 +1,86 @@
+"""The environment `ddiloco run` sets for each learner script: its place in the run.
+
+`ddiloco.environment()` reads the `DDILOCO_*` variables (docs/your_model.md lists them); the launcher
+(`ddiloco.runtime.launcher.Launcher.learner_env`) writes them. Like torchrun's RANK and WORLD_SIZE, they
+are how a script started by the launcher learns who it is; a script started by hand can set them, or
+pass the same facts to `ddiloco.session(...)` as keywords. This module is the one place of the library
+that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_PREFIX = "DDILOCO_"
+"""`ddiloco run` describes each learner's place in the run in these environment variables."""
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerEnvironment:
+    """This process's place in a run, as `ddiloco run` (or the user) describes it."""
+
+    learner_id: int = 0
+    num_learners: int = 1
+    device: str = "cpu"
+    """torch device this learner should put its model on (`ddiloco run --device`)."""
+    role: str = "learner"
+    """learner, or evaluator (`ddiloco run --evaluate`: a read-only copy of the script; see `ddiloco.watch`)."""
+    seed: int = 0
+    """The run's seed: build the model under `torch.manual_seed(seed)` so every learner starts alike."""
+    syncer: str | None = None
+    run_dir: Path | None = None
+    token_file: Path | None = None
+    config: Path | None = None
+    """The run's config.json."""
+    link: str | None = None
+    """BANDWIDTH,LATENCY of an emulated link to the syncer."""
+    chaos_control: Path | None = None
+    threads: int | None = None
+    eval_every_s: float = 10.0
+    """An evaluator's period (`ddiloco run --eval-every-s`)."""
+    checkpoint_every_s: float = 10.0
+    """The period of the learner's local checkpoints (`ddiloco run --checkpoint-every-s`)."""
+
+    @property
+    def managed(self) -> bool:
+        """True when this process was started by `ddiloco run` (or told where its syncer is)."""
+        return self.syncer is not None
+
+
+def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
+    """Read the `DDILOCO_*` variables (`ddiloco run` sets them; docs/your_model.md lists them). Outside a
+    run: learner 0 of 1, cpu, no syncer."""
+    env = os.environ if environ is None else environ
+
+    def get(name: str) -> str | None:
+        value = env.get(ENV_PREFIX + name)
+        return value if value else None
+
+    def number(name: str, default: int) -> int:
+        value = get(name)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name}={value!r} is invalid: expected an integer") from None
+
+    def path(name: str) -> Path | None:
+        value = get(name)
+        return Path(value) if value is not None else None
+
+    found = LearnerEnvironment(
+        learner_id=number("LEARNER_ID", 0), num_learners=number("NUM_LEARNERS", 1), device=get("DEVICE") or "cpu",
+        role=get("ROLE") or "learner", seed=number("SEED", 0), syncer=get("SYNCER"), run_dir=path("RUN_DIR"),
+        token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
+        chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None,
+        eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
+        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0))
+    if not 0 <= found.learner_id < found.num_learners:
+        raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
+                         f"learners (ids 0..{found.num_learners - 1})")
+    if found.role not in ("learner", "evaluator"):
+        raise ValueError(f"{ENV_PREFIX}ROLE={found.role!r} is invalid: expected learner or evaluator")
+    return found

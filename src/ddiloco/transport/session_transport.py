@@ -1,0 +1,145 @@
+"""How a `ddiloco.Session` moves messages: to an in-process hub, or over gRPC through `LearnerIO`.
+
+Both offer the same small surface to the session (start, send, take what arrived, wait, flush, close,
+counters); the session's rules never depend on which one carries the messages.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from ddiloco.clock import Clock
+from ddiloco.learner import Learner
+from ddiloco.learner_rules import LearnerRules
+from ddiloco.messages import LearnerMessage, Leave, SyncerMessage
+from ddiloco.run_config import RunConfig
+from ddiloco.transport.inprocess import InProcessHub
+
+
+class SessionTransport(Protocol):
+    connected: bool
+
+    def start(self) -> None: ...
+    def send(self, message: LearnerMessage) -> None: ...
+    def take_ready(self) -> list[SyncerMessage]: ...
+    def wait(self, timeout_s: float | None) -> None: ...
+    def wake(self) -> None: ...
+    def flush(self, timeout_s: float) -> bool: ...
+    def close(self, *, leave: bool) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+
+
+class HubTransport:
+    """The in-process hub: delivery is immediate, and nothing may block (one thread may drive many
+    learners), so `wait` only lets the hub close rounds whose grace window has ended."""
+
+    blocking = False
+
+    def __init__(self, hub: InProcessHub, learner: Learner) -> None:
+        self.hub = hub
+        self.learner = learner
+        self._inbox: list[SyncerMessage] = []
+        self.connected = False
+
+    def _genesis(self) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+        params = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.learner.model.named_parameters()}
+        return params, tuple(sorted(self.learner.embeddings))
+
+    def start(self) -> None:
+        self.hub.connect(self.learner.learner_id, self._inbox.append, genesis=self._genesis)
+        self.connected = True
+        self.hub.send(self.learner.join_message())
+
+    def send(self, message: LearnerMessage) -> None:
+        self.hub.send(message)
+
+    def take_ready(self) -> list[SyncerMessage]:
+        ready = list(self._inbox)
+        self._inbox.clear()  # in place: the hub holds this very list's append
+        return ready
+
+    def wait(self, timeout_s: float | None) -> None:
+        self.hub.advance()
+
+    def wake(self) -> None:
+        pass
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, *, leave: bool) -> None:
+        if leave:
+            self.hub.send(Leave(self.learner.learner_id))
+        self.hub.disconnect(self.learner.learner_id)
+        self.connected = False
+
+    def counters(self) -> dict[str, int]:
+        stats = self.learner.stats
+        return {"updates_accepted": 0, "updates_rejected": sum(stats.rejections.values()), "updates_dropped": 0,
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins}
+
+
+class GrpcTransport:
+    """The real runtime: `LearnerIO`'s threads around one `SyncerClient`."""
+
+    blocking = True
+
+    def __init__(self, learner: Learner, rules: LearnerRules, *, address: str, token: str | None,
+                 config: RunConfig, link: str | None, tls_ca: bytes | None, tls_server_name: str | None,
+                 chaos: Any, clock: Clock) -> None:
+        from ddiloco.transport.grpc_client import SyncerClient
+        from ddiloco.transport.grpc_codec import Genesis, WireModel
+        from ddiloco.transport.learner_io import LearnerIO
+        from ddiloco.transport.link import NO_FAULTS, EmulatedLink, parse_link, unlimited_link
+
+        faults = chaos or NO_FAULTS
+        emulated = EmulatedLink(parse_link(link), faults=faults) if link else unlimited_link(faults=faults)
+        self.client = SyncerClient(address, model=WireModel(learner.spec, learner.plan, config.diloco.codec),
+                                   diloco_config=config.diloco, token=token, tls_root_certificates=tls_ca,
+                                   tls_server_name=tls_server_name, link=emulated)
+
+        def genesis() -> Genesis:
+            params = {n: p.detach() for n, p in learner.model.named_parameters()}
+            return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
+
+        self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,
+                            clock=clock, on_fate=rules.fate, genesis=genesis)
+        self.learner = learner
+
+    @property
+    def connected(self) -> bool:
+        return self.io.connected
+
+    def start(self) -> None:
+        self.io.start()
+
+    def send(self, message: LearnerMessage) -> None:
+        self.io.inner_step = self.learner.inner_step
+        self.io.send(message)
+
+    def take_ready(self) -> list[SyncerMessage]:
+        self.io.inner_step = self.learner.inner_step
+        return self.io.inbox.take_ready()
+
+    def wait(self, timeout_s: float | None) -> None:
+        self.io.inbox.wait(timeout_s)
+
+    def wake(self) -> None:
+        # Possibly from a signal handler while this very thread holds the inbox's condition: wake it from
+        # another thread so the handler never blocks on it.
+        threading.Thread(target=self.io.inbox.wake, daemon=True).start()
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.io.flush(timeout_s)
+
+    def close(self, *, leave: bool) -> None:
+        self.io.close(leave=leave)
+
+    def counters(self) -> dict[str, int]:
+        io = self.io.stats
+        return {"updates_accepted": io.updates_accepted, "updates_rejected": io.updates_rejected,
+                "updates_dropped": io.updates_dropped, "bytes_sent": self.client.bytes_sent,
+                "bytes_received": self.client.bytes_received, "joins": io.welcomes}
