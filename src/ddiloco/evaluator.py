@@ -177,12 +177,12 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
         run_config = RunConfig()
     token_path = token_file if token_file is not None else env.token_file
     if token is None and token_path is not None:
-        from ddiloco.runtime.auth import read_token_file
+        from ddiloco.transport.auth import read_token_file
 
         token = read_token_file(token_path)
     tls = None
     if tls_ca is not None:
-        from ddiloco.runtime.auth import read_ca_file
+        from ddiloco.transport.auth import read_ca_file
 
         tls = read_ca_file(tls_ca)
     period = every_s if every_s is not None else env.eval_every_s

@@ -57,8 +57,8 @@ from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.run_config import RunConfig
+from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.transport.inprocess import InProcessHub
-from ddiloco.transport.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
@@ -454,12 +454,12 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     if inner_steps is not None:
         run_config = _replace(run_config, inner_steps=inner_steps)
     if token is None and token_file is not None:
-        from ddiloco.runtime.auth import read_token_file
+        from ddiloco.transport.auth import read_token_file
 
         token = read_token_file(token_file)
     tls = tls_ca if isinstance(tls_ca, bytes) else None
     if isinstance(tls_ca, str | Path):
-        from ddiloco.runtime.auth import read_ca_file
+        from ddiloco.transport.auth import read_ca_file
 
         tls = read_ca_file(tls_ca)
     return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
@@ -479,7 +479,8 @@ def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: L
     if isinstance(config, str | Path):
         return RunConfig.load(config)
     if isinstance(config, DilocoConfig):
-        return RunConfig(diloco=config, num_learners=max(env.num_learners, 1), inner_steps=_UNBOUNDED)
+        learners = _HUB_LEARNERS if hub is not None else env.num_learners
+        return RunConfig(diloco=config, num_learners=learners, inner_steps=_UNBOUNDED)
     if hub is not None:
         return RunConfig(diloco=hub.config, quorum=hub.quorum, learner=LearnerConfig(), num_learners=_HUB_LEARNERS,
                          inner_steps=_UNBOUNDED)

@@ -63,11 +63,13 @@ def load_example(name: str):
     return module
 
 
-def run_with_a_kill(tmp_path: Path, example: str, inner_steps: int) -> Path:
+def run_with_a_kill(tmp_path: Path, example: str, inner_steps: int, *, command: tuple[str, ...] = (),
+                    flags: tuple[str, ...] = ()) -> Path:
     run_dir = tmp_path / "run"
+    command = command or (sys.executable, f"examples/{example}.py")
     popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
-                              "--learners", "2", "--inner-steps", str(inner_steps), "--evaluate", *FAST, "--",
-                              sys.executable, f"examples/{example}.py"],
+                              "--learners", "2", "--inner-steps", str(inner_steps), "--evaluate", *FAST, *flags,
+                              "--", *command],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     paths = RunPaths(run_dir)
@@ -111,6 +113,16 @@ def export_and_load(run_dir: Path, model: torch.nn.Module) -> None:
     model.load_state_dict(tensors)  # strict: every key of the user's model, tied weights included
     genesis = load_file(run_dir / "genesis.safetensors")
     assert any(not torch.equal(genesis[name], tensors[name]) for name in genesis)  # it trained
+
+
+def test_the_built_in_tinygpt_as_a_script_trains_survives_a_kill_and_exports(tmp_path):
+    from ddiloco.model import ModelConfig, build_model
+
+    tiny = ("--model-width", "32", "--model-num-heads", "2", "--model-num-layers", "1", "--model-context-len", "32",
+            "--data-context-len", "32", "--data-batch-size", "4")
+    run_dir = run_with_a_kill(tmp_path, "tinygpt", inner_steps=1500, flags=tiny,
+                              command=(sys.executable, "-m", "ddiloco.train_tinygpt"))
+    export_and_load(run_dir, build_model(ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32)))
 
 
 def test_a_small_mlp_trains_survives_a_kill_and_exports(tmp_path):

@@ -117,7 +117,7 @@ def resolve_run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def read_token(args: argparse.Namespace) -> str | None:
-    from ddiloco.runtime.auth import check_token, read_token_file
+    from ddiloco.transport.auth import check_token, read_token_file
 
     if args.token_file:
         return read_token_file(args.token_file)
@@ -149,7 +149,7 @@ def _set_threads(threads: int) -> None:
 # ---- ddiloco syncer ---------------------------------------------------------------------------------------
 
 def run_syncer(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.auth import check_bind, read_tls_files, split_host_port
+    from ddiloco.transport.auth import check_bind, read_tls_files, split_host_port
 
     run_config = resolve_run_config(args)
     token = read_token(args)
@@ -205,7 +205,7 @@ def run_syncer(args: argparse.Namespace) -> int:
 # ---- ddiloco learner ----------------------------------------------------------------------------------------
 
 def run_learner(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.auth import read_ca_file, split_host_port
+    from ddiloco.transport.auth import read_ca_file, split_host_port
     from ddiloco.transport.link import parse_link
 
     run_config = resolve_run_config(args)
@@ -240,7 +240,7 @@ def run_learner(args: argparse.Namespace) -> int:
 # ---- ddiloco evaluator ------------------------------------------------------------------------------------
 
 def run_evaluator(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.auth import split_host_port
+    from ddiloco.transport.auth import split_host_port
 
     run_config = resolve_run_config(args)
     token = read_token(args)
