@@ -178,6 +178,10 @@ class Learner:
             self.stats.rejections[reason] = self.stats.rejections.get(reason, 0) + 1
             logger.info("[learner %d | inner %d] update for fragment %d rejected: %s %s",
                         self.learner_id, self.inner_step, message.fragment, reason, message.detail)
+            outstanding = self._outstanding.get(message.fragment)
+            if outstanding is not None and outstanding.base_version == message.base_version:
+                # That update will never be merged: no round result is owed to this learner for it.
+                del self._outstanding[message.fragment]
             if message.reason == RejectReason.UNKNOWN_LEARNER:
                 # The syncer forgot us (heartbeat timeout or restart): load its state again.
                 self.joined = False

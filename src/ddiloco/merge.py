@@ -8,7 +8,8 @@
   vector of the weighted mean of the unit directions. Embedding tensors are not near-orthogonal
   across learners and use the plain weighted mean.
 
-Everything here is a pure function of tensors and weights; float32 accumulation throughout.
+Everything here is a pure function of tensors and weights; float32 accumulation, with the norms in
+float64 (a float32 norm of values near 1e20 overflows, and inf / inf makes a finite round NaN).
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tenso
         return out
     mean_norm = 0.0
     # One pass for the norms, one for the direction sum: the merge is bandwidth-bound.
-    norms = [float(torch.linalg.vector_norm(d, dtype=torch.float32)) for d in deltas]
+    norms = [float(torch.linalg.vector_norm(d, dtype=torch.float64)) for d in deltas]
     for delta, w, norm in zip(deltas, share, norms, strict=True):
         mean_norm += w * norm
         if w and norm > 0.0:
             out.add_(delta, alpha=w / norm)
-    direction_norm = float(torch.linalg.vector_norm(out))
+    direction_norm = float(torch.linalg.vector_norm(out, dtype=torch.float64))
     if direction_norm == 0.0:
         return out.zero_()
     return out.mul_(mean_norm / direction_norm)

@@ -35,6 +35,28 @@ class OuterOptimizer:
         for param in self._params[fragment]:
             param.grad = None
 
+    @torch.no_grad()
+    def non_finite_result(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> str | None:
+        """The first tensor whose momentum or parameter would stop being finite if `merged` were applied to
+        `fragment` (the same Nesterov formula as `step`, computed aside), or None. Values that are each
+        finite can still overflow float32 in the step: a round that would do so must not commit."""
+        optimizer = self._optimizers[fragment]
+        group = optimizer.param_groups[0]
+        lr, mu = group["lr"], group["momentum"]
+        for name, param in zip(self._names[fragment], self._params[fragment], strict=True):
+            grad = merged[name].to(dtype=param.dtype)
+            if not bool(torch.isfinite(grad).all()):
+                return name
+            if mu > 0:
+                buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+                momentum = grad.clone() if buffer is None else buffer * mu + grad
+                if not bool(torch.isfinite(momentum).all()):
+                    return name
+                grad = grad + momentum * mu
+            if not bool(torch.isfinite(param - grad * lr).all()):
+                return name
+        return None
+
     def state_dict(self) -> list[dict]:
         # A deep copy: torch returns live references to the momentum buffers, and a state dict
         # loaded into a second optimizer would otherwise share (and double-update) them.

@@ -379,6 +379,9 @@ class Syncer:
         weights = [token_weight(u.tokens, u.steps) for u in pending]
         merged = merge_round([u.deltas for u in pending], weights, method=self.config.merge,
                              embeddings=self.plan.embeddings)
+        overflow = self.outer.non_finite_result(p, merged)
+        if overflow is not None:
+            return self._discard(p, learner_ids, pending, overflow, now)
         self.outer.step(p, merged)
         version_before = self.versions[p]
         self.versions[p] = version_before + 1
@@ -406,6 +409,23 @@ class Syncer:
             self.bytes_sent += state.payload_bytes
         logger.debug("[syncer] round %d: fragment %d -> version %d from learners %s",
                      record.round_index, p, self.versions[p], learner_ids)
+        return actions
+
+    def _discard(self, p: int, learner_ids: list[int], pending: list[_Pending], tensor: str,
+                 now: float) -> list[SyncerAction]:
+        """A round whose outer step would not be finite is not a round (DESIGN.md section 4): nothing is
+        committed, the fragment keeps its version, and each of its updates is rejected with the reason."""
+        self._open[p] = _OpenRound()
+        detail = f"the merged round of fragment {p} would make {tensor} non-finite: not committed"
+        logger.error("[syncer] %s (learners %s)", detail, learner_ids)
+        actions: list[SyncerAction] = []
+        for learner_id, update in zip(learner_ids, pending, strict=True):
+            record = RejectionRecord(now, learner_id, p, update.base_version, RejectReason.NON_FINITE, detail)
+            self.rejections.append(record)
+            self.rejection_counts[str(RejectReason.NON_FINITE)] += 1
+            self.learners[learner_id].rejected += 1
+            actions.append(Send(learner_id, Rejected(learner_id, p, update.base_version, RejectReason.NON_FINITE,
+                                                     detail)))
         return actions
 
     # ---- checkpoints -----------------------------------------------------------------------------

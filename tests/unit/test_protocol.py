@@ -422,3 +422,59 @@ def test_a_rejoin_keeps_work_on_current_fragments_and_publishes_a_lost_update_ag
     for name, value in params_of(learner.model).items():
         assert torch.equal(value, syncer.global_params()[name])
     assert learner.versions == [3] and learner.can_step
+
+
+def _flood(syncer: Syncer, value: float, *, learner_id: int = 0):
+    """An fp32 update of every tensor of fragment 0 filled with `value` (finite, so it passes validation)."""
+    from ddiloco.compression import get_codec
+    from ddiloco.messages import Join, Update
+
+    codec = get_codec("fp32")
+    if learner_id not in syncer.learners:
+        syncer.receive(Join(learner_id, syncer.spec, syncer.config.fingerprint()), 0.0)
+    shapes = {t.name: t.shape for t in syncer.spec.tensors}
+    payload = {name: codec.encode(torch.full(shapes[name], value)) for name in syncer.plan.fragments[0]}
+    return syncer.receive(Update(learner_id, 0, 0, 2, 2, 10, "fp32", payload), 1.0)
+
+
+def test_finite_updates_whose_norm_overflows_float32_still_merge_to_a_finite_round():
+    # Values near 1e20 square past float32's range: a float32 norm is inf, RDA's mean norm becomes inf
+    # and the committed round held inf and NaN. Norms in float64 keep it finite (and not zero).
+    config = DilocoConfig(num_fragments=1, fragment_strategy="single", codec="fp32")
+    syncer = Syncer(config, QuorumConfig(min_quorum=2, grace="none"), initial_params=params_of(TinyNet(seed=100)))
+    from ddiloco.messages import Join
+
+    for learner_id in (0, 1):
+        syncer.receive(Join(learner_id, syncer.spec, config.fingerprint()), 0.0)
+    assert not [a for a in _flood(syncer, 1e-3, learner_id=0) if isinstance(a, Commit)]  # waits for the quorum
+    actions = _flood(syncer, 1e20, learner_id=1)
+    (commit,) = [a for a in actions if isinstance(a, Commit)]
+    assert all(bool(torch.isfinite(t).all()) and bool(t.abs().max() > 1e18) for t in commit.record.merged.values())
+    assert all(bool(torch.isfinite(t).all()) for t in syncer.global_params().values())
+
+
+def test_a_round_whose_outer_step_would_not_be_finite_is_not_committed_and_its_updates_are_rejected():
+    config = DilocoConfig(num_fragments=1, fragment_strategy="single", codec="fp32")
+    syncer = Syncer(config, QuorumConfig(grace="none"), initial_params=params_of(TinyNet(seed=100)))
+    before = syncer.global_params()
+    actions = _flood(syncer, 3e38)  # finite, but theta - lr * (delta + mu * m) overflows float32
+    assert not [a for a in actions if isinstance(a, Commit)]
+    (rejected,) = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Rejected)]
+    assert rejected.reason == RejectReason.NON_FINITE and "not committed" in rejected.detail
+    assert syncer.rounds_committed == 0 and syncer.versions == [0] and syncer.held_updates() == []
+    assert all(torch.equal(before[n], t) for n, t in syncer.global_params().items())
+    assert syncer.rejection_counts["non_finite"] == 1
+
+
+def test_a_rejected_update_ends_the_wait_for_its_round():
+    config = _single_fragment(sync_every=2, overlap_steps=1)
+    learner = Learner(config, learner_id=0, model=TinyNet(seed=0))
+    welcome = FragmentState(0, 0, params_of(TinyNet(seed=1)))
+    from ddiloco.messages import Welcome
+
+    learner.receive(Welcome(0, (welcome,), config.fingerprint()))
+    (update,) = [u for _ in range(2) for u in learner.after_inner_step(tokens=4)]
+    learner.after_inner_step(tokens=4)
+    assert not learner.can_step  # tau = 1 step past its publish, no newer version yet
+    learner.receive(Rejected(0, 0, update.base_version, RejectReason.NON_FINITE, "not committed"))
+    assert learner.can_step
