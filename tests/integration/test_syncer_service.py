@@ -151,3 +151,43 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
         stop(learner, f"learner {i}")
     stop(syncer, "the syncer")
     assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
+
+
+def test_watch_sends_the_model_at_once_then_at_most_every_min_interval():
+    """The Watch call (an evaluator's read-only subscription) asks the service for a snapshot not before
+    the previous one plus min_interval_s, and only after newer rounds (real gRPC on 127.0.0.1)."""
+    import time
+
+    from ddiloco.config import DilocoConfig
+    from ddiloco.fragments import FragmentPlan
+    from ddiloco.messages import FragmentState, ModelSpec, Welcome
+    from ddiloco.transport.grpc_client import SyncerClient
+    from ddiloco.transport.grpc_codec import WireModel
+    from ddiloco.transport.grpc_server import start_server
+    from tests.helpers import TinyNet, params_of
+
+    config = DilocoConfig(num_fragments=2, codec="fp32")
+    params = params_of(TinyNet())
+    plan = FragmentPlan.for_tensors(params, config)
+    welcome = Welcome(0, tuple(FragmentState(p, 1, {n: params[n] for n in names})
+                               for p, names in enumerate(plan.fragments)), config.fingerprint())
+    calls: list[tuple[int, float, float]] = []
+
+    class Handler:
+        def snapshot(self, after_round, not_before):
+            calls.append((after_round, not_before, time.monotonic()))
+            return (after_round + 2, welcome) if len(calls) <= 3 else None  # the service's wait is not tested here
+
+    server, port = start_server(Handler(), "127.0.0.1:0", token=None)
+    client = SyncerClient(f"127.0.0.1:{port}", model=WireModel(ModelSpec.from_named_tensors(params.items()), plan,
+                                                                  "fp32"), diloco_config=config)
+    try:
+        received = list(client.watch(min_interval_s=30.0))
+    finally:
+        client.close()
+        server.stop(0)
+    assert len(received) == 3 and all(isinstance(w, Welcome) for w in received)
+    assert [after for after, _, _ in calls] == [-1, 1, 3, 5]
+    assert calls[0][1] <= time.monotonic()  # the first snapshot: at once
+    for (_, not_before, _), (_, _, previous_at) in zip(calls[1:], calls, strict=False):
+        assert not_before >= previous_at + 30.0

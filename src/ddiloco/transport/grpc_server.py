@@ -146,10 +146,10 @@ class SyncerHandler(Protocol):
         """(accepted, detail): the proposed genesis became the run's global model, or why not."""
         ...
 
-    def snapshot(self, after_round: int, min_interval_s: float) -> tuple[int, Welcome] | None:
+    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | None:
         """Blocks until more than `after_round` rounds have committed (at once when after_round is -1)
-        and `min_interval_s` has passed; (rounds committed, the whole global model). None when the
-        syncer stops."""
+        and monotonic time `not_before` has come; (rounds committed, the whole global model). None when
+        the syncer stops."""
         ...
 
     def is_member(self, learner_id: int) -> bool: ...
@@ -325,13 +325,14 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         if not (math.isfinite(interval) and interval >= 0):
             self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"), None)
             return
-        after = -1
+        after, not_before = -1, 0.0
         while context.is_active():
-            answer = self.handler.snapshot(after, interval)
+            answer = self.handler.snapshot(after, not_before)
             if answer is None:
                 return
             after, welcome = answer
             yield from encode_syncer_message(welcome)
+            not_before = time.monotonic() + interval  # the service's clock: MonotonicClock
 
 
 def start_server(handler: SyncerHandler, bind: str, *, token: str | None,
