@@ -90,8 +90,9 @@ class GrpcTransport:
     def __init__(self, learner: Learner, rules: LearnerRules, *, address: str, token: str | None,
                  config: RunConfig, link: str | None, tls_ca: bytes | None, tls_server_name: str | None,
                  chaos: Any, clock: Clock) -> None:
+        from ddiloco.transport.genesis_codec import Genesis
         from ddiloco.transport.grpc_client import SyncerClient
-        from ddiloco.transport.grpc_codec import Genesis, WireModel
+        from ddiloco.transport.grpc_codec import WireModel
         from ddiloco.transport.learner_io import LearnerIO
         from ddiloco.transport.link import NO_FAULTS, EmulatedLink, parse_link, unlimited_link
 

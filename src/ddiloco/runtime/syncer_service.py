@@ -52,7 +52,8 @@ from ddiloco.metrics import MetricSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, genesis_from_init, write_genesis
 from ddiloco.syncer import Syncer
-from ddiloco.transport.grpc_codec import Genesis, WireModel, config_difference
+from ddiloco.transport.genesis_codec import Genesis
+from ddiloco.transport.grpc_codec import WireModel, config_difference
 from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, Subscription
 
 logger = logging.getLogger(__name__)

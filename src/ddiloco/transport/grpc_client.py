@@ -34,11 +34,10 @@ import grpc
 from ddiloco.config import DilocoConfig
 from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update, Welcome
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.genesis_codec import Genesis, encode_genesis
 from ddiloco.transport.grpc_codec import (
-    Genesis,
     SyncerStreamDecoder,
     WireModel,
-    encode_genesis,
     encode_join,
     encode_update,
     flip_data_byte,

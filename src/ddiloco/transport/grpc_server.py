@@ -43,11 +43,10 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler
 from ddiloco.transport.grpc_codec import (
     MAX_LEARNER_ID,
     MAX_MESSAGE_BYTES,
-    Genesis,
-    GenesisAssembler,
     UpdateAssembler,
     WireError,
     WireModel,

@@ -38,6 +38,7 @@ import grpc
 
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
+from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
     Backoff,
     ChaosFault,
@@ -48,7 +49,7 @@ from ddiloco.transport.grpc_client import (
     error_reason,
     error_text,
 )
-from ddiloco.transport.grpc_codec import Genesis, WireError
+from ddiloco.transport.grpc_codec import WireError
 
 logger = logging.getLogger(__name__)
 
