@@ -59,6 +59,8 @@ class LearnerStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     updates_withheld_non_finite: int = 0
+    updates_published_early: int = 0
+    """Updates sent because the round they belonged to closed first (`Learner._publish_before`)."""
     fragments_applied: int = 0
     fragments_ignored_stale: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
@@ -102,6 +104,10 @@ class Learner:
         this learner's unpublished work on that fragment."""
         self.inner_step = 0
         self.next_round = 0
+        self._published_early: set[int] = set()
+        """Rounds whose update went out before they fell due (`_publish_before`): skipped when they do."""
+        self._published_from: list[int | None] = [None] * num
+        """Per fragment, the base version of the last update published (None: none yet)."""
         self.joined = False
         self.refused_reason: str | None = None
         self._outstanding: dict[int, _Outstanding] = {}
@@ -142,8 +148,9 @@ class Learner:
     def receive(self, message: SyncerMessage) -> list[LearnerMessage]:
         """Apply a message from the syncer; returns messages to send back (possibly none)."""
         if isinstance(message, FragmentState):
+            early = self._publish_before(message)
             self._apply(message)
-            return []
+            return [early] if early is not None else []
         if isinstance(message, Welcome):
             if message.learner_id != self.learner_id:
                 raise ValueError(f"Welcome for learner {message.learner_id} delivered to {self.learner_id}")
@@ -189,6 +196,27 @@ class Learner:
             return []
         raise TypeError(f"learner cannot handle {type(message).__name__}")
 
+    def _publish_before(self, state: FragmentState) -> Update | None:
+        """The round that produced `state` closed before this learner published its part of it (it
+        started later, or it is slower). Applying the state would overwrite every step trained since the
+        base, so that work is published first, from the base, and the round it was scheduled for is
+        skipped: the update is one version late and the syncer folds it into the fragment's next round
+        (docs/protocol.md, "Rounds"). Only for the version right after the base (an older base is too far
+        behind to be worth sending) and when the work since the base has not gone out yet."""
+        p = state.fragment
+        if (not self.joined or not 0 <= p < self.plan.num_fragments or state.version != self.versions[p] + 1
+                or self.steps_since[p] == 0 or self._published_from[p] == self.versions[p]):
+            return None
+        update = self._publish(p)
+        if update is None:
+            return None
+        num = self.plan.num_fragments
+        scheduled = self.next_round + (p - self.next_round) % num
+        if scheduled <= num * (state.version - 1) + p:
+            self._published_early.add(scheduled)
+        self.stats.updates_published_early += 1
+        return update
+
     @torch.no_grad()
     def _apply(self, state: FragmentState, *, force: bool = False) -> None:
         p = state.fragment
@@ -228,6 +256,7 @@ class Learner:
         self.next_round = next_uncommitted_round(welcome)
         self.inner_step = due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) - 1
         self.synced_at = [self.inner_step] * self.plan.num_fragments
+        self._published_early.clear()
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.next_round)
 
@@ -247,9 +276,12 @@ class Learner:
         updates = []
         num = self.plan.num_fragments
         while due_step(self.next_round, self.config.sync_every, num) <= self.inner_step:
-            update = self._publish(self.next_round % num)
-            if update is not None:
-                updates.append(update)
+            if self.next_round in self._published_early:
+                self._published_early.discard(self.next_round)
+            else:
+                update = self._publish(self.next_round % num)
+                if update is not None:
+                    updates.append(update)
             self.next_round += 1
         return updates
 
@@ -267,6 +299,7 @@ class Learner:
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
+        self._published_from[p] = self.versions[p]
         self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
         self.stats.bytes_sent += update.payload_bytes
@@ -308,6 +341,7 @@ class Learner:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
         self.next_round = int(state["next_round"])
+        self._published_early.clear()
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
 

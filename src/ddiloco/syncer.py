@@ -299,7 +299,9 @@ class Syncer:
         if update.base_version <= merged_base:
             return RejectReason.STALE, (f"base version {update.base_version} overlaps this learner's update "
                                         f"from base version {merged_base}, already merged")
-        if update.learner_id in self._open[p].updates:
+        held = self._open[p].updates.get(update.learner_id)
+        if held is not None and (update.base_version < held.base_version
+                                 or (update.base_version == held.base_version and update.steps <= held.steps)):
             return RejectReason.DUPLICATE, f"already holds an update of this learner for fragment {p}"
         return None
 
@@ -328,10 +330,19 @@ class Syncer:
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
         open_round = self._open[update.fragment]
-        open_round.updates[update.learner_id] = _Pending(decoded, update.base_version, update.steps,
-                                                         update.tokens, update.inner_step)
-        if open_round.first_at is None:
-            open_round.first_at = now
+        pending = _Pending(decoded, update.base_version, update.steps, update.tokens, update.inner_step)
+        held = open_round.updates.get(update.learner_id)
+        if held is not None and held.base_version < update.base_version:
+            # A late update still held, and new work from the next version (which overwrote the learner's
+            # fragment, so the two cover different steps): the round counts both, as one.
+            pending = _Pending({name: held.deltas[name] + delta for name, delta in decoded.items()},
+                               update.base_version, held.steps + update.steps, held.tokens + update.tokens,
+                               update.inner_step)
+        # (Same base: the same work continued, since a pseudo-gradient is measured from the base; it
+        # replaces the held one. `_validate` refused every other overlap.)
+        open_round.updates[update.learner_id] = pending
+        if open_round.first_at is None and update.base_version == self.versions[update.fragment]:
+            open_round.first_at = now  # the quorum time runs from the first update the round is due for
         return self._schedule(update.fragment, now)
 
     def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
@@ -358,16 +369,21 @@ class Syncer:
 
     def _schedule(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
-        count = len(open_round.updates)
-        if count == 0:
+        if not open_round.updates:
             return []
-        if open_round.quorum_at is None and count >= self.effective_quorum():
+        # Late updates (from an older version than the fragment's) ride in the next round but never
+        # make one: a round is an outer step, and it is due when learners report from the current version.
+        due = {i for i, u in open_round.updates.items() if u.base_version == self.versions[p]}
+        if open_round.quorum_at is None and len(due) >= self.effective_quorum():
             open_round.quorum_at = now
             open_round.grace_s = self.grace_window()
             open_round.close_at = now + open_round.grace_s
         alive = set(self.alive_learners())
-        if open_round.quorum_at is not None and alive <= set(open_round.updates):
-            open_round.close_at = now  # everyone alive has reported: nothing left to wait for
+        if (open_round.quorum_at is not None and alive <= due) or (not due and alive <= set(open_round.updates)):
+            # Everyone alive has reported for this round, or has only late work left to give (the end of
+            # a run): nothing left to wait for.
+            open_round.quorum_at = now if open_round.quorum_at is None else open_round.quorum_at
+            open_round.close_at = now
         if open_round.close_at is not None and open_round.close_at <= now:
             return self._close(p, now)
         return []
@@ -393,8 +409,11 @@ class Syncer:
             info.merged_base[p] = u.base_version
             info.accepted += 1
             info.tokens_merged += u.tokens
-        assert open_round.first_at is not None and open_round.quorum_at is not None
-        self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
+        assert open_round.quorum_at is not None
+        if open_round.first_at is None:  # closed by late updates alone: everyone alive had reported
+            open_round.first_at = open_round.quorum_at
+        else:
+            self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
         record = RoundRecord(
             round_index=self.rounds_committed, fragment=p, version=self.versions[p],
             participants=participants, merged=merged, opened_at=open_round.first_at,

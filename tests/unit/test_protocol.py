@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, Rejected, RejectReason, Send
@@ -111,7 +112,7 @@ def test_round_closes_on_quorum_merges_inside_grace_and_defers_later_updates():
     assert [p.learner_id for p in hub.round_log[1].participants] == [0, 1]
 
 
-def test_late_update_goes_to_the_next_round_with_its_staleness():
+def test_late_update_rides_in_the_next_round_without_making_one():
     quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
     syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
     # The slow learner publishes from version 0, but its update is still on the way ...
@@ -124,10 +125,47 @@ def test_late_update_goes_to_the_next_round_with_its_staleness():
     for t in (0.0, 0.1):
         _publish(hub, fast, clock, t)
     assert syncer.versions == [1]
+    # One version late, with K = 1 it would be a quorum on its own; it is held for the next round instead.
     actions = syncer.receive(late, now=0.2)
-    (record,) = [a.record for a in actions if isinstance(a, Commit)]
-    (participant,) = record.participants
-    assert (participant.learner_id, participant.staleness, record.version) == (1, 1, 2)
+    assert not [a for a in actions if isinstance(a, Commit)] and syncer.versions == [1]
+    assert [(h.learner_id, h.base_version) for h in syncer.held_updates()] == [(1, 0)]
+    # The fast learner's next update (from version 1) is due: one round, both merged.
+    for t in (0.3, 0.4):
+        _publish(hub, fast, clock, t)
+    record = hub.round_log[-1]
+    assert record.version == 2 and syncer.rounds_committed == 2
+    assert [(q.learner_id, q.staleness) for q in record.participants] == [(0, 0), (1, 1)]
+
+
+def test_a_late_update_closes_a_round_once_every_live_learner_has_reported():
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
+    in_flight = []
+    for batch in make_batches(2, seed=9):
+        in_flight += slow.after_inner_step(train_step(slow.model, slow.optimizer, batch))
+    for t in (0.0, 0.1):
+        _publish(hub, fast, clock, t)
+    hub.leave(fast)
+    # Nobody alive is left to report from version 1: the late update is not kept waiting.
+    syncer.receive(in_flight[0], now=0.2)
+    assert syncer.versions == [2] and syncer.held_updates() == []
+
+
+def test_the_same_work_continued_replaces_a_held_update():
+    quorum = QuorumConfig(min_quorum=2, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (a, b) = make_system(2, _single_fragment(sync_every=2), quorum)
+    first = []
+    for batch in make_batches(4, seed=3):
+        first += a.after_inner_step(train_step(a.model, a.optimizer, batch))
+    assert [u.steps for u in first] == [2, 4]  # the learner's wait bound passed: it trained on
+    for update in first:
+        actions = syncer.receive(update, now=0.5)
+        assert not [x for x in actions if isinstance(x, Send) and isinstance(x.message, Rejected)]
+    (held,) = syncer.held_updates()
+    assert held.inner_step == 4
+    # An update with the same base but no more steps is not the same work continued: refused.
+    assert [x.message.reason for x in syncer.receive(first[0], now=0.6)
+            if isinstance(x, Send) and isinstance(x.message, Rejected)] == [RejectReason.DUPLICATE]
 
 
 def test_a_failed_learner_is_never_waited_for():
@@ -369,9 +407,9 @@ def test_round_closes_early_once_every_live_learner_has_reported():
 
 
 def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
-    # The slow learner's update (base 0) is late; meanwhile it loads version 1 and trains from it.
-    # Its late update is merged into version 2, which has not reached it yet when it publishes again
-    # from base 1: that progress is new, so it must be merged, not rejected as stale.
+    # The slow learner's update (base 0) is late and held; meanwhile it loads version 1 and trains from
+    # it. Its update from base 1 is new progress (version 1 overwrote the steps of the held one): the
+    # round merges both as one update of that learner, neither is rejected as stale or duplicate.
     quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
     syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
     def train_two_steps(seed):
@@ -382,14 +420,19 @@ def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
     for t in (0.0, 0.1):
         _publish(hub, fast, clock, t)                  # version 1, delivered to both learners
     assert slow.versions == [1]
-    syncer.receive(late[0], now=0.2)                   # merged into version 2, broadcast not delivered
-    assert syncer.versions == [2]
+    syncer.receive(late[0], now=0.2)                   # one version late: held for the next round
+    assert syncer.versions == [1]
     again = train_two_steps(10)
     assert again[0].base_version == 1
     actions = syncer.receive(again[0], now=0.3)
     assert syncer.rejections == []
     (record,) = [a.record for a in actions if isinstance(a, Commit)]
-    assert [(p.learner_id, p.base_version, p.staleness) for p in record.participants] == [(1, 1, 1)]
+    assert [(p.learner_id, p.base_version, p.steps) for p in record.participants] == [(1, 1, 4)]
+    decode = get_codec(FP32["codec"]).decode
+    for name, merged in record.merged.items():
+        shape = merged.shape
+        both = decode(late[0].payload[name], shape) + decode(again[0].payload[name], shape)
+        torch.testing.assert_close(merged, both, rtol=1e-5, atol=1e-9)  # one update: RDA renormalises it
 
 
 def test_advancing_exactly_at_the_deadline_times_a_silent_learner_out():
@@ -478,3 +521,29 @@ def test_a_rejected_update_ends_the_wait_for_its_round():
     assert not learner.can_step  # tau = 1 step past its publish, no newer version yet
     learner.receive(Rejected(0, 0, update.base_version, RejectReason.NON_FINITE, "not committed"))
     assert learner.can_step
+
+
+def test_a_round_that_closes_before_a_learner_published_its_part_takes_that_work_first():
+    """The slow learner has trained 3 of its 4 steps on the fragment when the fast learner's round closes:
+    applying version 1 would overwrite those 3 steps. It publishes them first (from version 0), skips the
+    round it was due to publish at step 4, and the syncer merges the late work into the next round."""
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=4, overlap_steps=1), quorum)
+    batches = make_batches(3, seed=4)
+    for batch in batches:
+        assert slow.after_inner_step(train_step(slow.model, slow.optimizer, batch)) == []
+    for t in range(4):
+        _publish(hub, fast, clock, float(t))       # round 0 closes with the fast learner alone
+    assert syncer.versions == [1] and slow.versions == [1]
+    assert slow.stats.updates_published_early == 1
+    (held,) = syncer.held_updates()
+    assert (held.learner_id, held.base_version, held.inner_step) == (1, 0, 3)
+    # Its step 4 does not publish round 0 again (that work went out at step 3).
+    assert slow.after_inner_step(train_step(slow.model, slow.optimizer, make_batches(1, seed=5)[0])) == []
+    for t in range(4, 8):
+        _publish(hub, fast, clock, float(t))
+    record = hub.round_log[-1]
+    assert record.version == 2
+    assert [(q.learner_id, q.steps, q.staleness) for q in record.participants] == [(0, 4, 0), (1, 3, 1)]
+    # A learner that already published from its base has nothing to take first: it just applies.
+    assert fast.stats.updates_published_early == 0

@@ -112,7 +112,10 @@ class FragmentWork:
         """An update reached the syncer (outcome 'accepted' or 'rejected') or was lost ('crashed')."""
         seconds = self._in_flight.pop((learner_id, incarnation, fragment, inner_step))
         if outcome == "accepted":
-            self._accepted[(learner_id, fragment)] = seconds
+            # A second update accepted into the same open round joins the first (the syncer combines a
+            # held late update with new work, or replaces it with the same work continued).
+            key = (learner_id, fragment)
+            self._accepted[key] = self._accepted.get(key, 0.0) + seconds
         else:
             self.ledger.add(learner_id, outcome, seconds)
 

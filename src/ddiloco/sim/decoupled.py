@@ -452,6 +452,10 @@ class DecoupledSim:
         if isinstance(message, Welcome) and (learner.inner_step, learner.next_round) != position:
             self.loop.record("schedule_position", learner=learner.learner_id, inner_step=learner.inner_step,
                              next_round=learner.next_round)
+        for reply in replies:
+            if isinstance(reply, Update):  # published before the state overwrote the fragment: it carries that work
+                self.work.published(slot.learner_id, slot.generation, reply.fragment, reply.inner_step)
+                self.peak_up.add(slot.learner_id, self.loop.now, reply.payload_bytes)
         for p, (old, new) in enumerate(zip(before, learner.versions, strict=True)):
             if new != old or isinstance(message, Welcome):
                 self.work.overwritten(slot.learner_id, p)
