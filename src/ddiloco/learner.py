@@ -286,7 +286,7 @@ class Learner:
         return updates
 
     @torch.no_grad()
-    def _publish(self, p: int) -> Update | None:
+    def _publish(self, p: int, *, final: bool = False) -> Update | None:
         payload = {}
         for name in self.plan.fragments[p]:
             delta = self._base[p][name] - self._params[name].detach().to(torch.float32)
@@ -297,7 +297,7 @@ class Learner:
                 return None
             payload[name] = self._codec.encode(delta.cpu())
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
-                        self.tokens_since[p], self.config.codec, payload)
+                        self.tokens_since[p], self.config.codec, payload, final=final)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
         self._published_from[p] = self.versions[p]
         self.synced_at[p] = self.inner_step
@@ -320,7 +320,7 @@ class Learner:
         updates = []
         for p in range(self.plan.num_fragments):
             if unpublished[p] > 0 and self.steps_since[p] > 0 and p not in self._outstanding:
-                update = self._publish(p)
+                update = self._publish(p, final=True)
                 if update is not None:
                     updates.append(update)
         return updates

@@ -113,6 +113,9 @@ class Update:
     codec: str
     payload: Mapping[str, bytes]
     """Tensor name -> encoded pseudo-gradient bytes."""
+    final: bool = False
+    """The learner's last work before it leaves (`Learner.flush`): like a late update, it rides in a
+    round without making one, so learners finishing together are merged in one round."""
 
     @property
     def payload_bytes(self) -> int:

@@ -82,6 +82,7 @@ class _Pending:
     steps: int
     tokens: int
     inner_step: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -330,18 +331,18 @@ class Syncer:
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
         open_round = self._open[update.fragment]
-        pending = _Pending(decoded, update.base_version, update.steps, update.tokens, update.inner_step)
+        pending = _Pending(decoded, update.base_version, update.steps, update.tokens, update.inner_step, update.final)
         held = open_round.updates.get(update.learner_id)
         if held is not None and held.base_version < update.base_version:
             # A late update still held, and new work from the next version (which overwrote the learner's
             # fragment, so the two cover different steps): the round counts both, as one.
             pending = _Pending({name: held.deltas[name] + delta for name, delta in decoded.items()},
                                update.base_version, held.steps + update.steps, held.tokens + update.tokens,
-                               update.inner_step)
+                               update.inner_step, update.final)
         # (Same base: the same work continued, since a pseudo-gradient is measured from the base; it
         # replaces the held one. `_validate` refused every other overlap.)
         open_round.updates[update.learner_id] = pending
-        if open_round.first_at is None and update.base_version == self.versions[update.fragment]:
+        if open_round.first_at is None and update.base_version == self.versions[update.fragment] and not update.final:
             open_round.first_at = now  # the quorum time runs from the first update the round is due for
         return self._schedule(update.fragment, now)
 
@@ -371,17 +372,19 @@ class Syncer:
         open_round = self._open[p]
         if not open_round.updates:
             return []
-        # Late updates (from an older version than the fragment's) ride in the next round but never
-        # make one: a round is an outer step, and it is due when learners report from the current version.
-        due = {i for i, u in open_round.updates.items() if u.base_version == self.versions[p]}
+        # Late updates (from an older version than the fragment's) and a learner's last work before it
+        # leaves ride in a round but never make one: a round is an outer step, and it is due when
+        # learners report from the current version.
+        due = {i for i, u in open_round.updates.items() if u.base_version == self.versions[p] and not u.final}
         if open_round.quorum_at is None and len(due) >= self.effective_quorum():
             open_round.quorum_at = now
             open_round.grace_s = self.grace_window()
             open_round.close_at = now + open_round.grace_s
         alive = set(self.alive_learners())
-        if (open_round.quorum_at is not None and alive <= due) or (not due and alive <= set(open_round.updates)):
-            # Everyone alive has reported for this round, or has only late work left to give (the end of
-            # a run): nothing left to wait for.
+        finished = {i for i, u in open_round.updates.items() if u.final}
+        if (open_round.quorum_at is not None and alive <= due) or (not due and alive <= finished):
+            # Everyone alive has reported for this round, or no one alive is left to report (the end of a
+            # run: learners leave after their last work): nothing left to wait for.
             open_round.quorum_at = now if open_round.quorum_at is None else open_round.quorum_at
             open_round.close_at = now
         if open_round.close_at is not None and open_round.close_at <= now:

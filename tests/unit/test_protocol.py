@@ -137,7 +137,7 @@ def test_late_update_rides_in_the_next_round_without_making_one():
     assert [(q.learner_id, q.staleness) for q in record.participants] == [(0, 0), (1, 1)]
 
 
-def test_a_late_update_closes_a_round_once_every_live_learner_has_reported():
+def test_a_late_update_waits_for_the_next_due_update_or_for_the_end():
     quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
     syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
     in_flight = []
@@ -146,8 +146,11 @@ def test_a_late_update_closes_a_round_once_every_live_learner_has_reported():
     for t in (0.0, 0.1):
         _publish(hub, fast, clock, t)
     hub.leave(fast)
-    # Nobody alive is left to report from version 1: the late update is not kept waiting.
+    # The slow learner is alive and will report from version 1: its late update waits for that ...
     syncer.receive(in_flight[0], now=0.2)
+    assert syncer.versions == [1] and len(syncer.held_updates()) == 1
+    # ... or, if it leaves instead, for nobody: no one alive is left to report.
+    hub.leave(slow)
     assert syncer.versions == [2] and syncer.held_updates() == []
 
 
@@ -547,3 +550,24 @@ def test_a_round_that_closes_before_a_learner_published_its_part_takes_that_work
     assert [(q.learner_id, q.steps, q.staleness) for q in record.participants] == [(0, 4, 0), (1, 3, 1)]
     # A learner that already published from its base has nothing to take first: it just applies.
     assert fast.stats.updates_published_early == 0
+
+
+def test_learners_finishing_together_merge_their_last_work_in_one_round():
+    """A learner's last work (`final`) never makes a round: the first finisher's is held until the other
+    finishes too (or reports from the current version), so the end of a run is one outer step per
+    fragment, not one per learner (K = 1 would close a round on each last update if it counted)."""
+    quorum = QuorumConfig(min_quorum=1, grace="fixed", grace_s=0.5, heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (a, b) = make_system(2, _single_fragment(sync_every=4), quorum)
+    for t in range(6):
+        _publish(hub, a, clock, float(t))
+        _publish(hub, b, clock, float(t))           # inside a's grace window
+    assert syncer.rounds_committed == 1 and len(hub.round_log[0].participants) == 2
+    (last_a,) = a.flush()
+    assert last_a.final and last_a.steps == 2
+    hub.send(last_a)
+    hub.leave(a)
+    assert syncer.rounds_committed == 1  # held: b is alive and has not finished
+    (last_b,) = b.flush()
+    hub.send(last_b)                              # everyone alive has given its last work
+    assert syncer.rounds_committed == 2
+    assert [(q.learner_id, q.steps) for q in hub.round_log[-1].participants] == [(0, 2), (1, 2)]

@@ -398,7 +398,7 @@ def encode_update(update: Update, spec: ModelSpec, chunk_bytes: int = CHUNK_BYTE
     header = wire_pb2.UpdateChunk(header=wire_pb2.UpdateHeader(
         learner_id=update.learner_id, fragment=update.fragment, base_version=update.base_version,
         inner_step=update.inner_step, steps=update.steps, tokens=update.tokens, codec=update.codec,
-        tensors=[wire_pb2.TensorHeader(name=n, dtype=shapes[n].dtype, shape=list(shapes[n].shape),
+        final=update.final, tensors=[wire_pb2.TensorHeader(name=n, dtype=shapes[n].dtype, shape=list(shapes[n].shape),
                                        nbytes=len(update.payload[n])) for n in names],
         crc32=crc32_of(update.payload[n] for n in names)))
     yield from _with_first_data(header, iter_data((update.payload[n] for n in names), chunk_bytes),
@@ -468,4 +468,4 @@ class UpdateAssembler:
                 raise WireError(str(RejectReason.NON_FINITE), f"tensor {t.name!r} decodes to NaN or Inf values")
             payload[t.name] = data
         return Update(int(h.learner_id), int(h.fragment), int(h.base_version), int(h.inner_step), int(h.steps),
-                      int(h.tokens), h.codec, payload)
+                      int(h.tokens), h.codec, payload, final=bool(h.final))
