@@ -105,8 +105,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW learning rate (the example's)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grid", nargs="*", default=None, metavar="LR:MOMENTUM",
-                        help="outer (lr, momentum) pairs to compare instead of the defaults alone")
+    parser.add_argument("--grid", nargs="*", default=None, metavar="LR:MOMENTUM[:H]",
+                        help="outer (lr, momentum[, sync_every]) to compare with the defaults")
     args = parser.parse_args()
     torch.set_num_threads(1)
     common = dict(learners=args.learners, steps=args.steps, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
@@ -116,14 +116,16 @@ def main() -> None:
           f"curve {' '.join(f'{v:.3f}' for v in baseline)}  ({time.perf_counter() - start:.0f} s)", flush=True)
     default = ddiloco.DilocoConfig()
     configs = [("defaults", default)]
-    for pair in args.grid or ():
-        lr, momentum = (float(v) for v in pair.split(":"))
-        configs.append((f"outer {lr}:{momentum}", dataclasses.replace(default, outer_lr=lr, outer_momentum=momentum)))
+    for spec in args.grid or ():
+        lr, momentum, *rest = spec.split(":")
+        config = dataclasses.replace(default, outer_lr=float(lr), outer_momentum=float(momentum),
+                                     sync_every=int(rest[0]) if rest else default.sync_every)
+        configs.append((spec, config))
     for name, config in configs:
         start = time.perf_counter()
         curve = run_diloco(config, **common)
         gap = curve[-1] / baseline[-1] - 1
-        print(f"{name} (outer {config.outer_lr}, {config.outer_momentum}; downlink {getattr(config, 'downlink_codec', 'fp32')}): "
+        print(f"{name} (outer {config.outer_lr}, {config.outer_momentum}, H {config.sync_every}; downlink {getattr(config, 'downlink_codec', 'fp32')}): "
               f"final {curve[-1]:.4f} ({gap:+.1%} vs AdamW, within {TOLERANCE:.0%}: {gap <= TOLERANCE}; "
               f"falls monotonically, smoothed over 3: {smoothed_monotone(curve)})  "
               f"curve {' '.join(f'{v:.3f}' for v in curve)}  ({time.perf_counter() - start:.0f} s)", flush=True)
