@@ -30,12 +30,12 @@ from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.grpc_codec import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
-    SyncerStreamDecoder,
     WireModel,
     encode_join,
     encode_update,
 )
 from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
 
 pytestmark = pytest.mark.integration

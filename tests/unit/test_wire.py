@@ -13,18 +13,17 @@ from ddiloco.learner import Learner
 from ddiloco.messages import FragmentState, ModelSpec, Rejected, RejectReason, Update, Welcome
 from ddiloco.transport import wire_pb2
 from ddiloco.transport.grpc_codec import (
-    SyncerStreamDecoder,
     UpdateAssembler,
     WireError,
     WireModel,
     config_difference,
     decode_join,
     encode_join,
-    encode_syncer_message,
     encode_update,
     iter_data,
 )
 from ddiloco.transport.grpc_server import Subscription
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from tests.helpers import TinyNet, params_of
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=4, codec="int4")
