@@ -192,7 +192,7 @@ class SyncerClient:
         corrupt = False
         try:
             for chunk in call:
-                if chunk.WhichOneof("kind") in ("welcome", "fragment_state"):  # a message with tensors begins
+                if chunk.WhichOneof("kind") in ("welcome", "fragment_state", "fragment_delta"):  # tensors begin
                     corrupt = faults.should_corrupt()
                 if corrupt and flip_data_byte(chunk):
                     corrupt = False
