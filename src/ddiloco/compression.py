@@ -1,4 +1,4 @@
-"""Wire codecs for pseudo-gradients (outer gradients): tensor -> bytes -> float32 tensor.
+"""Wire codecs for pseudo-gradients and the downlink's fragment changes: tensor -> bytes -> float32 tensor.
 
 This module owns the byte formats of one tensor on the wire and nothing else: it does not choose which
 tensors to send, accumulate error, or check decoded values (see "Non-finite values" below). Codecs are
@@ -15,26 +15,28 @@ Byte layouts (all multi-byte numbers little-endian; every scale is an IEEE float
     bf16   n x bfloat16 (round to nearest even)                         2n bytes
     fp8    1 x float32 scale, then n x float8 e4m3fn codes              4 + n bytes
            scale = absmax / 448 (e4m3fn's largest finite value); value = code * scale
+    int8   ceil(n/B) x float32 scales, then n bytes of codes           4 ceil(n/B) + n bytes
     int4   ceil(n/B) x float32 scales, then ceil(n/2) bytes of codes    4 ceil(n/B) + ceil(n/2) bytes
     int2   ceil(n/B) x float32 scales, then ceil(n/4) bytes of codes    4 ceil(n/B) + ceil(n/4) bytes
 
-The tensor is flattened in row-major (C) order. int4 and int2 are symmetric per-block quantizers: the
-values are cut into blocks of B (`block_size`, default 64) consecutive values, the last block possibly
-shorter; block i has scale_i = absmax_i / L and each value x becomes the integer
-q = clamp(round(x / scale_i), -L, L) (round half to even), sent as the unsigned code q + 2^(bits-1).
-int4: L = 7, levels -7..7, codes 1..15, value k of byte j is element 2j + k in bits [4k, 4k + 4)
-(low nibble first). int2: L = 1, levels -1, 0, 1 (ternary; symmetric, so zero is exact and no sign is
-favoured), codes 1..3, element 4j + k in bits [2k, 2k + 2). Decoding computes (code - 2^(bits-1)) *
-scale, so code 0 (never written by `encode`) decodes to -8 * scale (int4) or -2 * scale (int2). An
-all-zero block has scale 0 and decodes to exact zeros. Unused code bits of the last byte (n not a
-multiple of 2 or 4) hold the code of zero and are ignored. No padding values are sent: the byte counts
-above are exact and `encoded_nbytes` returns them.
+The tensor is flattened in row-major (C) order. int8, int4 and int2 are symmetric per-block quantizers:
+the values are cut into blocks of B (`block_size`, default 256 for int8, 64 for int4 and int2)
+consecutive values, the last block possibly shorter; block i has scale_i = absmax_i / L and each value x
+becomes the integer q = clamp(round(x / scale_i), -L, L) (round half to even), sent as the unsigned code
+q + 2^(bits-1). int8: L = 127, levels -127..127, codes 1..255, one byte per value (the downlink's codec:
+`ddiloco.downlink`). int4: L = 7, levels -7..7, codes 1..15, value k of byte j is element 2j + k in bits
+[4k, 4k + 4) (low nibble first). int2: L = 1, levels -1, 0, 1 (ternary; symmetric, so zero is exact and
+no sign is favoured), codes 1..3, element 4j + k in bits [2k, 2k + 2). Decoding computes
+(code - 2^(bits-1)) * scale, so code 0 (never written by `encode`) decodes to -128 * scale (int8), -8 *
+scale (int4) or -2 * scale (int2). An all-zero block has scale 0 and decodes to exact zeros. Unused code
+bits of the last byte (n not a multiple of 2 or 4) hold the code of zero and are ignored. No padding
+values are sent: the byte counts above are exact and `encoded_nbytes` returns them.
 
 Non-finite values: `encode` refuses NaN and Inf with `NonFiniteError` (carrying the count); callers that
 prefer to zero them use `zero_nonfinite` first. Finite values beyond a format's range saturate (bf16 at
 its largest finite value; fp8 by construction of the scale). `decode` checks only the byte count
 (`ValueError` on a truncated or oversize payload) and never inspects values, so bytes that `encode`
-never produces can decode to NaN or Inf: a non-finite scale (fp8, int4, int2), a NaN code of fp8, or a
+never produces can decode to NaN or Inf: a non-finite scale (fp8, int8, int4, int2), a NaN code of fp8, or a
 non-finite fp32/bf16 value. Callers check `torch.isfinite` on decoded tensors themselves.
 
 Scales below float32's normal range (absmax under about 5e-36 for fp8, 8e-38 for int4, 1e-38 for int2)
@@ -62,6 +64,9 @@ BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 """Finite float32 values above this would round to Inf in bfloat16, so bf16 saturates here."""
 DEFAULT_BLOCK_SIZE = 64
 """Values per int4/int2 scale: 0.5 bits of scale overhead per value, 4.5 bits/value for int4."""
+INT8_BLOCK_SIZE = 256
+"""Values per int8 scale: 0.125 bits of scale overhead per value, 8.125 bits/value; int8's 255 levels
+leave little to gain from following outliers more closely."""
 
 
 class NonFiniteError(ValueError):
@@ -216,6 +221,17 @@ class Fp8Codec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Int8Config:
+    """Options of the int8 codec."""
+
+    block_size: int = INT8_BLOCK_SIZE
+    """Consecutive values sharing one float32 scale; a positive integer."""
+
+    def __post_init__(self) -> None:
+        _check_block_size(self.block_size, values_per_byte=1, requirement="a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Int4Config:
     """Options of the int4 codec."""
 
@@ -253,7 +269,7 @@ class _BlockCodec:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.levels = 2 ** (self.bits - 1) - 1  # largest |q|: 7 for int4, 1 for int2
+        self.levels = 2 ** (self.bits - 1) - 1  # largest |q|: 127 for int8, 7 for int4, 1 for int2
         self.offset = 2 ** (self.bits - 1)  # code = q + offset, so codes are unsigned
         self.values_per_byte = 8 // self.bits
 
@@ -293,7 +309,10 @@ class _BlockCodec:
         work.round_().clamp_(-self.levels, self.levels).add_(self.offset)
 
         fields = work.view(-1, self.values_per_byte)  # (code bytes incl. padding, values per byte)
-        packed = torch.add(fields[:, 0], fields[:, 1], alpha=2**self.bits)
+        if self.values_per_byte == 1:
+            packed = fields[:, 0]
+        else:
+            packed = torch.add(fields[:, 0], fields[:, 1], alpha=2**self.bits)
         for k in range(2, self.values_per_byte):
             packed.add_(fields[:, k], alpha=2 ** (self.bits * k))
 
@@ -317,11 +336,31 @@ class _BlockCodec:
         mask = 2**self.bits - 1
         for k in range(self.values_per_byte):
             # Unpack and re-centre in int8 (a quarter of the float traffic), then widen once.
-            field = (codes >> (self.bits * k)).bitwise_and_(mask).view(torch.int8).sub_(self.offset)
-            fields[:num_code_bytes, k].copy_(field)
+            fields[:num_code_bytes, k].copy_(self._levels((codes >> (self.bits * k)).bitwise_and_(mask)))
         fields[num_code_bytes:].zero_()
         out.view(num_blocks, self.block_size).mul_(scale[:, None])
         return out[:numel].view(dims)
+
+    def _levels(self, codes: torch.Tensor) -> torch.Tensor:
+        """Unsigned codes (uint8, each < 2^bits) -> levels q = code - offset, as int8."""
+        return codes.view(torch.int8).sub_(self.offset)
+
+
+class Int8Codec(_BlockCodec):
+    """Symmetric int8, levels -127..127, one float32 scale per block: 8.125 bits/value at block size 256.
+    Error per value <= scale / 2 = absmax_block / 254, plus float32 rounding."""
+
+    name = "int8"
+    bits = 8
+
+    def __init__(self, config: Int8Config | None = None) -> None:
+        self.config = config or Int8Config()
+        super().__init__(self.config.block_size)
+
+    def _levels(self, codes: torch.Tensor) -> torch.Tensor:
+        # code - 128 does not fit int8 arithmetic for codes >= 128; flipping the top bit gives the same
+        # value as a two's complement byte, exactly.
+        return codes.bitwise_xor_(self.offset).view(torch.int8)
 
 
 class Int4Codec(_BlockCodec):
@@ -352,6 +391,7 @@ _CODECS: dict[str, tuple[type, type | None]] = {
     "fp32": (Fp32Codec, None),
     "bf16": (Bf16Codec, None),
     "fp8": (Fp8Codec, None),
+    "int8": (Int8Codec, Int8Config),
     "int4": (Int4Codec, Int4Config),
     "int2": (Int2Codec, Int2Config),
 }

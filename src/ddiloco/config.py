@@ -18,7 +18,9 @@ from typing import Any
 FRAGMENT_STRATEGIES = ("balanced", "strided", "single")
 MERGE_METHODS = ("rda", "mean")
 GRACE_MODES = ("adaptive", "fixed", "none")
-CODEC_CHOICES = ("fp32", "bf16", "fp8", "int4", "int2")
+CODEC_CHOICES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
+DOWNLINK_CODEC_CHOICES = ("fp32", "int8", "int4")
+DEFAULT_DOWNLINK_CODEC = "int8"
 
 
 def _require(condition: bool, field: str, value: Any, expected: str) -> None:
@@ -62,7 +64,11 @@ class DilocoConfig:
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (DiLoCo's value)."""
     codec: str = "int4"
-    """Wire codec of the pseudo-gradients sent by learners (fp32, bf16, fp8, int4, int2)."""
+    """Wire codec of the pseudo-gradients sent by learners (fp32, bf16, fp8, int8, int4, int2)."""
+    downlink_codec: str = DEFAULT_DOWNLINK_CODEC
+    """Codec of the merged fragments the syncer broadcasts after a round (fp32, int8, int4). fp32 sends
+    the exact global value; int8 and int4 send its change, with error feedback, from which the syncer and
+    every learner rebuild the same global value bit for bit (`ddiloco.downlink`). Joins always get fp32."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.num_fragments, int) and self.num_fragments >= 1,
@@ -74,6 +80,7 @@ class DilocoConfig:
         _require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
         _require_choice("merge", self.merge, MERGE_METHODS)
         _require_choice("codec", self.codec, CODEC_CHOICES)
+        _require_choice("downlink_codec", self.downlink_codec, DOWNLINK_CODEC_CHOICES)
         try:
             re.compile(self.embedding_pattern)
         except re.error as exc:

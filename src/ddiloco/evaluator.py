@@ -85,7 +85,8 @@ class Watcher:
         params = dict(model.named_parameters())
         plan = FragmentPlan.for_tensors(params, config.diloco,
                                         embeddings=embedding_names(model, config.diloco.embedding_pattern))
-        wire = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.diloco.codec)
+        wire = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.diloco.codec,
+                         config.diloco.downlink_codec)
         self.client = SyncerClient(address, model=wire, diloco_config=config.diloco, token=token,
                                    tls_root_certificates=tls_ca, tls_server_name=tls_server_name)
         self.model = model

@@ -8,7 +8,9 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
 - `after_inner_step(tokens)`: counts inner steps and tokens per fragment and returns the `Update`
   (pseudo-gradient base - local, encoded by the codec) of every round that has fallen due.
 - `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
-  state survives) and resets its counters.
+  state survives) and resets its counters. `receive(FragmentDelta)`: the same with the value rebuilt from
+  the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another version,
+  or the checksum disagrees) makes it join again, for the Welcome's full float32 fragments.
 - `can_step`: the waiting rule. After publishing fragment p at inner step s, the learner may train
   through inner step s + tau (tau = `overlap_steps`) without news; before going further it must hold
   a version of p newer than the one it published from. Any newer version satisfies the wait, even one
@@ -30,8 +32,10 @@ from torch import nn
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
+from ddiloco.downlink import rebuild
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
 from ddiloco.messages import (
+    FragmentDelta,
     FragmentState,
     Heartbeat,
     Join,
@@ -66,6 +70,9 @@ class LearnerStats:
     rejections: dict[str, int] = field(default_factory=dict)
     waits_abandoned: int = 0
     joins: int = 0
+    downlink_resyncs: int = 0
+    """Fragment changes this learner could not rebuild (another base version, a checksum that disagrees),
+    each answered by joining again."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,8 @@ class Learner:
             early = self._publish_before(message)
             self._apply(message)
             return [early] if early is not None else []
+        if isinstance(message, FragmentDelta):
+            return self._apply_delta(message)
         if isinstance(message, Welcome):
             if message.learner_id != self.learner_id:
                 raise ValueError(f"Welcome for learner {message.learner_id} delivered to {self.learner_id}")
@@ -218,7 +227,38 @@ class Learner:
         return update
 
     @torch.no_grad()
-    def _apply(self, state: FragmentState, *, force: bool = False) -> None:
+    def _apply_delta(self, delta: FragmentDelta) -> list[LearnerMessage]:
+        p = delta.fragment
+        if not 0 <= p < self.plan.num_fragments:
+            raise ValueError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
+        if delta.version <= self.versions[p]:
+            self.stats.fragments_ignored_stale += 1
+            return []
+        if not self.joined:
+            return []  # a join is under way: its Welcome brings the fragment whole
+        if delta.base_version != self.versions[p]:
+            problem = f"it holds version {self.versions[p]}, the change applies to {delta.base_version}"
+        else:
+            rebuilt = rebuild(delta, self._base[p], self.plan.fragments[p],
+                              {name: tuple(self._params[name].shape) for name in self.plan.fragments[p]})
+            if not isinstance(rebuilt, str):
+                state = FragmentState(p, delta.version, rebuilt)
+                early = self._publish_before(state)
+                self._apply(state, payload_bytes=delta.payload_bytes)
+                return [early] if early is not None else []
+            problem = rebuilt
+        # Only the full state can bring this fragment back in line: join again (the Welcome keeps the work
+        # of fragments still at the syncer's version, like any re-join).
+        self.stats.bytes_received += delta.payload_bytes
+        self.stats.downlink_resyncs += 1
+        self.joined = False
+        logger.warning("[learner %d | inner %d] cannot rebuild fragment %d version %d (%s): joining again",
+                       self.learner_id, self.inner_step, p, delta.version, problem)
+        return [self.join_message()]
+
+    @torch.no_grad()
+    def _apply(self, state: FragmentState, *, force: bool = False, payload_bytes: int | None = None) -> None:
+        """`payload_bytes`: what the message carried, when it was not `state` itself (a rebuilt change)."""
         p = state.fragment
         if not 0 <= p < self.plan.num_fragments:
             raise ValueError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
@@ -238,7 +278,7 @@ class Learner:
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
         self.synced_at[p] = self.inner_step
-        self.stats.bytes_received += state.payload_bytes
+        self.stats.bytes_received += state.payload_bytes if payload_bytes is None else payload_bytes
         self.stats.fragments_applied += 1
         outstanding = self._outstanding.get(p)
         if outstanding is not None and state.version > outstanding.base_version:

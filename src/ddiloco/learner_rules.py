@@ -33,7 +33,7 @@ from typing import Protocol
 
 from ddiloco.config import LearnerConfig
 from ddiloco.learner import Learner, next_uncommitted_round
-from ddiloco.messages import FragmentState, LearnerMessage, Refused, SyncerMessage, Update, Welcome
+from ddiloco.messages import FragmentDelta, FragmentState, LearnerMessage, Refused, SyncerMessage, Update, Welcome
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class WorkEvents(Protocol):
     def publish(self, update: Update) -> None: ...
     def fate(self, update: Update, fate: str, reason: str) -> None: ...
     def welcome(self, welcome: Welcome, *, inner_step: int, replaced: Sequence[int]) -> None: ...
-    def received(self, state: FragmentState, *, inner_step: int) -> None: ...
+    def received(self, state: FragmentState | FragmentDelta, *, inner_step: int) -> None: ...
     def position(self, *, inner_step: int, next_round: int) -> None: ...
     def end(self, state: str, *, inner_step: int) -> None: ...
 
@@ -61,7 +61,7 @@ class NoWorkEvents:
     def welcome(self, welcome: Welcome, *, inner_step: int, replaced: Sequence[int]) -> None:
         pass
 
-    def received(self, state: FragmentState, *, inner_step: int) -> None:
+    def received(self, state: FragmentState | FragmentDelta, *, inner_step: int) -> None:
         pass
 
     def position(self, *, inner_step: int, next_round: int) -> None:
@@ -132,7 +132,7 @@ class LearnerRules:
         if isinstance(message, Welcome):
             replaced = [p for p, v in enumerate(before) if v < 0 or v != learner.versions[p]]
             self.events.welcome(message, inner_step=learner.inner_step, replaced=replaced)
-        elif isinstance(message, FragmentState) and learner.stats.fragments_applied > applied:
+        elif isinstance(message, FragmentState | FragmentDelta) and learner.stats.fragments_applied > applied:
             self.events.received(message, inner_step=learner.inner_step)
         for reply in replies:
             if isinstance(reply, Update):

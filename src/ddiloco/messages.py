@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any incompatible change to these messages or their wire encoding."""
 
 
@@ -137,8 +137,8 @@ class Leave:
 
 @dataclass(frozen=True)
 class FragmentState:
-    """The global value of one fragment at `version` (float32, exact: the downlink is not lossy so
-    that every learner holds exactly the syncer's fragment)."""
+    """The global value of one fragment at `version` (float32, exact): what a join, a stale update's
+    catch-up and a round broadcast with `downlink_codec="fp32"` carry."""
 
     fragment: int
     version: int
@@ -147,6 +147,28 @@ class FragmentState:
     @property
     def payload_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class FragmentDelta:
+    """A new version of one fragment as its change since `base_version`, encoded per tensor by the downlink
+    codec. The new global value is the learner's fragment at `base_version` plus the decoded change;
+    `checksum` is that value's checksum (`ddiloco.downlink`), so a learner that rebuilt anything else knows
+    it and fetches the full fragment again."""
+
+    fragment: int
+    version: int
+    base_version: int
+    """The version the change applies to (version - 1)."""
+    codec: str
+    payload: Mapping[str, bytes]
+    """Tensor name -> the encoded change."""
+    checksum: int
+    """zlib.crc32 of the new global value's float32 bytes, tensor by tensor in the fragment plan's order."""
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(data) for data in self.payload.values())
 
 
 @dataclass(frozen=True)
@@ -178,7 +200,7 @@ class Rejected:
 
 
 LearnerMessage = Join | Update | Heartbeat | Leave
-SyncerMessage = FragmentState | Welcome | Refused | Rejected
+SyncerMessage = FragmentState | FragmentDelta | Welcome | Refused | Rejected
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class GrpcTransport:
 
         faults = chaos or NO_FAULTS
         emulated = EmulatedLink(parse_link(link), faults=faults) if link else unlimited_link(faults=faults)
-        self.client = SyncerClient(address, model=WireModel(learner.spec, learner.plan, config.diloco.codec),
+        wire = WireModel(learner.spec, learner.plan, config.diloco.codec, config.diloco.downlink_codec)
+        self.client = SyncerClient(address, model=wire,
                                    diloco_config=config.diloco, token=token, tls_root_certificates=tls_ca,
                                    tls_server_name=tls_server_name, link=emulated)
 

@@ -10,7 +10,8 @@ learners alive, so a quorum larger than the live learners never deadlocks). It t
 window for stragglers: adaptive, clip(gamma * (tau * step_time - quorum_time - sync_time), 0,
 step_time) from moving averages; fixed; or none. A round also closes at once when every live learner
 has reported. Closing merges the updates (token-weighted RDA), takes the outer step, bumps the
-version and sends the new fragment to every live learner.
+version and sends the new fragment to every live learner (with a lossy downlink codec, its change, from
+which the syncer's own global value is rebuilt the way learners rebuild it: `ddiloco.downlink`).
 
 The rule for late updates: an update that arrives after its round closed goes into the next round of
 that fragment, with staleness = current version - base version, as long as staleness <=
@@ -32,11 +33,13 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
 from ddiloco.merge import merge_round, token_weight
 from ddiloco.messages import (
     SCHEMA_VERSION,
     Commit,
+    FragmentDelta,
     FragmentState,
     Heartbeat,
     Join,
@@ -140,6 +143,7 @@ class Syncer:
                          for name in names} for names in self.plan.fragments]
         self._shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
         self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
+        self._downlink = make_downlink(config.downlink_codec, self.plan, self._shapes)
         num = self.plan.num_fragments
         self.versions = [0] * num
         self.rounds_committed = 0
@@ -404,9 +408,8 @@ class Syncer:
         overflow = self.outer.non_finite_result(p, merged)
         if overflow is not None:
             return self._discard(p, learner_ids, pending, overflow, now)
-        self.outer.step(p, merged)
         version_before = self.versions[p]
-        self.versions[p] = version_before + 1
+        broadcast = self._outer_step(p, merged, version_before + 1)
         participants = tuple(
             Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step)
             for i, u, w in zip(learner_ids, pending, weights, strict=True))
@@ -427,14 +430,21 @@ class Syncer:
             rejections=tuple(open_round.rejections))
         self.rounds_committed += 1
         self._open[p] = _OpenRound()
-        state = self.fragment_state(p)
         actions: list[SyncerAction] = [Commit(record)]
         for learner_id in self.alive_learners():
-            actions.append(Send(learner_id, state))
-            self.bytes_sent += state.payload_bytes
+            actions.append(Send(learner_id, broadcast))
+            self.bytes_sent += broadcast.payload_bytes
         logger.debug("[syncer] round %d: fragment %d -> version %d from learners %s",
                      record.round_index, p, self.versions[p], learner_ids)
         return actions
+
+    def _outer_step(self, p: int, merged: Mapping[str, torch.Tensor], version: int) -> FragmentState | FragmentDelta:
+        """The outer step of fragment p to `version`, through the downlink rule (`ddiloco.downlink`: with a lossy
+        downlink codec the global value becomes what learners rebuild); returns the round's broadcast."""
+        previous = self._downlink.before_step(p, self._global[p])
+        self.outer.step(p, merged)
+        self.versions[p] = version
+        return self._downlink.after_step(p, version, previous, self._global[p])
 
     def _discard(self, p: int, learner_ids: list[int], pending: list[_Pending], tensor: str,
                  now: float) -> list[SyncerAction]:
@@ -465,6 +475,7 @@ class Syncer:
             "global": self.global_params(),
             "outer": self.outer.state_dict(),
             "merged_base": {i: dict(info.merged_base) for i, info in self.learners.items()},
+            "downlink_residual": self._downlink.state_dict(),
         }
 
     @torch.no_grad()
@@ -478,6 +489,7 @@ class Syncer:
         self.versions = [int(v) for v in state["versions"]]
         self.rounds_committed = int(state["rounds_committed"])
         self.outer.load_state_dict(state["outer"])
+        self._downlink.load_state_dict(state["downlink_residual"])
         self._open = [_OpenRound() for _ in range(self.plan.num_fragments)]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,
@@ -495,8 +507,7 @@ class Syncer:
             if record.version != self.versions[record.fragment] + 1:
                 raise ValueError(f"round {record.round_index} produced version {record.version} of fragment "
                                  f"{record.fragment}, but the state holds version {self.versions[record.fragment]}")
-            self.outer.step(record.fragment, record.merged)
-            self.versions[record.fragment] = record.version
+            self._outer_step(record.fragment, record.merged, record.version)
             self.rounds_committed += 1
             for participant in record.participants:
                 info = self.learners.setdefault(participant.learner_id, LearnerInfo(alive=False, last_seen=0.0))

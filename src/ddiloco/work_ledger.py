@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.learner import Learner
-from ddiloco.messages import FragmentState, Update, Welcome
+from ddiloco.messages import FragmentDelta, FragmentState, Update, Welcome
 
 
 class WorkLedger:
@@ -78,7 +78,7 @@ class WorkLedger:
         self.write("fate", fragment=update.fragment, base_version=update.base_version, inner_step=update.inner_step,
                    fate=fate, reason=reason)
 
-    def received(self, state: FragmentState, *, inner_step: int) -> None:
+    def received(self, state: FragmentState | FragmentDelta, *, inner_step: int) -> None:
         unpublished = inner_step - self._synced_at[state.fragment]
         self._synced_at[state.fragment] = inner_step
         self.write("received", fragment=state.fragment, version=state.version, inner_step=inner_step,

@@ -23,19 +23,19 @@ import torch
 from ddiloco.compression import get_codec
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
-from ddiloco.messages import SCHEMA_VERSION, FragmentState, Update, Welcome
+from ddiloco.messages import SCHEMA_VERSION, FragmentDelta, FragmentState, Update, Welcome
 from ddiloco.model import build_model
 from ddiloco.run_config import RunConfig
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.grpc_codec import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
-    SyncerStreamDecoder,
     WireModel,
     encode_join,
     encode_update,
 )
 from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
 
 pytestmark = pytest.mark.integration
@@ -102,7 +102,7 @@ def syncer(tmp_path_factory):
         assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), Welcome)
         handle = Syncer(run_dir, stub, config, learner, wire, inbox)
         assert push(handle, good_update(handle)).accepted
-        assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), FragmentState)
+        assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), FragmentDelta)  # the int8 downlink
         assert state(handle)["rounds_committed"] == 1
         yield handle
     finally:
@@ -267,13 +267,14 @@ def test_oversize_updates_are_refused(syncer):
 def test_core_rejections_travel_in_the_reply(syncer):
     update = good_update(syncer, fragment=1)
     assert push(syncer, update).accepted  # K = 1, no grace: the round commits at once
-    assert isinstance(syncer.inbox.get(timeout=PROCESS_WAIT_S), FragmentState)
+    assert isinstance(syncer.inbox.get(timeout=PROCESS_WAIT_S), FragmentDelta)
     before = state(syncer)
     reply = push(syncer, update)  # the same base again: it would count this learner's progress twice
     assert (reply.accepted, reply.reason) == (False, "stale")
     assert state(syncer) == before
     # ... and the syncer brings the learner up to date so that its next update is not stale too.
     current = syncer.inbox.get(timeout=PROCESS_WAIT_S)
+    assert isinstance(current, FragmentState)  # the catch-up is the whole fragment, in float32
     assert (current.fragment, current.version) == (1, before["versions"][1])
 
 
@@ -281,6 +282,6 @@ def test_the_syncer_still_serves_after_all_of_it(syncer):
     before = state(syncer)
     assert push(syncer, good_update(syncer)).accepted
     message = syncer.inbox.get(timeout=PROCESS_WAIT_S)
-    assert isinstance(message, FragmentState) and message.version == before["versions"][0] + 1
+    assert isinstance(message, FragmentDelta) and message.version == before["versions"][0] + 1
     assert state(syncer)["rounds_committed"] == before["rounds_committed"] + 1
     assert before["alive"] == [0]

@@ -35,7 +35,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
-from ddiloco.messages import FragmentState, Welcome
+from ddiloco.messages import FragmentDelta, Welcome
 from ddiloco.metrics import MemorySink
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
@@ -354,7 +354,7 @@ def test_a_version_sent_during_a_partition_is_discarded_and_the_learner_rejoins_
         wait_until(lambda: cut_off.client.link.faults.partitioned(), "the partition")
         update = _due_update(cores[1])  # learner 1 alone closes a round
         other.send(update)
-        _next_message(other, FragmentState)  # the round's version, sent to both learners
+        _next_message(other, FragmentDelta)  # the round's version, sent to both learners
         wait_until(lambda: cut_off.client.link.faults.partitioned() is False, "the end of the partition")
         # The partitioned learner never saw that version: it re-joins, and the Welcome carries it.
         skipped: list = []

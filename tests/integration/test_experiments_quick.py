@@ -28,7 +28,7 @@ EXPECTED_SYSTEMS = {
     "failures": {"data_parallel", "elastic_data_parallel", "sync_diloco", "decoupled"},
     "heterogeneous": {"sync_diloco", "decoupled_no_grace", "decoupled"},
     "merge": {f"{m}_m{n}" for m in ("rda", "mean") for n in (2, 4, 8)},
-    "compression": {"fp32", "bf16", "fp8", "int4", "int2"},
+    "compression": {"fp32", "bf16", "fp8", "int4", "int2", "int4_fp32_down"},
     "fragments": {"balanced", "strided", "single"},
 }
 

@@ -43,7 +43,8 @@ def test_predicted_bytes_match_a_real_run_within_five_percent(tmp_path):
     torch.manual_seed(0)
     params = dict(build_model().named_parameters())
     predicted = predict_run_bytes(fragment_numels=fragment_numels(params, config), codec=config.codec,
-                                  sync_every=config.sync_every, inner_steps=INNER_STEPS, learners=LEARNERS)
+                                  sync_every=config.sync_every, inner_steps=INNER_STEPS, learners=LEARNERS,
+                                  downlink_codec=config.downlink_codec)
     assert predicted.flush_sent > 0  # INNER_STEPS is not a round boundary: the end publishes the last steps
     genesis = []
     for learner_id in range(LEARNERS):

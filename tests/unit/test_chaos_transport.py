@@ -24,15 +24,14 @@ from ddiloco.messages import Commit, FragmentState, ModelSpec, RejectReason, Upd
 from ddiloco.syncer import HeldUpdate
 from ddiloco.transport.grpc_client import PARTITIONED, ChaosFault, Fault, SyncerClient, classify, drop_reason
 from ddiloco.transport.grpc_codec import (
-    SyncerStreamDecoder,
     UpdateAssembler,
     WireError,
     WireModel,
-    encode_syncer_message,
     encode_update,
     flip_data_byte,
 )
 from ddiloco.transport.link import NO_FAULTS, EmulatedLink, LinkSpec, parse_link, unlimited_link
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 from tests.helpers import TinyNet, make_system, params_of, train_step
 

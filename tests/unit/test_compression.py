@@ -9,22 +9,24 @@ from ddiloco.compression import (
     CODEC_NAMES,
     Int2Config,
     Int4Config,
+    Int8Config,
     NonFiniteError,
     get_codec,
     zero_nonfinite,
 )
 
 EPS32 = 2.0**-23  # float32 machine epsilon: one rounding costs at most EPS32 / 2 relative
-LEVELS = {"int4": 7, "int2": 1}
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+DEFAULT_BLOCK = {"int8": 256, "int4": 64, "int2": 64}
 
 
 def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).norm() / x.norm())
 
 
-def expected_nbytes(name: str, numel: int, block_size: int = 64) -> int:
-    blocks = math.ceil(numel / block_size)
-    return {"fp32": 4 * numel, "bf16": 2 * numel, "fp8": 4 + numel,
+def expected_nbytes(name: str, numel: int, block_size: int | None = None) -> int:
+    blocks = math.ceil(numel / (block_size or DEFAULT_BLOCK.get(name, 1)))
+    return {"fp32": 4 * numel, "bf16": 2 * numel, "fp8": 4 + numel, "int8": 4 * blocks + numel,
             "int4": 4 * blocks + math.ceil(numel / 2), "int2": 4 * blocks + math.ceil(numel / 4)}[name]
 
 
@@ -69,7 +71,8 @@ def test_fp8_error_within_derived_bound():
     assert float(y.abs().max()) == float(x.abs().max())  # absmax maps to 448 exactly and back
 
 
-@pytest.mark.parametrize("name, block_size", [("int4", 64), ("int4", 32), ("int2", 64), ("int2", 32)])
+@pytest.mark.parametrize("name, block_size", [("int8", 256), ("int8", 33), ("int4", 64), ("int4", 32), ("int2", 64),
+                                              ("int2", 32)])
 def test_block_codecs_match_reference_arithmetic(name, block_size):
     generator = torch.Generator().manual_seed(3)
     numel = 1000  # not a multiple of either block size: the last block is partial
@@ -99,6 +102,25 @@ def test_block_codecs_match_reference_arithmetic(name, block_size):
     agrees = (y.double() - reference).abs() <= rounding_slack
     assert bool((agrees | near_tie).all())
     assert bool((y[128:192] == 0).all())
+
+
+def test_int8_byte_layout_by_hand():
+    # Block size 4, absmax 127 -> scale 1; q = 127, -127, 0, -1 -> codes 255, 1, 128, 127. The second
+    # block (one value, absmax 2.54 -> scale 0.02): q = 127 -> code 255.
+    codec = get_codec("int8", block_size=4)
+    data = codec.encode(torch.tensor([127.0, -127.0, 0.0, -1.0, 2.54]))
+    assert data == struct.pack("<ff", 1.0, 2.54 / 127) + bytes([255, 1, 128, 127, 255])
+    assert torch.equal(codec.decode(data, (5,))[:4], torch.tensor([127.0, -127.0, 0.0, -1.0]))
+
+
+def test_int8_error_is_at_most_half_a_step_and_far_below_int4():
+    x = torch.randn(256 * 64, generator=torch.Generator().manual_seed(10))
+    codec = get_codec("int8")
+    y = codec.decode(codec.encode(x), x.shape)
+    step = x.view(64, 256).abs().amax(dim=1, keepdim=True).expand(-1, 256).reshape(-1) / 127
+    assert bool(((y - x).abs() <= step / 2 + 2 * EPS32 * x.abs().max()).all())
+    int4 = get_codec("int4")
+    assert relative_error(x, y) * 8 < relative_error(x, int4.decode(int4.encode(x), x.shape))
 
 
 def test_int4_byte_layout_by_hand():
@@ -140,7 +162,7 @@ def test_encoded_nbytes_is_exact(name, numel):
     assert codec.encoded_nbytes(numel) == expected_nbytes(name, numel) == len(codec.encode(x))
 
 
-@pytest.mark.parametrize("name", ["int4", "int2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("numel", [1, 31, 32, 33, 100])
 def test_encoded_nbytes_is_exact_at_block_size_32(name, numel):
     codec = get_codec(name, block_size=32)
@@ -253,6 +275,9 @@ def test_codec_options_are_validated():
         Int4Config(block_size=0)
     with pytest.raises(ValueError, match="block_size=6"):
         Int2Config(block_size=6)
+    with pytest.raises(ValueError, match="block_size=0"):
+        Int8Config(block_size=0)
+    assert get_codec("int8", block_size=3).encoded_nbytes(7) == 3 * 4 + 7
     with pytest.raises(ValueError, match="no option bits"):
         get_codec("int4", bits=3)
     with pytest.raises(ValueError, match="takes no options"):

@@ -16,6 +16,7 @@ from ddiloco.plan.run_bytes import even_fragments, fragment_numels, predict_run_
 @pytest.mark.parametrize(("codec", "numel", "nbytes"), [
     ("fp32", 100, 400), ("bf16", 100, 200),
     ("fp8", 100, 4 + 100),                 # one float32 scale per tensor
+    ("int8", 100, 4 + 100), ("int8", 257, 2 * 4 + 257),  # one scale per block of 256
     ("int4", 100, 2 * 4 + 50),             # 2 blocks of 64 -> 2 scales; 100 nibbles -> 50 bytes
     ("int4", 64, 4 + 32), ("int4", 1, 4 + 1),
     ("int2", 100, 2 * 4 + 25), ("int2", 3, 4 + 1),
@@ -98,7 +99,7 @@ def test_parse_regions_default_is_one_region_per_learner():
 
 def test_every_assumption_is_stated():
     text = " ".join(plan_bandwidth(BandwidthConfig()).assumptions)
-    for needle in ("P = 24", "H = 24", "tau = 2", "int4", "fp32", "ring", "full duplex", "syncer's merge time"):
+    for needle in ("P = 24", "H = 24", "tau = 2", "int4", "int8", "fp32", "ring", "full duplex", "syncer's merge time"):
         assert needle in text
 
 
@@ -117,7 +118,7 @@ def test_rounds_due_counts_the_schedule():
 def test_predict_run_bytes_by_hand():
     # P = 2, H = 4: rounds due at inner steps 2, 4, 6, 8, 10 -> fragments 0, 1, 0, 1, 0 by step 10.
     bytes_ = predict_run_bytes(fragment_numels=[[100, 28], [64]], codec="int4", sync_every=4, inner_steps=10,
-                               learners=3, final_flush=False)
+                               learners=3, downlink_codec="fp32", final_flush=False)
     fragment0 = (2 * 4 + 50) + (4 + 14)   # int4, each tensor encoded on its own: 58 + 18
     fragment1 = 4 + 32
     assert bytes_.rounds_per_learner == 5
@@ -128,9 +129,20 @@ def test_predict_run_bytes_by_hand():
     # The end: fragment 0's round fell due at step 10 (still waiting for its result), fragment 1 was
     # last synced at step 8 and trained 2 more steps: the final flush publishes fragment 1 once more.
     flushed = predict_run_bytes(fragment_numels=[[100, 28], [64]], codec="int4", sync_every=4, inner_steps=10,
-                                learners=3)
+                                learners=3, downlink_codec="fp32")
     assert flushed.flush_sent == fragment1 and flushed.learner_sent == 300 + fragment1
     assert flushed.flush_received_max == 3 * 4 * 64 and flushed.genesis_sent == 4 * 192
+
+
+def test_predict_run_bytes_with_the_int8_downlink_by_hand():
+    # As above, but each round sends the fragment's change in int8: per tensor 1 B/value + a 4 B scale
+    # per 256 values. The join and the genesis stay float32.
+    bytes_ = predict_run_bytes(fragment_numels=[[100, 28], [64]], codec="int4", sync_every=4, inner_steps=10,
+                               learners=3, downlink_codec="int8")
+    fragment0, fragment1 = (4 + 100) + (4 + 28), 4 + 64
+    assert bytes_.learner_received == 4 * 192 + 3 * fragment0 + 2 * fragment1 == 1312
+    assert bytes_.syncer_sent == 3 * 1312
+    assert bytes_.flush_received_max == 3 * fragment1 and bytes_.genesis_sent == 4 * 192
 
 
 def test_even_fragments_split_the_parameter_count():
@@ -139,14 +151,15 @@ def test_even_fragments_split_the_parameter_count():
         even_fragments(2, 3)
 
 
-def test_prediction_matches_a_real_in_process_run_exactly():
+@pytest.mark.parametrize("downlink_codec", ["fp32", "int8", "int4"])
+def test_prediction_matches_a_real_in_process_run_exactly(downlink_codec):
     from ddiloco.config import DilocoConfig, QuorumConfig
     from ddiloco.learner import Learner
     from ddiloco.syncer import Syncer
     from ddiloco.transport.inprocess import InProcessHub
     from tests.helpers import TinyNet
 
-    config = DilocoConfig(num_fragments=3, sync_every=6, codec="int4")
+    config = DilocoConfig(num_fragments=3, sync_every=6, codec="int4", downlink_codec=downlink_codec)
     initial = dict(TinyNet(seed=0).named_parameters())
     # K = M and no grace: every round closes with both learners, once (the prediction's lockstep case).
     hub = InProcessHub(Syncer(config, QuorumConfig(min_quorum=2, grace="none"), initial_params=initial))
@@ -166,7 +179,8 @@ def test_prediction_matches_a_real_in_process_run_exactly():
                     param.add_(0.01 * torch.randn(param.shape, generator=generator))
             hub.after_inner_step(learner, tokens=8)
     predicted = predict_run_bytes(fragment_numels=fragment_numels(initial, config), codec="int4",
-                                  sync_every=6, inner_steps=steps, learners=2, final_flush=False)
+                                  sync_every=6, inner_steps=steps, learners=2, downlink_codec=downlink_codec,
+                                  final_flush=False)
     assert predicted.rounds_per_learner == hub.syncer.rounds_committed
     for learner in learners:
         assert learner.stats.bytes_sent == predicted.learner_sent

@@ -13,7 +13,8 @@ from ddiloco.syncer import Syncer, replay_rounds
 from ddiloco.transport.inprocess import JoinRefusedError
 from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
 
-FP32 = dict(codec="fp32")
+FP32 = dict(codec="fp32", downlink_codec="fp32")
+"""Exact both ways: for tests that compare with arithmetic written out by hand."""
 
 
 def adamw(model):

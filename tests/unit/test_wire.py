@@ -8,23 +8,23 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
+from ddiloco.downlink import DeltaDownlink
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
-from ddiloco.messages import FragmentState, ModelSpec, Rejected, RejectReason, Update, Welcome
+from ddiloco.messages import FragmentDelta, FragmentState, ModelSpec, Rejected, RejectReason, Update, Welcome
 from ddiloco.transport import wire_pb2
 from ddiloco.transport.grpc_codec import (
-    SyncerStreamDecoder,
     UpdateAssembler,
     WireError,
     WireModel,
     config_difference,
     decode_join,
     encode_join,
-    encode_syncer_message,
     encode_update,
     iter_data,
 )
 from ddiloco.transport.grpc_server import Subscription
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from tests.helpers import TinyNet, params_of
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=4, codec="int4")
@@ -186,3 +186,69 @@ def test_subscription_delivers_in_order_and_ends_when_closed(model, params):
     back = _decode_all(SyncerStreamDecoder(model), subscription.chunks())
     assert [type(m).__name__ for m in back] == ["FragmentState", "Rejected", "FragmentState"]
     assert delivered == [1, 2]
+
+
+# ---- fragment changes (the int8 downlink) ---------------------------------------------------------------
+
+
+def _delta(model, params, *, fragment=1, version=8):
+    names = model.plan.fragments[fragment]
+    downlink = DeltaDownlink("int8", model.plan, {n: tuple(t.shape) for n, t in params.items()})
+    tensors = {n: params[n].clone() for n in names}
+    previous = downlink.before_step(fragment, tensors)
+    for tensor in tensors.values():
+        tensor.mul_(1.01)
+    return downlink.after_step(fragment, version, previous, tensors)
+
+
+def test_a_fragment_change_round_trips_between_other_messages(model, params):
+    delta = _delta(model, params)
+    assert isinstance(delta, FragmentDelta) and delta.payload_bytes < 0.3 * 4 * sum(
+        params[n].numel() for n in model.plan.fragments[1])
+    rejected = Rejected(4, 1, 2, RejectReason.STALE, "5 versions behind")
+    chunks = [c for m in (delta, rejected, _state(model, params)) for c in
+              encode_syncer_message(m, chunk_bytes=SMALL_CHUNK)]
+    assert chunks[0].WhichOneof("kind") == "fragment_delta" and not chunks[1].WhichOneof("kind")
+    back = _decode_all(SyncerStreamDecoder(model), chunks)
+    assert [type(m) for m in back] == [FragmentDelta, Rejected, FragmentState]
+    assert back[0] == delta  # payload bytes, counters, codec and checksum all came through
+
+
+def _bad_delta_chunks(model, params, edit):
+    chunks = list(encode_syncer_message(_delta(model, params)))
+    edit(chunks[0].fragment_delta)
+    return chunks
+
+
+@pytest.mark.parametrize(("edit", "reason", "needle"), [
+    (lambda h: setattr(h, "codec", "int4"), "wrong_codec", "'int4'"),
+    (lambda h: setattr(h, "base_version", h.version), "bad_counters", "base_version = version - 1"),
+    (lambda h: setattr(h, "version", 0), "bad_counters", "to 0"),
+    (lambda h: setattr(h, "fragment", 9), "bad_fragment", "fragment 9"),
+    (lambda h: setattr(h.tensors[0], "name", "mystery.weight"), "wrong_tensors", "mystery"),
+    (lambda h: setattr(h.tensors[0], "nbytes", h.tensors[0].nbytes + 1), "malformed", "declares"),
+    (lambda h: h.tensors[0].shape.append(2), "malformed", "dtype or shape"),
+])
+def test_bad_fragment_change_headers_are_refused_before_any_data(model, params, edit, reason, needle):
+    chunks = _bad_delta_chunks(model, params, edit)
+    with pytest.raises(WireError, match=needle) as caught:
+        SyncerStreamDecoder(model).feed(chunks[0])
+    assert caught.value.reason == reason
+
+
+def test_a_fragment_change_whose_bytes_changed_in_flight_is_refused_as_corrupt(model, params):
+    chunks = list(encode_syncer_message(_delta(model, params), chunk_bytes=SMALL_CHUNK))
+    data = bytearray(chunks[2].data)
+    data[0] ^= 0x01
+    chunks[2].data = bytes(data)
+    with pytest.raises(WireError) as caught:
+        _decode_all(SyncerStreamDecoder(model), chunks)
+    assert caught.value.reason == "corrupt"
+
+
+def test_a_truncated_fragment_change_is_refused(model, params):
+    chunks = list(encode_syncer_message(_delta(model, params), chunk_bytes=SMALL_CHUNK))
+    decoder = SyncerStreamDecoder(model)
+    assert _decode_all(decoder, chunks[:-1]) == []
+    with pytest.raises(WireError, match="ended after"):
+        decoder.feed(encode_syncer_message(Rejected(1, 0, 0, RejectReason.STALE)).__next__())

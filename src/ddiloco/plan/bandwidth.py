@@ -24,6 +24,8 @@ GBPS = 1e9
 FLOAT32_BYTES = 4
 INT_BLOCK_SIZE = 64
 """ddiloco's int4 / int2 codecs keep one float32 scale per block of 64 values."""
+INT8_BLOCK_SIZE = 256
+"""ddiloco's int8 codec (the default downlink) keeps one float32 scale per block of 256 values."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ WIRE_FORMATS = {
     "fp32": WireFormat(32),
     "bf16": WireFormat(16),
     "fp8": WireFormat(8, tensor_scale_bytes=FLOAT32_BYTES),
+    "int8": WireFormat(8, block_size=INT8_BLOCK_SIZE),
     "int4": WireFormat(4, block_size=INT_BLOCK_SIZE),
     "int2": WireFormat(2, block_size=INT_BLOCK_SIZE),
 }
@@ -102,9 +105,10 @@ class BandwidthConfig:
     overlap_steps: int = 2
     """tau, in inner steps: time a round may take, upload to download, without stalling the learner."""
     codec: str = "int4"
-    """Uplink codec of pseudo-gradients (fp32, bf16, fp8, int4, int2)."""
-    downlink_codec: str = "fp32"
-    """Codec of merged fragments sent back (ddiloco sends fp32 so learners hold the syncer's exact value)."""
+    """Uplink codec of pseudo-gradients (fp32, bf16, fp8, int8, int4, int2)."""
+    downlink_codec: str = "int8"
+    """Codec of merged fragments sent back (ddiloco's default int8 sends each round's change, which learners
+    and syncer rebuild identically: `ddiloco.downlink`; fp32 sends the value itself)."""
     gradient_codec: str = "bf16"
     """Data type of data-parallel gradients in the all-reduce."""
     blocking_overhead: float = 0.05
@@ -259,8 +263,9 @@ def assumptions(config: BandwidthConfig) -> tuple[str, ...]:
         "a region is free.",
         "Regions: learners in the syncer's region do not cross the WAN; a region's WAN link carries all of "
         "its learners' traffic; the syncer's link carries every learner's.",
-        f"Codec bytes are ddiloco's: fp32 4 B/value, bf16 2, fp8 1 + a 4 B scale per tensor, int4 0.5 + a 4 B "
-        f"scale per {INT_BLOCK_SIZE} values, int2 0.25 + the same scales. 1 Gbps = 1e9 bit/s.",
+        f"Codec bytes are ddiloco's: fp32 4 B/value, bf16 2, fp8 1 + a 4 B scale per tensor, int8 1 + a 4 B "
+        f"scale per {INT8_BLOCK_SIZE} values, int4 0.5 + a 4 B scale per {INT_BLOCK_SIZE} values, int2 0.25 + "
+        "the same scales. 1 Gbps = 1e9 bit/s.",
     )
 
 

@@ -8,7 +8,8 @@ checked against a run's metrics (`Learner.stats.bytes_sent` / `bytes_received`, 
   fragment r mod P) carries each tensor of that fragment encoded separately by the codec, so the
   codec's per-tensor and per-block scales count (`ddiloco.compression`'s `encoded_nbytes`);
 - downlink: a join brings the whole model as float32 (4 B/value); every committed round sends the
-  merged fragment as float32 to every learner alive;
+  merged fragment to every learner alive, encoded per tensor by the downlink codec (float32 for fp32, the
+  fragment's change for int8 / int4: `ddiloco.downlink`);
 - the end (`Learner.flush`): each fragment trained since its last round is published once more, so
   the final global model holds every learner's last steps (`flush_sent`); learners finish at different
   moments, so each one's flush may make rounds of its own, and their merged results reach a learner only
@@ -28,11 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from ddiloco.compression import get_codec
-from ddiloco.config import DilocoConfig
+from ddiloco.config import DEFAULT_DOWNLINK_CODEC, DilocoConfig
 from ddiloco.fragments import FragmentPlan, due_step
 
-DOWNLINK_BYTES_PER_VALUE = 4
-"""Merged fragments and the join's model travel as float32 (messages.FragmentState)."""
+JOIN_BYTES_PER_VALUE = 4
+"""The join's model (a Welcome) and the genesis travel as float32 (messages.FragmentState)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class RunBytes:
     learner_sent: int
     """Per learner, uplink: encoded pseudo-gradients."""
     learner_received: int
-    """Per learner, downlink: the join's model plus one merged fragment per round."""
+    """Per learner, downlink: the join's model plus one merged fragment (or its change) per round."""
     syncer_received: int
     syncer_sent: int
     flush_sent: int = 0
@@ -91,7 +92,8 @@ def flushed_fragments(inner_steps: int, sync_every: int, num_fragments: int) -> 
 
 
 def predict_run_bytes(*, fragment_numels: Sequence[Sequence[int]], codec: str, sync_every: int, inner_steps: int,
-                      learners: int, joins_per_learner: int = 1, final_flush: bool = True) -> RunBytes:
+                      learners: int, downlink_codec: str = DEFAULT_DOWNLINK_CODEC, joins_per_learner: int = 1,
+                      final_flush: bool = True) -> RunBytes:
     """Bytes per learner and direction, and at the syncer, for `inner_steps` inner steps of every learner.
 
     `fragment_numels[p]` lists the element counts of fragment p's tensors (P = its length); use
@@ -105,12 +107,14 @@ def predict_run_bytes(*, fragment_numels: Sequence[Sequence[int]], codec: str, s
             raise ValueError(f"{name}={value} is invalid: expected >= {low}")
     encoder = get_codec(codec)
     up = [sum(encoder.encoded_nbytes(n) for n in tensors) for tensors in fragment_numels]
-    down = [DOWNLINK_BYTES_PER_VALUE * sum(tensors) for tensors in fragment_numels]
+    round_encoder = get_codec(downlink_codec)
+    down = [sum(round_encoder.encoded_nbytes(n) for n in tensors) for tensors in fragment_numels]
+    join = JOIN_BYTES_PER_VALUE * sum(sum(tensors) for tensors in fragment_numels)
     rounds = rounds_due(inner_steps, sync_every, num_fragments)
     cycles, partial = divmod(rounds, num_fragments)  # round r syncs fragment r mod P
     flushed = flushed_fragments(inner_steps, sync_every, num_fragments) if final_flush else []
     flush_sent = sum(up[p] for p in flushed)
     sent = cycles * sum(up) + sum(up[:partial]) + flush_sent
-    received = joins_per_learner * sum(down) + cycles * sum(down) + sum(down[:partial])
+    received = joins_per_learner * join + cycles * sum(down) + sum(down[:partial])
     return RunBytes(rounds, sent, received, learners * sent, learners * received, flush_sent=flush_sent,
-                    flush_received_max=learners * sum(down[p] for p in flushed), genesis_sent=sum(down))
+                    flush_received_max=learners * sum(down[p] for p in flushed), genesis_sent=join)

@@ -36,6 +36,7 @@ from ddiloco.checkpoint import atomic_write_json
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.messages import (
     Commit,
+    FragmentDelta,
     FragmentState,
     Heartbeat,
     Join,
@@ -120,7 +121,8 @@ class SyncerService:
 
     def _adopt(self, syncer: Syncer) -> None:
         self.syncer = syncer
-        self._wire = WireModel(syncer.spec, syncer.plan, self.run_config.diloco.codec)
+        self._wire = WireModel(syncer.spec, syncer.plan, self.run_config.diloco.codec,
+                               self.run_config.diloco.downlink_codec)
         self._rounds_at_save = syncer.rounds_committed
 
     # ---- lifecycle --------------------------------------------------------------------------------------
@@ -342,7 +344,7 @@ class SyncerService:
         self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer,
                         fragment=fragment, inner_step=inner_step)
 
-    def _delivered(self, state: FragmentState, seconds: float) -> None:
+    def _delivered(self, state: FragmentState | FragmentDelta, seconds: float) -> None:
         with self._cond:
             if self.syncer is not None:
                 self.syncer.observe_sync_time(seconds)

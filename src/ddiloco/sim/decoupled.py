@@ -48,6 +48,7 @@ from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.messages import (
     Commit,
+    FragmentDelta,
     FragmentState,
     Join,
     Leave,
@@ -398,7 +399,8 @@ class DecoupledSim:
                 message = action.message
                 # Only the broadcast of a round just committed measures sync time (not, say, the
                 # current fragment re-sent after a stale rejection).
-                fresh = isinstance(message, FragmentState) and (message.fragment, message.version) in committed
+                fresh = (isinstance(message, FragmentState | FragmentDelta)
+                         and (message.fragment, message.version) in committed)
                 self._send_down(action.learner_id, message, committed_at=self.loop.now if fresh else None)
         self._reschedule_deadline()
 
@@ -421,7 +423,7 @@ class DecoupledSim:
             return
         nbytes = message_nbytes(message)
         self.payload_down += payload_nbytes(message)
-        if isinstance(message, FragmentState):
+        if isinstance(message, FragmentState | FragmentDelta):
             self.peak_down.add(m, self.loop.now, message.payload_bytes)
         arrival = slot.downlink.send(self.loop.now, nbytes)
         self.loop.record("send_down", learner=m, message=describe_message(message), bytes=nbytes, arrival_s=arrival)

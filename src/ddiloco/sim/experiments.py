@@ -11,7 +11,8 @@ there are failures, under the same fault plan.
   under one failure trace drawn from the failure model.
 - `heterogeneous`: 2 nominal + 2 learners 18 % slower, 10 % jitter: K = M, K = 1, K = 1 + grace.
 - `merge`: RDA vs weighted mean for M = 2, 4, 8 (merged norm / mean norm, loss).
-- `compression`: fp32, bf16, fp8, int4, int2 pseudo-gradients (loss and bytes).
+- `compression`: fp32, bf16, fp8, int4, int2 pseudo-gradients (loss and bytes), all with the default int8
+  downlink, and int4 with the float32 downlink (`int4_fp32_down`) against it.
 - `fragments`: balanced vs strided vs one fragment (peak bytes per step, loss).
 
 Hyper-parameters (`default_scale`, the sweep is in docs/results.md and `benchmarks/bench_sim.py
@@ -58,6 +59,8 @@ HETEROGENEOUS_JITTER = 0.10
 OUTER_LR = 1.0
 OUTER_MOMENTUM = 0.0
 """The outer step that worked best at this scale (module docstring); RDA keeps it valid for every M."""
+FP32_DOWN = "int4_fp32_down"
+"""The compression experiment's system with int4 uploads and the float32 downlink (the others use int8)."""
 FAULT_HORIZON_FACTOR = 4.0
 """The failure trace covers this many times the nominal run length, so slow systems meet failures too."""
 
@@ -283,13 +286,18 @@ def run_compression(r: _Runner) -> ExperimentResult:
     systems = {codec: r.decoupled(codec, cluster=r.scale.cluster(), diloco=r.scale.diloco(codec=codec),
                                   quorum=_k1_grace())
                for codec in ("fp32", "bf16", "fp8", "int4", "int2")}
+    systems[FP32_DOWN] = r.decoupled(FP32_DOWN, cluster=r.scale.cluster(),
+                                     diloco=r.scale.diloco(codec="int4", downlink_codec="fp32"), quorum=_k1_grace())
     loss = {c: s.metrics["final_val_loss"] for c, s in systems.items()}
     checks = [Check("int4 within 1 % of bf16", loss["int4"] <= loss["bf16"] * 1.01,
                     f"int4 {loss['int4']:.4f} vs bf16 {loss['bf16']:.4f}"),
               Check("int2 clearly worse than int4 (> 1 %)", loss["int2"] > loss["int4"] * 1.01,
-                    f"int2 {loss['int2']:.4f} vs int4 {loss['int4']:.4f}")]
+                    f"int2 {loss['int2']:.4f} vs int4 {loss['int4']:.4f}"),
+              Check("int8 downlink within 1 % of the float32 downlink", loss["int4"] <= loss[FP32_DOWN] * 1.01,
+                    f"int4 up: int8 down {loss['int4']:.4f} vs fp32 down {loss[FP32_DOWN]:.4f}")]
     return ExperimentResult("compression", False, r.seed, systems,
-                            ["final_val_loss", "payload_bytes_up", "peak_bytes_per_step_up", "goodput"],
+                            ["final_val_loss", "payload_bytes_up", "payload_bytes_down", "peak_bytes_per_step_up",
+                             "goodput"],
                             checks=checks)
 
 

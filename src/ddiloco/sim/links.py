@@ -8,8 +8,9 @@ as on a TCP or gRPC stream. Each learner has its own uplink (learner -> syncer) 
 learner); the syncer's side is not a bottleneck (the paper's syncer is a CPU service with a fat pipe).
 
 Sizes: tensor payloads count their exact bytes (`Update.payload_bytes`: the codec's bytes;
-`FragmentState.payload_bytes`: float32); every message adds `MESSAGE_HEADER_BYTES` for its envelope
-(ids, versions, counters, tensor names), so heartbeats and joins are not free but are small.
+`FragmentState.payload_bytes`: float32; `FragmentDelta.payload_bytes`: the downlink codec's bytes); every
+message adds `MESSAGE_HEADER_BYTES` for its envelope (ids, versions, counters, tensor names), so heartbeats
+and joins are not free but are small.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.messages import FragmentState, Rejected, Update, Welcome
+from ddiloco.messages import FragmentDelta, FragmentState, Rejected, Update, Welcome
 
 MESSAGE_HEADER_BYTES = 256
 """Envelope of every message: ids, versions, counters and the tensor names of a small model."""
@@ -49,7 +50,7 @@ class LinkConfig:
 
 def payload_nbytes(message: object) -> int:
     """Tensor bytes a message carries (0 for control messages)."""
-    if isinstance(message, Update | FragmentState):
+    if isinstance(message, Update | FragmentState | FragmentDelta):
         return message.payload_bytes
     if isinstance(message, Welcome):
         return sum(state.payload_bytes for state in message.fragments)
@@ -68,6 +69,9 @@ def describe_message(message: object) -> dict[str, Any]:
                 "inner_step": message.inner_step, "steps": message.steps, "tokens": message.tokens}
     if isinstance(message, FragmentState):
         return {"type": "FragmentState", "fragment": message.fragment, "version": message.version}
+    if isinstance(message, FragmentDelta):
+        return {"type": "FragmentDelta", "fragment": message.fragment, "version": message.version,
+                "base_version": message.base_version}
     if isinstance(message, Welcome):
         return {"type": "Welcome", "versions": [s.version for s in message.fragments]}
     if isinstance(message, Rejected):

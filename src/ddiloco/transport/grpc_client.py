@@ -36,7 +36,6 @@ from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update, Welcom
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.genesis_codec import Genesis, encode_genesis
 from ddiloco.transport.grpc_codec import (
-    SyncerStreamDecoder,
     WireModel,
     encode_join,
     encode_update,
@@ -44,6 +43,7 @@ from ddiloco.transport.grpc_codec import (
 )
 from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
 from ddiloco.transport.link import EmulatedLink, unlimited_link
+from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 
 CALL_TIMEOUT_S = 10.0
 """Deadline of the short calls (heartbeat, leave, status)."""
@@ -192,7 +192,7 @@ class SyncerClient:
         corrupt = False
         try:
             for chunk in call:
-                if chunk.WhichOneof("kind") in ("welcome", "fragment_state"):  # a message with tensors begins
+                if chunk.WhichOneof("kind") in ("welcome", "fragment_state", "fragment_delta"):  # tensors begin
                     corrupt = faults.should_corrupt()
                 if corrupt and flip_data_byte(chunk):
                     corrupt = False

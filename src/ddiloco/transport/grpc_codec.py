@@ -1,9 +1,11 @@
-"""ddiloco messages <-> the protobuf wire schema (wire.proto), in chunks of about 1 MiB.
+"""ddiloco messages <-> the protobuf wire schema (wire.proto), in chunks of about 1 MiB: joins, updates, the
+framing every message with tensors shares, and `WireModel`, what a well-formed message looks like. The
+syncer -> learner stream (Welcome, FragmentState, FragmentDelta, Rejected) is `ddiloco.transport.syncer_stream`.
 
 A message with tensors travels as one header chunk (names, dtypes, shapes and byte lengths) followed
 by data chunks that hold the tensors' bytes back to back in header order; a message without tensors
-(`Rejected`) is one chunk. Tensors are raw little-endian bytes: float32 on the downlink (exact
-global values), codec-encoded pseudo-gradients on the uplink. No pickle anywhere.
+(`Rejected`) is one chunk. Tensors are raw little-endian bytes: float32 global values or changes encoded
+by the downlink codec on the downlink, codec-encoded pseudo-gradients on the uplink. No pickle anywhere.
 
 Everything read off the wire is checked here before it becomes a message: `WireModel` knows the
 model's tensor names, shapes and dtypes, the fragment plan and the codec, so a header that
@@ -29,18 +31,14 @@ import grpc
 import torch
 
 from ddiloco.compression import get_codec
-from ddiloco.config import DilocoConfig
+from ddiloco.config import DEFAULT_DOWNLINK_CODEC, DilocoConfig
 from ddiloco.fragments import FragmentPlan
 from ddiloco.messages import (
-    FragmentState,
     Join,
     ModelSpec,
-    Rejected,
     RejectReason,
-    SyncerMessage,
     TensorSpec,
     Update,
-    Welcome,
 )
 from ddiloco.transport import wire_pb2
 
@@ -235,43 +233,18 @@ class _Receiver:
                             f"{self.expected_bytes} bytes its header declared")
 
 
-# ---- syncer -> learner ------------------------------------------------------------------------------------
-
-def _fragment_header(state: FragmentState) -> wire_pb2.FragmentHeader:
-    return wire_pb2.FragmentHeader(fragment=state.fragment, version=state.version, tensors=[
-        wire_pb2.TensorHeader(name=name, dtype=WIRE_DTYPE, shape=list(t.shape), nbytes=t.numel() * 4)
-        for name, t in state.tensors.items()], crc32=crc32_of(tensor_bytes(t) for t in state.tensors.values()))
-
-
-def encode_syncer_message(message: SyncerMessage, chunk_bytes: int = CHUNK_BYTES) -> Iterator[wire_pb2.SyncerChunk]:
-    """The chunks of one syncer->learner message (Refused is not a stream message: it ends the
-    Subscribe call with an error status)."""
-    if isinstance(message, Rejected):
-        yield wire_pb2.SyncerChunk(rejected=wire_pb2.RejectedMessage(
-            learner_id=message.learner_id, fragment=message.fragment, base_version=message.base_version,
-            reason=str(message.reason), detail=message.detail))
-        return
-    if isinstance(message, FragmentState):
-        header = wire_pb2.SyncerChunk(fragment_state=_fragment_header(message))
-        states: Sequence[FragmentState] = (message,)
-    elif isinstance(message, Welcome):
-        header = wire_pb2.SyncerChunk(welcome=wire_pb2.WelcomeHeader(
-            learner_id=message.learner_id, config_fingerprint=message.config_fingerprint,
-            fragments=[_fragment_header(s) for s in message.fragments]))
-        states = message.fragments
-    else:
-        raise TypeError(f"{type(message).__name__} does not travel on the subscription stream")
-    data = iter_data((tensor_bytes(t) for s in states for t in s.tensors.values()), chunk_bytes)
-    yield from _with_first_data(header, data, wire_pb2.SyncerChunk)
-
+# ---- checking what arrives ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class WireModel:
-    """What a well-formed message must look like for one model, plan and codec."""
+    """What a well-formed message must look like for one model, plan and codecs."""
 
     spec: ModelSpec
     plan: FragmentPlan
     codec_name: str
+    """The uplink codec (`DilocoConfig.codec`)."""
+    downlink_codec_name: str = DEFAULT_DOWNLINK_CODEC
+    """The codec of fragment changes (`DilocoConfig.downlink_codec`)."""
 
     @functools.cached_property
     def _by_name(self) -> dict[str, TensorSpec]:
@@ -316,78 +289,6 @@ def _float32_tensors(headers: Sequence[wire_pb2.TensorHeader], buffer: bytearray
                                                 offset=offset).view(tuple(header.shape))
         offset += header.nbytes
     return tensors, offset
-
-
-class SyncerStreamDecoder:
-    """Turns the chunks of a Subscribe stream back into messages, checking them against the model."""
-
-    def __init__(self, model: WireModel) -> None:
-        self.model = model
-        self._header: wire_pb2.SyncerChunk | None = None
-        self._receiver: _Receiver | None = None
-        self.wire_bytes = 0
-        """Serialised bytes of every chunk fed so far."""
-
-    def _expect_data_for(self, chunk: wire_pb2.SyncerChunk, fragments: Sequence[wire_pb2.FragmentHeader]) -> None:
-        total = 0
-        for frag in fragments:
-            self.model.check_fragment(frag.fragment, [t.name for t in frag.tensors])
-            for header in frag.tensors:
-                self.model.check_tensor(header, lambda numel: 4 * numel)
-                total += header.nbytes
-        self._header = chunk
-        self._receiver = _Receiver(total)
-
-    def feed(self, chunk: wire_pb2.SyncerChunk) -> SyncerMessage | None:
-        """The message this chunk completes, or None while one is still arriving."""
-        kind = chunk.WhichOneof("kind")
-        data = chunk.data
-        if kind is not None:
-            if self._receiver is not None:
-                self._receiver.require_complete()
-            self.wire_bytes += field_wire_bytes(getattr(chunk, kind).ByteSize())
-            if kind == "rejected":
-                if data:
-                    raise WireError("malformed", "a rejected message carries no data")
-                return self._rejected(chunk.rejected)
-            fragments = [chunk.fragment_state] if kind == "fragment_state" else list(chunk.welcome.fragments)
-            self._expect_data_for(chunk, fragments)
-        elif not data:
-            raise WireError("malformed", "an empty chunk")
-        elif self._receiver is None:
-            raise WireError("malformed", "a data chunk arrived without a header")
-        if data:
-            self.wire_bytes += field_wire_bytes(len(data))
-            assert self._receiver is not None
-            self._receiver.add(data)
-        if self._receiver is None or not self._receiver.complete:
-            return None
-        return self._finish()
-
-    @staticmethod
-    def _rejected(r: wire_pb2.RejectedMessage) -> Rejected:
-        try:
-            reason = RejectReason(r.reason)
-        except ValueError:
-            raise WireError("malformed", f"unknown reject reason {r.reason!r}") from None
-        return Rejected(int(r.learner_id), int(r.fragment), int(r.base_version), reason, r.detail)
-
-    def _finish(self) -> SyncerMessage:
-        assert self._header is not None and self._receiver is not None
-        header, buffer = self._header, self._receiver.buffer
-        self._header = self._receiver = None
-        if header.WhichOneof("kind") == "fragment_state":
-            frag = header.fragment_state
-            check_crc32(buffer, frag.crc32, f"fragment {frag.fragment} version {frag.version}")
-            tensors, _ = _float32_tensors(frag.tensors, buffer, 0)
-            return FragmentState(int(frag.fragment), int(frag.version), tensors)
-        states, offset = [], 0
-        for frag in header.welcome.fragments:
-            end = offset + sum(t.nbytes for t in frag.tensors)
-            check_crc32(memoryview(buffer)[offset:end], frag.crc32, f"the Welcome's fragment {frag.fragment}")
-            tensors, offset = _float32_tensors(frag.tensors, buffer, offset)
-            states.append(FragmentState(int(frag.fragment), int(frag.version), tensors))
-        return Welcome(int(header.welcome.learner_id), tuple(states), header.welcome.config_fingerprint)
 
 
 # ---- learner -> syncer updates ------------------------------------------------------------------------------

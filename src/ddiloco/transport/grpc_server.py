@@ -33,6 +33,7 @@ import grpc
 
 from ddiloco.messages import (
     SCHEMA_VERSION,
+    FragmentDelta,
     FragmentState,
     Heartbeat,
     Join,
@@ -51,8 +52,8 @@ from ddiloco.transport.grpc_codec import (
     WireError,
     WireModel,
     decode_join,
-    encode_syncer_message,
 )
+from ddiloco.transport.syncer_stream import encode_syncer_message
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class Subscription:
 
     _CLOSED = object()
 
-    def __init__(self, learner_id: int, *, on_delivered: Callable[[FragmentState, float], None] | None = None) -> None:
+    def __init__(self, learner_id: int, *,
+                 on_delivered: Callable[[FragmentState | FragmentDelta, float], None] | None = None) -> None:
         self.learner_id = learner_id
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._on_delivered = on_delivered
@@ -114,7 +116,7 @@ class Subscription:
                 return
             queued_at, message = item
             yield from encode_syncer_message(message)
-            if isinstance(message, FragmentState) and self._on_delivered is not None:
+            if isinstance(message, FragmentState | FragmentDelta) and self._on_delivered is not None:
                 # The last chunk has been handed to gRPC's flow control: the sync time the adaptive
                 # grace window estimates (commit -> fragment on its way to the learner).
                 self._on_delivered(message, time.monotonic() - queued_at)

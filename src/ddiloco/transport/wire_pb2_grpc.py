@@ -75,7 +75,7 @@ class SyncerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Subscribe(self, request, context):
-        """Join and stay subscribed: Welcome, then FragmentStates and Rejected messages as they come.
+        """Join and stay subscribed: Welcome, then FragmentStates or FragmentDeltas and Rejected messages as they come.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
