@@ -1,0 +1,113 @@
+"""Real processes: default ddiloco against synchronous data-parallel at equal tokens (issue 12). Run by hand.
+
+    .venv/bin/python benchmarks/bench_runtime_quality.py                    # 4 learners, 300 inner steps (~8 min)
+    .venv/bin/python benchmarks/bench_runtime_quality.py --steps 200 -- --outer-lr 1.0 --outer-momentum 0
+
+1. `ddiloco run --learners M --inner-steps N` (the built-in TinyGPT learner, the syncer, the evaluator; gRPC on
+   127.0.0.1), with the defaults unless flags after `--` change them. Its final validation loss is the
+   evaluator's last `eval/val_loss` (after every learner's last round), its curve the evaluator's metrics.
+2. The DDP baseline `ddiloco chaos` runs (`ddiloco.chaos.data_parallel.DataParallelJob`: M ranks over gloo,
+   shard r for rank r, global batch M x B), without faults, stopped once rank 0 has taken N steps (the job
+   evaluates at its last step): the same tokens, model, data and seed.
+
+Acceptance (issue 12): ddiloco within 2 % of data-parallel in final validation loss, and never a validation
+loss above the starting loss. Both run one after the other on this machine; wall times are printed but
+not compared (on 2 cores the DDP ranks and the learners compete for the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
+from ddiloco.run_config import RunConfig
+
+TOLERANCE = 0.02
+
+
+def jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def run_ddiloco(run_dir: Path, *, learners: int, steps: int, seed: int, extra: list[str]) -> dict:
+    command = [sys.executable, "-c", "from ddiloco.cli import main; main()", "run", "--learners", str(learners), "--inner-steps", str(steps),
+               "--seed", str(seed), "--threads", "1", "--run-dir", str(run_dir), "--eval-every-s", "5", *extra]
+    start = time.monotonic()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    curve = [(r["step"], r["eval/val_loss"]) for r in jsonl(run_dir / "evaluator" / "metrics.jsonl")
+             if "eval/val_loss" in r]
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    rounds = jsonl(run_dir / "rounds.jsonl")
+    participants = [len(r["participants"]) for r in rounds]
+    return {"final": summary["final_val_loss"], "curve": [v for _, v in curve], "rounds": len(rounds),
+            "participants": sum(participants) / max(1, len(participants)), "wall_s": time.monotonic() - start,
+            "config": json.loads((run_dir / "config.json").read_text(encoding="utf-8"))}
+
+
+def run_data_parallel(job_dir: Path, run_config: RunConfig, *, steps: int) -> dict:
+    job = DataParallelJob(DataParallelConfig(eval_every_s=5.0), run_config=run_config, job_dir=job_dir)
+    start = time.monotonic()
+    job.start()
+    try:
+        while True:
+            job.poll()
+            if job.failure is not None:
+                raise RuntimeError(f"the data-parallel job failed: {job.failure}")
+            records = jsonl(job.paths.rank_metrics(0))
+            if records and max(r.get("step", 0) for r in records) >= steps:
+                break
+            time.sleep(0.2)
+    finally:
+        summary = job.stop()
+    records = jsonl(job.paths.rank_metrics(0))
+    curve = [r["dp/val_loss"] for r in records if "dp/val_loss" in r]
+    return {"final": summary["final_val_loss"], "final_step": summary["final_step"], "curve": curve,
+            "wall_s": time.monotonic() - start}
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--learners", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (= DDP steps)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-dp", action="store_true", help="only the ddiloco run")
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    with tempfile.TemporaryDirectory(prefix="bench_runtime_quality_") as tmp:
+        root = Path(tmp)
+        dd = run_ddiloco(root / "ddiloco", learners=args.learners, steps=args.steps, seed=args.seed, extra=extra)
+        diloco = dd["config"]["diloco"]
+        print(f"ddiloco ({' '.join(extra) or 'defaults'}; outer {diloco['outer_lr']}, {diloco['outer_momentum']}, "
+              f"H {diloco['sync_every']}, downlink {diloco['downlink_codec']}): final {dd['final']:.4f}, "
+              f"max after start {max(dd['curve'][1:]):.3f} vs start {dd['curve'][0]:.3f}, {dd['rounds']} rounds, "
+              f"{dd['participants']:.2f} participants per round, {dd['wall_s']:.0f} s", flush=True)
+        print(f"  curve {' '.join(f'{v:.3f}' for v in dd['curve'])}")
+        if args.skip_dp:
+            return
+        run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed)
+        dp = run_data_parallel(root / "data_parallel", run_config, steps=args.steps)
+        gap = dd["final"] / dp["final"] - 1
+        print(f"data-parallel (DDP, gloo, {args.learners} ranks): final {dp['final']:.4f} at step {dp['final_step']}, "
+              f"{dp['wall_s']:.0f} s", flush=True)
+        print(f"  curve {' '.join(f'{v:.3f}' for v in dp['curve'])}")
+        print(f"ddiloco vs data-parallel: {gap:+.2%} (within {TOLERANCE:.0%}: {gap <= TOLERANCE}); never above the "
+              f"starting loss: {max(dd['curve'][1:]) <= dd['curve'][0]}")
+
+
+if __name__ == "__main__":
+    main()
