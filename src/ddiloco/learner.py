@@ -113,6 +113,9 @@ class Learner:
         self.next_round = 0
         self._published_early: set[int] = set()
         """Rounds whose update went out before they fell due (`_publish_before`): skipped when they do."""
+        self.phase = 0
+        """Inner steps this learner's schedule runs ahead of its step count: raised each time a round closes
+        before it published its part (`_publish_before`), so its next rounds fall due in time for the others'."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.joined = False
@@ -219,10 +222,16 @@ class Learner:
         update = self._publish(p)
         if update is None:
             return None
-        num = self.plan.num_fragments
+        num, period = self.plan.num_fragments, self.config.sync_every
         scheduled = self.next_round + (p - self.next_round) % num
         if scheduled <= num * (state.version - 1) + p:
             self._published_early.add(scheduled)
+            # It was `short` steps from publishing when the round closed: its clock runs behind the others'
+            # by that and the close's grace and latency. Move its schedule forward by one step more than
+            # the shortfall (at most a round's spacing, so no rounds fall due at once); repeated while it is
+            # late, this brings its updates into the others' rounds instead of one version after them.
+            short = due_step(scheduled, period, num) - (self.inner_step + self.phase)
+            self.phase += max(1, min(short + 1, period // num))
         self.stats.updates_published_early += 1
         return update
 
@@ -297,6 +306,7 @@ class Learner:
         self.inner_step = due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) - 1
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self._published_early.clear()
+        self.phase = 0
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.next_round)
 
@@ -315,7 +325,7 @@ class Learner:
             self.tokens_since[p] += tokens
         updates = []
         num = self.plan.num_fragments
-        while due_step(self.next_round, self.config.sync_every, num) <= self.inner_step:
+        while due_step(self.next_round, self.config.sync_every, num) <= self.inner_step + self.phase:
             if self.next_round in self._published_early:
                 self._published_early.discard(self.next_round)
             else:
@@ -373,6 +383,7 @@ class Learner:
             "learner_id": self.learner_id,
             "inner_step": self.inner_step,
             "next_round": self.next_round,
+            "phase": self.phase,
             "optimizer": self.optimizer.state_dict(),
         }
 
@@ -381,6 +392,7 @@ class Learner:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
         self.next_round = int(state["next_round"])
+        self.phase = int(state.get("phase", 0))
         self._published_early.clear()
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
