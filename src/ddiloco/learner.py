@@ -34,6 +34,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
+from ddiloco.training import InnerConfig
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -51,8 +52,8 @@ from ddiloco.messages import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INNER_LR = 1e-3
-"""AdamW learning rate used when the user passes no optimizer; suits the tiny default model."""
+DEFAULT_INNER_LR = InnerConfig().lr
+"""AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
 
 
 @dataclass

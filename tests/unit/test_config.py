@@ -27,7 +27,7 @@ def test_bad_values_name_the_field_and_value(cls, field, value):
 def test_fingerprint_changes_with_any_algorithm_field():
     base = DilocoConfig()
     assert base.fingerprint() == DilocoConfig().fingerprint()
-    changes = dict(num_fragments=2, sync_every=16, overlap_steps=1, fragment_strategy="strided",
+    changes = dict(num_fragments=2, sync_every=8, overlap_steps=1, fragment_strategy="strided",
                    embedding_pattern="emb", merge="mean", outer_lr=0.5, outer_momentum=0.8, codec="bf16",
                    downlink_codec="int4")
     assert set(changes) == {f.name for f in dataclasses.fields(DilocoConfig)}

@@ -15,13 +15,11 @@ there are failures, under the same fault plan.
   downlink, and int4 with the float32 downlink (`int4_fp32_down`) against it.
 - `fragments`: balanced vs strided vs one fragment (peak bytes per step, loss).
 
-Hyper-parameters (`default_scale`, the sweep is in docs/results.md and `benchmarks/bench_sim.py
---sweep`): inner AdamW learning rate 2e-3 (the best of 1e-3, 2e-3, 4e-3 for data-parallel at 4 x 8
-sequences; Decoupled DiLoCo uses the same), H = 32, P = 4, tau = 2, int4, K = 1 + adaptive grace, and
-an outer step of learning rate 1.0 without momentum: at a few hundred inner steps DiLoCo's usual outer
-Nesterov (0.7, 0.9) lost 0.3 nats and (0.7, 0.5) 0.1 against it. `quick_scale` shrinks the model, batch
-and steps so each experiment runs in seconds (CI smoke test); its numbers show that the machinery
-works, not the paper's claims.
+Hyper-parameters (`default_scale`): the run defaults (`DilocoConfig`, `InnerConfig`), which the sweep in
+docs/results.md ("Defaults", `benchmarks/bench_sim.py --sweep`) chose: inner AdamW learning rate 2e-3,
+H = 16, P = 4, tau = 2, int4 up and int8 down, K = 1 + adaptive grace, outer Nesterov (0.7, 0.5).
+`quick_scale` shrinks the model, batch and steps so each experiment runs in seconds (CI smoke test); its
+numbers show that the machinery works, not the paper's claims.
 """
 
 from __future__ import annotations
@@ -48,17 +46,14 @@ from ddiloco.training import InnerConfig
 
 Progress = Callable[[str], None]
 
-QUALITY_TOLERANCE = 0.03
-"""Acceptance: Decoupled DiLoCo's final validation loss within 3 % of data-parallel's."""
+QUALITY_TOLERANCE = 0.02
+"""Acceptance (issue 12): Decoupled DiLoCo's final validation loss within 2 % of data-parallel's."""
 GOODPUT_TARGET = 0.90
 """Acceptance: Decoupled DiLoCo keeps goodput above 90 % under the failure trace."""
 HETEROGENEOUS_SLOWDOWN = 0.18
 """The paper's TPU v5p learners are about 18 % slower than the v6e ones."""
 HETEROGENEOUS_JITTER = 0.10
 """The paper injected 10 % variance on top."""
-OUTER_LR = 1.0
-OUTER_MOMENTUM = 0.0
-"""The outer step that worked best at this scale (module docstring); RDA keeps it valid for every M."""
 FP32_DOWN = "int4_fp32_down"
 """The compression experiment's system with int4 uploads and the float32 downlink (the others use int8)."""
 FAULT_HORIZON_FACTOR = 4.0
@@ -91,12 +86,12 @@ class Scale:
         return ClusterConfig(num_learners=num_learners, uplink=self.link, downlink=self.link, **changes)
 
     def diloco(self, **changes: Any) -> DilocoConfig:
-        return DilocoConfig(num_fragments=4, sync_every=self.sync_every, overlap_steps=2, outer_lr=OUTER_LR,
-                            outer_momentum=OUTER_MOMENTUM, **changes)
+        return DilocoConfig(num_fragments=4, sync_every=self.sync_every, overlap_steps=2, **changes)
 
 
 def default_scale() -> Scale:
-    return Scale(model=ModelConfig(), batch_size=8, inner_lr=2e-3, sync_every=32, eval_points=12, val_batches=8,
+    return Scale(model=ModelConfig(), batch_size=8, inner_lr=InnerConfig().lr, sync_every=DilocoConfig().sync_every,
+                 eval_points=12, val_batches=8,
                  inner_steps={"quality": 896, "failures": 320, "heterogeneous": 320, "merge": 128,
                               "compression": 192, "fragments": 320})
 
@@ -197,7 +192,7 @@ def run_quality(r: _Runner) -> ExperimentResult:
         "quality", False, r.seed, systems, ["final_val_loss", "tokens_processed", "tokens_merged", "goodput",
                                             "bytes_up", "peak_bytes_per_step_up", "virtual_time_s"],
         extra={"decoupled": {"loss_gap_vs_data_parallel": gap}},
-        checks=[Check("decoupled final loss within 3 % of data-parallel at equal tokens", gap <= QUALITY_TOLERANCE,
+        checks=[Check("decoupled final loss within 2 % of data-parallel at equal tokens", gap <= QUALITY_TOLERANCE,
                       f"{dd:.4f} vs {dp:.4f} ({100 * gap:+.2f} %)")])
 
 
@@ -253,9 +248,10 @@ def run_heterogeneous(r: _Runner) -> ExperimentResult:
               f"K=1+grace {100 * kg['goodput']:.1f} %"),
         Check("K = 1 loses quality against K = 1 + grace", k1["final_val_loss"] > kg["final_val_loss"],
               f"K=1 {k1['final_val_loss']:.4f} vs K=1+grace {kg['final_val_loss']:.4f}"),
-        Check("K = 1 + grace keeps quality of K = M (within 1 %)",
-              kg["final_val_loss"] <= km["final_val_loss"] * 1.01,
+        Check("K = 1 + grace at least as good as K = M",
+              kg["final_val_loss"] <= km["final_val_loss"],
               f"K=1+grace {kg['final_val_loss']:.4f} vs K=M {km['final_val_loss']:.4f}"),
+        Check("K = 1 + grace at 99 % goodput or more", kg["goodput"] >= 0.99, f"{100 * kg['goodput']:.1f} %"),
     ]
     return ExperimentResult("heterogeneous", False, r.seed, systems,
                             ["goodput", "merged_work_fraction", "blocked_fraction", "final_val_loss",
