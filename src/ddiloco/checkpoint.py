@@ -182,7 +182,8 @@ def load_latest_state(directory: str | Path) -> tuple[Any, dict[str, Any], int] 
 def round_record_from_json(line: dict[str, Any], merged: dict[str, torch.Tensor]) -> RoundRecord:
     return RoundRecord(
         round_index=int(line["round"]), fragment=int(line["fragment"]), version=int(line["version"]),
-        participants=tuple(Participant(**p) for p in line["participants"]), merged=merged,
+        participants=tuple(Participant(**{**p, "folded": tuple(tuple(int(v) for v in f) for f in p.get("folded", ()))})
+                           for p in line["participants"]), merged=merged,
         opened_at=float(line["opened_at"]), quorum_at=float(line["quorum_at"]),
         closed_at=float(line["closed_at"]), grace_s=float(line["grace_s"]),
         rejections=tuple((int(i), str(r)) for i, r in line.get("rejections", ())))

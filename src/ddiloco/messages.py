@@ -222,6 +222,9 @@ class Participant:
     inner_step: int = -1
     """The learner's inner step when it published this update (-1 in round logs written before it was
     recorded); with learner_id and the round's fragment it names the update in the learner's work ledger."""
+    folded: tuple[tuple[int, int], ...] = ()
+    """(base_version, inner_step) of this learner's earlier updates that this participant includes: a late
+    update held in the round and combined with its newer one, or replaced by the same work continued."""
 
 
 @dataclass(frozen=True)

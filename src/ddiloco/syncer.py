@@ -24,6 +24,7 @@ Paper: Decoupled DiLoCo, arXiv 2604.21428.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -86,6 +87,8 @@ class _Pending:
     tokens: int
     inner_step: int
     final: bool = False
+    folded: tuple[tuple[int, int], ...] = ()
+    """(base_version, inner_step) of the same learner's earlier updates this one includes."""
 
 
 @dataclass(frozen=True)
@@ -337,14 +340,18 @@ class Syncer:
         open_round = self._open[update.fragment]
         pending = _Pending(decoded, update.base_version, update.steps, update.tokens, update.inner_step, update.final)
         held = open_round.updates.get(update.learner_id)
-        if held is not None and held.base_version < update.base_version:
-            # A late update still held, and new work from the next version (which overwrote the learner's
-            # fragment, so the two cover different steps): the round counts both, as one.
-            pending = _Pending({name: held.deltas[name] + delta for name, delta in decoded.items()},
-                               update.base_version, held.steps + update.steps, held.tokens + update.tokens,
-                               update.inner_step, update.final)
-        # (Same base: the same work continued, since a pseudo-gradient is measured from the base; it
-        # replaces the held one. `_validate` refused every other overlap.)
+        if held is not None:
+            folded = (*held.folded, (held.base_version, held.inner_step))
+            if held.base_version < update.base_version:
+                # A late update still held, and new work from the next version (which overwrote the learner's
+                # fragment, so the two cover different steps): the round counts both, as one.
+                pending = _Pending({name: held.deltas[name] + delta for name, delta in decoded.items()},
+                                   update.base_version, held.steps + update.steps, held.tokens + update.tokens,
+                                   update.inner_step, update.final, folded)
+            else:
+                # The same base: the same work continued (a pseudo-gradient is measured from the base), so it
+                # replaces the held one. `_validate` refused every other overlap.
+                pending = dataclasses.replace(pending, folded=folded)
         open_round.updates[update.learner_id] = pending
         if open_round.first_at is None and update.base_version == self.versions[update.fragment] and not update.final:
             open_round.first_at = now  # the quorum time runs from the first update the round is due for
@@ -411,7 +418,8 @@ class Syncer:
         version_before = self.versions[p]
         broadcast = self._outer_step(p, merged, version_before + 1)
         participants = tuple(
-            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step)
+            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step,
+                        u.folded)
             for i, u, w in zip(learner_ids, pending, weights, strict=True))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]

@@ -432,6 +432,8 @@ def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
     assert syncer.rejections == []
     (record,) = [a.record for a in actions if isinstance(a, Commit)]
     assert [(p.learner_id, p.base_version, p.steps) for p in record.participants] == [(1, 1, 4)]
+    # The participant names the late update it includes, so every publish has a fate in the round log.
+    assert record.participants[0].folded == ((0, late[0].inner_step),)
     decode = get_codec(FP32["codec"]).decode
     for name, merged in record.merged.items():
         shape = merged.shape

@@ -207,8 +207,9 @@ def every_update_merged_or_rejected_with_reason(system_dir: str | Path) -> Resul
         # committed by the incarnation that committed the round before it.
         incarnation = committed_by.get(int(r["round"]), incarnation)
         for p in r["participants"]:
-            merged[(incarnation, (int(p["learner_id"]), int(r["fragment"]), int(p["base_version"]),
-                                  int(p.get("inner_step", -1))))] += 1
+            # A participant also names the learner's earlier updates it includes (Participant.folded).
+            for base, step in [(p["base_version"], p.get("inner_step", -1)), *p.get("folded", ())]:
+                merged[(incarnation, (int(p["learner_id"]), int(r["fragment"]), int(base), int(step)))] += 1
     for number, key in sorted(set(accepted) | set(merged) | set(discarded)):
         a, m, d = accepted[(number, key)], merged[(number, key)], discarded[(number, key)]
         counts["merged"] += min(m, a)
