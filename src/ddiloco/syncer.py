@@ -36,7 +36,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
-from ddiloco.merge import merge_round, token_weight
+from ddiloco.merge import merge_round, period_share, token_weight
 from ddiloco.messages import (
     SCHEMA_VERSION,
     Commit,
@@ -520,24 +520,6 @@ class Syncer:
             for participant in record.participants:
                 info = self.learners.setdefault(participant.learner_id, LearnerInfo(alive=False, last_seen=0.0))
                 info.merged_base[record.fragment] = participant.base_version
-
-
-def period_share(counts: Sequence[tuple[int, int, bool]], sync_every: int) -> float:
-    """The share of an outer step a round takes: 1, unless it holds learners' last work (`final`, a
-    partial period that ends training). Then it is the tokens carried over the tokens of a full period:
-    sum of min(steps, H) x tokens/step over sum of H x tokens/step, a regular update counting as a full
-    period. RDA keeps the merged norm of its updates, and a pseudo-gradient's norm does not shrink in
-    proportion to its steps (the first steps after a fragment is overwritten move the most), so a round of
-    a few last steps would otherwise weigh like a whole period: measured on examples/mlp.py, the final
-    flush raised the validation loss by up to 30 % (benchmarks/bench_quality.py). The first rounds are not
-    scaled (they are Streaming DiLoCo's). Recorded rounds hold the scaled merge (`RoundRecord.merged`), so
-    replay is unchanged."""
-    carried = expected = 0.0
-    for steps, tokens, final in counts:
-        per_step = tokens / steps
-        carried += (min(steps, sync_every) if final else sync_every) * per_step
-        expected += sync_every * per_step
-    return carried / expected if expected > 0 else 1.0
 
 
 def replay_rounds(config: DilocoConfig, initial_params: Mapping[str, torch.Tensor],

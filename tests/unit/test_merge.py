@@ -64,3 +64,13 @@ def test_merge_rejects_bad_input():
         merge_round([{"w": torch.zeros(1)}], [1.0], method="avg")
     with pytest.raises(ValueError, match=">= 0"):
         weighted_mean([torch.zeros(1)], [-1.0])
+
+
+def test_a_round_of_last_work_takes_the_share_of_a_period_its_tokens_carry():
+    from ddiloco.merge import period_share
+    # A learner's last 8 of H = 16 steps (2 tokens per step) beside a regular update: 3/4 of a period.
+    assert period_share([(8, 16, True), (16, 32, False)], 16) == 0.75
+    # Regular updates always count as a full period, however few steps (the first rounds are not scaled).
+    assert period_share([(4, 8, False), (4, 8, False)], 16) == 1.0
+    # Last work longer than H counts as one full period, not more.
+    assert period_share([(40, 40, True)], 16) == 1.0
