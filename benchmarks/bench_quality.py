@@ -100,7 +100,7 @@ def run_adamw(*, learners: int, steps: int, lr: float, eval_every: int, seed: in
 
 def smoothed_monotone(curve: list[float]) -> bool:
     smooth = [sum(curve[i:i + 3]) / 3 for i in range(len(curve) - 2)]
-    return all(b <= a for a, b in zip(smooth, smooth[1:]))
+    return all(b <= a for a, b in zip(smooth, smooth[1:], strict=False))
 
 
 def main() -> None:
@@ -130,7 +130,8 @@ def main() -> None:
         start = time.perf_counter()
         curve = run_diloco(config, **common)
         gap = curve[-1] / baseline[-1] - 1
-        print(f"{name} (outer {config.outer_lr}, {config.outer_momentum}, H {config.sync_every}; downlink {config.downlink_codec}): "
+        print(f"{name} (outer {config.outer_lr}, {config.outer_momentum}, H {config.sync_every}; "
+              f"downlink {config.downlink_codec}): "
               f"final {curve[-1]:.4f} ({gap:+.1%} vs AdamW, within {TOLERANCE:.0%}: {gap <= TOLERANCE}; "
               f"falls monotonically, smoothed over 3: {smoothed_monotone(curve)})  "
               f"curve {' '.join(f'{v:.3f}' for v in curve)}  ({time.perf_counter() - start:.0f} s)", flush=True)

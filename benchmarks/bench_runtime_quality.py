@@ -44,8 +44,9 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def run_ddiloco(run_dir: Path, *, learners: int, steps: int, seed: int, extra: list[str]) -> dict:
-    command = [sys.executable, "-c", "from ddiloco.cli import main; main()", "run", "--learners", str(learners), "--inner-steps", str(steps),
-               "--seed", str(seed), "--threads", "1", "--run-dir", str(run_dir), "--eval-every-s", "5", *extra]
+    command = [sys.executable, "-c", "from ddiloco.cli import main; main()", "run", "--learners", str(learners),
+               "--inner-steps", str(steps), "--seed", str(seed), "--threads", "1", "--run-dir", str(run_dir),
+               "--eval-every-s", "5", *extra]
     start = time.monotonic()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     curve = [(r["step"], r["eval/val_loss"]) for r in jsonl(run_dir / "evaluator" / "metrics.jsonl")

@@ -34,7 +34,6 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
-from ddiloco.training import InnerConfig
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -49,6 +48,7 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
 
