@@ -47,7 +47,7 @@ class DilocoConfig:
     """P: how many fragments the model is cut into; round r syncs fragment r mod P."""
     sync_every: int = 16
     """H, in inner steps: every fragment is synchronised once per H inner steps. 16 won the sweep at this
-    project's scales (docs/results.md, "Defaults"); the paper's 12B runs use P = H = 24."""
+    project's scales (docs/results.md, "Defaults and rounds"); the paper's 12B runs use P = H = 24."""
     overlap_steps: int = 2
     """tau, in inner steps: a learner may train this many inner steps after publishing a fragment
     before it must hold a newer version of that fragment (it waits at that point, see LearnerConfig)."""
@@ -63,7 +63,7 @@ class DilocoConfig:
     outer_lr: float = 0.7
     """Outer Nesterov SGD learning rate (DiLoCo's value; the paper does not publish its own)."""
     outer_momentum: float = 0.5
-    """Outer Nesterov momentum. DiLoCo's 0.9 lost to 0.5 in every sweep here (docs/results.md, "Defaults"):
+    """Outer Nesterov momentum. DiLoCo's 0.9 lost to 0.5 in every sweep here (docs/results.md, "Defaults and rounds"):
     its momentum needs many outer steps to pay off, and it amplifies every partial round."""
     codec: str = "int4"
     """Wire codec of the pseudo-gradients sent by learners (fp32, bf16, fp8, int8, int4, int2)."""

@@ -16,7 +16,7 @@ there are failures, under the same fault plan.
 - `fragments`: balanced vs strided vs one fragment (peak bytes per step, loss).
 
 Hyper-parameters (`default_scale`): the run defaults (`DilocoConfig`, `InnerConfig`), which the sweep in
-docs/results.md ("Defaults", `benchmarks/bench_sim.py --sweep`) chose: inner AdamW learning rate 2e-3,
+docs/results.md ("Defaults and rounds", `benchmarks/bench_sim.py --sweep`) chose: inner AdamW learning rate 2e-3,
 H = 16, P = 4, tau = 2, int4 up and int8 down, K = 1 + adaptive grace, outer Nesterov (0.7, 0.5).
 `quick_scale` shrinks the model, batch and steps so each experiment runs in seconds (CI smoke test); its
 numbers show that the machinery works, not the paper's claims.
