@@ -230,12 +230,13 @@ class Learner:
             # It was `short` steps from publishing when the round closed: its clock runs behind the others'
             # by that and the close's grace and latency. Move its schedule forward by one step more than
             # the shortfall (at most a round's spacing, so no rounds fall due at once); repeated while it is
-            # late, this brings its updates into the others' rounds instead of one version after them. A
-            # learner one step from publishing is in phase (a round that closed without a grace window, at
-            # the start, does that): moving it would split the learners into two groups that alternate.
-            short = due_step(scheduled, period, num) - (self.inner_step + self.phase)
-            if short >= 2:
-                self.phase += min(short + 1, max(1, period // num))
+            # late, this brings its updates into the others' rounds instead of one version after them. Not
+            # after a fragment's first round: the syncer has no step-time estimate yet, so that round closes
+            # without a grace window on the first update, before learners in phase report; moving them
+            # would split the learners into two groups that alternate.
+            if state.version >= 2:
+                short = due_step(scheduled, period, num) - (self.inner_step + self.phase)
+                self.phase += max(1, min(short + 1, period // num))
         self.stats.updates_published_early += 1
         return update
 
