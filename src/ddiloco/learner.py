@@ -114,6 +114,9 @@ class Learner:
         self.next_round = 0
         self._published_early: set[int] = set()
         """Rounds whose update went out before they fell due (`_publish_before`): skipped when they do."""
+        self.follows_rounds = True
+        """Whether a late learner moves its schedule forward (`_publish_before`); off where rounds wait for
+        every learner anyway (K = M: `LearnerRules` turns it off), since each move adds publications."""
         self.phase = 0
         """Inner steps this learner's schedule runs ahead of its step count: raised each time a round closes
         before it published its part (`_publish_before`), so its next rounds fall due in time for the others'."""
@@ -234,7 +237,7 @@ class Learner:
             # after a fragment's first round: the syncer has no step-time estimate yet, so that round closes
             # without a grace window on the first update, before learners in phase report; moving them
             # would split the learners into two groups that alternate.
-            if state.version >= 2:
+            if self.follows_rounds and state.version >= 2:
                 short = due_step(scheduled, period, num) - (self.inner_step + self.phase)
                 self.phase += max(1, min(short + 1, period // num))
         self.stats.updates_published_early += 1

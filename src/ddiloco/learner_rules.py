@@ -98,6 +98,7 @@ class LearnerRules:
         self.learner = learner
         self.config = config
         self.synchronous = synchronous
+        learner.follows_rounds = not synchronous
         self.resumed = False
         """Set by the driver when the learner's progress came from its checkpoint (it keeps that position
         unless the run is synchronous)."""
