@@ -19,11 +19,14 @@ This module knows nothing of learners or the syncer; it stores what they hand it
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +63,104 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as file:
-        file.write(data)
-        file.flush()
-        if durable:
-            os.fsync(file.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as file:
+            file.write(data)
+            file.flush()
+            if durable:
+                os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also keep the half-written copy
+        raise
     if durable:
         _fsync_dir(path.parent)
+
+
+class WriteTrouble:
+    """For files a run rewrites and can do without for a while (status files, metrics, periodic
+    checkpoints): an OSError (a full disk, a read-only mount) is counted and logged once when writes start
+    failing and once when they work again, and never raised, so the run goes on. Thread-safe."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failures = 0
+        self.failing: str | None = None
+        """The last error while writes fail; None while they work."""
+        self._lock = threading.Lock()
+
+    def attempt(self, write: Callable[[], object]) -> bool:
+        """Run `write()`; False when it raised OSError."""
+        try:
+            write()
+        except OSError as exc:
+            with self._lock:
+                self.failures += 1
+                first, self.failing = self.failing is None, str(exc)
+            if first:
+                logger.error("cannot write %s (%s): going on without it, retrying at its next write", self.what, exc)
+            return False
+        with self._lock:
+            recovered, self.failing = self.failing is not None, None
+        if recovered:
+            logger.warning("%s written again (%d writes failed so far)", self.what, self.failures)
+        return True
+
+
+class JsonLines:
+    """An append-only file of JSON lines (metrics, a learner's work ledger), appended across restarts. Each
+    line goes out whole in one write, so a kill -9 loses no line already appended and threads may append at
+    once. A line that cannot be written (a full disk) is dropped whole, never torn, and the run goes on; once
+    writing works again, a `{"event": "dropped_lines", "lines": n, "total": t}` line says how many were lost.
+    Appending after `close` does nothing."""
+
+    def __init__(self, path: str | Path, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._trouble = WriteTrouble(str(self.path))
+        self.dropped = 0
+        self._unreported = 0
+
+    def append(self, record: Mapping[str, Any]) -> bool:
+        """Append one line; False when it was dropped (or the file is closed)."""
+        data = (json.dumps(record, default=str) + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                return False
+            if self._unreported:
+                report = {"event": "dropped_lines", "time": self._wall_clock(), "lines": self._unreported,
+                          "total": self.dropped}
+                if self._trouble.attempt(lambda: self._write((json.dumps(report) + "\n").encode())):
+                    self._unreported = 0
+            if self._trouble.attempt(lambda: self._write(data)):
+                return True
+            self.dropped += 1
+            self._unreported += 1
+            return False
+
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes")
+        except OSError:
+            os.ftruncate(self._fd, end)  # no torn line: readers parse every line
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def atomic_write_json(path: str | Path, value: Any, *, durable: bool = True) -> None:
@@ -202,13 +295,26 @@ class RoundLog:
         return self.tensor_dir / f"round_{round_index:06d}.safetensors"
 
     def append(self, record: RoundRecord) -> None:
-        """Make `record` durable: its merged tensors, then its line (the commit point)."""
-        save_tensors(self.tensors_path(record.round_index), dict(record.merged))
-        line = json.dumps(record.to_json(), sort_keys=True) + "\n"
-        with self.path.open("a", encoding="utf-8") as file:
-            file.write(line)
-            file.flush()
-            os.fsync(file.fileno())
+        """Make `record` durable: its merged tensors, then its line (the commit point). All or nothing: when a
+        write fails (a full disk), the log is cut back to where it was and the round's tensors file removed, so
+        the same round can be appended again later and the log never holds a torn or missing line."""
+        tensors = self.tensors_path(record.round_index)
+        line = (json.dumps(record.to_json(), sort_keys=True) + "\n").encode()
+        save_tensors(tensors, dict(record.merged))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes of the round's line")
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, end)
+                tensors.unlink(missing_ok=True)
+                raise
+        finally:
+            os.close(fd)
 
     def repair(self) -> int:
         """Cut a torn last line (a crash while appending) so later appends start on a fresh line;

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
+from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_state, save_state
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DilocoConfig, LearnerConfig
 from ddiloco.environment import LearnerEnvironment, environment
@@ -169,6 +169,8 @@ class Session:
         self._status_stop = threading.Event()
         self._status_thread: threading.Thread | None = None
         self._saver: threading.Thread | None = None
+        self._checkpoint_writes = WriteTrouble(f"learner {learner_id}'s checkpoint")
+        self._status_writes = WriteTrouble(f"learner {learner_id}'s status file")
         self._last_checkpoint = 0.0
         self._step_started: float | None = None
         self._entered = False
@@ -363,8 +365,10 @@ class Session:
         user = {name: obj.state_dict() for name, obj in self.state.items()}
         state = copy.deepcopy({"learner": self.learner.state_dict(), "state": user})
         meta = {"tokens": self.progress.tokens, "counters": self.counters()}
-        self._saver = threading.Thread(target=save_state, args=(self.checkpoint_dir, state),
-                                       kwargs={"serial": self.learner.inner_step, "meta": meta},
+        serial = self.learner.inner_step
+        # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
+        self._saver = threading.Thread(target=self._checkpoint_writes.attempt,
+                                       args=(lambda: save_state(self.checkpoint_dir, state, serial=serial, meta=meta),),
                                        name="learner-checkpoint", daemon=True)
         self._saver.start()
         if wait:
@@ -413,7 +417,8 @@ class Session:
 
     def write_status(self) -> None:
         assert self.directory is not None
-        atomic_write_json(self.directory / "status.json", self.status(), durable=False)
+        status = self.status()
+        self._status_writes.attempt(lambda: atomic_write_json(self.directory / "status.json", status, durable=False))
 
     def _status_loop(self) -> None:
         self.write_status()

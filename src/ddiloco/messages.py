@@ -76,6 +76,9 @@ class RejectReason(enum.StrEnum):
     DUPLICATE = "duplicate"
     CORRUPT = "corrupt"
     """The payload's CRC32 does not match its header: bytes changed in flight (found on the wire)."""
+    UNAVAILABLE = "unavailable"
+    """The syncer cannot make rounds durable now (its disk is full or failing): nothing of the update was
+    committed, and the learner's work since its base goes out again with its next update."""
 
 
 # ---- learner -> syncer -------------------------------------------------------------------------
@@ -256,8 +259,9 @@ class RoundRecord:
 
 @dataclass(frozen=True)
 class Commit:
-    """Syncer action: make `record` durable. Drivers must finish it before the Sends that follow
-    it in the same action list, so no learner ever holds a version that a restart could lose."""
+    """Syncer action: round `record` is committed. A syncer with a journal (`ddiloco.syncer.Journal`, the
+    runtime's round log) made it durable before changing any state, so no learner ever holds a version that a
+    restart could lose; drivers without one (the simulator, the in-process hub) keep it as they like."""
 
     record: RoundRecord
 

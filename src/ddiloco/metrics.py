@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
+
+from ddiloco.checkpoint import JsonLines
 
 logger = logging.getLogger(__name__)
 
@@ -57,32 +58,28 @@ class MemorySink:
 
 
 class JsonlSink:
-    """One JSON object per line: {"step", "time", metrics...} or {"event", "time", fields...}.
-
-    Lines are flushed as written, so a run killed with SIGKILL still leaves every line it logged; a lock
-    keeps lines whole when several threads (a syncer's gRPC handlers) log at once."""
+    """One JSON object per line: {"step", "time", metrics...} or {"event", "time", fields...}, in a
+    `JsonLines` file: each line written whole as it comes, so a run killed with SIGKILL still leaves every
+    line it logged, several threads (a syncer's gRPC handlers) may log at once, and a full disk drops lines
+    whole (counted in a `dropped_lines` line) instead of stopping the run."""
 
     def __init__(self, path: str | Path, *, wall_clock=time.time) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._lines = JsonLines(self.path, wall_clock=wall_clock)
         self._wall_clock = wall_clock
-        self._lock = threading.Lock()
+
+    @property
+    def dropped(self) -> int:
+        return self._lines.dropped
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._write({"step": step, "time": self._wall_clock(), **metrics})
+        self._lines.append({"step": step, "time": self._wall_clock(), **metrics})
 
     def event(self, kind: str, **fields: Any) -> None:
-        self._write({"event": kind, "time": self._wall_clock(), **fields})
-
-    def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str) + "\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
+        self._lines.append({"event": kind, "time": self._wall_clock(), **fields})
 
     def close(self) -> None:
-        self._file.close()
+        self._lines.close()
 
 
 class TensorBoardSink:

@@ -13,6 +13,12 @@ has reported. Closing merges the updates (token-weighted RDA), takes the outer s
 version and sends the new fragment to every live learner (with a lossy downlink codec, its change, from
 which the syncer's own global value is rebuilt the way learners rebuild it: `ddiloco.downlink`).
 
+Durability comes first: a syncer given a `Journal` (the runtime's round log) hands it each round before
+changing any state for it. When the journal cannot write (a full disk), nothing changes: the round's
+updates are rejected as `unavailable` (their learners' work goes out again with their next updates, from
+the same base), and so is every update that arrives until STORAGE_RETRY_S has passed; the next round
+that closes then tries again, and the first one that is written ends the outage (`storage_error`).
+
 The rule for late updates: an update that arrives after its round closed goes into the next round of
 that fragment, with staleness = current version - base version, as long as staleness <=
 max_staleness and its base is newer than the base of the same learner's last merged update for that
@@ -29,6 +35,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -60,6 +67,17 @@ from ddiloco.messages import (
 from ddiloco.outer import OuterOptimizer
 
 logger = logging.getLogger(__name__)
+
+STORAGE_RETRY_S = 1.0
+"""After a round could not be made durable, updates are refused as `unavailable` for this long before the
+next round tries the journal again."""
+
+
+class Journal(Protocol):
+    """Where rounds become durable before the syncer's state changes (the runtime's `SyncerStore`)."""
+
+    def commit(self, record: RoundRecord) -> None:
+        """Make `record` durable, all or nothing; OSError when it cannot (the round then never happened)."""
 
 
 @dataclass
@@ -134,9 +152,11 @@ class Syncer:
     """The global side of Decoupled DiLoCo. See the module docstring."""
 
     def __init__(self, config: DilocoConfig, quorum: QuorumConfig, *,
-                 initial_params: Mapping[str, torch.Tensor], embeddings: Iterable[str] = ()) -> None:
+                 initial_params: Mapping[str, torch.Tensor], embeddings: Iterable[str] = (),
+                 journal: Journal | None = None) -> None:
         """`initial_params`: the run's genesis (the global model before any round); `embeddings`: which
-        of them are embedding tables (merged by plain weighted mean; see `FragmentPlan.for_tensors`)."""
+        of them are embedding tables (merged by plain weighted mean; see `FragmentPlan.for_tensors`);
+        `journal`: where each round is made durable before it changes anything (none: kept in memory)."""
         self.config = config
         self.quorum = quorum
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
@@ -159,6 +179,10 @@ class Syncer:
         self.sync_time = _Ema(quorum.estimate_decay)
         self.bytes_received = 0
         self.bytes_sent = 0
+        self.journal = journal
+        self.storage_error: str | None = None
+        """Why the last round could not be made durable, while the journal fails; None otherwise."""
+        self._storage_retry_at = 0.0
 
     # ---- reading state ---------------------------------------------------------------------------
 
@@ -282,10 +306,12 @@ class Syncer:
             actions.append(Send(update.learner_id, state))
         return actions
 
-    def _validate(self, update: Update) -> tuple[RejectReason, str] | None:
+    def _validate(self, update: Update, now: float) -> tuple[RejectReason, str] | None:
         info = self.learners.get(update.learner_id)
         if info is None or not info.alive:
             return RejectReason.UNKNOWN_LEARNER, "join first"
+        if self.storage_error is not None and now < self._storage_retry_at:
+            return RejectReason.UNAVAILABLE, f"{self.storage_error}; retrying"
         p = update.fragment
         if not 0 <= p < self.plan.num_fragments:
             return RejectReason.BAD_FRAGMENT, f"fragment {p} outside 0..{self.plan.num_fragments - 1}"
@@ -327,7 +353,7 @@ class Syncer:
 
     def _on_update(self, update: Update, now: float) -> list[SyncerAction]:
         self.bytes_received += update.payload_bytes
-        problem = self._validate(update)
+        problem = self._validate(update, now)
         info = self.learners.get(update.learner_id)
         if info is not None and info.alive:
             info.last_seen = now
@@ -414,28 +440,34 @@ class Syncer:
             merged = {name: delta * share for name, delta in merged.items()}
         overflow = self.outer.non_finite_result(p, merged)
         if overflow is not None:
-            return self._discard(p, learner_ids, pending, overflow, now)
+            detail = f"the merged round of fragment {p} would make {overflow} non-finite: not committed"
+            logger.error("[syncer] %s (learners %s)", detail, learner_ids)
+            return self._discard(p, learner_ids, pending, RejectReason.NON_FINITE, detail, now)
         version_before = self.versions[p]
-        broadcast = self._outer_step(p, merged, version_before + 1)
         participants = tuple(
             Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step,
                         u.folded)
             for i, u, w in zip(learner_ids, pending, weights, strict=True))
+        assert open_round.quorum_at is not None
+        # A round closed by late updates alone (everyone alive had reported) opened when its quorum was met.
+        opened_at = open_round.quorum_at if open_round.first_at is None else open_round.first_at
+        record = RoundRecord(
+            round_index=self.rounds_committed, fragment=p, version=version_before + 1,
+            participants=participants, merged=merged, opened_at=opened_at,
+            quorum_at=open_round.quorum_at, closed_at=now, grace_s=open_round.grace_s,
+            rejections=tuple(open_round.rejections))
+        unwritten = self._make_durable(record, now)
+        if unwritten is not None:
+            return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
+        # Durable (or kept in memory): from here on the round changes the syncer's state.
+        broadcast = self._outer_step(p, merged, record.version)
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
             info.merged_base[p] = u.base_version
             info.accepted += 1
             info.tokens_merged += u.tokens
-        assert open_round.quorum_at is not None
-        if open_round.first_at is None:  # closed by late updates alone: everyone alive had reported
-            open_round.first_at = open_round.quorum_at
-        else:
+        if open_round.first_at is not None:
             self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
-        record = RoundRecord(
-            round_index=self.rounds_committed, fragment=p, version=self.versions[p],
-            participants=participants, merged=merged, opened_at=open_round.first_at,
-            quorum_at=open_round.quorum_at, closed_at=now, grace_s=open_round.grace_s,
-            rejections=tuple(open_round.rejections))
         self.rounds_committed += 1
         self._open[p] = _OpenRound()
         actions: list[SyncerAction] = [Commit(record)]
@@ -446,6 +478,24 @@ class Syncer:
                      record.round_index, p, self.versions[p], learner_ids)
         return actions
 
+    def _make_durable(self, record: RoundRecord, now: float) -> str | None:
+        """Hand `record` to the journal; why it could not be written, or None."""
+        if self.journal is None:
+            return None
+        try:
+            self.journal.commit(record)
+        except OSError as exc:
+            first = self.storage_error is None
+            self.storage_error = f"the syncer cannot make round {record.round_index} durable ({exc})"
+            self._storage_retry_at = now + STORAGE_RETRY_S
+            (logger.error if first else logger.warning)("[syncer] %s: not committed, refusing updates for %.1f s",
+                                                        self.storage_error, STORAGE_RETRY_S)
+            return f"{self.storage_error}: not committed"
+        if self.storage_error is not None:
+            logger.warning("[syncer] rounds are durable again (round %d written)", record.round_index)
+            self.storage_error = None
+        return None
+
     def _outer_step(self, p: int, merged: Mapping[str, torch.Tensor], version: int) -> FragmentState | FragmentDelta:
         """The outer step of fragment p to `version`, through the downlink rule (`ddiloco.downlink`: with a lossy
         downlink codec the global value becomes what learners rebuild); returns the round's broadcast."""
@@ -454,21 +504,19 @@ class Syncer:
         self.versions[p] = version
         return self._downlink.after_step(p, version, previous, self._global[p])
 
-    def _discard(self, p: int, learner_ids: list[int], pending: list[_Pending], tensor: str,
+    def _discard(self, p: int, learner_ids: list[int], pending: list[_Pending], reason: RejectReason, detail: str,
                  now: float) -> list[SyncerAction]:
-        """A round whose outer step would not be finite is not a round (DESIGN.md section 4): nothing is
-        committed, the fragment keeps its version, and each of its updates is rejected with the reason."""
+        """A round that cannot be committed (its outer step would not be finite, or it cannot be made durable)
+        is not a round: nothing changes, the fragment keeps its version, and each of its updates is rejected
+        with the reason."""
         self._open[p] = _OpenRound()
-        detail = f"the merged round of fragment {p} would make {tensor} non-finite: not committed"
-        logger.error("[syncer] %s (learners %s)", detail, learner_ids)
         actions: list[SyncerAction] = []
         for learner_id, update in zip(learner_ids, pending, strict=True):
-            record = RejectionRecord(now, learner_id, p, update.base_version, RejectReason.NON_FINITE, detail)
+            record = RejectionRecord(now, learner_id, p, update.base_version, reason, detail)
             self.rejections.append(record)
-            self.rejection_counts[str(RejectReason.NON_FINITE)] += 1
+            self.rejection_counts[str(reason)] += 1
             self.learners[learner_id].rejected += 1
-            actions.append(Send(learner_id, Rejected(learner_id, p, update.base_version, RejectReason.NON_FINITE,
-                                                     detail)))
+            actions.append(Send(learner_id, Rejected(learner_id, p, update.base_version, reason, detail)))
         return actions
 
     # ---- checkpoints -----------------------------------------------------------------------------

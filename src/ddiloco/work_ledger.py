@@ -8,21 +8,20 @@ received, and how much unpublished work a Welcome or the end threw away. It impl
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checkpoint import JsonLines
 from ddiloco.learner import Learner
 from ddiloco.messages import FragmentDelta, FragmentState, Update, Welcome
 
 
 class WorkLedger:
-    """`learners/N/work.jsonl`: one JSON object per line, appended across restarts and flushed per
-    line, so a kill -9 loses no line already written. Thread-safe: the main thread writes what it
+    """`learners/N/work.jsonl`: one JSON object per line (`JsonLines`: appended across restarts, each line
+    whole, so a kill -9 loses no line already written). Thread-safe: the main thread writes what it
     trains, publishes and receives; the sender thread writes each update's fate.
 
     "Unpublished" steps of fragment p are the inner steps trained since p was last published or
@@ -33,20 +32,14 @@ class WorkLedger:
     def __init__(self, path: str | Path, *, num_fragments: int, inner_step: int,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._lock = threading.Lock()
+        self._lines = JsonLines(self.path, wall_clock=wall_clock)
         self._wall_clock = wall_clock
         self._synced_at = [inner_step] * num_fragments
         """Per fragment, the inner step at which it was last published or received."""
 
     def write(self, event: str, **fields: Any) -> None:
-        with self._lock:
-            if self._file.closed:  # a sender thread that outlived `close` (stuck in a call) has no say
-                return
-            line = json.dumps({"event": event, "time": self._wall_clock(), **fields})
-            self._file.write(line + "\n")
-            self._file.flush()
+        # After `close`, a sender thread that outlived it (stuck in a call) has no say: nothing is written.
+        self._lines.append({"event": event, "time": self._wall_clock(), **fields})
 
     def unpublished(self, inner_step: int) -> list[int]:
         return [inner_step - synced for synced in self._synced_at]
@@ -88,8 +81,7 @@ class WorkLedger:
         self.write("end", inner_step=inner_step, state=state, unpublished=self.unpublished(inner_step))
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._lines.close()
 
 
 def fragment_shares(learner: Learner) -> list[float]:

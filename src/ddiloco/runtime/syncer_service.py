@@ -4,9 +4,11 @@ The core is not thread-safe, so every access goes through one lock (a `threading
 gRPC server threads (joins, updates, heartbeats, leaves, ended subscriptions), the timer thread
 (which calls `advance(now)` at `next_deadline()` and sleeps on the condition otherwise, woken by any
 call that may have moved the deadline) and the status writer. Actions are carried out in order
-under the lock: a `Commit` is durable (round log line and merged tensors fsynced) before any `Send`
-that follows it is queued, and a `Send` goes to the learner's `Subscription`, whose stream delivers
-it.
+under the lock. The store is the core's journal: a round is durable (merged tensors and round log line
+fsynced) before the core changes any state for it, so a `Commit` action is already durable when the
+`Send`s that follow it are queued; a `Send` goes to the learner's `Subscription`, whose stream delivers
+it. When the disk is full, the core refuses updates as `unavailable` and retries (`Syncer.storage_error`,
+shown in the status); status, metrics and full states are written when they can be (`WriteTrouble`).
 
 The service knows the model only as named tensors. A new run has no Syncer core until its genesis:
 the first learner that joins either gets the parameters of the `--init` file (restricted to its own
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.checkpoint import atomic_write_json
+from ddiloco.checkpoint import WriteTrouble, atomic_write_json
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.messages import (
     Commit,
@@ -116,10 +118,13 @@ class SyncerService:
         self._participation = store.participation()
         self._rounds_at_save = 0
         self.sends_dropped = 0
+        self._state_writes = WriteTrouble(f"the syncer's full state in {store.state_dir}")
+        self._status_writes = WriteTrouble(str(self.status_path))
         if syncer is not None:
             self._adopt(syncer)
 
     def _adopt(self, syncer: Syncer) -> None:
+        syncer.journal = self.store  # every round durable in the run directory before the core changes state
         self.syncer = syncer
         self._wire = WireModel(syncer.spec, syncer.plan, self.run_config.diloco.codec,
                                self.run_config.diloco.downlink_codec)
@@ -153,7 +158,7 @@ class SyncerService:
         with self._cond:
             held = []
             if self.syncer is not None:
-                self.store.save(self.syncer, self._meta())
+                self._save_state()
                 held = self.syncer.held_updates()
         for update in held:  # open rounds are not durable: these updates are lost with this process
             self.sink.event("discarded", learner_id=update.learner_id, fragment=update.fragment,
@@ -216,8 +221,7 @@ class SyncerService:
                                  join.aliases)
         if isinstance(made, str):
             return f"model differs from the run's --init file: {made}"
-        self._establish(made)
-        return None
+        return self._establish(made)
 
     def _refusal(self, join: Join, diloco_config: dict) -> str | None:
         if join.learner_id >= self.run_config.num_learners:
@@ -243,23 +247,28 @@ class SyncerService:
                 return False, "the run's genesis comes from its --init file"
             if genesis.learner_id >= self.run_config.num_learners:
                 return False, f"learner_id {genesis.learner_id} is outside 0..{self.run_config.num_learners - 1}"
-            self._establish(GenesisRecord(dict(genesis.tensors), genesis.embeddings,
-                                          f"learner {genesis.learner_id} ({peer})", genesis.aliases))
-        return True, ""
+            trouble = self._establish(GenesisRecord(dict(genesis.tensors), genesis.embeddings,
+                                                    f"learner {genesis.learner_id} ({peer})", genesis.aliases))
+        return trouble is None, trouble or ""
 
-    def _establish(self, genesis: GenesisRecord) -> None:
-        """Make `genesis` the run's origin (lock held): durable first, then the core, then the pinned state
-        that replay starts from."""
-        write_genesis(self.store.run_dir, genesis)
-        syncer = genesis.syncer(self.run_config.diloco, self.run_config.quorum)
-        self.store.save(syncer, {})
-        self._adopt(syncer)
+    def _establish(self, genesis: GenesisRecord) -> str | None:
+        """Make `genesis` the run's origin (lock held): durable first, then the core, then its first full state
+        (which a restart could do without: it replays the round log from the genesis). Why it cannot be written,
+        or None."""
+        try:
+            write_genesis(self.store.run_dir, genesis)
+        except OSError as exc:  # nothing is written: the next joiner tries again
+            logger.error("[syncer] cannot write the run's genesis: %s", exc)
+            return f"the syncer cannot write the run's genesis ({exc}): try again later"
+        self._adopt(genesis.syncer(self.run_config.diloco, self.run_config.quorum))
+        self._save_state()
         count = sum(t.numel() for t in genesis.params.values())
         logger.warning("[syncer] genesis: %d parameters in %d tensors from %s", count, len(genesis.params),
                        genesis.source)
         self.sink.event("genesis", source=genesis.source, parameters=count, tensors=len(genesis.params),
                         embeddings=list(genesis.embeddings))
         self._cond.notify_all()
+        return None
 
     def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | None:
         """For a read-only subscriber: once more than `after_round` rounds have committed (or at once, with
@@ -355,8 +364,7 @@ class SyncerService:
         assert self.syncer is not None, "actions come from the core"
         for action in actions:
             if isinstance(action, Commit):
-                self.store.commit(action.record)  # durable before any Send that follows
-                self._committed(action.record)
+                self._committed(action.record)  # already durable: the core's journal is the store
             elif isinstance(action, Send):
                 subscription = self._subscriptions.get(action.learner_id)
                 if subscription is None:
@@ -364,7 +372,12 @@ class SyncerService:
                 else:
                     subscription.put(action.message)
         if self.syncer.rounds_committed - self._rounds_at_save >= self.config.full_state_every_rounds:
-            self.store.save(self.syncer, self._meta())
+            self._save_state()
+
+    def _save_state(self) -> None:
+        """A full state (lock held). It only shortens a restart's replay, so a write that fails (a full disk)
+        is logged and tried again after the next round; the round log alone restores every round."""
+        if self._state_writes.attempt(lambda: self.store.save(self.syncer, self._meta())):
             self._rounds_at_save = self.syncer.rounds_committed
 
     def _committed(self, record: RoundRecord) -> None:
@@ -420,7 +433,7 @@ class SyncerService:
                         "min_quorum": self.run_config.quorum.min_quorum, "effective_quorum": 0, "grace_s": 0.0,
                         "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
                         "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
-                        "learners": {}, "sends_dropped": self.sends_dropped}
+                        "learners": {}, "sends_dropped": self.sends_dropped, "storage_error": None}
             learners = {}
             for learner_id in sorted(set(s.learners) | set(self._participation) | set(self._joins)):
                 tally = self._participation.get(learner_id, {})
@@ -437,8 +450,9 @@ class SyncerService:
                 "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
                 "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
                 "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
-                "learners": learners, "sends_dropped": self.sends_dropped,
+                "learners": learners, "sends_dropped": self.sends_dropped, "storage_error": s.storage_error,
             }
 
     def write_status(self) -> None:
-        atomic_write_json(self.status_path, self.status(), durable=False)
+        status = self.status()
+        self._status_writes.attempt(lambda: atomic_write_json(self.status_path, status, durable=False))
