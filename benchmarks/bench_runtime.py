@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -173,9 +174,17 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
 
         def join(self, join, diloco_config, peer):
             subscription = Subscription(join.learner_id)
-            for i in range(count):
-                subscription.put(states[i % len(states)])
-            subscription.close()
+
+            def feed() -> None:
+                # One message ahead of the stream: a subscription keeps only the newest unsent state of a
+                # fragment, so putting them all at once would collapse them.
+                for i in range(count):
+                    while subscription.pending() and not subscription.closed:
+                        time.sleep(1e-4)
+                    subscription.put(states[i % len(states)])
+                subscription.close()
+
+            threading.Thread(target=feed, daemon=True).start()
             return subscription
 
         def subscription_ended(self, subscription):

@@ -164,7 +164,7 @@ def test_watch_sends_the_model_at_once_then_at_most_every_min_interval():
     from ddiloco.messages import FragmentState, ModelSpec, Welcome
     from ddiloco.transport.grpc_client import SyncerClient
     from ddiloco.transport.grpc_codec import WireModel
-    from ddiloco.transport.grpc_server import start_server
+    from ddiloco.transport.grpc_server import STOPPED, start_server
     from tests.helpers import TinyNet, params_of
 
     config = DilocoConfig(num_fragments=2, codec="fp32")
@@ -177,7 +177,7 @@ def test_watch_sends_the_model_at_once_then_at_most_every_min_interval():
     class Handler:
         def snapshot(self, after_round, not_before):
             calls.append((after_round, not_before, time.monotonic()))
-            return (after_round + 2, welcome) if len(calls) <= 3 else None  # the service's wait is not tested here
+            return (after_round + 2, welcome) if len(calls) <= 3 else STOPPED  # the service's rule is not tested here
 
     server, port = start_server(Handler(), "127.0.0.1:0", token=None)
     client = SyncerClient(f"127.0.0.1:{port}", model=WireModel(ModelSpec.from_named_tensors(params.items()), plan,

@@ -57,7 +57,7 @@ from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, g
 from ddiloco.syncer import Syncer
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_codec import WireModel, config_difference
-from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, Subscription
+from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, STOPPED, Subscription
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class SyncerService:
                 refusals = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Refused)]
                 refused, reason = bool(refusals), (refusals[0].reason if refusals else None)
             if not refused:
-                subscription = Subscription(join.learner_id, on_delivered=self._delivered)
+                subscription = Subscription(join.learner_id, on_delivered=self._delivered, newest=self._newest)
                 old = self._subscriptions.get(join.learner_id)
                 self._subscriptions[join.learner_id] = subscription
                 if old is not None:
@@ -270,19 +270,18 @@ class SyncerService:
         self._cond.notify_all()
         return None
 
-    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | None:
-        """For a read-only subscriber: once more than `after_round` rounds have committed (or at once, with
-        -1, as soon as there is a genesis) and not before monotonic time `not_before`, (rounds committed,
-        the whole global model as a Welcome). None when the syncer stops."""
+    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | str | None:
+        """For a read-only subscriber, without waiting: once more than `after_round` rounds have committed (or
+        at once, with -1, as soon as there is a genesis) and not before monotonic time `not_before`, (rounds
+        committed, the whole global model as a Welcome); None while not; STOPPED when the syncer stops."""
         with self._cond:
-            while not self._closing:
-                now = self.clock.now()
-                ready = self.syncer is not None and self.syncer.rounds_committed > after_round
-                if ready and now >= not_before:
-                    states = tuple(self.syncer.fragment_state(p) for p in range(self.syncer.plan.num_fragments))
-                    return self.syncer.rounds_committed, Welcome(0, states, self.syncer.config.fingerprint())
-                self._cond.wait(max(MIN_TIMER_WAIT_S, not_before - now) if ready else None)
-        return None
+            if self._closing:
+                return STOPPED
+            ready = self.syncer is not None and self.syncer.rounds_committed > after_round
+            if not ready or self.clock.now() < not_before:
+                return None
+            states = tuple(self.syncer.fragment_state(p) for p in range(self.syncer.plan.num_fragments))
+            return self.syncer.rounds_committed, Welcome(0, states, self.syncer.config.fingerprint())
 
     def update(self, update: Update) -> tuple[bool, str, str]:
         verdict = (True, "", "")
@@ -352,6 +351,11 @@ class SyncerService:
         logger.warning("[syncer] rejected %s from learner %s (%s): %s", reason, learner_id, peer or "-", detail)
         self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer,
                         fragment=fragment, inner_step=inner_step)
+
+    def _newest(self, fragment: int) -> FragmentState:
+        """The fragment's current state, for a subscriber too far behind to be sent each change."""
+        with self._cond:
+            return self.syncer.fragment_state(fragment)
 
     def _delivered(self, state: FragmentState | FragmentDelta, seconds: float) -> None:
         with self._cond:

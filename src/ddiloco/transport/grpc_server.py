@@ -10,24 +10,35 @@ The server is a thin shell between the network and a `SyncerHandler` (the syncer
    refused before its data is read, an oversize stream at its first extra byte (RESOURCE_EXHAUSTED),
    a truncated one when it ends; each refusal is recorded and the server keeps serving;
 3. streams: `Subscribe` is the join, and then stays open as the learner's downlink, fed from its
-   `Subscription` queue; `PushUpdate` reassembles an update from its chunks; `PushGenesis` a new run's
-   initial parameters (after a Subscribe refused with `no_genesis`); `Watch` streams the whole global
-   model to a read-only subscriber (an evaluator) as rounds commit.
+   `Subscription` (bounded: a subscriber that does not read holds at most one pending state per
+   fragment); `PushUpdate` reassembles an update from its chunks (each within CHUNK_TIMEOUT_S, at most
+   UPLOADS_PER_LEARNER at once); `PushGenesis` a new run's initial parameters (after a Subscribe refused
+   with `no_genesis`); `Watch` streams the whole global model to a read-only subscriber (an evaluator) as
+   rounds commit.
+
+The calls are coroutines on one asyncio event loop (grpc.aio): a stream that waits holds no thread, so
+subscribers and slow uploads cannot use up the server (the threaded server deadlocked at 64 streams);
+whatever may block runs on a small thread pool.
 
 Error statuses carry the rejection reason in the trailing metadata key `ddiloco-reason`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
+import functools
 import hmac
 import json
 import logging
 import math
-import queue
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NoReturn, Protocol, TypeVar
 
 import grpc
 
@@ -38,6 +49,7 @@ from ddiloco.messages import (
     Heartbeat,
     Join,
     Leave,
+    Rejected,
     RejectReason,
     SyncerMessage,
     Update,
@@ -56,6 +68,7 @@ from ddiloco.transport.grpc_codec import (
 from ddiloco.transport.syncer_stream import encode_syncer_message
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TOKEN_KEY = "ddiloco-token"
 SCHEMA_KEY = "ddiloco-schema-version"
@@ -65,8 +78,16 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 MIN_PING_INTERVAL_MS = 5_000
 """The server accepts pings this often (must not exceed the clients' keepalive time)."""
-DEFAULT_MAX_WORKERS = 64
-"""Server threads. Each subscribed learner holds one for its stream; the rest serve short calls."""
+DEFAULT_HANDLER_THREADS = 16
+"""Threads the server's calls block in (the syncer's lock, decoding, encoding). Streams hold none."""
+CHUNK_TIMEOUT_S = 60.0
+"""An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
+UPLOADS_PER_LEARNER = 4
+"""Updates one learner may have in flight at once (its sender sends one at a time)."""
+WATCH_POLL_S = 0.1
+"""How often a watcher (an evaluator) asks whether newer rounds have committed."""
+STOPPED = "stopped"
+"""`SyncerHandler.snapshot`'s answer once the syncer stops."""
 STOP_GRACE_S = 2.0
 RECONNECT_BACKOFF_MS = (100, 2_000)
 """(first, longest) delay between a client channel's reconnection attempts."""
@@ -87,39 +108,125 @@ CHANNEL_OPTIONS = [
 """Options shared by the server and its clients."""
 
 
-class Subscription:
-    """One learner's downlink: the messages the syncer sends it, in order, until closed."""
+DELTAS_PENDING_PER_FRAGMENT = 4
+"""A subscriber this many changes of one fragment behind gets the fragment's newest full state instead of
+more changes: an int8 change is a quarter of the float32 state, so collapsing never sends more bytes."""
+OTHERS_PENDING = 64
+"""Rejections (and other small messages) kept for a subscriber that does not read; older ones are dropped."""
 
-    _CLOSED = object()
+
+@dataclass(frozen=True)
+class _Newest:
+    """Stands in a subscription for a fragment's newest state, taken when it is sent."""
+
+    fragment: int
+
+
+class Subscription:
+    """One learner's downlink: the messages the syncer sends it, in order, until closed. Bounded: a
+    subscriber that does not keep up holds at most one pending state per fragment (a newer state replaces an
+    unsent one; past DELTAS_PENDING_PER_FRAGMENT changes, the fragment's newest state is sent instead, taken
+    from `newest` when its turn comes) and the last OTHERS_PENDING other messages, so a learner that never
+    reads cannot grow the syncer's memory. `put` and `close` may be called from any thread; one consumer
+    reads with `next` (asyncio) or `take`."""
 
     def __init__(self, learner_id: int, *,
-                 on_delivered: Callable[[FragmentState | FragmentDelta, float], None] | None = None) -> None:
+                 on_delivered: Callable[[FragmentState | FragmentDelta, float], None] | None = None,
+                 newest: Callable[[int], FragmentState] | None = None) -> None:
         self.learner_id = learner_id
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._on_delivered = on_delivered
+        self._newest = newest
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[float, SyncerMessage | _Newest]] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
         self.closed = False
+        self.collapsed = 0
+        """Fragment messages replaced by a newer state of their fragment."""
 
     def put(self, message: SyncerMessage) -> None:
-        if not self.closed:
-            self._queue.put((time.monotonic(), message))
+        with self._lock:
+            if self.closed:
+                return
+            if isinstance(message, FragmentState | FragmentDelta):
+                self._put_fragment(message)
+            else:
+                others = [i for i, (_, m) in enumerate(self._pending) if isinstance(m, Rejected)]
+                if len(others) >= OTHERS_PENDING:
+                    del self._pending[others[0]]
+                self._pending.append((time.monotonic(), message))
+        self._wake()
+
+    def _put_fragment(self, message: FragmentState | FragmentDelta) -> None:
+        p = message.fragment
+        same = [i for i, (_, m) in enumerate(self._pending)
+                if isinstance(m, FragmentState | FragmentDelta | _Newest) and m.fragment == p]
+        if same and isinstance(self._pending[same[-1]][1], _Newest):
+            return  # the newest state, taken when sent, includes this change
+        if same and (isinstance(message, FragmentState) or len(same) >= DELTAS_PENDING_PER_FRAGMENT):
+            replacement = message if isinstance(message, FragmentState) or self._newest is None else _Newest(p)
+            queued_at = self._pending[same[0]][0]
+            for i in reversed(same):
+                del self._pending[i]
+            self.collapsed += len(same)
+            self._pending.insert(same[0], (queued_at, replacement))
+            return
+        self._pending.append((time.monotonic(), message))
 
     def close(self) -> None:
-        if not self.closed:
+        """No more messages: the consumer gets those still pending, then the end."""
+        with self._lock:
             self.closed = True
-            self._queue.put(self._CLOSED)
+        self._wake()
 
-    def chunks(self) -> Iterator[wire_pb2.SyncerChunk]:
-        """Blocks for the next message; ends when the subscription is closed."""
+    def discard(self) -> None:
+        """The consumer has gone: close, and free what it will never read."""
+        with self._lock:
+            self.closed = True
+            self._pending.clear()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def take(self) -> tuple[float, SyncerMessage | _Newest] | None:
+        """The next (queued_at, message) without waiting, or None."""
+        with self._lock:
+            return self._pending.popleft() if self._pending else None
+
+    def resolve(self, message: SyncerMessage | _Newest) -> SyncerMessage:
+        """A taken message as it is sent (a stand-in becomes the fragment's newest state; may block on the
+        syncer's lock: call it off the event loop)."""
+        if isinstance(message, _Newest):
+            assert self._newest is not None
+            return self._newest(message.fragment)
+        return message
+
+    def delivered(self, message: SyncerMessage, queued_at: float) -> None:
+        if isinstance(message, FragmentState | FragmentDelta) and self._on_delivered is not None:
+            # The last chunk has been handed to gRPC's flow control: the sync time the adaptive grace window
+            # estimates (commit -> fragment on its way to the learner).
+            self._on_delivered(message, time.monotonic() - queued_at)
+
+    async def next(self) -> tuple[float, SyncerMessage | _Newest] | None:
+        """Waits (on the event loop) for the next message; None once closed."""
+        if self._loop is None:
+            self._loop, self._ready = asyncio.get_running_loop(), asyncio.Event()
+        assert self._ready is not None
         while True:
-            item = self._queue.get()
-            if item is self._CLOSED:
-                return
-            queued_at, message = item
-            yield from encode_syncer_message(message)
-            if isinstance(message, FragmentState | FragmentDelta) and self._on_delivered is not None:
-                # The last chunk has been handed to gRPC's flow control: the sync time the adaptive
-                # grace window estimates (commit -> fragment on its way to the learner).
-                self._on_delivered(message, time.monotonic() - queued_at)
+            self._ready.clear()
+            item = self.take()
+            if item is not None:
+                return item
+            if self.closed:
+                return None
+            await self._ready.wait()
+
+    def _wake(self) -> None:
+        loop, ready = self._loop, self._ready
+        if loop is not None and ready is not None:
+            with contextlib.suppress(RuntimeError):  # the server's loop has stopped: nobody is waiting any more
+                loop.call_soon_threadsafe(ready.set)
 
 
 NO_GENESIS = "no_genesis"
@@ -128,7 +235,8 @@ initial parameters with PushGenesis and subscribes again)."""
 
 
 class SyncerHandler(Protocol):
-    """What the server needs from the syncer service. Every method is called from server threads."""
+    """What the server needs from the syncer service. Every method may block (the service's lock): the server
+    calls them from its handler threads, never from its event loop."""
 
     def join(self, join: Join, diloco_config: dict, peer: str) -> Subscription | str | None:
         """A Subscription (whose first message is the Welcome), the refusal reason, or None when
@@ -147,10 +255,10 @@ class SyncerHandler(Protocol):
         """(accepted, detail): the proposed genesis became the run's global model, or why not."""
         ...
 
-    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | None:
-        """Blocks until more than `after_round` rounds have committed (at once when after_round is -1)
-        and monotonic time `not_before` has come; (rounds committed, the whole global model). None when
-        the syncer stops."""
+    def snapshot(self, after_round: int, not_before: float) -> tuple[int, Welcome] | str | None:
+        """Without waiting: once more than `after_round` rounds have committed (at once when after_round is -1)
+        and monotonic time `not_before` has come, (rounds committed, the whole global model); None while not;
+        STOPPED when the syncer stops."""
         ...
 
     def is_member(self, learner_id: int) -> bool: ...
@@ -178,31 +286,46 @@ def _update_fields(header: wire_pb2.UpdateHeader | None) -> dict[str, int | None
 
 
 class SyncerServicer(wire_pb2_grpc.SyncerServicer):
-    def __init__(self, handler: SyncerHandler, *, token: str | None) -> None:
+    """The calls, as coroutines on the server's event loop: a stream waiting for its next message or chunk
+    holds no thread, so any number of learners can be subscribed or uploading at once. Work that may block
+    (the handler's calls, which take the syncer's lock; decoding and encoding tensors) runs on a small pool of
+    threads (`handler_threads`)."""
+
+    def __init__(self, handler: SyncerHandler, *, token: str | None, pool: futures.ThreadPoolExecutor,
+                 chunk_timeout_s: float = CHUNK_TIMEOUT_S) -> None:
         self.handler = handler
         self._token = token.encode() if token else None
+        self._pool = pool
+        self._chunk_timeout_s = chunk_timeout_s
+        self._uploads: collections.Counter[int] = collections.Counter()
+        """Uploads in flight per learner (only touched on the event loop)."""
+
+    async def _off_loop(self, function: Callable[..., T], *args, **kwargs) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args,
+                                                                                              **kwargs))
 
     # ---- checks every call passes ----------------------------------------------------------------
 
-    def _refuse(self, context: grpc.ServicerContext, error: WireError, learner_id: int | None,
-                header: wire_pb2.UpdateHeader | None = None) -> None:
-        self.handler.record_rejection(error.reason, error.detail, learner_id=learner_id, peer=context.peer(),
-                                      **_update_fields(header))
+    async def _refuse(self, context: grpc.aio.ServicerContext, error: WireError, learner_id: int | None,
+                      header: wire_pb2.UpdateHeader | None = None) -> NoReturn:
+        await self._off_loop(self.handler.record_rejection, error.reason, error.detail, learner_id=learner_id,
+                             peer=context.peer(), **_update_fields(header))
         context.set_trailing_metadata(((REASON_KEY, error.reason),))
-        context.abort(error.status, f"{error.reason}: {error.detail}")
+        await context.abort(error.status, f"{error.reason}: {error.detail}")
+        raise AssertionError("abort returns only by raising")  # pragma: no cover
 
-    def _check_call(self, context: grpc.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata())
+    async def _check_call(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
         if self._token is not None:
-            presented = metadata.get(TOKEN_KEY, "").encode()
+            presented = str(metadata.get(TOKEN_KEY, "")).encode()
             if not hmac.compare_digest(presented, self._token):
                 why = "no run token presented" if not presented else "wrong run token"
-                self._refuse(context, WireError(
+                await self._refuse(context, WireError(
                     "unauthenticated", f"{why}: start the learner with the syncer's --token-file or --token-env",
                     grpc.StatusCode.UNAUTHENTICATED), None)
         schema = metadata.get(SCHEMA_KEY)
         if schema != str(SCHEMA_VERSION):
-            self._refuse(context, WireError(
+            await self._refuse(context, WireError(
                 "bad_schema", f"wire schema version {schema or 'missing'}, but the syncer speaks {SCHEMA_VERSION}: "
                 "run the same ddiloco version everywhere", grpc.StatusCode.FAILED_PRECONDITION), None)
 
@@ -211,149 +334,215 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         if not 0 <= learner_id <= MAX_LEARNER_ID:
             raise WireError(str(RejectReason.UNKNOWN_LEARNER), f"learner_id={learner_id} is invalid")
 
+    async def _next_chunk(self, requests: AsyncIterator, what: str):
+        """The next chunk of an upload, or None at its end; an upload silent for `chunk_timeout_s` is refused."""
+        try:
+            return await asyncio.wait_for(anext(requests), self._chunk_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise WireError("truncated", f"no chunk of the {what} for {self._chunk_timeout_s:g} s: the upload was "
+                            "dropped", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+
     # ---- calls ------------------------------------------------------------------------------------
 
-    def Subscribe(self, request: wire_pb2.JoinRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.SyncerChunk]:
-        self._check_call(context)
+    async def Subscribe(self, request: wire_pb2.JoinRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[wire_pb2.SyncerChunk]:
+        await self._check_call(context)
         try:
             join, config = decode_join(request)
         except WireError as exc:
-            self._refuse(context, exc, None)
-            return
-        answer = self.handler.join(join, config, context.peer())
+            await self._refuse(context, exc, None)
+        answer = await self._off_loop(self.handler.join, join, config, context.peer())
         if answer is NO_GENESIS:
             context.set_trailing_metadata(((REASON_KEY, NO_GENESIS),))
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{NO_GENESIS}: the run has no global model yet; push the initial parameters")
-            return
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{NO_GENESIS}: the run has no global model yet; push the initial parameters")
         if answer is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down")
-            return
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down")
         if isinstance(answer, str):
             context.set_trailing_metadata(((REASON_KEY, "refused"),))
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {answer}")
-            return
-        # When the learner goes away (or the server stops), the stream ends: close the queue so
-        # the generator returns, and let the service count the learner as gone.
-        def ended() -> None:
-            answer.close()
-            self.handler.subscription_ended(answer)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {answer}")
+        subscription: Subscription = answer
+        try:
+            while (item := await subscription.next()) is not None:
+                queued_at, message = item
+                message = await self._off_loop(subscription.resolve, message)
+                for chunk in await self._off_loop(lambda m=message: list(encode_syncer_message(m))):
+                    await context.write(chunk)
+                subscription.delivered(message, queued_at)
+        finally:
+            # The learner went away, the subscription was replaced or closed, or the server stops: the service
+            # counts the learner as gone (unless it was replaced).
+            subscription.discard()
+            with contextlib.suppress(RuntimeError):  # the pool is gone: the server has stopped, so has the service
+                self._pool.submit(self.handler.subscription_ended, subscription)
 
-        if not context.add_callback(ended):  # the call is already over
-            ended()
-            return
-        yield from answer.chunks()
-
-    def PushUpdate(self, request_iterator, context: grpc.ServicerContext) -> wire_pb2.UpdateReply:
-        self._check_call(context)
-        model = self.handler.wire_model()
+    async def PushUpdate(self, request_iterator: AsyncIterator,
+                         context: grpc.aio.ServicerContext) -> wire_pb2.UpdateReply:
+        await self._check_call(context)
+        model = await self._off_loop(self.handler.wire_model)
         if model is None:
-            self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model yet: "
-                                            "join first", grpc.StatusCode.NOT_FOUND), None)
-            return wire_pb2.UpdateReply()
+            await self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model "
+                                                  "yet: join first", grpc.StatusCode.NOT_FOUND), None)
         assembler = UpdateAssembler(model)
         learner_id = None
+        counted = False
         try:
-            first = next(request_iterator, None)
+            first = await self._next_chunk(request_iterator, "update")
             if first is None:
                 raise WireError("truncated", "the update stream ended before its header")
             header = assembler.start(first)
             learner_id = int(header.learner_id)
-            if not self.handler.is_member(learner_id):
+            if not await self._off_loop(self.handler.is_member, learner_id):
                 raise WireError(str(RejectReason.UNKNOWN_LEARNER),
                                 f"learner {learner_id} has not joined (or was timed out): join first",
                                 grpc.StatusCode.NOT_FOUND)
-            for chunk in request_iterator:
+            if self._uploads[learner_id] >= UPLOADS_PER_LEARNER:
+                raise WireError("too_many_uploads", f"learner {learner_id} already has {UPLOADS_PER_LEARNER} "
+                                "updates in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._uploads[learner_id] += 1
+            counted = True
+            while (chunk := await self._next_chunk(request_iterator, "update")) is not None:
                 assembler.add(chunk)
-            update = assembler.finish()
+            update = await self._off_loop(assembler.finish)
         except WireError as exc:
-            self._refuse(context, exc, learner_id, assembler.header)
-            return wire_pb2.UpdateReply()
-        except grpc.RpcError:
+            await self._refuse(context, exc, learner_id, assembler.header)
+        except asyncio.CancelledError:
             # The client cancelled mid-stream: nothing reached the syncer.
-            self.handler.record_rejection("truncated", "the client cancelled the update stream",
-                                          learner_id=learner_id, peer=context.peer(),
-                                          **_update_fields(assembler.header))
-            return wire_pb2.UpdateReply()
-        accepted, reason, detail = self.handler.update(update)
+            self._pool.submit(self.handler.record_rejection, "truncated", "the client cancelled the update stream",
+                              learner_id=learner_id, peer=context.peer(), **_update_fields(assembler.header))
+            raise
+        finally:
+            if counted:
+                self._uploads[learner_id] -= 1
+                if not self._uploads[learner_id]:
+                    del self._uploads[learner_id]
+        accepted, reason, detail = await self._off_loop(self.handler.update, update)
         return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)
 
-    def Heartbeat(self, request: wire_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> wire_pb2.HeartbeatReply:
-        self._check_call(context)
+    async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> wire_pb2.HeartbeatReply:
+        await self._check_call(context)
         try:
             self._check_learner_id(request.learner_id)
         except WireError as exc:
-            self._refuse(context, exc, None)
-        known = self.handler.heartbeat(Heartbeat(int(request.learner_id), max(0, int(request.inner_step))))
+            await self._refuse(context, exc, None)
+        known = await self._off_loop(self.handler.heartbeat,
+                                     Heartbeat(int(request.learner_id), max(0, int(request.inner_step))))
         return wire_pb2.HeartbeatReply(known=known)
 
-    def Leave(self, request: wire_pb2.LeaveRequest, context: grpc.ServicerContext) -> wire_pb2.LeaveReply:
-        self._check_call(context)
+    async def Leave(self, request: wire_pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> wire_pb2.LeaveReply:
+        await self._check_call(context)
         try:
             self._check_learner_id(request.learner_id)
         except WireError as exc:
-            self._refuse(context, exc, None)
-        self.handler.leave(Leave(int(request.learner_id)))
+            await self._refuse(context, exc, None)
+        await self._off_loop(self.handler.leave, Leave(int(request.learner_id)))
         return wire_pb2.LeaveReply()
 
-    def Status(self, request: wire_pb2.StatusRequest, context: grpc.ServicerContext) -> wire_pb2.StatusReply:
-        self._check_call(context)
-        return wire_pb2.StatusReply(status_json=json.dumps(self.handler.status(), sort_keys=True))
+    async def Status(self, request: wire_pb2.StatusRequest,
+                     context: grpc.aio.ServicerContext) -> wire_pb2.StatusReply:
+        await self._check_call(context)
+        status = await self._off_loop(lambda: json.dumps(self.handler.status(), sort_keys=True))
+        return wire_pb2.StatusReply(status_json=status)
 
-    def PushGenesis(self, request_iterator, context: grpc.ServicerContext) -> wire_pb2.GenesisReply:
-        self._check_call(context)
+    async def PushGenesis(self, request_iterator: AsyncIterator,
+                          context: grpc.aio.ServicerContext) -> wire_pb2.GenesisReply:
+        await self._check_call(context)
         assembler = GenesisAssembler()
         try:
-            first = next(request_iterator, None)
+            first = await self._next_chunk(request_iterator, "genesis")
             if first is None:
                 raise WireError("truncated", "the genesis stream ended before its header")
             assembler.start(first)
-            for chunk in request_iterator:
+            while (chunk := await self._next_chunk(request_iterator, "genesis")) is not None:
                 assembler.add(chunk)
-            genesis = assembler.finish()
+            genesis = await self._off_loop(assembler.finish)
         except WireError as exc:
             learner_id = int(assembler.header.learner_id) if assembler.header is not None else None
-            self._refuse(context, exc, learner_id)
-            return wire_pb2.GenesisReply()
-        except grpc.RpcError:
-            return wire_pb2.GenesisReply()  # cancelled mid-stream: nothing reached the syncer
-        accepted, detail = self.handler.genesis(genesis, context.peer())
+            await self._refuse(context, exc, learner_id)
+        accepted, detail = await self._off_loop(self.handler.genesis, genesis, context.peer())
         return wire_pb2.GenesisReply(accepted=accepted, detail=detail)
 
-    def Watch(self, request: wire_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.SyncerChunk]:
-        self._check_call(context)
+    async def Watch(self, request: wire_pb2.WatchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[wire_pb2.SyncerChunk]:
+        await self._check_call(context)
         interval = request.min_interval_s
         if not (math.isfinite(interval) and interval >= 0):
-            self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"), None)
-            return
+            await self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"),
+                               None)
         after, not_before = -1, 0.0
-        while context.is_active():
-            answer = self.handler.snapshot(after, not_before)
-            if answer is None:
+        while True:
+            answer = await self._off_loop(self.handler.snapshot, after, not_before)
+            if answer == STOPPED:
                 return
+            if answer is None:
+                await asyncio.sleep(WATCH_POLL_S)  # a watcher waits on the loop, holding no thread
+                continue
             after, welcome = answer
-            yield from encode_syncer_message(welcome)
+            for chunk in await self._off_loop(lambda w=welcome: list(encode_syncer_message(w))):
+                await context.write(chunk)
             not_before = time.monotonic() + interval  # the service's clock: MonotonicClock
 
 
+class SyncerServer:
+    """A started server: grpc.aio on an event loop in its own thread, with the pool its calls block in."""
+
+    def __init__(self, handler: SyncerHandler, bind: str, *, token: str | None, tls: tuple[bytes, bytes] | None,
+                 handler_threads: int, chunk_timeout_s: float) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._pool = futures.ThreadPoolExecutor(max_workers=handler_threads, thread_name_prefix="syncer-rpc")
+        self._thread = threading.Thread(target=self._loop.run_forever, name="syncer-grpc", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        servicer = SyncerServicer(handler, token=token, pool=self._pool, chunk_timeout_s=chunk_timeout_s)
+        try:
+            self._server, self.port = asyncio.run_coroutine_threadsafe(self._start(servicer, bind, tls),
+                                                                       self._loop).result()
+        except BaseException:
+            self._shut_down()
+            raise
+
+    async def _start(self, servicer: SyncerServicer, bind: str,
+                     tls: tuple[bytes, bytes] | None) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
+                                          ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)])
+        wire_pb2_grpc.add_SyncerServicer_to_server(servicer, server)
+        try:
+            if tls is None:
+                port = server.add_insecure_port(bind)
+            else:
+                port = server.add_secure_port(bind, grpc.ssl_server_credentials([tls]))
+        except RuntimeError as exc:
+            raise ValueError(f"cannot listen on {bind}: {exc}") from None
+        if port == 0:
+            raise ValueError(f"cannot listen on {bind}: the address is in use or invalid")
+        await server.start()
+        return server, port
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop serving (calls in flight get `grace` seconds); the returned event is set once it has stopped."""
+        if not self._stopped.is_set() and self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+            finally:
+                self._shut_down()
+        return self._stopped
+
+    def _shut_down(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._loop.close()
+        self._stopped.set()
+
+
 def start_server(handler: SyncerHandler, bind: str, *, token: str | None,
-                 tls: tuple[bytes, bytes] | None = None,
-                 max_workers: int = DEFAULT_MAX_WORKERS) -> tuple[grpc.Server, int]:
+                 tls: tuple[bytes, bytes] | None = None, handler_threads: int = DEFAULT_HANDLER_THREADS,
+                 chunk_timeout_s: float = CHUNK_TIMEOUT_S) -> tuple[SyncerServer, int]:
     """Serve on `bind` (HOST:PORT; port 0 picks a free one). `tls` = (private key PEM, certificate
     PEM). Returns the started server and the port it listens on."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="syncer-rpc"),
-        options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
-                 ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)])
-    wire_pb2_grpc.add_SyncerServicer_to_server(SyncerServicer(handler, token=token), server)
-    try:
-        if tls is None:
-            port = server.add_insecure_port(bind)
-        else:
-            port = server.add_secure_port(bind, grpc.ssl_server_credentials([tls]))
-    except RuntimeError as exc:
-        raise ValueError(f"cannot listen on {bind}: {exc}") from None
-    if port == 0:
-        raise ValueError(f"cannot listen on {bind}: the address is in use or invalid")
-    server.start()
-    return server, port
+    server = SyncerServer(handler, bind, token=token, tls=tls, handler_threads=handler_threads,
+                          chunk_timeout_s=chunk_timeout_s)
+    return server, server.port
