@@ -349,4 +349,8 @@ class RoundLog:
                 raise ValueError(f"{self.path}: line {expected + 1} holds round {line['round']}, "
                                  f"expected {expected}: the log is damaged")
             if expected >= start:
-                yield round_record_from_json(line, load_tensors(self.tensors_path(expected)))
+                yield round_record_from_json(line, self.load_merged(expected))
+
+    def load_merged(self, round_index: int) -> dict[str, torch.Tensor]:
+        """The merged pseudo-gradient of one round."""
+        return load_tensors(self.tensors_path(round_index))

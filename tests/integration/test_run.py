@@ -160,3 +160,42 @@ def test_a_sigkilled_learner_is_restarted_and_contributes_again(tmp_path):
     assert summary["learners"]["1"]["restarts"] == 1
     assert summary["learners"]["0"]["restarts"] == summary["learners"]["2"]["restarts"] == 0
     assert_all_gone(started_pids(run_dir))
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_syncer_takes_over_a_sigkilled_syncer_and_no_round_is_lost_or_repeated(tmp_path):
+    from ddiloco.checkpoint import RoundLog
+    from tests.integration.test_syncer_service import assert_log_is_gapless, assert_state_equals_replay
+
+    run_dir = tmp_path / "run"
+    paths = RunPaths(run_dir)
+    popen = ddiloco_run(run_dir, "--learners", "2", "--inner-steps", "1000000", "--standby-syncer",
+                        "--max-wait-s", "0.5")
+    try:
+        standby_log = paths.log("syncer-standby")
+        wait_for(lambda: standby_log.exists() and "standby: at round" in standby_log.read_text(),
+                 "the standby following", popen)
+        primary = read_json(paths.syncer_json)["pid"]
+        standby = (read_json(paths.processes) or {})["children"]["syncer-standby"][0]
+        # A second syncer is refused while one serves: the run directory's lock names the first.
+        second = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", "--run-dir", str(run_dir)],
+                                cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+        assert second.returncode == 2 and f"another syncer (pid {primary}) serves" in second.stderr
+        wait_for(lambda: len(RoundLog(run_dir).lines()) >= 20, "20 rounds", popen)
+
+        os.kill(primary, signal.SIGKILL)
+        steps = [learner_status(run_dir, i)["inner_step"] for i in range(2)]
+        wait_for(lambda: (read_json(paths.syncer_json) or {}).get("pid") == standby, "the standby serving", popen)
+        committed = len(RoundLog(run_dir).lines())
+        wait_for(lambda: len(RoundLog(run_dir).lines()) >= committed + 10, "10 rounds by the standby", popen)
+        assert all(learner_status(run_dir, i)["inner_step"] > steps[i] for i in range(2))
+        # A new standby follows the new syncer.
+        wait_for(lambda: len((read_json(paths.processes) or {})["children"].get("syncer-standby", [])) == 2,
+                 "a new standby", popen)
+    finally:
+        out = finish(popen, interrupt=True)
+    assert popen.returncode == 128 + signal.SIGINT, out
+    summary = read_json(run_dir / "summary.json")
+    assert summary["syncer"]["restarts"] == 1, summary["syncer"]
+    assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
+    assert_all_gone(started_pids(run_dir))

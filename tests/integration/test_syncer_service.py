@@ -262,3 +262,4 @@ def test_a_full_disk_pauses_commits_and_loses_nothing_and_the_run_goes_on_when_s
     wait_until(lambda: f"resumed at round {len(records)}" in procs.log("syncer-restarted"), "the restart",
                alive=[restarted])
     stop(restarted, "the restarted syncer")
+

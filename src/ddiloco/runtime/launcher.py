@@ -369,7 +369,10 @@ class Launcher:
             env["CHAOS_CONTROL"] = str(control_path(self.paths.learner_dir(learner_id)))
         return {ENV_PREFIX + name: value for name, value in env.items()}
 
-    def start_syncer(self, bind: str) -> ChildProcess:
+    def start_syncer(self, bind: str, *, standby: bool = False) -> ChildProcess:
+        """The syncer, or (`standby`) a standby syncer that takes over on `bind` when it dies."""
+        if standby:
+            return self.start("syncer-standby", [*self.syncer_argv(bind), "--standby"], self.config.syncer_threads)
         return self.start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
 
     def syncer_address(self, pid: int) -> str | None:

@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="write the full syncer state every this many rounds; rounds in between are "
                              "replayed from the round log on restart (default: 100)")
     syncer.add_argument("--threads", type=int, default=1, help="torch threads of the syncer (default: 1)")
+    syncer.add_argument("--standby", action="store_true",
+                        help="wait as a standby: follow the serving syncer's durable state in DIR and take over "
+                             "(serving on --bind) when it dies")
 
     learner = subparsers.add_parser(
         "learner", help="train one built-in TinyGPT learner against a syncer (a learner process)",
@@ -160,6 +163,7 @@ def run_syncer(args: argparse.Namespace) -> int:
     from ddiloco.checkpoint import atomic_write_json
     from ddiloco.metrics import run_dir_sink
     from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
+    from ddiloco.runtime.syncer_standby import SyncerLock, follow_primary
     from ddiloco.runtime.syncer_state import Restored, SyncerStore, load_init_file, read_genesis
     from ddiloco.transport.grpc_server import start_server
 
@@ -172,17 +176,31 @@ def run_syncer(args: argparse.Namespace) -> int:
     init = None
     if args.init and genesis is not None:
         logger.warning("[syncer] --init %s ignored: the run already has its genesis", args.init)
-    elif args.init:
-        init = load_init_file(args.init)
     store = SyncerStore(run_dir)
+    stop = threading.Event()
+    _on_stop_signals(stop.set)
+    lock = SyncerLock(run_dir)
     syncer, restored = None, Restored()
-    if genesis is not None:
+    if args.standby:
+        followed = follow_primary(run_dir, run_config, lock, stop)
+        if followed is None:
+            logger.warning("[syncer] standby stopped before taking over")
+            return 0
+        syncer, restored = followed
+        genesis = read_genesis(run_dir)
+    elif not lock.try_acquire():
+        raise ValueError(f"another syncer (pid {lock.holder()}) serves {run_dir}: stop it first, or start this one "
+                         "with --standby to take over when it dies")
+    elif genesis is not None:
         syncer = genesis.syncer(run_config.diloco, run_config.quorum)
         restored = store.restore(syncer)
+    if syncer is not None:
         logger.warning("[syncer] resumed at round %d (state at %d + %d replayed from the round log)",
                        syncer.rounds_committed, restored.state_rounds, restored.replayed)
     elif args.resume:
         logger.warning("[syncer] --resume: %s holds no genesis yet; starting fresh", run_dir)
+    if args.init and genesis is None:
+        init = load_init_file(args.init)
     sink = run_dir_sink(run_dir / "syncer")
     sink.event("start", source="checkpoint" if genesis is not None else "init",
                rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed)
@@ -191,8 +209,6 @@ def run_syncer(args: argparse.Namespace) -> int:
     server, port = start_server(service, args.bind, token=token, tls=tls)
     host, _ = split_host_port(args.bind)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    stop = threading.Event()
-    _on_stop_signals(stop.set)
     service.start(address)
     atomic_write_json(run_dir / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
     logger.warning("[syncer] serving on %s (round %d)", address, service.rounds_committed)

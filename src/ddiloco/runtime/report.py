@@ -114,7 +114,8 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
     """The content of summary.json. `final_states`: learner id -> (state, reason) of this session."""
     final_states = final_states or {}
     events = _launcher_events(paths)
-    restarts = Counter(e.get("name") for e in events if e["event"] == "restart_scheduled")
+    # A restart is scheduled after a backoff, or a standby syncer takes over at once.
+    restarts = Counter(e.get("name") for e in events if e["event"] in ("restart_scheduled", "taken_over"))
     rounds = read_rounds(paths)
     contributed: Counter[int] = Counter()
     for record in rounds:

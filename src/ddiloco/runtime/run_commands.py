@@ -54,6 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--standby-learners", type=int, default=0, metavar="N",
                         help="keep N warm learner processes (torch imported, waiting) so that a crashed learner is "
                              "replaced without a cold start (default 0)")
+    parser.add_argument("--standby-syncer", action="store_true",
+                        help="keep a standby syncer following the syncer's durable state; it takes over on the same "
+                             "address when the syncer dies, with no cold restart (costs one more process holding "
+                             "the global model and its momentum)")
     parser.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
                         help="torch device of each learner, dealt round-robin: cpu, cuda, cuda:0,cuda:1 (default: cpu)")
     parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=None,
@@ -152,7 +156,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         if progress_holder:
             progress_holder[0].on_event(event)
 
-    supervisor_config = supervisor_config or SupervisorConfig(standby_learners=args.standby_learners)
+    supervisor_config = supervisor_config or SupervisorConfig(standby_learners=args.standby_learners,
+                                                              standby_syncer=args.standby_syncer)
     supervisor = Supervisor(supervisor_config, launcher=launcher, on_event=on_event)
     progress = ProgressView(paths, supervisor, console=console,
                             live=not args.no_progress and console.is_terminal)

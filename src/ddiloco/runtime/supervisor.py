@@ -14,6 +14,10 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
 - With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
   torch and the learner's modules imported, waiting for a role); a restart runs in one when one is
   waiting, so it costs no interpreter start and no imports (first starts are cold).
+- With `standby_syncer`, a standby syncer follows the syncer's durable state from the moment the syncer
+  serves; when the syncer dies, the standby takes over by itself (it holds the run directory's lock once
+  the dead syncer's is released) and becomes the supervised syncer; no cold restart. A standby that dies
+  is started again after the refill delay.
 - The run is finished when every learner is done (or will never run again); `shutdown()` then sends
   SIGTERM to whatever still runs (learners first, so they can say Leave to a live syncer; then the
   syncer, which evaluates the final validation loss) and SIGKILL after a timeout.
@@ -90,6 +94,9 @@ class SupervisorConfig:
     standby_refill_delay_s: float = DEFAULT_REFILL_DELAY_S
     """How long after a standby is used its replacement starts (its imports then do not compete with
     the restarted learner's own start)."""
+    standby_syncer: bool = False
+    """Keep a standby syncer (`ddiloco.runtime.syncer_standby`) following the syncer's durable state; when the
+    syncer dies it takes over on the same address, and a new standby starts `standby_refill_delay_s` later."""
 
     def __post_init__(self) -> None:
         require_int("standby_learners", self.standby_learners, minimum=0)
@@ -157,6 +164,8 @@ class Slot:
     pids: list[int] = field(default_factory=list)
     held_until: float | None = None
     """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
+    starting_since: float = 0.0
+    """When the syncer's current process was started or took over (its start timeout runs from here)."""
 
     @property
     def pid(self) -> int | None:
@@ -181,6 +190,11 @@ class Supervisor:
                                    refill_delay_s=config.standby_refill_delay_s, on_start=self._standby_started)
         self.syncer_address: str | None = None
         """Where learners dial the syncer, once known."""
+        self.syncer_standby: ChildProcess | None = None
+        """The standby syncer waiting to take over (`SupervisorConfig.standby_syncer`)."""
+        self._syncer_standby_at: float | None = None
+        """When to start the next standby syncer."""
+        self._standby_syncer_pids: list[int] = []
         self._bind = launcher.config.bind
         self._stop_reason: str | None = None
         self._kill_now = False
@@ -250,11 +264,16 @@ class Supervisor:
     @property
     def pids(self) -> list[int]:
         """Every pid this supervisor started: syncer, learners, standbys (handed out or not)."""
-        return sorted({pid for slot in self.slots for pid in slot.pids} | set(self.standby.pids))
+        return sorted({pid for slot in self.slots for pid in slot.pids} | set(self.standby.pids)
+                      | set(self._standby_syncer_pids))
 
     def shutdown(self) -> None:
         """Stop every child that still runs: standbys, learners, then the syncer. Idempotent."""
         self.standby.close()
+        if self.syncer_standby is not None:
+            stop_processes([self.syncer_standby], self.config.learner_stop_timeout_s, kill_now=lambda: self._kill_now)
+            self.syncer_standby = None
+        self._syncer_standby_at = None
         running = [s for s in self.learners if s.pid is not None]
         if running:
             self._emit("stopping", None, f"stopping {len(running)} learner(s)")
@@ -292,10 +311,47 @@ class Supervisor:
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.STARTING
         slot.restart_at = None
+        slot.starting_since = time.monotonic()
         self._emit("started", slot, f"started (pid {slot.process.pid}, bind {self._bind})",
                    pid=slot.process.pid, restarts=slot.restarts)
 
+    def _poll_syncer_standby(self, now: float) -> None:
+        """Keep one standby syncer once the syncer serves (its address is the one the standby takes over)."""
+        standby = self.syncer_standby
+        if standby is not None and standby.poll() is not None:
+            self._emit("exited", None, f"standby syncer (pid {standby.pid}) exited with "
+                       f"{_describe_exit(standby.returncode)}", exit_code=standby.returncode)
+            self.syncer_standby = None
+            self._syncer_standby_at = now + self.config.standby_refill_delay_s
+        if (self.syncer_standby is None and self._syncer_standby_at is not None and now >= self._syncer_standby_at
+                and self.syncer.state == ChildState.RUNNING and self._stop_reason is None):
+            self.syncer_standby = self.launcher.start_syncer(self._bind, standby=True)
+            self._standby_syncer_pids.append(self.syncer_standby.pid)
+            self._syncer_standby_at = None
+            self._on_event(Event("started", "syncer-standby", None,
+                                 f"standby syncer started (pid {self.syncer_standby.pid}, bind {self._bind})",
+                                 {"pid": self.syncer_standby.pid, "standby": True}))
+
+    def _take_over(self, now: float) -> bool:
+        """The syncer died: its standby takes over (it serves once the dead syncer's lock is released, which the
+        kernel does at its death). False when there is no live standby."""
+        standby, slot = self.syncer_standby, self.syncer
+        if standby is None or standby.poll() is not None:
+            return False
+        self.syncer_standby = None
+        slot.process = standby
+        slot.pids.append(standby.pid)
+        slot.restarts += 1
+        slot.state = ChildState.STARTING
+        slot.starting_since = now
+        self._syncer_standby_at = now + self.config.standby_refill_delay_s
+        self._emit("taken_over", slot, f"taken over by the standby syncer (pid {standby.pid})", pid=standby.pid,
+                   restarts=slot.restarts, standby=True)
+        return True
+
     def _poll_syncer(self, now: float) -> None:
+        if self.config.standby_syncer:
+            self._poll_syncer_standby(now)
         slot = self.syncer
         if slot.state == ChildState.BACKOFF and slot.restart_at is not None and now >= slot.restart_at:
             self._start_syncer()
@@ -314,7 +370,9 @@ class Supervisor:
                 self.syncer_address = connect_address(address)
                 slot.state = ChildState.RUNNING
                 self._emit("address", slot, f"serving on {address}", address=address)
-            elif now - slot.process.started_at > self.config.syncer_start_timeout_s:
+                if self.config.standby_syncer and self.syncer_standby is None and self._syncer_standby_at is None:
+                    self._syncer_standby_at = now  # the first standby at once; after a take-over, a refill later
+            elif now - slot.starting_since > self.config.syncer_start_timeout_s:
                 logger.warning("[syncer] no syncer.json after %.0f s: killing it",
                                self.config.syncer_start_timeout_s)
                 slot.process.stop(self.config.learner_stop_timeout_s)
@@ -332,6 +390,8 @@ class Supervisor:
             slot.reason = tail[-1] if tail else _describe_exit(code)
             self.failure = f"the syncer cannot run: {slot.reason}"
             self._emit("failed", slot, self.failure, exit_code=code)
+            return
+        if self._stop_reason is None and self._take_over(now):
             return
         self._schedule_restart(slot, now)
 

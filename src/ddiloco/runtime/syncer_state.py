@@ -180,9 +180,11 @@ class SyncerStore:
         self.log = RoundLog(self.run_dir)
         self.state_dir = self.run_dir / STATE_DIR
 
-    def restore(self, syncer: Syncer) -> Restored:
-        """Bring a freshly built syncer (initial parameters) to the last committed round."""
-        self.log.repair()
+    def restore(self, syncer: Syncer, *, repair: bool = True) -> Restored:
+        """Bring a freshly built syncer (initial parameters) to the last committed round. `repair=False` for a
+        reader that does not own the log (a standby): a torn last line is then skipped, not cut."""
+        if repair:
+            self.log.repair()
         restored = Restored()
         latest = load_latest_state(self.state_dir)
         if latest is not None:

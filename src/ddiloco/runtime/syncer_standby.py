@@ -1,0 +1,136 @@
+"""A standby syncer: a second syncer process that follows the primary's durable state and takes over when
+the primary dies (`ddiloco syncer --standby`, `ddiloco run --standby-syncer`).
+
+Who serves a run directory is decided by one lock: the serving syncer holds an exclusive `flock` on
+`DIR/syncer.lock` for as long as it lives. The kernel releases it when the process ends, `kill -9`
+included, so the lock is both how a standby learns that the primary is gone and why two syncers can never
+serve one run directory at once (a second primary is refused with the pid of the first). `flock` is
+reliable on a local file system; on a network file system it depends on the server (NFSv4 maps it to byte-
+range locks), so keep primary and standby on one host there, or check yours.
+
+While it waits, the standby keeps a syncer core at the primary's last committed round: it loads the genesis
+and the latest full state once, then applies each round the primary appends to `rounds.jsonl`, reading the
+log from where it stopped (`LogFollower`), through the same `Syncer.apply_committed` a restart uses, so its
+state is the primary's bit for bit. A round is in the log before any learner hears of it (the round log is
+the syncer's journal), so the standby can neither miss a round a learner holds nor repeat one. When it gets
+the lock, it reads the rounds that are left, cuts a torn last line (the primary died mid-append: that round
+was never sent), and serves like a restarted syncer whose imports, state loading and replay are already
+done. Its cost while waiting: one process with torch imported, and the global model, its outer momentum and
+the downlink's residual in memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from ddiloco.checkpoint import RoundLog, round_record_from_json
+from ddiloco.messages import RoundRecord
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.syncer_state import Restored, SyncerStore, read_genesis
+from ddiloco.syncer import Syncer
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = "syncer.lock"
+FOLLOW_POLL_S = 0.05
+"""How often a standby looks for the lock and for new rounds."""
+
+
+class SyncerLock:
+    """The exclusive lock of the syncer serving a run directory. Held until the process exits."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if no live process holds it; True when this process holds it now."""
+        if self._fd is not None:
+            return True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        """The pid written by the process that holds (or last held) the lock, for messages."""
+        try:
+            return self.path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+
+class LogFollower:
+    """The rounds appended to a round log since the last look, read from a byte offset (a long log is not read
+    again each time). Only complete lines count: a line still being appended is read the next time."""
+
+    def __init__(self, log: RoundLog) -> None:
+        self.log = log
+        self._offset = 0
+        self._next_round = 0
+
+    def new_records(self, *, after: int) -> list[RoundRecord]:
+        """Rounds numbered `after` and up that were not returned before, in order; rounds below `after` (already
+        in the state the standby loaded) are skipped. ValueError on a gap, as `RoundLog.records` does."""
+        try:
+            with self.log.path.open("rb") as file:
+                file.seek(self._offset)
+                data = file.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        records = []
+        for raw in data[:end].splitlines():
+            line = json.loads(raw)
+            index = int(line["round"])
+            if index != self._next_round:
+                raise ValueError(f"{self.log.path}: round {index} follows round {self._next_round - 1}: the log is "
+                                 "damaged")
+            self._next_round += 1
+            if index >= after:
+                records.append(round_record_from_json(line, self.log.load_merged(index)))
+        return records
+
+
+def follow_primary(run_dir: str | Path, run_config: RunConfig, lock: SyncerLock,
+                   stop: threading.Event) -> tuple[Syncer | None, Restored] | None:
+    """Wait as a standby until the primary is gone (`lock` acquired), following its durable state; then the
+    core at the last committed round (None if the run has no genesis yet) and what was restored. None when
+    `stop` is set first."""
+    store = SyncerStore(run_dir)
+    syncer: Syncer | None = None
+    restored = Restored()
+    follower = LogFollower(store.log)
+    logger.warning("[syncer] standby: following %s until its syncer (pid %s) is gone", run_dir, lock.holder())
+    while not stop.is_set():
+        primary_gone = lock.try_acquire()
+        if syncer is None:
+            genesis = read_genesis(run_dir)
+            if genesis is not None:
+                syncer = genesis.syncer(run_config.diloco, run_config.quorum)
+                restored = store.restore(syncer, repair=False)  # the primary may be appending: it owns the log
+                logger.warning("[syncer] standby: at round %d (state at %d + %d replayed)", syncer.rounds_committed,
+                            restored.state_rounds, restored.replayed)
+        if syncer is not None:
+            records = follower.new_records(after=syncer.rounds_committed)
+            syncer.apply_committed(records)
+            restored.replayed += len(records)
+        if primary_gone:
+            store.log.repair()  # ours now: a torn last line was never sent to anyone
+            logger.warning("[syncer] standby: the primary is gone; taking over at round %d",
+                           syncer.rounds_committed if syncer is not None else 0)
+            return syncer, restored
+        stop.wait(FOLLOW_POLL_S)
+    return None
