@@ -238,8 +238,9 @@ class ChaosSettings:
     """A data-parallel rank without a step for this long has failed (the job restarts)."""
     warm_restarts: bool = True
     """Restarts run in warm standby processes (`ddiloco.runtime.standby`), enough for `STANDBY_RESTARTS`
-    restarts: the runtime keeps that many standby learners, the data-parallel agent that many times M
-    standby ranks. False: every restart is a cold start."""
+    restarts: the runtime keeps that many standby learners and a standby syncer that takes over a killed
+    syncer (`ddiloco.runtime.syncer_standby`), the data-parallel agent that many times M standby ranks.
+    False: every restart is a cold start."""
 
     def __post_init__(self) -> None:
         for name in ("eval_every_s", "ready_timeout_s", "dp_checkpoint_every_s", "dp_hang_timeout_s"):
@@ -289,7 +290,8 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
         if event.kind in ("exited", "restart_scheduled", "failed", "refused"):
             say(f"  [{system}] {event.name} {event.message}")
 
-    supervisor = Supervisor(SupervisorConfig(standby_learners=STANDBY_RESTARTS if settings.warm_restarts else 0),
+    supervisor = Supervisor(SupervisorConfig(standby_learners=STANDBY_RESTARTS if settings.warm_restarts else 0,
+                                             standby_syncer=settings.warm_restarts),
                             launcher=launcher, on_event=on_event)
     injector = FaultInjector(plan, RuntimeTargets(supervisor, paths), system_dir / "chaos" / "faults.jsonl", say=say)
     started = time.time()
