@@ -23,6 +23,8 @@ EXIT_INVARIANT_BROKEN = 1
 DEFAULT_RUNS_DIR = Path("runs")
 CHAOS_HEARTBEAT_TIMEOUT_S = 5.0
 CHAOS_HEARTBEAT_EVERY_S = 1.0
+SOAK_WATCHDOG_S = 60.0
+"""A soak fails when no round commits for this long."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a fault plan, YAML or JSON (docs/chaos.md shows the format)")
     source.add_argument("--quick", action="store_true",
                         help="the built-in short plan: one fault of each kind, 40 s per system")
+    source.add_argument("--soak", action="store_true",
+                        help="a soak: kill -9 learners and the syncer at random (every --kill-every-s on average) "
+                             "for --duration, with a watchdog (--watchdog-s) that fails the run if no round commits")
     source.add_argument("--mtbi-per-chip", type=float, default=None, metavar="SECONDS",
                         help="draw crashes from a failure model: mean time between interruptions of one chip")
     parser.add_argument("--chips-per-learner", type=int, default=1,
@@ -53,6 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                         help="seconds each system trains under the plan (default: the plan's, or 120)")
     parser.add_argument("--plan-seed", type=int, default=0, help="seed of a drawn plan and of drop/corrupt draws")
+    parser.add_argument("--kill-every-s", type=float, default=10.0,
+                        help="with --soak: mean seconds between kills (default 10)")
+    parser.add_argument("--watchdog-s", type=float, default=None,
+                        help="fail a runtime system that commits no round for this long (default: 60 with --soak, "
+                             "else none)")
     parser.add_argument("--systems", default=",".join(_systems()),
                         help="comma-separated systems to run (default: all: %(default)s)")
     parser.add_argument("--run-dir", type=Path, default=None,
@@ -98,12 +108,15 @@ def _plan(args: argparse.Namespace, num_learners: int) -> Any:
         plan = plans.load_plan(args.plan, num_learners) if args.plan is not None else plans.quick_plan(
             num_learners, seed=args.plan_seed)
         return plan if args.duration is None else dataclasses.replace(plan, duration_s=args.duration)
+    if args.soak:
+        return plans.soak_plan(args.duration or 120.0, num_learners, kill_every_s=args.kill_every_s,
+                               seed=args.plan_seed)
     if args.mtbi_per_chip is not None:
         extra = {} if args.recovery_scale_s is None else {"recovery_scale_s": args.recovery_scale_s}
         return plans.model_plan(duration_s=args.duration or 120.0, num_learners=num_learners,
                                 mtbi_per_chip_s=args.mtbi_per_chip, chips_per_learner=args.chips_per_learner,
                                 seed=args.plan_seed, restart=args.crash_recovery == "restart", **extra)
-    raise ValueError("no fault plan: give --plan FILE, --quick, or --mtbi-per-chip SECONDS")
+    raise ValueError("no fault plan: give --plan FILE, --quick, --soak, or --mtbi-per-chip SECONDS")
 
 
 def _parse_systems(text: str) -> list[str]:
@@ -127,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan(args, config.num_learners)
     settings = ChaosSettings(threads=args.threads, eval_every_s=args.eval_every_s,
                              dp_checkpoint_every_s=args.dp_checkpoint_every_s, dp_hang_timeout_s=args.dp_hang_timeout_s,
-                             warm_restarts=not args.cold_restarts)
+                             warm_restarts=not args.cold_restarts,
+                             watchdog_s=args.watchdog_s if args.watchdog_s is not None else (
+                                 SOAK_WATCHDOG_S if args.soak else None))
     if not args.uptime_bin_s > 0:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
     run_dir = Path(args.run_dir) if args.run_dir is not None else (

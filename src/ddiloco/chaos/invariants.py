@@ -17,6 +17,8 @@ learners' work ledgers and the syncer's final state must tell one story.
   syncer's durable state afterwards; learners publish only on top of a Welcome; no round merges an
   update based on a version newer than the one it replaces.
 - no_process_left_behind: every process the chaos runner started was gone after the stop.
+- rounds_kept_committing: the run did not fail (the syncer gave up, or the soak's watchdog saw no round
+  commit for its limit); the detail gives the longest gap between commits.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ EXAMPLES = 3
 """How many unexplained cases a detail names (the counts say how many there were)."""
 RUNTIME_CHECKS = ("no_committed_round_lost_or_repeated", "global_equals_replay",
                   "every_update_merged_or_rejected_with_reason", "no_fresh_learner_became_global_source",
-                  "no_process_left_behind")
+                  "no_process_left_behind", "rounds_kept_committing")
 DATA_PARALLEL_CHECKS = ("no_process_left_behind",)
 
 Result = tuple[bool, str]
@@ -291,7 +293,19 @@ def no_process_left_behind(system_dir: str | Path) -> Result:
     return True, f"all {len(started)} processes gone after the stop"
 
 
+def rounds_kept_committing(system_dir: str | Path) -> Result:
+    info = read_json(Path(system_dir) / "chaos" / "run.json")
+    if not isinstance(info, dict):
+        return False, f"{Path(system_dir) / 'chaos' / 'run.json'} is missing"
+    gap = info.get("longest_commit_gap_s")
+    longest = f"longest gap between commits {gap:.1f} s" if isinstance(gap, int | float) else "gap not measured"
+    if info.get("failure"):
+        return False, f"the run failed: {info['failure']} ({longest})"
+    return True, longest
+
+
 CHECKS = {
+    "rounds_kept_committing": rounds_kept_committing,
     "no_committed_round_lost_or_repeated": no_committed_round_lost_or_repeated,
     "global_equals_replay": global_equals_replay,
     "every_update_merged_or_rejected_with_reason": every_update_merged_or_rejected_with_reason,

@@ -418,3 +418,31 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
                  "max_down_at_once": limit, "kind_weights": weights, "restart": restart}
     return FaultPlan(duration_s=duration_s, num_learners=num_learners, faults=tuple(kept), seed=seed,
                      source="model", model=arguments)
+
+
+# ---- the soak ------------------------------------------------------------------------------------------
+
+def soak_plan(duration_s: float, num_learners: int, *, kill_every_s: float, seed: int,
+              start_after_s: float = 10.0, margin_s: float = 10.0) -> FaultPlan:
+    """Process kills at random for a soak run (`ddiloco chaos --soak`): gaps between kills exponential with mean
+    `kill_every_s`, within [start_after_s, duration_s - margin_s], each a `kill -9` of a learner (restarted at
+    once by the supervisor) or of the syncer (`syncer_crash`), the target uniform over the M learners and the
+    syncer. One seeded generator: the same arguments give the same plan."""
+    if not (math.isfinite(kill_every_s) and kill_every_s > 0):
+        raise ValueError(f"kill_every_s={kill_every_s!r} is invalid: expected seconds > 0")
+    if not (isinstance(num_learners, int) and num_learners >= 1):
+        raise ValueError(f"num_learners={num_learners!r} is invalid: expected an integer >= 1")
+    if not duration_s - margin_s > start_after_s:
+        raise ValueError(f"duration_s={duration_s!r} is invalid: expected more than {start_after_s + margin_s:g} s "
+                         "(start-up and the final margin)")
+    rng = np.random.default_rng(seed)
+    faults = []
+    t = start_after_s
+    while (t := t + rng.exponential(kill_every_s)) <= duration_s - margin_s:
+        target = int(rng.integers(num_learners + 1))
+        faults.append(Fault(at_s=float(t), kind="syncer_crash") if target == num_learners
+                      else Fault(at_s=float(t), kind="crash", target=target, restart=True))
+    arguments = {"duration_s": duration_s, "num_learners": num_learners, "kill_every_s": kill_every_s,
+                 "seed": seed, "start_after_s": start_after_s, "margin_s": margin_s}
+    return FaultPlan(duration_s=duration_s, num_learners=num_learners, faults=tuple(faults), seed=seed,
+                     source="soak", model=arguments)

@@ -236,6 +236,8 @@ class ChaosSettings:
     """Data-parallel checkpoint period (wall seconds of training)."""
     dp_hang_timeout_s: float = 10.0
     """A data-parallel rank without a step for this long has failed (the job restarts)."""
+    watchdog_s: float | None = None
+    """A runtime system that commits no round for this long fails (the soak's watchdog); None: no watchdog."""
     warm_restarts: bool = True
     """Restarts run in warm standby processes (`ddiloco.runtime.standby`), enough for `STANDBY_RESTARTS`
     restarts: the runtime keeps that many standby learners and a standby syncer that takes over a killed
@@ -243,6 +245,8 @@ class ChaosSettings:
     False: every restart is a cold start."""
 
     def __post_init__(self) -> None:
+        if self.watchdog_s is not None and not self.watchdog_s > 0:
+            raise ValueError(f"watchdog_s={self.watchdog_s!r} is invalid: expected seconds > 0")
         for name in ("eval_every_s", "ready_timeout_s", "dp_checkpoint_every_s", "dp_hang_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected a number > 0 (seconds)")
@@ -294,12 +298,15 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
                                              standby_syncer=settings.warm_restarts),
                             launcher=launcher, on_event=on_event)
     injector = FaultInjector(plan, RuntimeTargets(supervisor, paths), system_dir / "chaos" / "faults.jsonl", say=say)
+    watchdog = CommitWatchdog(paths.root / "rounds.jsonl", settings.watchdog_s)
+    failure = lambda: supervisor.failure or watchdog.check()  # noqa: E731
     started = time.time()
     supervisor.start()
     try:
         _wait_ready(lambda: _runtime_ready(paths, config.num_learners), supervisor.poll, settings, system, say,
                     failed=lambda: supervisor.failure)
-        _drive(injector, plan, system, step=supervisor.poll, failed=lambda: supervisor.failure,
+        watchdog.start()
+        _drive(injector, plan, system, step=supervisor.poll, failed=failure,
                status=lambda: _runtime_status(paths), say=say)
     finally:
         stop_requested = time.time()
@@ -309,9 +316,38 @@ def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: Fau
     ended = time.time()
     final_states = {s.learner_id: (str(s.state), s.reason) for s in supervisor.learners}
     write_report(paths, num_learners=config.num_learners, outcome="completed", wall_time_s=ended - started,
-                 final_states=final_states, failure=supervisor.failure)
+                 final_states=final_states, failure=failure())
     return _write_run_record(system_dir, system, config.num_learners, started, stop_requested, ended,
-                             supervisor.pids, t0=injector.t0, failure=supervisor.failure)
+                             supervisor.pids, t0=injector.t0, failure=failure(),
+                             longest_commit_gap_s=watchdog.longest_gap_s)
+
+
+class CommitWatchdog:
+    """A run that stops committing rounds fails: no new round-log line for `limit_s` (None: never) is the
+    failure "no round committed for ...". Also keeps the longest gap between commits it saw."""
+
+    def __init__(self, log: Path, limit_s: float | None) -> None:
+        self.log = log
+        self.limit_s = limit_s
+        self.longest_gap_s = 0.0
+        self._size = -1
+        self._since: float | None = None
+        self.fired: str | None = None
+
+    def start(self) -> None:
+        self._since = time.monotonic()
+
+    def check(self) -> str | None:
+        if self._since is None or self.fired is not None:
+            return self.fired
+        now = time.monotonic()
+        size = self.log.stat().st_size if self.log.exists() else 0
+        if size != self._size:
+            self._size, self._since = size, now
+        self.longest_gap_s = max(self.longest_gap_s, now - self._since)
+        if self.limit_s is not None and now - self._since > self.limit_s:
+            self.fired = f"watchdog: no round committed for {self.limit_s:g} s"
+        return self.fired
 
 
 def _runtime_status(paths: RunPaths) -> str:
@@ -358,11 +394,12 @@ def _drive(injector: FaultInjector, plan: FaultPlan, system: str, *, step: Calla
 
 
 def _write_run_record(system_dir: Path, system: str, num_learners: int, started: float, stop_requested: float,
-                      ended: float, pids: list[int], *, t0: float | None, failure: str | None) -> dict[str, Any]:
+                      ended: float, pids: list[int], *, t0: float | None, failure: str | None,
+                      longest_commit_gap_s: float | None = None) -> dict[str, Any]:
     left_behind = [pid for pid in pids if process_group_alive(pid)]
     record = {"system": system, "num_learners": num_learners, "started": started,
               "stop_requested": stop_requested, "ended": ended, "plan_started": t0, "pids": pids,
-              "left_behind": left_behind, "failure": failure}
+              "left_behind": left_behind, "failure": failure, "longest_commit_gap_s": longest_commit_gap_s}
     write_json_atomic(system_dir / "chaos" / "run.json", record)
     return record
 
