@@ -116,6 +116,17 @@ def read_json_or_none(path):
         return None
 
 
+def flip_bit_in_tensor_data(path, *, byte: int = 0, mask: int = 0x01) -> None:
+    """Flip one bit of a safetensors file's tensor data (not its header), as a failing disk would. By default
+    the lowest mantissa bit of the first value: a change no check of shapes or finiteness can see."""
+    from pathlib import Path
+
+    data = bytearray(Path(path).read_bytes())
+    data_start = 8 + int.from_bytes(data[:8], "little")  # the u64 header length, then the JSON header
+    data[data_start + byte] ^= mask
+    Path(path).write_bytes(bytes(data))
+
+
 class Processes:
     """Starts `ddiloco` subcommands as real processes (one torch thread each), logs each to a file,
     and kills every one it started, by PID, in `kill_all` (call it from a fixture's finally)."""

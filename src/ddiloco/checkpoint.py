@@ -7,12 +7,18 @@ cut) leaves either the old file or the new one, never a torn one. Tensors go int
 
 - `save_state` / `load_latest_state`: a nested state dict (a syncer's global parameters and outer
   momentum, a learner's AdamW state and data cursor) split into its tensors (one safetensors file)
-  and the rest (one JSON file that names the tensors file). The JSON file is the commit point:
-  written last, so a state exists exactly when its JSON does. The latest few are kept.
-- `RoundLog`: `rounds.jsonl` (one committed round per line, `RoundRecord.to_json()`) plus the merged
-  pseudo-gradient of every round in `rounds/round_NNNNNN.safetensors`, enough to replay the global
-  state bit for bit (`ddiloco.syncer.replay_rounds`). The tensors are written first and the line
-  last: a round is committed once its line is durable.
+  and the rest (one JSON file that names the tensors file and records its checksum). The JSON file is
+  the commit point: written last, so a state exists exactly when its JSON does. The latest few are kept.
+- `RoundLog`: `rounds.jsonl` (one committed round per line, `RoundRecord.to_json()` plus the checksum
+  of the round's tensors file) plus the merged pseudo-gradient of every round in
+  `rounds/round_NNNNNN.safetensors`, enough to replay the global state bit for bit
+  (`ddiloco.syncer.replay_rounds`). The tensors are written first and the line last: a round is
+  committed once its line is durable.
+
+Atomic writes guard against crashes, not against a disk that later returns other bytes than it was
+given. Every tensors file's checksum (`bytes_checksum`) is therefore recorded at its commit point and
+checked whenever the file is read back (`load_tensors(path, checksum=...)`): a damaged state is
+skipped for an older one, a damaged round is an error (a round log cannot skip a round).
 
 This module knows nothing of learners or the syncer; it stores what they hand it.
 """
@@ -26,7 +32,9 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,8 @@ logger = logging.getLogger(__name__)
 KEEP_STATES = 2
 """How many durable states a directory keeps: the newest, plus one in case the newest is damaged."""
 _STATE_NAME = re.compile(r"^state_(\d{9})\.json$")
+CHECKSUM_KEY = "tensors_checksum"
+"""Where a state's JSON, a round's line and the genesis metadata record their tensors' checksum."""
 _TENSOR = "__tensor__"
 _ITEMS = "__items__"
 _TUPLE = "__tuple__"
@@ -175,14 +185,52 @@ def read_json(path: str | Path) -> Any | None:
         return None
 
 
-def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write tensors (CPU, contiguous copies) into one safetensors file, atomically and durably."""
+# ---- checksums -------------------------------------------------------------------------------------
+
+def bytes_checksum(*parts: bytes | memoryview) -> str:
+    """The checksum recorded for a file's bytes (`parts`, in order, checksum the bytes they hold one after the
+    other, with no copy): "crc32:" and 8 hex digits. CRC-32, as on the wire: it catches
+    every single-bit flip and every burst up to 32 bits long, and misses other damage about once in 2**32.
+    It guards against a failing disk or a bad copy, not against someone who rewrites a file and its record
+    together (a cryptographic hash would not stop them either: they would rewrite the record too). It runs
+    at 1-2 GB/s here (docs/runtime.md)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return f"crc32:{crc:08x}"
+
+
+class ChecksumError(ValueError):
+    """A file's bytes differ from those whose checksum was recorded when it was written: it is damaged."""
+
+
+def verify_checksum(what: str | Path, recorded: str, *parts: bytes | memoryview) -> None:
+    """Raise ChecksumError unless `parts` (`what`: a path, or which part of a file) have the checksum `recorded`."""
+    found = bytes_checksum(*parts)
+    if found != recorded:
+        raise ChecksumError(f"the checksum of {what} is {found}, but {recorded} was recorded when it was written")
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write tensors (CPU, contiguous copies) into one safetensors file, atomically and durably; returns the
+    checksum of the bytes written, for the caller to record at its commit point."""
     plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
-    atomic_write_bytes(path, save_safetensors(plain))
+    data = save_safetensors(plain)
+    # zlib releases the GIL while it checksums, so the CRC runs while the bytes go to disk and the fsyncs
+    # wait: a 100 MB round commit costs no more with it (benchmarks/bench_checksums.py).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum") as pool:
+        checksum = pool.submit(bytes_checksum, data)
+        atomic_write_bytes(path, data)
+        return checksum.result()
 
 
-def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_safetensors(Path(path).read_bytes())
+def load_tensors(path: str | Path, *, checksum: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors in a safetensors file; with `checksum` (what `save_tensors` returned), a ChecksumError when
+    the file's bytes no longer match it. The run's own files are always read with their checksum."""
+    data = Path(path).read_bytes()
+    if checksum is not None:
+        verify_checksum(path, checksum, data)
+    return load_safetensors(data)
 
 
 # ---- nested state dicts <-> (tensors, JSON) ------------------------------------------------------
@@ -245,10 +293,10 @@ def save_state(directory: str | Path, state: Any, *, serial: int, meta: dict[str
     directory.mkdir(parents=True, exist_ok=True)
     tensors, tree = split_state(state)
     stem = f"state_{serial:09d}"
-    save_tensors(directory / f"{stem}.safetensors", tensors)
+    checksum = save_tensors(directory / f"{stem}.safetensors", tensors)
     json_path = directory / f"{stem}.json"
-    atomic_write_json(json_path, {"serial": serial, "tensors": f"{stem}.safetensors", "state": tree,
-                                  "meta": meta or {}})
+    atomic_write_json(json_path, {"serial": serial, "tensors": f"{stem}.safetensors", CHECKSUM_KEY: checksum,
+                                  "state": tree, "meta": meta or {}})
     for _, old in _state_files(directory)[:-KEEP_STATES]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
@@ -257,16 +305,23 @@ def save_state(directory: str | Path, state: Any, *, serial: int, meta: dict[str
 
 def load_latest_state(directory: str | Path) -> tuple[Any, dict[str, Any], int] | None:
     """(state, meta, serial) of the newest readable state in `directory`, or None if there is none.
-    A damaged newest state (which atomic writes should make impossible) falls back to the previous."""
+    A damaged state (unreadable JSON, a tensors file missing, torn or whose checksum does not match, or
+    no checksum recorded: written before states had one) is logged and skipped for the previous one."""
+    damaged = 0
     for serial, json_path in reversed(_state_files(Path(directory))):
         record = read_json(json_path)
         try:
             if record is None:
                 raise ValueError("unreadable JSON")
-            tensors = load_tensors(json_path.parent / record["tensors"])
+            if CHECKSUM_KEY not in record:
+                raise ValueError("no checksum recorded for its tensors (written before states had one)")
+            tensors = load_tensors(json_path.parent / record["tensors"], checksum=record[CHECKSUM_KEY])
             return join_state(record["state"], tensors), record.get("meta", {}), serial
         except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            damaged += 1
             logger.error("checkpoint %s is damaged (%s); trying an older one", json_path, exc)
+    if damaged:
+        logger.error("no readable state in %s: all %d kept are damaged", directory, damaged)
     return None
 
 
@@ -299,8 +354,8 @@ class RoundLog:
         write fails (a full disk), the log is cut back to where it was and the round's tensors file removed, so
         the same round can be appended again later and the log never holds a torn or missing line."""
         tensors = self.tensors_path(record.round_index)
-        line = (json.dumps(record.to_json(), sort_keys=True) + "\n").encode()
-        save_tensors(tensors, dict(record.merged))
+        checksum = save_tensors(tensors, dict(record.merged))
+        line = (json.dumps({**record.to_json(), CHECKSUM_KEY: checksum}, sort_keys=True) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             end = os.lseek(fd, 0, os.SEEK_END)
@@ -343,14 +398,27 @@ class RoundLog:
         return out
 
     def records(self, *, start: int = 0) -> Iterator[RoundRecord]:
-        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering."""
+        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering and each tensors
+        file against the checksum its line recorded. A damaged round is a ValueError naming it and its file:
+        a replay cannot skip a round, so the file must come back from a backup."""
         for expected, line in enumerate(self.lines()):
             if int(line["round"]) != expected:
                 raise ValueError(f"{self.path}: line {expected + 1} holds round {line['round']}, "
                                  f"expected {expected}: the log is damaged")
             if expected >= start:
-                yield round_record_from_json(line, self.load_merged(expected))
+                yield round_record_from_json(line, self.load_merged(line))
 
-    def load_merged(self, round_index: int) -> dict[str, torch.Tensor]:
-        """The merged pseudo-gradient of one round."""
-        return load_tensors(self.tensors_path(round_index))
+    def load_merged(self, line: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The merged pseudo-gradient of the round `line` (one of `lines()`) records, checked against the checksum
+        the line recorded; a ValueError naming the round and its file when it is damaged."""
+        index = int(line["round"])
+        path = self.tensors_path(index)
+        if CHECKSUM_KEY not in line:
+            raise ValueError(f"{self.path}: round {index} records no checksum of {path.name} (a round log written "
+                             "before round files had one, which this version does not replay): start a new run "
+                             "directory")
+        try:
+            return load_tensors(path, checksum=line[CHECKSUM_KEY])
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise ValueError(f"{self.path}: round {index} is damaged ({exc}): restore {path} from a backup; "
+                             "a round log cannot skip a round") from None

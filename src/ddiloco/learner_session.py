@@ -379,7 +379,9 @@ class Session:
             return
         latest = load_latest_state(self.checkpoint_dir)
         if latest is None:
-            logger.info("[learner %d] no local checkpoint: fresh optimizer, data from the start", self.learner_id)
+            # (a damaged one is logged by load_latest_state, naming its files)
+            logger.info("[learner %d] no readable checkpoint in %s: fresh optimizer, data from the start",
+                        self.learner_id, self.checkpoint_dir)
             return
         state, meta, _ = latest
         self.learner.load_state_dict(state["learner"])

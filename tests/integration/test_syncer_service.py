@@ -20,7 +20,14 @@ from ddiloco.checkpoint import RoundLog, load_latest_state
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer import replay_rounds
 from ddiloco.train_tinygpt import initial_params
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+from tests.helpers import (
+    PROCESS_WAIT_S,
+    TINY_MODEL_FLAGS,
+    Processes,
+    flip_bit_in_tensor_data,
+    read_json_or_none,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -152,6 +159,29 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
         stop(learner, f"learner {i}")
     stop(syncer, "the syncer")
     assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
+
+
+def test_a_restarted_syncer_refuses_a_round_damaged_on_disk_and_names_it(tmp_path, procs):
+    # Issue 13 item 8. Before: the flipped round replayed silently into another global state.
+    run_dir = tmp_path / "run"
+    syncer, address = start_syncer(procs, run_dir, "--full-state-every", "1000000")  # replay every round
+    learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
+    wait_until(lambda: syncer_status(run_dir).get("rounds_committed", 0) >= 3, "3 rounds", alive=[syncer, *learners])
+    for popen in (syncer, *learners):
+        os.kill(popen.pid, signal.SIGKILL)
+        popen.wait()
+    last = len(RoundLog(run_dir).lines()) - 1
+    _, _, state_rounds = load_latest_state(run_dir / "checkpoints" / "syncer")
+    assert state_rounds <= last  # the restart replays the damaged round
+    flip_bit_in_tensor_data(RoundLog(run_dir).tensors_path(last))
+
+    restarted = procs.start("syncer-restarted", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--bind", address)
+    serving = lambda: (read_json_or_none(run_dir / "syncer.json") or {}).get("pid") == restarted.pid  # noqa: E731
+    wait_until(lambda: restarted.poll() is not None or serving(), "the restarted syncer to exit or serve")
+    assert not serving() and restarted.wait() == 2  # EXIT_USAGE: one message, no traceback
+    log = procs.log("syncer-restarted")
+    assert f"round {last} is damaged" in log and f"round_{last:06d}.safetensors" in log and "backup" in log
+    assert "Traceback" not in log
 
 
 def test_watch_sends_the_model_at_once_then_at_most_every_min_interval():

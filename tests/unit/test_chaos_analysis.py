@@ -18,7 +18,7 @@ from ddiloco.chaos import invariants as inv
 from ddiloco.chaos.analysis import analyze_data_parallel, analyze_run, analyze_runtime
 from ddiloco.chaos.plan import quick_plan
 from ddiloco.chaos.report import PLOTS, write_report
-from ddiloco.checkpoint import load_tensors, save_state, save_tensors
+from ddiloco.checkpoint import CHECKSUM_KEY, RoundLog, load_tensors, save_state, save_tensors
 from ddiloco.runtime.launcher import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 
@@ -357,6 +357,13 @@ def test_real_run_satisfies_rounds_replay_and_processes_and_a_tampered_round_fai
     first = tampered / "rounds" / "round_000000.safetensors"
     tensors = load_tensors(first)
     name = sorted(tensors)[0]
-    save_tensors(first, {**tensors, name: tensors[name] + 1e-3})
+    checksum = save_tensors(first, {**tensors, name: tensors[name] + 1e-3})
+    ok, detail = inv.global_equals_replay(tampered)
+    assert not ok and "round 0 is damaged" in detail  # its checksum no longer matches its line
+    # A round rewritten together with its line's checksum replays, into another global state.
+    log = RoundLog(tampered)
+    lines = log.lines()
+    lines[0][CHECKSUM_KEY] = checksum
+    log.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     ok, detail = inv.global_equals_replay(tampered)
     assert not ok and "differ from the replay" in detail

@@ -1,14 +1,17 @@
 """Durable files: atomic writes, state checkpoints, the round log, and restoring a syncer from them."""
 
 import json
+import logging
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 
 from ddiloco.checkpoint import (
     KEEP_STATES,
     RoundLog,
     atomic_write_json,
+    bytes_checksum,
     join_state,
     load_latest_state,
     read_json,
@@ -16,9 +19,16 @@ from ddiloco.checkpoint import (
     split_state,
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.runtime.syncer_state import SyncerStore, replay_onto
+from ddiloco.runtime.syncer_state import (
+    GENESIS_FILE,
+    GenesisRecord,
+    SyncerStore,
+    read_genesis,
+    replay_onto,
+    write_genesis,
+)
 from ddiloco.syncer import Syncer, replay_rounds
-from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
+from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, make_system, params_of, train_step
 
 
 def _adamw_after_steps(seed: int = 0, steps: int = 3):
@@ -158,3 +168,112 @@ def test_replay_refuses_a_round_that_does_not_continue_the_state():
     syncer = Syncer(config, QuorumConfig(), initial_params=params_of(TinyNet(seed=100)))
     with pytest.raises(ValueError, match="round log has round 1 where 0 was expected"):
         replay_onto(syncer, records[1:])
+
+
+# ---- checksums: a flipped bit on disk is refused, never loaded -------------------------------------------------
+
+def test_the_checksum_is_crc32():
+    # The CRC-32 check value: the CRC of the ASCII digits "123456789" is 0xCBF43926 (ISO 3309, as in zlib).
+    assert bytes_checksum(b"123456789") == "crc32:cbf43926"
+    assert bytes_checksum(b"") == "crc32:00000000"
+    assert bytes_checksum(b"1234", memoryview(b"56789")) == bytes_checksum(b"123456789")  # parts, in order
+
+
+def test_a_flipped_bit_in_the_newest_state_falls_back_to_the_older_one(tmp_path, caplog):
+    for serial in (3, 4):
+        save_state(tmp_path, {"x": torch.full((2,), float(serial))}, serial=serial)
+    flip_bit_in_tensor_data(tmp_path / "state_000000004.safetensors")
+    with caplog.at_level(logging.ERROR, logger="ddiloco.checkpoint"):
+        state, _, serial = load_latest_state(tmp_path)
+    assert serial == 3 and state["x"].tolist() == [3.0, 3.0]
+    assert "state_000000004.json is damaged" in caplog.text and "checksum" in caplog.text
+
+    flip_bit_in_tensor_data(tmp_path / "state_000000003.safetensors")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="ddiloco.checkpoint"):
+        assert load_latest_state(tmp_path) is None
+    assert "no readable state" in caplog.text
+
+
+def test_a_state_without_a_checksum_is_not_loaded(tmp_path):
+    """States written before checksums were recorded: treated as damaged (this schema cannot resume them)."""
+    path = save_state(tmp_path, {"x": torch.ones(2)}, serial=1)
+    record = json.loads(path.read_text())
+    record.pop("tensors_checksum", None)
+    atomic_write_json(path, record)
+    assert load_latest_state(tmp_path) is None
+
+
+def _committed(tmp_path, rounds: int, config: DilocoConfig):
+    live, records = _records(rounds, config)
+    store = SyncerStore(tmp_path)
+    for record in records:
+        store.commit(record)
+    return live, records, store
+
+
+def test_a_flipped_bit_in_a_rounds_tensors_is_refused_naming_the_round(tmp_path):
+    """Round 2's merged pseudo-gradient loses one bit on disk: replaying the log (a restore, an export, the
+    chaos invariants) refuses and names the round and its file, rather than rebuild another global state."""
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    _, records, store = _committed(tmp_path, 4, config)
+    damaged = store.log.tensors_path(2)
+    flip_bit_in_tensor_data(damaged)
+    read_back = load_safetensors(damaged.read_bytes())
+    assert any(not torch.equal(read_back[n], t) for n, t in records[2].merged.items())  # the flip is in the data
+
+    syncer = Syncer(config, QuorumConfig(), initial_params=params_of(TinyNet(seed=100)))
+    with pytest.raises(ValueError, match=r"round 2 is damaged .*round_000002\.safetensors.*from a backup"):
+        store.restore(syncer)
+    with pytest.raises(ValueError, match="round 2 is damaged"):
+        list(store.log.records())
+    assert [r.round_index for r in store.log.records(start=3)] == [3]  # rounds a replay does not read are not read
+
+
+def test_a_round_line_without_a_checksum_is_refused(tmp_path):
+    """A round log written before checksums: refused with the reason, never replayed unchecked."""
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    _, _, store = _committed(tmp_path, 2, config)
+    lines = store.log.lines()
+    lines[1].pop("tensors_checksum", None)
+    store.log.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match="round 1 records no checksum"):
+        list(store.log.records())
+
+
+def test_a_syncer_whose_newest_full_state_is_damaged_restores_from_the_older_one(tmp_path):
+    """The newest full state (round 6) loses a bit: the store loads the one at round 3 and replays rounds 3-8,
+    reaching exactly the live syncer's state."""
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    live, records, store = _committed(tmp_path, 9, config)
+    initial = params_of(TinyNet(seed=100))
+    partial = Syncer(config, QuorumConfig(), initial_params=initial)
+    replay_onto(partial, records[:3])
+    store.save(partial, {})
+    replay_onto(partial, records[3:6])
+    store.save(partial, {})
+    flip_bit_in_tensor_data(store.state_dir / "state_000000006.safetensors")
+
+    restored_syncer = Syncer(config, QuorumConfig(), initial_params=initial)
+    restored = store.restore(restored_syncer)
+    assert (restored.state_rounds, restored.replayed) == (3, 6)
+    expected, got = live.global_params(), restored_syncer.global_params()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_a_flipped_bit_in_the_genesis_is_refused(tmp_path):
+    params = params_of(TinyNet(seed=100))
+    write_genesis(tmp_path, GenesisRecord(params, ("token_embedding.weight",), "test"))
+    back = read_genesis(tmp_path)
+    assert back is not None and all(torch.equal(back.params[n], t) for n, t in params.items())
+    path = tmp_path / GENESIS_FILE
+    intact = path.read_bytes()
+    flip_bit_in_tensor_data(path)
+    with pytest.raises(ValueError, match=r"genesis\.safetensors is damaged \(.*checksum.*\): restore it from a backup"):
+        read_genesis(tmp_path)
+
+    # A flip in the header's metadata (the source "test" read as "tesu") is refused too.
+    at = intact.index(b'"test"') + 4
+    path.write_bytes(intact[:at] + bytes([intact[at] ^ 0x01]) + intact[at + 1:])
+    with pytest.raises(ValueError, match=r"genesis\.safetensors is damaged \(the checksum of its tensor data and meta"):
+        read_genesis(tmp_path)

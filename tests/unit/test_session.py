@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import ddiloco
 from ddiloco.environment import environment
 from ddiloco.learner_session import RefusedError
-from tests.helpers import TinyNet, make_batches, train_step
+from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, train_step
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
 
@@ -66,6 +68,42 @@ def test_a_session_trains_to_its_budget_checkpoints_and_resumes_the_users_state(
         while not resumed.done:
             resumed.step(tokens=4)
     assert resumed.inner_step == 8
+
+
+def _train(shared, run_dir, *, inner_steps: int):
+    """One process of learner 0: resumes from its checkpoint in `run_dir`, trains to `inner_steps`."""
+    model, cursor = TinyNet(seed=1), Cursor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ddiloco.session(model, optimizer, state={"data": cursor}, hub=shared, learner_id=0, inner_steps=inner_steps,
+                         run_dir=run_dir) as sync:
+        resumed_at = (sync.inner_step, cursor.position)
+        batches = iter(make_batches(inner_steps, seed=0))
+        while not sync.done:
+            cursor.position += 1
+            sync.step(tokens=train_step(model, optimizer, next(batches)), loss=1.0)
+    return resumed_at
+
+
+def test_a_learner_whose_newest_checkpoint_is_damaged_resumes_from_the_older_one(tmp_path, caplog):
+    shared = hub()
+    _train(shared, tmp_path, inner_steps=3)
+    _train(shared, tmp_path, inner_steps=6)
+    checkpoints = tmp_path / "learners" / "0" / "checkpoint"
+    flip_bit_in_tensor_data(checkpoints / "state_000000006.safetensors")
+    with caplog.at_level(logging.INFO):
+        assert _train(shared, tmp_path, inner_steps=8) == (3, 3)
+    assert "state_000000006.json is damaged" in caplog.text
+    assert "[learner 0 | inner 3] resumed from its checkpoint" in caplog.text
+
+    # Every kept checkpoint damaged (6 already is): a cold start, as on a new machine, said as such.
+    assert sorted(p.name for p in checkpoints.glob("state_*.safetensors")) == \
+        ["state_000000006.safetensors", "state_000000008.safetensors"]
+    flip_bit_in_tensor_data(checkpoints / "state_000000008.safetensors")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _, position = _train(shared, tmp_path, inner_steps=30)  # (it takes the global schedule position)
+    assert position == 0 and "resumed from its checkpoint" not in caplog.text
+    assert "all 2 kept are damaged" in caplog.text and "[learner 0] no readable checkpoint" in caplog.text
 
 
 def test_bad_input_is_refused_with_a_clear_message():

@@ -100,7 +100,7 @@ class LogFollower:
                                  "damaged")
             self._next_round += 1
             if index >= after:
-                records.append(round_record_from_json(line, self.log.load_merged(index)))
+                records.append(round_record_from_json(line, self.log.load_merged(line)))
         return records
 
 

@@ -3,7 +3,8 @@
 Layout in the run directory:
 
     genesis.safetensors                   the run's initial global parameters (written once, before any
-                                          round), with their order and embeddings in its metadata
+                                          round), with their order, embeddings and the checksum of their
+                                          bytes in its metadata
     rounds.jsonl                          one committed round per line (RoundRecord.to_json())
     rounds/round_NNNNNN.safetensors       that round's merged pseudo-gradient
     checkpoints/syncer/state_NNNNNNNNN.*  full states: global parameters, outer momentum, versions,
@@ -32,7 +33,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ddiloco.checkpoint import RoundLog, atomic_write_bytes, load_latest_state, save_state
+from ddiloco.checkpoint import (
+    CHECKSUM_KEY,
+    RoundLog,
+    atomic_write_bytes,
+    bytes_checksum,
+    load_latest_state,
+    save_state,
+    verify_checksum,
+)
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import RoundRecord
 from ddiloco.syncer import Syncer, replay_rounds
@@ -66,7 +75,10 @@ def write_genesis(run_dir: str | Path, genesis: GenesisRecord) -> None:
     meta = {"order": json.dumps(list(genesis.params)), "embeddings": json.dumps(list(genesis.embeddings)),
             "source": genesis.source, "aliases": json.dumps([list(pair) for pair in genesis.aliases])}
     plain = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in genesis.params.items()}
-    atomic_write_bytes(path, save_safetensors(plain, metadata=meta))
+    meta[CHECKSUM_KEY] = bytes_checksum(*_checksummed(save_safetensors(plain, metadata=meta)))
+    data = save_safetensors(plain, metadata=meta)
+    assert bytes_checksum(*_checksummed(data)) == meta[CHECKSUM_KEY]  # the data does not move with the metadata
+    atomic_write_bytes(path, data)
 
 
 def read_genesis(run_dir: str | Path) -> GenesisRecord | None:
@@ -77,8 +89,11 @@ def read_genesis(run_dir: str | Path) -> GenesisRecord | None:
     except FileNotFoundError:
         return None
     try:
-        tensors = load_safetensors(data)
         meta = _safetensors_metadata(data)
+        if CHECKSUM_KEY not in meta:
+            raise ValueError("no checksum recorded for its tensors (written before the genesis had one)")
+        verify_checksum("its tensor data and metadata", meta[CHECKSUM_KEY], *_checksummed(data))
+        tensors = load_safetensors(data)
         order = json.loads(meta["order"])
         embeddings = tuple(json.loads(meta["embeddings"]))
         aliases = tuple((str(a), str(n)) for a, n in json.loads(meta.get("aliases", "[]")))
@@ -97,6 +112,14 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
     header_len = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + header_len])
     return dict(header.get("__metadata__") or {})
+
+
+def _checksummed(data: bytes) -> tuple[bytes, memoryview]:
+    """What a genesis file's checksum covers: its metadata but the checksum (canonical JSON) and its tensor data
+    (the bytes after the header), so the checksum can live in the file it checks (one file, written once).
+    The rest of the header, the tensor table, is checked by parsing it and against the recorded order."""
+    meta = {k: v for k, v in _safetensors_metadata(data).items() if k != CHECKSUM_KEY}
+    return json.dumps(meta, sort_keys=True).encode(), memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
 
 
 def load_init_file(path: str | Path) -> dict[str, torch.Tensor]:
