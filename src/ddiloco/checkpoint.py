@@ -420,5 +420,5 @@ class RoundLog:
         try:
             return load_tensors(path, checksum=line[CHECKSUM_KEY])
         except (OSError, ValueError, SafetensorError) as exc:
-            raise ValueError(f"{self.path}: round {index} is damaged ({exc}): restore {path} from a backup; "
-                             "a round log cannot skip a round") from None
+            raise ValueError(f"{self.path}: round {index} is damaged ({exc}): restore {path.name} from a "
+                             "backup; a round log cannot skip a round") from None
