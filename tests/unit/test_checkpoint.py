@@ -19,6 +19,7 @@ from ddiloco.checkpoint import (
     split_state,
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.runtime.syncer_standby import LogFollower
 from ddiloco.runtime.syncer_state import (
     GENESIS_FILE,
     GenesisRecord,
@@ -228,6 +229,8 @@ def test_a_flipped_bit_in_a_rounds_tensors_is_refused_naming_the_round(tmp_path)
     with pytest.raises(ValueError, match="round 2 is damaged"):
         list(store.log.records())
     assert [r.round_index for r in store.log.records(start=3)] == [3]  # rounds a replay does not read are not read
+    with pytest.raises(ValueError, match="round 2 is damaged"):  # a standby syncer following the log
+        LogFollower(store.log).new_records(after=0)
 
 
 def test_a_round_line_without_a_checksum_is_refused(tmp_path):

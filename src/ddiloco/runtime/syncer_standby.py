@@ -82,7 +82,7 @@ class LogFollower:
 
     def new_records(self, *, after: int) -> list[RoundRecord]:
         """Rounds numbered `after` and up that were not returned before, in order; rounds below `after` (already
-        in the state the standby loaded) are skipped. ValueError on a gap, as `RoundLog.records` does."""
+        in the state the standby loaded) are skipped. ValueError on a gap or a damaged round, as `RoundLog.records`."""
         try:
             with self.log.path.open("rb") as file:
                 file.seek(self._offset)
