@@ -1,7 +1,10 @@
 """The run token and TLS files: reading them, and refusing an open door.
 
-Every learner presents the run's shared token on every call (gRPC metadata `ddiloco-token`); the
-syncer compares it in constant time. The token comes from a file (`--token-file`, e.g. the
+Every call presents a token (gRPC metadata `ddiloco-token`), compared in constant time: the run's
+shared token, or a learner's own token derived from it (`learner_token`). A learner's calls (join,
+updates, heartbeats, leave, genesis) must carry the token of the learner id they act for, so a learner
+can act only as itself; the run token is the operator's (status, evaluators, and the secret learner
+tokens derive from). The token comes from a file (`--token-file`, e.g. the
 `DIR/token` that `ddiloco run` writes with mode 0600) or from an environment variable named on the
 command line (`--token-env`; the command module reads the variable, this module only checks the
 value). TLS is optional: the syncer takes a certificate and key, learners the CA that signed it.
@@ -12,6 +15,8 @@ push updates; that needs an explicit `--allow-no-token`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -46,6 +51,41 @@ def check_token(token: str, source: str) -> str:
     if any(c.isspace() or not c.isprintable() for c in token):
         raise ValueError(f"{source} holds a token with whitespace or control characters")
     return token
+
+
+LEARNER_TOKEN_PREFIX = "ddiloco-learner-"
+
+
+def learner_token(run_token: str, learner_id: int) -> str:
+    """Learner `learner_id`'s own token, derived from the run token: `ddiloco-learner-N.` and an HMAC-SHA256
+    of the id keyed by the run token. It proves that id and no other; a learner holding only its own token
+    cannot derive anyone else's (`ddiloco token --learner N` prints it for a learner on another machine)."""
+    digest = hmac.new(run_token.encode(), f"ddiloco learner {learner_id}".encode(), hashlib.sha256).hexdigest()
+    return f"{LEARNER_TOKEN_PREFIX}{learner_id}.{digest}"
+
+
+def learner_of_token(run_token: str, presented: str) -> int | None:
+    """The learner id a presented token proves (compared in constant time), or None if it is not a valid learner
+    token of this run."""
+    if not presented.startswith(LEARNER_TOKEN_PREFIX):
+        return None
+    number, dot, _ = presented[len(LEARNER_TOKEN_PREFIX):].partition(".")
+    if not dot or not number.isdigit() or len(number) > 12:
+        return None
+    learner_id = int(number)
+    return learner_id if hmac.compare_digest(presented.encode(), learner_token(run_token, learner_id).encode()) \
+        else None
+
+
+def token_for_learner(token: str, learner_id: int) -> str:
+    """What learner `learner_id` presents: its own token as given, or the one derived from a run token."""
+    if token.startswith(LEARNER_TOKEN_PREFIX):
+        claimed = token[len(LEARNER_TOKEN_PREFIX):].partition(".")[0]
+        if claimed != str(learner_id):
+            raise ValueError(f"the token given is learner {claimed}'s, not learner {learner_id}'s: give each learner "
+                             "its own (`ddiloco token --learner N`)")
+        return token
+    return learner_token(token, learner_id)
 
 
 def split_host_port(address: str) -> tuple[str, int]:

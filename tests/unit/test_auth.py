@@ -1,0 +1,28 @@
+"""Per-learner tokens (issue 13 item 7): each learner proves its own id and no other."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.transport.auth import learner_of_token, learner_token, token_for_learner
+
+RUN_TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_learner_token_proves_its_id_and_no_other():
+    three = learner_token(RUN_TOKEN, 3)
+    assert learner_of_token(RUN_TOKEN, three) == 3
+    assert learner_token(RUN_TOKEN, 3) == three  # derived, not stored: the same on every machine
+    assert learner_of_token(RUN_TOKEN, three.replace("-3.", "-4.")) is None  # the id is bound into the HMAC
+    assert learner_of_token("another run's token, also long", three) is None
+    assert learner_of_token(RUN_TOKEN, RUN_TOKEN) is None  # the run token is nobody's learner token
+    for junk in ("ddiloco-learner-", "ddiloco-learner-x.ab", "ddiloco-learner-1", "ddiloco-learner-" + "9" * 40 + ".a"):
+        assert learner_of_token(RUN_TOKEN, junk) is None
+
+
+def test_a_learner_presents_its_own_token_whether_given_the_run_token_or_its_own():
+    assert token_for_learner(RUN_TOKEN, 2) == learner_token(RUN_TOKEN, 2)
+    own = learner_token(RUN_TOKEN, 2)
+    assert token_for_learner(own, 2) == own
+    with pytest.raises(ValueError, match="learner 2's, not learner 5's"):
+        token_for_learner(own, 5)
