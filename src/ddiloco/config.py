@@ -21,6 +21,14 @@ GRACE_MODES = ("adaptive", "fixed", "none")
 CODEC_CHOICES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
 DOWNLINK_CODEC_CHOICES = ("fp32", "int8", "int4")
 DEFAULT_DOWNLINK_CODEC = "int8"
+DEFAULT_MAX_TOKENS_PER_STEP = 2**24
+"""16,777,216 tokens: at least the largest per-step batch published for LLM pre-training (Llama 3 405B ends at
+16 M tokens per step), so no honest learner is held back; an operator who knows the run's batch sets less."""
+DEFAULT_MAX_WEIGHT_RATIO = 16.0
+"""A learner may weigh up to 16 times the mean of a round's other participants. The weight tokens^2 / steps is
+steps x (tokens per step)^2: honest rounds of one batch size reached 11 (real runtime: 33 inner steps beside two
+learners' 3) and a learner with twice the batch weighs 4 times as much. With n participants no share exceeds
+16 / (15 + n): 0.94 of 2, 0.84 of 4, 0.70 of 8 (docs/protocol.md, "Merge weights")."""
 
 
 def _require(condition: bool, field: str, value: Any, expected: str) -> None:
@@ -105,7 +113,7 @@ class DilocoConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class QuorumConfig:
-    """When the syncer closes a round."""
+    """The syncer's own policy: when it closes a round, and how much one learner may count in it."""
 
     min_quorum: int = 1
     """K: a round may close once this many learners have reported (capped at the learners alive,
@@ -123,6 +131,13 @@ class QuorumConfig:
     """An update whose base version is more than this many versions behind the fragment is rejected."""
     heartbeat_timeout_s: float = 30.0
     """A learner silent for longer than this is treated as gone and never waited for."""
+    max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP
+    """Tokens (or samples) one inner step may count, at most: a learner declaring more at join is refused, and an
+    update with more tokens than steps x this (or than the learner's own, smaller declaration) is rejected as
+    bad_counters. The merge weight is tokens^2 / steps, so without a bound it is whatever a learner claims."""
+    max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
+    """The most one learner's merge weight may be, as a multiple of the mean weight of the round's other
+    participants (`merge.cap_weights`); a heavier one is lowered to it. 1 makes every round an equal average."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_quorum, int) and self.min_quorum >= 1, "min_quorum",
@@ -137,6 +152,9 @@ class QuorumConfig:
                  self.max_staleness, "an integer >= 0 (versions)")
         _require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
                  "a number > 0 (seconds)")
+        require_int("max_tokens_per_step", self.max_tokens_per_step, minimum=1)
+        _require(isinstance(self.max_weight_ratio, int | float) and math.isfinite(self.max_weight_ratio)
+                 and self.max_weight_ratio >= 1, "max_weight_ratio", self.max_weight_ratio, "a finite number >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

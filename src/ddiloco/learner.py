@@ -6,7 +6,9 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
 - `join_message()` / `receive(Welcome)`: a learner trains only after it has loaded the syncer's
   global parameters, so its own random initialisation never becomes global state.
 - `after_inner_step(tokens)`: counts inner steps and tokens per fragment and returns the `Update`
-  (pseudo-gradient base - local, encoded by the codec) of every round that has fallen due.
+  (pseudo-gradient base - local, encoded by the codec) of every round that has fallen due. A learner made
+  with `max_tokens_per_step` declares it in its `Join` and refuses a step that counts more (the syncer
+  rejects an update with more tokens than steps x the declaration, or than the run's limit without one).
 - `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
   state survives) and resets its counters. `receive(FragmentDelta)`: the same with the value rebuilt from
   the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another version,
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from ddiloco.compression import get_codec
-from ddiloco.config import DilocoConfig
+from ddiloco.config import DilocoConfig, require_int
 from ddiloco.downlink import rebuild
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
 from ddiloco.messages import (
@@ -86,9 +88,12 @@ class Learner:
     """One learner's protocol state around a user's model. See the module docstring."""
 
     def __init__(self, config: DilocoConfig, *, learner_id: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0) -> None:
+        """`max_tokens_per_step`: the most tokens (or samples) one inner step counts, declared at join (0: none)."""
         if learner_id < 0:
             raise ValueError(f"learner_id={learner_id} is invalid: expected an integer >= 0")
+        require_int("max_tokens_per_step", max_tokens_per_step, minimum=0)
+        self.max_tokens_per_step = max_tokens_per_step
         self.config = config
         self.learner_id = learner_id
         self.model = model
@@ -131,7 +136,7 @@ class Learner:
 
     def join_message(self) -> Join:
         return Join(self.learner_id, self.spec, self.config.fingerprint(), embeddings=tuple(sorted(self.embeddings)),
-                    aliases=self.aliases)
+                    aliases=self.aliases, max_tokens_per_step=self.max_tokens_per_step)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.learner_id, self.inner_step)
@@ -199,8 +204,10 @@ class Learner:
         if isinstance(message, Rejected):
             reason = str(message.reason)
             self.stats.rejections[reason] = self.stats.rejections.get(reason, 0) + 1
-            logger.info("[learner %d | inner %d] update for fragment %d rejected: %s %s",
-                        self.learner_id, self.inner_step, message.fragment, reason, message.detail)
+            # bad_counters is this learner's own fault (e.g. more tokens than it may count): say so loudly.
+            (logger.warning if message.reason == RejectReason.BAD_COUNTERS else logger.info)(
+                "[learner %d | inner %d] update for fragment %d rejected: %s %s",
+                self.learner_id, self.inner_step, message.fragment, reason, message.detail)
             outstanding = self._outstanding.get(message.fragment)
             if outstanding is not None and outstanding.base_version == message.base_version:
                 # That update will never be merged: no round result is owed to this learner for it.
@@ -327,6 +334,9 @@ class Learner:
                                "first (see can_step)")
         if tokens < 0:
             raise ValueError(f"tokens={tokens} is invalid: expected >= 0")
+        if self.max_tokens_per_step and tokens > self.max_tokens_per_step:
+            raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
+                             "learner declared: declare the largest batch it trains on")
         self.inner_step += 1
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1

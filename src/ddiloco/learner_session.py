@@ -113,7 +113,7 @@ class Session:
                  link: str | None = None, tls_ca: bytes | None = None, tls_server_name: str | None = None,
                  chaos_control: str | Path | None = None, checkpoint_every_s: float = 10.0,
                  status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
-                 sink: MetricSink | None = None, clock: Clock | None = None) -> None:
+                 sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0) -> None:
         for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid: expected seconds > 0")
@@ -142,7 +142,8 @@ class Session:
         self.checkpoint_every_s = checkpoint_every_s
         self.status_every_s = status_every_s
         self.flush_timeout_s = flush_timeout_s
-        self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer)
+        self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer,
+                               max_tokens_per_step=max_tokens_per_step)
         self._chaos = None
         if chaos_control is not None:
             from ddiloco.chaos.control import ChaosControl
@@ -443,7 +444,9 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
     `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
     (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
-    `handle_sigterm`, `sink`, `chaos_control`.
+    `handle_sigterm`, `sink`, `chaos_control`, and `max_tokens_per_step`: the most `tokens` one `step()` will
+    count (your largest batch), declared to the syncer when joining; a `step()` over it raises ValueError, and
+    without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step").
     """
     env = environment()
     run_config = _resolve_config(config, env, hub)

@@ -2,6 +2,8 @@
 
 - Token weighting ("quantity times quality"): w = tokens * (tokens / steps) = tokens^2 / steps, so a
   learner that trained more tokens, and more tokens per inner step, counts more.
+- A cap on any one learner's weight (`cap_weights`): the weight is computed from counts the learner reports,
+  so no learner may weigh more than k times the mean of a round's other participants, whatever it claims.
 - Radial-directional averaging (RDA, Decoupled DiLoCo, arXiv 2604.21428): the learners' pseudo-
   gradients are nearly orthogonal, so their plain mean shrinks like 1/sqrt(M) and the outer learning
   rate would have to follow M. RDA keeps the size: the weighted mean of the norms times the unit
@@ -24,6 +26,35 @@ def token_weight(tokens: int, steps: int) -> float:
     if steps <= 0:
         return 0.0
     return float(tokens) * float(tokens) / float(steps)
+
+
+def cap_weights(weights: Sequence[float], max_ratio: float) -> list[float]:
+    """`weights` with none above `max_ratio` (k) times the mean of the other positive weights: with n of them,
+    no share above k / (k + n - 1). Each weight over the cap is lowered to exactly the cap and the others are
+    kept, so what the heavy ones lose goes to the rest in proportion to their weights. Unchanged, bit for bit,
+    when no weight is over the cap, when fewer than two are positive (one participant has share 1 by
+    definition) and when all are zero. k = 1 makes every positive weight equal."""
+    if not max_ratio >= 1:
+        raise ValueError(f"max_ratio={max_ratio!r} is invalid: expected a number >= 1")
+    positive = sorted((float(w) for w in weights if w > 0), reverse=True)
+    n = len(positive)
+    # rests[j]: the sum of the j-th heaviest and all lighter ones, summed from the lightest (a total minus the
+    # heavy ones would cancel to 0 beside a weight of 1e30).
+    rests = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        rests[j] = rests[j + 1] + positive[j]
+    clipped = 0
+    # Water-filling, heaviest first: with the `clipped` heaviest at the cap, the next one fits if its share
+    # (1 - clipped * cap) * w / rest is at most cap = k / (k + n - 1); multiplied out, that is the test below.
+    # The lightest always fits (k >= 1), so the loop ends inside the list.
+    while clipped < n - 1 and positive[clipped] * (n - 1 - (clipped - 1) * max_ratio) > max_ratio * rests[clipped]:
+        clipped += 1
+    if clipped == 0:
+        return list(weights)
+    # The weight whose share is exactly the cap, given the unclipped rest: k * rest / (n - 1 - (clipped - 1) * k),
+    # k times the mean of the others when one is clipped (the denominator is > 0 whenever the loop clipped).
+    limit = max_ratio * rests[clipped] / (n - 1 - (clipped - 1) * max_ratio)
+    return [min(float(w), limit) for w in weights]
 
 
 def _normalised(weights: Sequence[float], count: int) -> list[float] | None:

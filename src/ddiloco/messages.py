@@ -97,6 +97,10 @@ class Join:
     aliases: tuple[tuple[str, str], ...] = ()
     """Tied weights: (alias, parameter name) for each other name under which the model's state_dict holds
     a parameter; kept with the genesis so that `ddiloco export` writes every key the model loads."""
+    max_tokens_per_step: int = 0
+    """The most tokens (or samples) one inner step of this learner counts, as it declares it: its updates may
+    carry at most steps x this many tokens. 0: not declared, the run's `QuorumConfig.max_tokens_per_step`
+    applies; more than that is refused."""
 
 
 @dataclass(frozen=True)

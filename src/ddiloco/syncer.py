@@ -43,7 +43,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
-from ddiloco.merge import merge_round, period_share, token_weight
+from ddiloco.merge import cap_weights, merge_round, period_share, token_weight
 from ddiloco.messages import (
     SCHEMA_VERSION,
     Commit,
@@ -95,6 +95,8 @@ class LearnerInfo:
     rejected: int = 0
     tokens_merged: int = 0
     joins: int = 0
+    declared_tokens_per_step: int = 0
+    """The most tokens per inner step it declared at its last join (0: none, the run's limit applies)."""
 
 
 @dataclass
@@ -260,11 +262,18 @@ class Syncer:
             refusal = f"model differs from the syncer's: {diff}"
         elif join.learner_id < 0:
             refusal = f"learner_id={join.learner_id} is invalid: expected an integer >= 0"
+        elif join.max_tokens_per_step < 0:
+            refusal = f"max_tokens_per_step={join.max_tokens_per_step} is invalid: expected an integer >= 0 (0: none)"
+        elif join.max_tokens_per_step > self.quorum.max_tokens_per_step:
+            refusal = (f"learner {join.learner_id} declares up to {join.max_tokens_per_step} tokens per inner step, "
+                       f"but the run allows at most {self.quorum.max_tokens_per_step} (max_tokens_per_step): "
+                       "declare the learner's real batch, or start the syncer with a larger --max-tokens-per-step")
         if refusal is not None:
             logger.warning("[syncer] refused learner %d: %s", join.learner_id, refusal)
             return [Send(join.learner_id, Refused(join.learner_id, refusal))]
         info = self.learners.setdefault(join.learner_id, LearnerInfo(alive=True, last_seen=now))
         info.alive, info.last_seen, info.last_update = True, now, None
+        info.declared_tokens_per_step = join.max_tokens_per_step
         info.joins += 1
         logger.info("[syncer] learner %d joined (join #%d)", join.learner_id, info.joins)
         states = tuple(self.fragment_state(p) for p in range(self.plan.num_fragments))
@@ -323,6 +332,13 @@ class Syncer:
         if update.steps < 1 or update.tokens < 0 or update.inner_step < update.steps:
             return RejectReason.BAD_COUNTERS, (f"steps={update.steps} tokens={update.tokens} "
                                                f"inner_step={update.inner_step}")
+        per_step = info.declared_tokens_per_step or self.quorum.max_tokens_per_step
+        if update.tokens > update.steps * per_step:
+            # The merge weight is tokens^2 / steps: a count nobody bounds is a weight nobody bounds.
+            whose = (f"learner {update.learner_id} declared" if info.declared_tokens_per_step
+                     else "the run allows (max_tokens_per_step)")
+            return RejectReason.BAD_COUNTERS, (f"tokens={update.tokens} in steps={update.steps} is more than the "
+                                               f"{per_step} tokens per inner step {whose}")
         version = self.versions[p]
         if not 0 <= update.base_version <= version:
             return RejectReason.BAD_COUNTERS, f"base_version {update.base_version}, fragment is at {version}"
@@ -432,7 +448,7 @@ class Syncer:
         open_round = self._open[p]
         learner_ids = sorted(open_round.updates)
         pending = [open_round.updates[i] for i in learner_ids]
-        weights = [token_weight(u.tokens, u.steps) for u in pending]
+        weights = cap_weights([token_weight(u.tokens, u.steps) for u in pending], self.quorum.max_weight_ratio)
         merged = merge_round([u.deltas for u in pending], weights, method=self.config.merge,
                              embeddings=self.plan.embeddings)
         share = period_share([(u.steps, u.tokens, u.final) for u in pending], self.config.sync_every)

@@ -44,8 +44,10 @@ def train(config: RunConfig, *, learner_id: int, device: str = "cpu", **session_
     model = build_model(config.model).to(device)
     optimizer = make_inner_optimizer(model, config.inner)
     data = shard_stream(load_corpus(), config.data, shard=learner_id, num_shards=config.num_learners)
+    # Every batch holds exactly batch_size x context_len targets: the learner declares that, and no more.
+    tokens_per_step = config.data.batch_size * config.data.context_len
     with ddiloco.session(model, optimizer, state={"data": data}, config=config, learner_id=learner_id,
-                         **session_options) as sync:
+                         max_tokens_per_step=tokens_per_step, **session_options) as sync:
         while not sync.done:
             batch = data.next_batch()
             loss = inner_step(model, optimizer, batch, grad_clip=config.inner.grad_clip)

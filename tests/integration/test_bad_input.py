@@ -9,6 +9,7 @@ unchanged; at the end the syncer still serves the good client.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -211,6 +212,15 @@ def test_a_learner_id_outside_the_run_is_refused(syncer):
             code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="outside 0..1")
 
 
+def test_a_join_declaring_more_tokens_per_step_than_the_run_allows_is_refused(syncer):
+    limit = syncer.config.quorum.max_tokens_per_step
+    details = refused(syncer, lambda: _join_as_learner_1(syncer, lambda join: setattr(join, "max_tokens_per_step",
+                                                                                        limit + 1)),
+                      code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused",
+                      needle=f"declares up to {limit + 1} tokens per inner step")
+    assert f"the run allows at most {limit} (max_tokens_per_step)" in details
+
+
 # ---- what an update may carry ---------------------------------------------------------------------------
 
 def test_an_update_from_an_unknown_learner_is_refused(syncer):
@@ -276,6 +286,18 @@ def test_core_rejections_travel_in_the_reply(syncer):
     current = syncer.inbox.get(timeout=PROCESS_WAIT_S)
     assert isinstance(current, FragmentState)  # the catch-up is the whole fragment, in float32
     assert (current.fragment, current.version) == (1, before["versions"][1])
+
+
+def test_more_tokens_than_its_steps_may_count_is_rejected_as_bad_counters(syncer):
+    # The merge weight is tokens^2 / steps: 2**53 tokens in 8 steps would have outweighed any honest learner.
+    before, count = state(syncer), status(syncer)["rejections"].get("bad_counters", 0)
+    reply = push(syncer, dataclasses.replace(good_update(syncer), tokens=2**53))
+    assert (reply.accepted, reply.reason) == (False, "bad_counters")
+    limit = syncer.config.quorum.max_tokens_per_step
+    assert reply.detail == (f"tokens={2**53} in steps=8 is more than the {limit} tokens per inner step the run "
+                            "allows (max_tokens_per_step)")
+    assert status(syncer)["rejections"]["bad_counters"] == count + 1
+    assert state(syncer) == before
 
 
 def test_the_syncer_still_serves_after_all_of_it(syncer):

@@ -17,6 +17,8 @@ def test_config_codec_choices_are_the_codecs_that_exist():
     (DilocoConfig, "outer_momentum", 1.0), (DilocoConfig, "embedding_pattern", "("),
     (QuorumConfig, "min_quorum", 0), (QuorumConfig, "grace", "sometimes"), (QuorumConfig, "grace_s", -1.0),
     (QuorumConfig, "max_staleness", -1), (QuorumConfig, "heartbeat_timeout_s", 0.0),
+    (QuorumConfig, "max_tokens_per_step", 0), (QuorumConfig, "max_weight_ratio", 0.5),
+    (QuorumConfig, "max_weight_ratio", float("inf")),
     (LearnerConfig, "max_wait_s", -1.0),
 ])
 def test_bad_values_name_the_field_and_value(cls, field, value):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ddiloco.merge import merge_round, rda, token_weight, weighted_mean
+from ddiloco.merge import cap_weights, merge_round, rda, token_weight, weighted_mean
 
 
 def test_token_weight_is_quantity_times_quality():
@@ -74,3 +74,49 @@ def test_a_round_of_last_work_takes_the_share_of_a_period_its_tokens_carry():
     assert period_share([(4, 8, False), (4, 8, False)], 16) == 1.0
     # Last work longer than H counts as one full period, not more.
     assert period_share([(40, 40, True)], 16) == 1.0
+
+
+def _shares(weights):
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def test_a_round_within_the_cap_keeps_its_weights_bit_for_bit():
+    for weights in ([5.0], [3.0, 3.0], [1.0, 1.0, 1.0, 1.0], [4.0, 1.0], [16.0, 1.0, 1.0, 1.0]):
+        assert cap_weights(weights, max_ratio=16.0) == weights
+    # One participant has share 1 by definition; all-zero weights merge to zero and stay so.
+    assert cap_weights([8.1e31], max_ratio=1.0) == [8.1e31]
+    assert cap_weights([0.0, 0.0], max_ratio=1.0) == [0.0, 0.0]
+    # A zero weight is no participant to compare with: the one positive weight is alone.
+    assert cap_weights([8.1e31, 0.0], max_ratio=4.0) == [8.1e31, 0.0]
+
+
+def test_the_cap_lowers_an_outlier_to_max_ratio_times_the_mean_of_the_others():
+    # 8.1e31 (2**53 tokens in one step) against 4.2e7: the honest learner had share 5e-25.
+    capped = cap_weights([8.1e31, 4.2e7], max_ratio=16.0)
+    assert capped == [16.0 * 4.2e7, 4.2e7]
+    assert _shares(capped)[0] == pytest.approx(16 / 17, rel=1e-12)
+    # With n participants, an outlier's share is at most k / (k + n - 1): here 16 / 19.
+    capped = cap_weights([1e30, 2.0, 3.0, 4.0], max_ratio=16.0)
+    assert capped[1:] == [2.0, 3.0, 4.0]
+    assert capped[0] == pytest.approx(16.0 * 3.0, rel=1e-12)
+    assert _shares(capped)[0] == pytest.approx(16 / 19, rel=1e-12)
+    # The others' sum is taken from the lightest up: 1e30 + 1 + 1 - 1e30 would be 0 in floating point.
+    assert cap_weights([1e30, 1.0, 1.0], max_ratio=16.0) == [16.0, 1.0, 1.0]
+
+
+def test_several_outliers_are_capped_together_and_the_rest_keep_their_proportions():
+    # k = 2 with 5 participants: no share above 2 / 6; the two outliers take exactly that, the others
+    # share the last third in their own proportions.
+    capped = cap_weights([1e20, 5e19, 1.0, 3.0, 6.0], max_ratio=2.0)
+    assert capped == [10.0, 10.0, 1.0, 3.0, 6.0]
+    for i, w in enumerate(capped):
+        others = [x for j, x in enumerate(capped) if j != i]
+        assert w <= 2.0 * sum(others) / len(others)
+    # A ratio of 1 makes every positive weight equal.
+    assert cap_weights([9.0, 3.0, 1.0], max_ratio=1.0) == [1.0, 1.0, 1.0]
+
+
+def test_cap_weights_refuses_a_ratio_below_one():
+    with pytest.raises(ValueError, match="max_ratio=0.5"):
+        cap_weights([1.0, 2.0], max_ratio=0.5)

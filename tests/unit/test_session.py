@@ -121,6 +121,18 @@ def test_bad_input_is_refused_with_a_clear_message():
         sync.step(tokens=-1)
 
 
+def test_a_session_declares_its_tokens_per_step_and_keeps_to_them():
+    shared = hub()
+    model = TinyNet()
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0,
+                         max_tokens_per_step=24) as sync:
+        assert shared.syncer.learners[0].declared_tokens_per_step == 24
+        sync.step(tokens=24)
+        with pytest.raises(ValueError, match="tokens=25 is more than the max_tokens_per_step=24"):
+            sync.step(tokens=25)
+        assert sync.inner_step == 1
+
+
 def test_a_refused_learner_raises_a_system_exit_with_status_3():
     shared = hub()
     model = TinyNet()

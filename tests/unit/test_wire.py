@@ -169,6 +169,8 @@ def test_join_carries_spec_and_config(params, model):
     assert config_difference(CONFIG, config) is None
     other = DilocoConfig(num_fragments=2, sync_every=4, codec="int4", outer_lr=0.5)
     assert config_difference(other, config) == "outer_lr is 0.7 on the learner but 0.5 on the syncer"
+    declared = Learner(CONFIG, learner_id=2, model=TinyNet(seed=0), max_tokens_per_step=4096).join_message()
+    assert decode_join(encode_join(declared, CONFIG))[0].max_tokens_per_step == 4096
     request = encode_join(learner.join_message(), CONFIG)
     request.learner_id = -1
     with pytest.raises(WireError, match="learner_id=-1"):

@@ -198,7 +198,8 @@ class DecoupledSim:
         model = seeded_model(workload.model,
                              self.config.seed + 1 + m + INCARNATION_SEED_STRIDE * slot.incarnations)
         optimizer = make_inner_optimizer(model, workload.inner)
-        slot.learner = Learner(self.config.diloco, learner_id=m, model=model, optimizer=optimizer)
+        slot.learner = Learner(self.config.diloco, learner_id=m, model=model, optimizer=optimizer,
+                               max_tokens_per_step=workload.tokens_per_step)
         quorum, learners = self.config.quorum.min_quorum, self.config.cluster.num_learners
         slot.rules = LearnerRules(slot.learner, self.config.learner, synchronous=quorum >= learners > 1)
         slot.incarnations += 1

@@ -96,7 +96,7 @@ def encode_join(join: Join, config: DilocoConfig) -> wire_pb2.JoinRequest:
         learner_id=join.learner_id, schema_version=join.schema_version,
         config_fingerprint=join.config_fingerprint, diloco_config_json=json.dumps(config.to_dict(), sort_keys=True),
         model_spec=spec_to_headers(join.model_spec), embeddings=list(join.embeddings),
-        aliases=[f"{alias}={name}" for alias, name in join.aliases])
+        aliases=[f"{alias}={name}" for alias, name in join.aliases], max_tokens_per_step=join.max_tokens_per_step)
 
 
 def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
@@ -115,8 +115,10 @@ def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
     unknown = sorted(set(request.embeddings) - names)
     if unknown:
         raise WireError("malformed", f"embedding {unknown[0]!r} is not a parameter of the join's model")
+    # max_tokens_per_step is passed as sent: the syncer core refuses a negative one, or one above the run's limit.
     join = Join(int(request.learner_id), spec, request.config_fingerprint, int(request.schema_version),
-                embeddings=tuple(sorted(set(request.embeddings))), aliases=decode_aliases(request.aliases, names))
+                embeddings=tuple(sorted(set(request.embeddings))), aliases=decode_aliases(request.aliases, names),
+                max_tokens_per_step=int(request.max_tokens_per_step))
     return join, config
 
 
