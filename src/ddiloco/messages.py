@@ -38,6 +38,14 @@ class ModelSpec:
 
     tensors: tuple[TensorSpec, ...]
 
+    def __post_init__(self) -> None:
+        # Specs are compared by name (`by_name`): a second entry for a name would vanish there unchecked.
+        seen: set[str] = set()
+        for spec in self.tensors:
+            if spec.name in seen:
+                raise ValueError(f"the model spec lists tensor {spec.name!r} twice: each parameter has one name")
+            seen.add(spec.name)
+
     @classmethod
     def from_named_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ModelSpec:
         return cls(tuple(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))

@@ -221,6 +221,40 @@ def test_a_join_declaring_more_tokens_per_step_than_the_run_allows_is_refused(sy
     assert f"the run allows at most {limit} (max_tokens_per_step)" in details
 
 
+@pytest.mark.parametrize("config_json, needle", [
+    ("[" * 200_000 + "]" * 200_000, "characters: at most"),
+    ("[" * 5000 + "]" * 5000, "nested more than"),
+    ('{"outer_lr": ' + "9" * 5000 + "}", "5000 digits"),
+])
+def test_a_malformed_config_in_a_join_is_refused_and_recorded(syncer, config_json, needle):
+    refused(syncer, lambda: _join_as_learner_1(syncer, lambda join: setattr(join, "diloco_config_json", config_json)),
+            code=grpc.StatusCode.INVALID_ARGUMENT, reason="malformed", needle=needle)
+
+
+def test_a_config_integer_beyond_what_the_field_takes_is_refused_naming_it(syncer):
+    def huge(join):
+        join.diloco_config_json = join.diloco_config_json.replace('"num_fragments": 2', f'"num_fragments": {2**64}')
+
+    refused(syncer, lambda: _join_as_learner_1(syncer, huge), code=grpc.StatusCode.FAILED_PRECONDITION,
+            reason="refused", needle=f"num_fragments is {2**64} on the learner but 2 on the syncer")
+
+
+def test_a_model_spec_listing_a_tensor_twice_is_refused(syncer):
+    refused(syncer, lambda: _join_as_learner_1(syncer, lambda join: join.model_spec.append(join.model_spec[0])),
+            code=grpc.StatusCode.INVALID_ARGUMENT, reason="malformed", needle="twice")
+
+
+def test_a_refusal_quoting_a_megabyte_of_input_is_a_short_clear_status(syncer):
+    def huge_name(join):
+        tensor = join.model_spec.add()
+        tensor.CopyFrom(join.model_spec[0])
+        tensor.name = "x" * 1_000_000  # quoted in full, the status would pass gRPC's 16 KiB metadata limit
+
+    details = refused(syncer, lambda: _join_as_learner_1(syncer, huge_name), code=grpc.StatusCode.FAILED_PRECONDITION,
+                      reason="refused", needle="unexpected parameter 'xxx")
+    assert len(details) < 1000 and details.endswith("characters)")
+
+
 # ---- what an update may carry ---------------------------------------------------------------------------
 
 def test_an_update_from_an_unknown_learner_is_refused(syncer):

@@ -11,9 +11,19 @@ from ddiloco.config import DilocoConfig
 from ddiloco.downlink import DeltaDownlink
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
-from ddiloco.messages import FragmentDelta, FragmentState, ModelSpec, Rejected, RejectReason, Update, Welcome
+from ddiloco.messages import (
+    FragmentDelta,
+    FragmentState,
+    ModelSpec,
+    Rejected,
+    RejectReason,
+    TensorSpec,
+    Update,
+    Welcome,
+)
 from ddiloco.transport import wire_pb2
 from ddiloco.transport.grpc_codec import (
+    MAX_CONFIG_JSON_CHARS,
     UpdateAssembler,
     WireError,
     WireModel,
@@ -175,6 +185,45 @@ def test_join_carries_spec_and_config(params, model):
     request.learner_id = -1
     with pytest.raises(WireError, match="learner_id=-1"):
         decode_join(request)
+
+
+def _join_request(edit):
+    request = encode_join(Learner(CONFIG, learner_id=1, model=TinyNet(seed=0)).join_message(), CONFIG)
+    edit(request)
+    return request
+
+
+def _config_json(text):
+    return lambda request: setattr(request, "diloco_config_json", text)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_config_json("[" * 200_000 + "]" * 200_000), "at most 16384"),  # json.loads: RecursionError
+    (_config_json("[" * 5000 + "]" * 5000), "nested more than 8"),   # short enough, too deep
+    (_config_json('{"outer_lr": ' + "9" * 5000 + "}"), "5000 digits"),  # int(): ValueError past 4300 digits
+    (_config_json('{"codec": "' + "x" * MAX_CONFIG_JSON_CHARS + '"}'), "characters"),
+    (_config_json('{"a": "[[[", "b": {"c": [1, "]]]"]}}'), None),  # brackets in strings are no nesting
+    (lambda request: request.model_spec.append(request.model_spec[0]), "twice"),
+])
+def test_a_join_is_decoded_or_refused_as_malformed_never_an_escaping_error(edit, needle):
+    request = _join_request(edit)
+    if needle is None:
+        decode_join(request)
+        return
+    with pytest.raises(WireError, match=needle) as caught:
+        decode_join(request)
+    assert (caught.value.reason, caught.value.status) == ("malformed", grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_model_spec_names_each_tensor_once():
+    tensor = TensorSpec("w", (2, 3), "float32")
+    with pytest.raises(ValueError, match="'w' twice"):
+        ModelSpec((tensor, TensorSpec("b", (3,), "float32"), tensor))
+
+
+def test_a_config_difference_shows_a_long_value_shortened():
+    difference = config_difference(CONFIG, {**CONFIG.to_dict(), "codec": "x" * 10_000})
+    assert difference.startswith("codec is 'xxx") and len(difference) < 200
 
 
 def test_subscription_delivers_in_order_and_ends_when_closed(model, params):

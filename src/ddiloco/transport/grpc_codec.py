@@ -12,7 +12,8 @@ model's tensor names, shapes and dtypes, the fragment plan and the codec, so a h
 disagrees is refused before its data is read, a stream that carries more bytes than its header
 declared is refused at the first extra byte, one that ends early is refused as truncated, and one
 whose bytes do not match the CRC32 in its header is refused as corrupt (checked before decoding, so
-a changed byte is never mistaken for a malformed or non-finite payload).
+a changed byte is never mistaken for a malformed or non-finite payload). A join's config JSON is bounded in
+length and nesting before it is parsed, and its integers while it is parsed (`decode_config`).
 Problems raise `WireError(reason, detail, status)`; the gRPC server turns it into an error status
 and a recorded rejection.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -52,6 +54,19 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 MAX_COUNTER = 2**53
 """Counters (steps, tokens, versions) beyond this are nonsense and refused (exact in a float64)."""
 MAX_LEARNER_ID = 2**31 - 1
+MAX_CONFIG_JSON_CHARS = 1 << 14
+"""A join's config JSON longer than this is refused unparsed (a DilocoConfig's is about 250 characters)."""
+MAX_CONFIG_JSON_DEPTH = 8
+"""Nesting deeper than this is refused before parsing: the config is one flat object, and Python's json decoder
+recurses once per level (200,000 levels raise RecursionError)."""
+MAX_CONFIG_INT_DIGITS = 20
+"""A longer integer in a join's config is refused as it is parsed: every counter fits in 16 digits (MAX_COUNTER),
+and int() raises ValueError past 4,300."""
+MAX_SHOWN_CHARS = 80
+"""A learner's config value quoted in a refusal is cut to this many characters."""
+MAX_DETAIL_CHARS = 500
+"""A refusal's detail is cut to this many characters: it may quote the peer's input (a tensor name of megabytes), and
+it travels in a gRPC status, whose metadata a client refuses past 16 KiB, and into a log line and an event."""
 WIRE_DTYPE = "float32"
 """The dtype of every tensor on the wire: global values, and pseudo-gradients once decoded."""
 
@@ -64,6 +79,7 @@ class WireError(Exception):
     bad_schema, truncated, oversize, refused), `detail` says exactly what is wrong."""
 
     def __init__(self, reason: str, detail: str, status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        detail = shortened(detail)
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
@@ -85,8 +101,19 @@ def config_difference(mine: DilocoConfig, theirs: Mapping[str, object]) -> str |
     ours = mine.to_dict()
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            return f"{name} is {theirs.get(name)!r} on the learner but {ours.get(name)!r} on the syncer"
+            shown = name if name in ours else _shown(name)
+            return f"{shown} is {_shown(theirs.get(name))} on the learner but {ours.get(name)!r} on the syncer"
     return None
+
+
+def _shown(value: object) -> str:
+    """repr(value) (which also escapes what UTF-8 cannot carry), cut to MAX_SHOWN_CHARS."""
+    return shortened(repr(value), MAX_SHOWN_CHARS)
+
+
+def shortened(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text`, cut to `limit` characters and saying so."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ---- join --------------------------------------------------------------------------------------------
@@ -104,13 +131,11 @@ def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
     if not 0 <= request.learner_id <= MAX_LEARNER_ID:
         raise WireError("refused", f"learner_id={request.learner_id} is invalid: expected 0..{MAX_LEARNER_ID}",
                         grpc.StatusCode.INVALID_ARGUMENT)
+    config = decode_config(request.diloco_config_json)
     try:
-        config = json.loads(request.diloco_config_json) if request.diloco_config_json else {}
-    except json.JSONDecodeError as exc:
-        raise WireError("malformed", f"diloco_config_json is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise WireError("malformed", "diloco_config_json must be a JSON object")
-    spec = headers_to_spec(request.model_spec)
+        spec = headers_to_spec(request.model_spec)
+    except ValueError as exc:  # ModelSpec's own check: a tensor listed twice
+        raise WireError("malformed", str(exc)) from None
     names = {t.name for t in spec.tensors}
     unknown = sorted(set(request.embeddings) - names)
     if unknown:
@@ -120,6 +145,54 @@ def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
                 embeddings=tuple(sorted(set(request.embeddings))), aliases=decode_aliases(request.aliases, names),
                 max_tokens_per_step=int(request.max_tokens_per_step))
     return join, config
+
+
+def decode_config(text: str) -> dict:
+    """A join's algorithm config (a dict) from its JSON, or WireError. The text is bounded before it is parsed
+    (length, nesting) and its integers while it is parsed, so no input makes the decoder raise anything else."""
+    if not text:
+        return {}
+    if len(text) > MAX_CONFIG_JSON_CHARS:
+        raise WireError("malformed", f"diloco_config_json has {len(text)} characters: at most {MAX_CONFIG_JSON_CHARS}")
+    if json_nests_deeper(text, MAX_CONFIG_JSON_DEPTH):
+        raise WireError("malformed", f"diloco_config_json is nested more than {MAX_CONFIG_JSON_DEPTH} deep: the "
+                        "config is one flat JSON object")
+    try:
+        config = json.loads(text, parse_int=_config_int)
+    except json.JSONDecodeError as exc:
+        raise WireError("malformed", f"diloco_config_json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise WireError("malformed", "diloco_config_json must be a JSON object")
+    return config
+
+
+def _config_int(digits: str) -> int:
+    count = len(digits.lstrip("-"))
+    if count > MAX_CONFIG_INT_DIGITS:
+        raise WireError("malformed", f"diloco_config_json holds an integer of {count} digits: at most "
+                        f"{MAX_CONFIG_INT_DIGITS}")
+    return int(digits)
+
+
+_JSON_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+"""A JSON string, or a bracket outside strings. The closing quote is optional, so a match never fails halfway and
+the scan stays linear (an unclosed string runs to the end of the text, which the decoder refuses anyway)."""
+
+
+def json_nests_deeper(text: str, limit: int) -> bool:
+    """Whether the arrays and objects of `text` nest deeper than `limit`, found without parsing it."""
+    if text.count("[") + text.count("{") <= limit:
+        return False  # every config the learner writes: one brace
+    depth = 0
+    for match in _JSON_STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in ("]", "}"):
+            depth -= 1
+    return False
 
 
 def decode_aliases(pairs: Iterable[str], names: set[str]) -> tuple[tuple[str, str], ...]:

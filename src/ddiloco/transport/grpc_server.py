@@ -64,6 +64,7 @@ from ddiloco.transport.grpc_codec import (
     WireError,
     WireModel,
     decode_join,
+    shortened,
 )
 from ddiloco.transport.syncer_stream import encode_syncer_message
 
@@ -362,7 +363,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down")
         if isinstance(answer, str):
             context.set_trailing_metadata(((REASON_KEY, "refused"),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {answer}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {shortened(answer)}")
         subscription: Subscription = answer
         try:
             while (item := await subscription.next()) is not None:
