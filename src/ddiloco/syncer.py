@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -68,6 +68,9 @@ from ddiloco.outer import OuterOptimizer
 
 logger = logging.getLogger(__name__)
 
+MAX_REJECTION_RECORDS = 1000
+"""The newest rejections the core keeps as records (`Syncer.rejections`, about 400 B each), for tests and inspection;
+`rejection_counts` counts every one, and a driver's event log holds them all."""
 STORAGE_RETRY_S = 1.0
 """After a round could not be made durable, updates are refused as `unavailable` for this long before the
 next round tries the journal again."""
@@ -174,7 +177,7 @@ class Syncer:
         self.rounds_committed = 0
         self._open = [_OpenRound() for _ in range(num)]
         self.learners: dict[int, LearnerInfo] = {}
-        self.rejections: list[RejectionRecord] = []
+        self.rejections: deque[RejectionRecord] = deque(maxlen=MAX_REJECTION_RECORDS)
         self.rejection_counts: Counter[str] = Counter()
         self.step_time = _Ema(quorum.estimate_decay)
         self.quorum_time = _Ema(quorum.estimate_decay)

@@ -9,7 +9,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, Rejected, RejectReason, Send
-from ddiloco.syncer import Syncer, replay_rounds
+from ddiloco.syncer import MAX_REJECTION_RECORDS, Syncer, replay_rounds
 from ddiloco.transport.inprocess import JoinRefusedError
 from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
 
@@ -259,6 +259,17 @@ def test_every_bad_update_is_rejected_with_its_reason_and_moves_nothing(reason):
     assert syncer.rounds_committed == 0
 
 
+def test_rejection_records_keep_the_newest_and_the_counts_stay_exact():
+    syncer, _, _, update = _valid_update()
+    bad = dataclasses.replace(update, fragment=3)
+    for i in range(5000):
+        syncer.receive(dataclasses.replace(bad, inner_step=update.inner_step + i), now=float(i))
+    assert len(syncer.rejections) == MAX_REJECTION_RECORDS < 5000
+    assert syncer.rejections[-1].time == 4999.0 and syncer.rejections[0].time == 5000.0 - MAX_REJECTION_RECORDS
+    assert syncer.rejection_counts == {"bad_fragment": 5000}
+    assert syncer.learners[0].rejected == 5000
+
+
 def test_duplicate_and_stale_updates_are_rejected():
     syncer, _, learners, update = _valid_update()
     syncer.receive(update, now=1.0)
@@ -429,7 +440,7 @@ def test_an_update_from_a_newer_base_is_not_mistaken_for_overlap():
     again = train_two_steps(10)
     assert again[0].base_version == 1
     actions = syncer.receive(again[0], now=0.3)
-    assert syncer.rejections == []
+    assert not syncer.rejections
     (record,) = [a.record for a in actions if isinstance(a, Commit)]
     assert [(p.learner_id, p.base_version, p.steps) for p in record.participants] == [(1, 1, 4)]
     # The participant names the late update it includes, so every publish has a fate in the round log.
