@@ -43,6 +43,9 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "bad-input-test-token-0123456789"
 CALL_TIMEOUT_S = 30.0
+FLOOD_CALLS = 1000
+FLOOD_LINES = 6
+"""At most this many log lines (or events) for FLOOD_CALLS refused calls: a few periods of one line and one summary."""
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Syncer:
     learner: Learner
     wire: WireModel
     inbox: queue.Queue
+    procs: Processes
 
 
 def metadata(token: str | None = TOKEN, schema: str | None = str(SCHEMA_VERSION)):
@@ -101,7 +105,7 @@ def syncer(tmp_path_factory):
         stream = stub.Subscribe(encode_join(learner.join_message(), config.diloco), metadata=metadata())
         threading.Thread(target=follow, args=(stream, wire, inbox), daemon=True).start()
         assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), Welcome)
-        handle = Syncer(run_dir, stub, config, learner, wire, inbox)
+        handle = Syncer(run_dir, stub, config, learner, wire, inbox, procs)
         assert push(handle, good_update(handle)).accepted
         assert isinstance(inbox.get(timeout=PROCESS_WAIT_S), FragmentDelta)  # the int8 downlink
         assert state(handle)["rounds_committed"] == 1
@@ -169,6 +173,32 @@ def test_wrong_or_missing_token_is_unauthenticated(syncer, token):
         details = refused(syncer, call, code=grpc.StatusCode.UNAUTHENTICATED, reason="unauthenticated",
                           needle="run token")
         assert "--token-file" in details
+
+
+def _lines(text: str, needle: str) -> int:
+    return sum(needle in line for line in text.splitlines())
+
+
+def test_a_flood_of_unauthenticated_calls_is_counted_exactly_in_a_bounded_log(syncer):
+    events = syncer.run_dir / "syncer" / "metrics.jsonl"
+    before_count = status(syncer)["rejections"].get("unauthenticated", 0)
+    before_log, before_events = _lines(syncer.procs.log("syncer"), "unauthenticated"), len(events.read_bytes())
+    for _ in range(FLOOD_CALLS):
+        with pytest.raises(grpc.RpcError) as caught:
+            syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=0), metadata=metadata(token="wrong-token"),
+                                  timeout=CALL_TIMEOUT_S)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert status(syncer)["rejections"]["unauthenticated"] == before_count + FLOOD_CALLS
+    # At most one line in full and one summary per period (10 s) and peer: the flood takes a few seconds.
+    assert _lines(syncer.procs.log("syncer"), "unauthenticated") - before_log <= FLOOD_LINES
+    assert len(events.read_bytes()) - before_events <= FLOOD_LINES * 400
+    # ... and the events still add up to the count, once the period's summary is out.
+    def counted() -> int:
+        lines = [json.loads(line) for line in events.read_text().splitlines()]
+        return sum(e.get("count", 1) for e in lines
+                   if e.get("event") in ("rejection", "rejections_suppressed") and e["reason"] == "unauthenticated")
+
+    wait_until(lambda: counted() == before_count + FLOOD_CALLS, "the suppressed refusals summarised")
 
 
 def test_wrong_schema_version_is_refused(syncer):

@@ -293,3 +293,56 @@ def test_a_full_disk_pauses_commits_and_loses_nothing_and_the_run_goes_on_when_s
                alive=[restarted])
     stop(restarted, "the restarted syncer")
 
+
+
+def test_refused_calls_are_logged_once_per_period_and_peer_and_counted_exactly(tmp_path, caplog):
+    """1000 unauthenticated calls against a syncer service behind real gRPC on 127.0.0.1: one log line and one
+    event in full, one summary of the other 999 when the period ends (here: at the stop), the count exact. An
+    update's rejection is its fate, so those are recorded one by one."""
+    import logging
+
+    import grpc
+
+    from ddiloco.config import DilocoConfig
+    from ddiloco.data import DataConfig
+    from ddiloco.messages import SCHEMA_VERSION
+    from ddiloco.metrics import MemorySink
+    from ddiloco.model import ModelConfig
+    from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
+    from ddiloco.runtime.syncer_state import SyncerStore
+    from ddiloco.syncer import Syncer
+    from ddiloco.transport import wire_pb2, wire_pb2_grpc
+    from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY, start_server
+
+    run = RunConfig(model=ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32),
+                    data=DataConfig(context_len=32, batch_size=4), diloco=DilocoConfig(num_fragments=2),
+                    num_learners=1)
+    sink = MemorySink()
+    service = SyncerService(run, Syncer(run.diloco, run.quorum, initial_params=initial_params(run)),
+                            SyncerStore(tmp_path), sink=sink, config=SyncerServiceConfig(refusal_log_period_s=3600.0))
+    server, port = start_server(service, "127.0.0.1:0", token="the-run-token")
+    service.start(f"127.0.0.1:{port}")
+    caplog.set_level(logging.INFO, logger="ddiloco.runtime.syncer_service")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = wire_pb2_grpc.SyncerStub(channel)
+        wrong = ((TOKEN_KEY, "not-the-token"), (SCHEMA_KEY, str(SCHEMA_VERSION)))
+        for _ in range(1000):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=0), metadata=wrong, timeout=PROCESS_WAIT_S)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for inner_step in range(1, 51):
+            service.record_rejection("corrupt", "CRC32 differs", learner_id=0, peer="ipv4:127.0.0.1:1",
+                                     fragment=0, inner_step=inner_step)
+        assert service.status()["rejections"] == {"unauthenticated": 1000, "corrupt": 50}
+        logged = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
+        assert len(logged) == 1 and "wrong run token" in logged[0]
+        assert len([e for e in sink.events if e["kind"] == "rejection" and e["reason"] == "unauthenticated"]) == 1
+        corrupt = [e["inner_step"] for e in sink.events if e["kind"] == "rejection" and e["reason"] == "corrupt"]
+        assert corrupt == list(range(1, 51))
+    finally:
+        channel.close()
+        service.close(server)
+    (summary,) = [e for e in sink.events if e["kind"] == "rejections_suppressed"]
+    assert (summary["reason"], summary["peer"], summary["count"]) == ("unauthenticated", "ipv4:127.0.0.1", 999)
+    assert len([r for r in caplog.records if "unauthenticated" in r.getMessage()]) == 2

@@ -266,6 +266,17 @@ def test_a_discarded_update_is_explained(tmp_path):
     assert ok and "discarded 1" in detail, detail
 
 
+def test_refused_calls_summed_up_by_the_syncer_count_as_rejections(tmp_path):
+    d = make_runtime_dir(tmp_path)  # one rejected update
+    edit_jsonl(d / "syncer" / "metrics.jsonl", lambda lines: [*lines, *[
+        {"event": "rejection", "time": 1099.0, "learner_id": None, "reason": "unauthenticated",
+         "detail": "wrong run token", "peer": "ipv4:10.0.0.9:4000", "fragment": None, "inner_step": None},
+        {"event": "rejections_suppressed", "time": 1099.5, "reason": "unauthenticated", "peer": "ipv4:10.0.0.9",
+         "count": 999}]])
+    ok, detail = inv.every_update_merged_or_rejected_with_reason(d)
+    assert ok and "syncer_rejections 1001" in detail, detail
+
+
 @pytest.mark.parametrize(("path", "change", "message"), [
     ("rounds.jsonl", lambda e: {**e, "participants": [participant(0, 5, 40)]} if e["round"] == 1 else e,
      "round 1 merged learner 0's update on base 5 of fragment 0, which was at version 1"),

@@ -33,7 +33,7 @@ from ddiloco.transport.grpc_codec import (
     encode_update,
     iter_data,
 )
-from ddiloco.transport.grpc_server import Subscription
+from ddiloco.transport.grpc_server import Subscription, peer_host
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from tests.helpers import TinyNet, params_of
 
@@ -224,6 +224,13 @@ def test_a_model_spec_names_each_tensor_once():
 def test_a_config_difference_shows_a_long_value_shortened():
     difference = config_difference(CONFIG, {**CONFIG.to_dict(), "codec": "x" * 10_000})
     assert difference.startswith("codec is 'xxx") and len(difference) < 200
+
+
+def test_a_peer_host_is_the_peer_without_its_port():
+    assert peer_host("ipv4:127.0.0.1:59704") == "ipv4:127.0.0.1"
+    assert peer_host("ipv6:[::1]:50051") == "ipv6:[::1]"
+    assert peer_host("unix:/tmp/syncer.sock") == "unix:/tmp/syncer.sock"
+    assert peer_host("") == ""
 
 
 def test_subscription_delivers_in_order_and_ends_when_closed(model, params):

@@ -174,6 +174,8 @@ def every_update_merged_or_rejected_with_reason(system_dir: str | Path) -> Resul
                 committed_by[int(e["round"])] = number
             if kind == "rejection" or (kind == "update" and not e.get("accepted")):
                 counts["syncer_rejections"] += 1
+            elif kind == "rejections_suppressed":  # refused calls summed up per period (never an update's fate)
+                counts["syncer_rejections"] += int(e.get("count", 0))
                 if not e.get("reason"):
                     unexplained.append(f"syncer {kind} of learner {e.get('learner_id')} without a reason")
 

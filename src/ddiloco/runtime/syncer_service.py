@@ -55,9 +55,10 @@ from ddiloco.metrics import MetricSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, genesis_from_init, write_genesis
 from ddiloco.syncer import Syncer
+from ddiloco.throttle import Throttle
 from ddiloco.transport.genesis_codec import Genesis
-from ddiloco.transport.grpc_codec import WireModel, config_difference
-from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, STOPPED, Subscription
+from ddiloco.transport.grpc_codec import WireModel, config_difference, shortened
+from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, STOPPED, Subscription, peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ DISCARDED_AT_STOP = "syncer stopped with the round open"
 MIN_TIMER_WAIT_S = 1e-3
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
+MAX_REFUSING_PEERS = 1024
+"""(reason, peer host) pairs whose refusals are summed up separately in one period; the refusals of any more share
+one summary (`OTHER_REFUSALS`), so a flood from many addresses is bounded too."""
+OTHER_REFUSALS = ("various", "other peers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,12 +82,18 @@ class SyncerServiceConfig:
     tensors are always written, and a restart replays the rounds after the latest full state."""
     status_every_s: float = 1.0
     """Period of syncer_status.json rewrites."""
+    refusal_log_period_s: float = 10.0
+    """Refused calls other than rejected updates (a wrong token, a malformed join, ...) are logged, and written as
+    `rejection` events, once per reason and peer host in this many seconds; the rest of the period is one
+    `rejections_suppressed` summary. syncer_status.json counts every one."""
 
     def __post_init__(self) -> None:
         if self.full_state_every_rounds < 1:
             raise ValueError(f"full_state_every_rounds={self.full_state_every_rounds} is invalid: expected >= 1")
         if not self.status_every_s > 0:
             raise ValueError(f"status_every_s={self.status_every_s} is invalid: expected > 0 (seconds)")
+        if not self.refusal_log_period_s > 0:
+            raise ValueError(f"refusal_log_period_s={self.refusal_log_period_s} is invalid: expected > 0 (seconds)")
 
 
 class SyncerService:
@@ -114,6 +125,8 @@ class SyncerService:
         self.rejections: Counter[str] = Counter(meta.get("rejections", {}))
         self._rejected = Counter({int(k): v for k, v in meta.get("rejected", {}).items()})
         self._joins = Counter({int(k): v for k, v in meta.get("joins", {}).items()})
+        self._refusals = Throttle(self.config.refusal_log_period_s, max_keys=MAX_REFUSING_PEERS,
+                                  overflow_key=OTHER_REFUSALS)
         self._bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
         self._participation = store.participation()
         self._rounds_at_save = 0
@@ -164,6 +177,7 @@ class SyncerService:
             self.sink.event("discarded", learner_id=update.learner_id, fragment=update.fragment,
                             base_version=update.base_version, inner_step=update.inner_step,
                             reason=DISCARDED_AT_STOP)
+        self._summarise_refusals(final=True)
         self.write_status()
         self.sink.event("stopped", rounds_committed=self.rounds_committed)
         self.sink.close()
@@ -344,11 +358,19 @@ class SyncerService:
 
     def _record(self, learner_id: int | None, reason: str, detail: str, *, peer: str = "",
                 fragment: int | None = None, inner_step: int | None = None) -> None:
+        # An update's rejection is its fate, which the event log holds one by one (the chaos invariants match every
+        # publish to one); any other refusal can come from anyone who reaches the port, as fast as they can call.
+        throttled, detail = fragment is None, shortened(detail)
         with self._cond:
             self.rejections[reason] += 1
-            if learner_id is not None:
-                self._rejected[learner_id] += 1
-        logger.warning("[syncer] rejected %s from learner %s (%s): %s", reason, learner_id, peer or "-", detail)
+            if learner_id is not None and 0 <= learner_id < self.run_config.num_learners:
+                self._rejected[learner_id] += 1  # not per claimed id outside the run: one entry each would pile up
+            if throttled and not self._refusals.admit((reason, peer_host(peer)), self.clock.now()):
+                return  # counted; summed up by _summarise_refusals
+        more = (f" (more from {peer_host(peer) or '-'} are summed up every {self.config.refusal_log_period_s:g} s)"
+                if throttled else "")
+        logger.warning("[syncer] rejected %s from learner %s (%s): %s%s", reason, learner_id, peer or "-", detail,
+                       more)
         self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer,
                         fragment=fragment, inner_step=inner_step)
 
@@ -356,6 +378,16 @@ class SyncerService:
         """The fragment's current state, for a subscriber too far behind to be sent each change."""
         with self._cond:
             return self.syncer.fragment_state(fragment)
+
+    def _summarise_refusals(self, *, final: bool = False) -> None:
+        """Once a period is over (and at the stop): one log line and one `rejections_suppressed` event per reason and
+        peer host for the refusals `_record` counted without logging them."""
+        with self._cond:
+            counted = self._refusals.drain(self.clock.now(), final=final)
+        for (reason, peer), count in sorted(counted.items()):
+            logger.warning("[syncer] rejected %s from %s %d more times this period (%g s)", reason, peer or "-",
+                           count, self.config.refusal_log_period_s)
+            self.sink.event("rejections_suppressed", reason=reason, peer=peer, count=count)
 
     def _delivered(self, state: FragmentState | FragmentDelta, seconds: float) -> None:
         with self._cond:
@@ -426,6 +458,7 @@ class SyncerService:
     def _status_loop(self) -> None:
         while not self._stop.wait(self.config.status_every_s):
             self.write_status()
+            self._summarise_refusals()
 
     def status(self) -> dict[str, Any]:
         with self._cond:

@@ -230,6 +230,13 @@ class Subscription:
                 loop.call_soon_threadsafe(ready.set)
 
 
+def peer_host(peer: str) -> str:
+    """A gRPC peer without its port ('ipv4:127.0.0.1:59704' -> 'ipv4:127.0.0.1'): each new connection of one
+    client comes from another port."""
+    host, _, port = peer.rpartition(":")
+    return host if peer.startswith(("ipv4:", "ipv6:")) and port.isdigit() and ":" in host else peer
+
+
 NO_GENESIS = "no_genesis"
 """The reason of a Subscribe refused because the run has no global model yet (the learner then pushes its
 initial parameters with PushGenesis and subscribes again)."""
