@@ -285,6 +285,29 @@ def test_a_refusal_quoting_a_megabyte_of_input_is_a_short_clear_status(syncer):
     assert len(details) < 1000 and details.endswith("characters)")
 
 
+def test_bytes_that_are_no_protobuf_message_are_refused_as_malformed(syncer):
+    """gRPC itself would log a traceback for each (before any token check) and end the call INTERNAL, unrecorded."""
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco).SerializeToString()
+    bad_utf8 = join + b"\x22\x02\xff\xfe"  # diloco_config_json once more, as two bytes that are not UTF-8
+    cut = b"\x12\x05ab"  # a 5-byte field that ends after 2
+    with grpc.insecure_channel(read_json_or_none(syncer.run_dir / "syncer.json")["address"]) as channel:
+        def raw(kind: str, name: str):  # a call that sends the bytes as they are
+            return getattr(channel, kind)(f"/ddiloco.wire.Syncer/{name}", request_serializer=bytes,
+                                          response_deserializer=bytes)
+
+        subscribe, heartbeat, push = raw("unary_stream", "Subscribe"), raw("unary_unary", "Heartbeat"), \
+            raw("stream_unary", "PushUpdate")
+        refused(syncer, lambda: next(iter(subscribe(bad_utf8, metadata=metadata(), timeout=CALL_TIMEOUT_S))),
+                code=grpc.StatusCode.INVALID_ARGUMENT, reason="malformed", needle="bad UTF-8")
+        for call in (lambda md: heartbeat(cut, metadata=md, timeout=CALL_TIMEOUT_S),
+                     lambda md: push(iter([cut]), metadata=md, timeout=CALL_TIMEOUT_S)):
+            refused(syncer, lambda call=call: call(metadata()), code=grpc.StatusCode.INVALID_ARGUMENT,
+                    reason="malformed", needle="not a valid protobuf message")
+            refused(syncer, lambda call=call: call(metadata(token=None)), code=grpc.StatusCode.UNAUTHENTICATED,
+                    reason="unauthenticated", needle="run token")
+    assert "Exception deserializing" not in syncer.procs.log("syncer")
+
+
 # ---- what an update may carry ---------------------------------------------------------------------------
 
 def test_an_update_from_an_unknown_learner_is_refused(syncer):

@@ -8,7 +8,8 @@ The server is a thin shell between the network and a `SyncerHandler` (the syncer
    UNAUTHENTICATED, a wrong schema with FAILED_PRECONDITION, both recorded as rejections;
 2. validates every byte against the model (`WireModel`) before the handler sees it: a bad header is
    refused before its data is read, an oversize stream at its first extra byte (RESOURCE_EXHAUSTED),
-   a truncated one when it ends; each refusal is recorded and the server keeps serving;
+   a truncated one when it ends; bytes that are not a protobuf message at all are refused as malformed
+   (`Undecodable`) rather than left to gRPC; each refusal is recorded and the server keeps serving;
 3. streams: `Subscribe` is the join, and then stays open as the learner's downlink, fed from its
    `Subscription` (bounded: a subscriber that does not read holds at most one pending state per
    fragment); `PushUpdate` reassembles an update from its chunks (each within CHUNK_TIMEOUT_S, at most
@@ -30,6 +31,7 @@ import collections
 import contextlib
 import functools
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ddiloco.messages import (
     SCHEMA_VERSION,
@@ -352,6 +355,10 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             raise WireError("truncated", f"no chunk of the {what} for {self._chunk_timeout_s:g} s: the upload was "
                             "dropped", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
+    async def refuse_undecodable(self, context: grpc.aio.ServicerContext, request: Undecodable) -> NoReturn:
+        await self._check_call(context)  # without the token it is unauthenticated, whatever its bytes are
+        await self._refuse(context, request.error, None)
+
     # ---- calls ------------------------------------------------------------------------------------
 
     async def Subscribe(self, request: wire_pb2.JoinRequest,
@@ -494,6 +501,72 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             not_before = time.monotonic() + interval  # the service's clock: MonotonicClock
 
 
+class Undecodable:
+    """A request whose bytes are not its protobuf message (bad UTF-8 in a string field, a cut field). gRPC's own
+    deserializer would end the call UNKNOWN with a traceback in the log, before any token is checked and with
+    nothing recorded; instead the call passes the usual checks and is refused as malformed."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = WireError("malformed", f"the request is not a valid protobuf message: {error}")
+
+
+async def _decodable(chunks: AsyncIterator) -> AsyncIterator:
+    """The chunks of a client stream, raising the WireError of the first undecodable one (which the streaming
+    calls refuse like any bad chunk)."""
+    async for chunk in chunks:
+        if isinstance(chunk, Undecodable):
+            raise chunk.error
+        yield chunk
+
+
+def _tolerant(servicer: SyncerServicer, method: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`method` with a request deserializer that turns bad bytes into `Undecodable`, refused by the call."""
+    parse = method.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Undecodable(exc)
+
+    kind = ("stream_" if method.request_streaming else "unary_") + ("stream" if method.response_streaming else "unary")
+    behaviour = getattr(method, kind)
+    # grpc.aio tells a coroutine handler from a generator by its function: the wrapper must stay a coroutine.
+    assert inspect.iscoroutinefunction(behaviour), f"{kind} handlers here are coroutines that write their replies"
+
+    async def call(request_or_chunks, context: grpc.aio.ServicerContext):
+        if method.request_streaming:
+            return await behaviour(_decodable(request_or_chunks), context)
+        if isinstance(request_or_chunks, Undecodable):
+            await servicer.refuse_undecodable(context, request_or_chunks)
+        return await behaviour(request_or_chunks, context)
+
+    return method._replace(request_deserializer=deserialize, **{kind: call})
+
+
+class _Registry:
+    """Takes the method handlers the generated `add_SyncerServicer_to_server` registers, to wrap them."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same methods, registered by name below
+
+    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.methods = service, methods
+
+
+def _add_servicer(servicer: SyncerServicer, server: grpc.aio.Server) -> None:
+    generated = _Registry()
+    wire_pb2_grpc.add_SyncerServicer_to_server(servicer, generated)
+    assert generated.methods, "the generated code registers its methods by name"
+    methods = {name: _tolerant(servicer, method) for name, method in generated.methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, methods),))
+    server.add_registered_method_handlers(generated.service, methods)
+
+
 class SyncerServer:
     """A started server: grpc.aio on an event loop in its own thread, with the pool its calls block in."""
 
@@ -516,7 +589,7 @@ class SyncerServer:
                      tls: tuple[bytes, bytes] | None) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
                                           ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)])
-        wire_pb2_grpc.add_SyncerServicer_to_server(servicer, server)
+        _add_servicer(servicer, server)
         try:
             if tls is None:
                 port = server.add_insecure_port(bind)
