@@ -172,7 +172,7 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
         def wire_model(self):
             return model
 
-        def join(self, join, diloco_config, peer):
+        def join(self, join, diloco_config, peer, session=""):
             subscription = Subscription(join.learner_id)
 
             def feed() -> None:
@@ -190,7 +190,7 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
         def subscription_ended(self, subscription):
             pass
 
-        def record_rejection(self, reason, detail, *, learner_id, peer):
+        def record_rejection(self, reason, detail, *, learner_id, peer, **fields):
             print(f"server rejected: {reason} {detail}", file=sys.stderr)
 
     server, port = start_server(Handler(), "127.0.0.1:0", token=None)

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "ddiloco.runtime.process_commands",
     "ddiloco.sim.commands",
     "ddiloco.chaos.commands",
+    "ddiloco.transport.commands",
 )
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 

@@ -28,6 +28,7 @@ from ddiloco.messages import SCHEMA_VERSION, FragmentDelta, FragmentState, Updat
 from ddiloco.model import build_model
 from ddiloco.run_config import RunConfig
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.auth import learner_token
 from ddiloco.transport.grpc_codec import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -35,7 +36,7 @@ from ddiloco.transport.grpc_codec import (
     encode_join,
     encode_update,
 )
-from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.grpc_server import SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
 
@@ -59,8 +60,13 @@ class Syncer:
     procs: Processes
 
 
-def metadata(token: str | None = TOKEN, schema: str | None = str(SCHEMA_VERSION)):
-    return tuple((k, v) for k, v in ((TOKEN_KEY, token), (SCHEMA_KEY, schema)) if v is not None)
+def metadata(token: str | None = TOKEN, schema: str | None = str(SCHEMA_VERSION), *, learner: int | None = 0,
+             session: str | None = None):
+    """Call metadata; with the run's token, the token of `learner` (the learner a call acts for)."""
+    if token == TOKEN and learner is not None:
+        token = learner_token(TOKEN, learner)
+    pairs = ((TOKEN_KEY, token), (SCHEMA_KEY, schema), (SESSION_KEY, session))
+    return tuple((k, v) for k, v in pairs if v is not None)
 
 
 def follow(stream, wire: WireModel, inbox: queue.Queue) -> None:
@@ -175,6 +181,42 @@ def test_wrong_or_missing_token_is_unauthenticated(syncer, token):
         assert "--token-file" in details
 
 
+def test_a_learner_cannot_act_for_another_and_the_run_token_acts_for_no_learner(syncer):
+    # Issue 13 item 7. Before: anyone with the run token could push, heartbeat, subscribe or leave as any learner.
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)  # learner 0
+    as_1, run_token = metadata(learner=1), metadata(learner=None)
+    for md, needle in ((as_1, "carries learner 1's token"), (run_token, "proves no learner")):
+        calls = [lambda md=md: next(iter(syncer.stub.Subscribe(join, metadata=md, timeout=CALL_TIMEOUT_S))),
+                 lambda md=md: push(syncer, good_update(syncer), md=md),
+                 lambda md=md: syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=0), metadata=md,
+                                                     timeout=CALL_TIMEOUT_S),
+                 lambda md=md: syncer.stub.Leave(wire_pb2.LeaveRequest(learner_id=0), metadata=md,
+                                                 timeout=CALL_TIMEOUT_S)]
+        for call in calls:
+            refused(syncer, call, code=grpc.StatusCode.UNAUTHENTICATED, reason="unauthenticated", needle=needle)
+    assert 0 in status(syncer)["alive_learners"]  # learner 0 kept its stream throughout
+    assert push(syncer, good_update(syncer)).accepted  # with its own token it still acts
+    assert isinstance(syncer.inbox.get(timeout=PROCESS_WAIT_S), FragmentDelta)  # its round's result
+
+
+def test_a_second_live_process_with_the_same_learner_id_is_refused_naming_the_first(syncer):
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
+    join.learner_id = 1
+    first = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session="hostA/111/aaaa"), timeout=600)
+    try:
+        next(iter(first))  # its Welcome: learner 1 is connected and alive
+        details = refused(syncer, lambda: next(iter(syncer.stub.Subscribe(
+            join, metadata=metadata(learner=1, session="hostB/222/bbbb"), timeout=CALL_TIMEOUT_S))),
+            code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="already connected")
+        assert "process hostA/111/aaaa" in details and "--learner-id 1" in details
+        # The same process joining again (a re-join after a missed version) is not a second process.
+        again = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session="hostA/111/aaaa"), timeout=600)
+        next(iter(again))
+        again.cancel()
+    finally:
+        first.cancel()
+
+
 def _lines(text: str, needle: str) -> int:
     return sum(needle in line for line in text.splitlines())
 
@@ -206,7 +248,8 @@ def test_wrong_schema_version_is_refused(syncer):
             code=grpc.StatusCode.FAILED_PRECONDITION, reason="bad_schema", needle="schema version 99")
     join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
     join.learner_id, join.schema_version = 1, 99
-    refused(syncer, lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(), timeout=CALL_TIMEOUT_S))),
+    refused(syncer, lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(learner=1),
+                                                             timeout=CALL_TIMEOUT_S))),
             code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="schema version 99")
 
 
@@ -216,7 +259,7 @@ def _join_as_learner_1(syncer: Syncer, edit) -> None:
     join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
     join.learner_id = 1
     edit(join)
-    next(iter(syncer.stub.Subscribe(join, metadata=metadata(), timeout=CALL_TIMEOUT_S)))
+    next(iter(syncer.stub.Subscribe(join, metadata=metadata(learner=join.learner_id), timeout=CALL_TIMEOUT_S)))
 
 
 def test_a_different_model_shape_is_refused_naming_the_parameter(syncer):
@@ -311,7 +354,8 @@ def test_bytes_that_are_no_protobuf_message_are_refused_as_malformed(syncer):
 # ---- what an update may carry ---------------------------------------------------------------------------
 
 def test_an_update_from_an_unknown_learner_is_refused(syncer):
-    refused(syncer, lambda: push(syncer, good_update(syncer, learner_id=1)), code=grpc.StatusCode.NOT_FOUND,
+    refused(syncer, lambda: push(syncer, good_update(syncer, learner_id=1), md=metadata(learner=1)),
+            code=grpc.StatusCode.NOT_FOUND,
             reason="unknown_learner", needle="learner 1 has not joined")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ddiloco.chaos.control import control_path
 from ddiloco.runtime.standby import role_message
+from ddiloco.transport.auth import learner_token
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +323,27 @@ class Launcher:
             with os.fdopen(fd, "w") as file:
                 file.write(os.urandom(24).hex() + "\n")
 
-    def _common_flags(self) -> list[str]:
+    def _common_flags(self, learner_id: int | None = None) -> list[str]:
         flags = ["--run-dir", str(self.paths.root), "--config", str(self.paths.config)]
         if self.config.use_token:
-            flags += ["--token-file", str(self.paths.token)]
+            flags += ["--token-file", str(self._token_file(learner_id))]
         return flags
+
+    def _token_file(self, learner_id: int | None) -> Path:
+        """The run token (the syncer's, the evaluator's), or learner N's own token: a learner process holds only
+        its own, so it can act as no other learner (`ddiloco.transport.auth.learner_token`)."""
+        if learner_id is None:
+            return self.paths.token
+        path = self.paths.learner_dir(learner_id) / "token"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            own = learner_token(self.paths.token.read_text().strip(), learner_id)
+            tmp = path.with_name(f".token.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as file:
+                file.write(own + "\n")
+            os.replace(tmp, path)
+        return path
 
     def syncer_argv(self, bind: str) -> list[str]:
         return [*self.config.command, "syncer", "--bind", bind, *self._common_flags(), *self.config.syncer_args]
@@ -340,8 +357,8 @@ class Launcher:
         if self.config.script:
             return list(self.config.script)
         argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
-                *self._common_flags(), "--threads", str(self.config.threads), "--device", self.device(learner_id),
-                "--checkpoint-every-s", str(self.config.checkpoint_every_s)]
+                *self._common_flags(learner_id), "--threads", str(self.config.threads),
+                "--device", self.device(learner_id), "--checkpoint-every-s", str(self.config.checkpoint_every_s)]
         if self.config.link:
             argv += ["--link", self.config.link]
         if self.config.chaos_control:
@@ -362,7 +379,7 @@ class Launcher:
                "ROLE": role, "SEED": str(self.config.seed), "THREADS": str(self.config.threads),
                "EVAL_EVERY_S": str(self.config.eval_every_s), "CHECKPOINT_EVERY_S": str(self.config.checkpoint_every_s)}
         if self.config.use_token:
-            env["TOKEN_FILE"] = str(self.paths.token)
+            env["TOKEN_FILE"] = str(self._token_file(learner_id if role == "learner" else None))
         if self.config.link:
             env["LINK"] = self.config.link
         if self.config.chaos_control and role == "learner":

@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 DISCARDED_AT_STOP = "syncer stopped with the round open"
 """Reason of the `discarded` event for each update held in an open round at a clean stop."""
+DUPLICATE_WINDOW_S = 3.0
+"""A learner's process heard from this recently is alive: another process joining with its id is refused
+(learners send heartbeats every second by default)."""
 MIN_TIMER_WAIT_S = 1e-3
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
@@ -191,7 +194,9 @@ class SyncerService:
     def wire_model(self) -> WireModel | None:
         return self._wire
 
-    def join(self, join: Join, diloco_config: dict, peer: str) -> Subscription | str | None:
+    def join(self, join: Join, diloco_config: dict, peer: str, session: str = "") -> Subscription | str | None:
+        """`session`: which process joins (the client's host/pid/random), to refuse a second live process with the
+        same learner id while the same process may join again."""
         refusal = self._refusal(join, diloco_config)
         if refusal is not None:
             self._record(join.learner_id, "refused", refusal, peer=peer)
@@ -199,7 +204,9 @@ class SyncerService:
         with self._cond:
             if self._closing:
                 return None
-            reason = self._genesis_for(join) if self.syncer is None else None
+            reason = self._duplicate(join.learner_id, session)
+            if reason is None and self.syncer is None:
+                reason = self._genesis_for(join)
             if reason is NO_GENESIS:
                 return NO_GENESIS
             refused = reason is not None
@@ -209,7 +216,8 @@ class SyncerService:
                 refusals = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Refused)]
                 refused, reason = bool(refusals), (refusals[0].reason if refusals else None)
             if not refused:
-                subscription = Subscription(join.learner_id, on_delivered=self._delivered, newest=self._newest)
+                subscription = Subscription(join.learner_id, on_delivered=self._delivered, newest=self._newest,
+                                            session=session, peer=peer, since=self.clock.now())
                 old = self._subscriptions.get(join.learner_id)
                 self._subscriptions[join.learner_id] = subscription
                 if old is not None:
@@ -223,6 +231,21 @@ class SyncerService:
         logger.info("[syncer] learner %d joined from %s", join.learner_id, peer)
         self.sink.event("join", learner_id=join.learner_id, peer=peer, joins=self._joins[join.learner_id])
         return subscription
+
+    def _duplicate(self, learner_id: int, session: str) -> str | None:
+        """Why a join must be refused as a second live process of one learner (lock held), or None. The learner's
+        open subscription belongs to another process, and that process is alive: heard from within
+        DUPLICATE_WINDOW_S (its heartbeats and updates). A process that died (its stream ended) or fell silent (a
+        crashed machine whose connection is half open) is replaced by the new one."""
+        old = self._subscriptions.get(learner_id)
+        info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
+        if old is None or not session or not old.session or old.session == session:
+            return None
+        if info is None or not info.alive or self.clock.now() - info.last_seen >= DUPLICATE_WINDOW_S:
+            return None
+        age = self.clock.now() - old.since
+        return (f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s "
+                f"ago; two processes were started with --learner-id {learner_id} (stop one)")
 
     def _genesis_for(self, join: Join) -> str | None:
         """A new run's first join (lock held): the genesis from the --init file, NO_GENESIS to ask the

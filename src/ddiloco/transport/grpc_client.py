@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import secrets
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -34,6 +37,7 @@ import grpc
 from ddiloco.config import DilocoConfig
 from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update, Welcome
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.auth import token_for_learner
 from ddiloco.transport.genesis_codec import Genesis, encode_genesis
 from ddiloco.transport.grpc_codec import (
     WireModel,
@@ -41,7 +45,7 @@ from ddiloco.transport.grpc_codec import (
     encode_update,
     flip_data_byte,
 )
-from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, TOKEN_KEY
+from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
 from ddiloco.transport.link import EmulatedLink, unlimited_link
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 
@@ -159,12 +163,21 @@ class SyncerClient:
             credentials = grpc.ssl_channel_credentials(root_certificates=tls_root_certificates)
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = wire_pb2_grpc.SyncerStub(self._channel)
+        self._token = token
         self._metadata = ((SCHEMA_KEY, str(SCHEMA_VERSION)),) + (((TOKEN_KEY, token),) if token else ())
+        self.session = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        """This process, as the syncer tells it apart from another one with the same learner id."""
         self._lock = threading.Lock()
         self._subscription: grpc.Call | None = None
         self._downlink_missed = False
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def _as_learner(self, learner_id: int) -> tuple[tuple[str, str], ...]:
+        """Metadata of a call acting for `learner_id`: its own token (derived here when given the run token)."""
+        if not self._token:
+            return self._metadata
+        return ((SCHEMA_KEY, str(SCHEMA_VERSION)), (TOKEN_KEY, token_for_learner(self._token, learner_id)))
 
     def _count(self, *, sent: int = 0, received: int = 0) -> None:
         with self._lock:
@@ -183,7 +196,8 @@ class SyncerClient:
         self._check_partition()
         request = encode_join(join, self.diloco_config)
         self._count(sent=request.ByteSize())
-        call = self._stub.Subscribe(request, metadata=self._metadata)
+        metadata = (*self._as_learner(join.learner_id), (SESSION_KEY, self.session))
+        call = self._stub.Subscribe(request, metadata=metadata)
         with self._lock:
             self._subscription = call
         decoder = SyncerStreamDecoder(self.model)
@@ -245,21 +259,22 @@ class SyncerClient:
         if self.link.faults.should_corrupt():
             any(flip_data_byte(c) for c in chunks)  # the first chunk with data
         nbytes = sum(c.ByteSize() for c in chunks)
-        reply = self._stub.PushUpdate(iter(chunks), metadata=self._metadata, timeout=timeout_s)
+        reply = self._stub.PushUpdate(iter(chunks), metadata=self._as_learner(chunks[0].header.learner_id),
+                                      timeout=timeout_s)
         self._count(sent=nbytes, received=reply.ByteSize())
         return reply
 
     def heartbeat(self, learner_id: int, inner_step: int, *, timeout_s: float = CALL_TIMEOUT_S) -> bool:
         self._check_send("heartbeat")
         request = wire_pb2.HeartbeatRequest(learner_id=learner_id, inner_step=inner_step)
-        reply = self._stub.Heartbeat(request, metadata=self._metadata, timeout=timeout_s)
+        reply = self._stub.Heartbeat(request, metadata=self._as_learner(learner_id), timeout=timeout_s)
         self._count(sent=request.ByteSize(), received=reply.ByteSize())
         return reply.known
 
     def leave(self, learner_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
         self._check_partition()
         request = wire_pb2.LeaveRequest(learner_id=learner_id)
-        self._stub.Leave(request, metadata=self._metadata, timeout=timeout_s)
+        self._stub.Leave(request, metadata=self._as_learner(learner_id), timeout=timeout_s)
         self._count(sent=request.ByteSize())
 
     def push_genesis(self, genesis: Genesis, *, timeout_s: float = PUSH_TIMEOUT_S) -> bool:
@@ -267,7 +282,7 @@ class SyncerClient:
         refusal of Subscribe). True when they became the genesis; False when the run already has one."""
         self._check_partition()
         chunks = list(encode_genesis(genesis))
-        reply = self._stub.PushGenesis(iter(chunks), metadata=self._metadata, timeout=timeout_s)
+        reply = self._stub.PushGenesis(iter(chunks), metadata=self._as_learner(genesis.learner_id), timeout=timeout_s)
         self._count(sent=sum(c.ByteSize() for c in chunks), received=reply.ByteSize())
         return reply.accepted
 

@@ -59,6 +59,7 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
+from ddiloco.transport.auth import learner_of_token
 from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler
 from ddiloco.transport.grpc_codec import (
     MAX_LEARNER_ID,
@@ -75,6 +76,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TOKEN_KEY = "ddiloco-token"
+SESSION_KEY = "ddiloco-session"
+"""Metadata of a Subscribe: which process joins (host/pid/random), so a second live process with the same
+learner id is told apart from the same process joining again."""
+MAX_SESSION_CHARS = 200
+OPERATOR = -1
+"""The identity of a call carrying the run token (status, evaluators): the operator's, no learner's."""
 SCHEMA_KEY = "ddiloco-schema-version"
 REASON_KEY = "ddiloco-reason"
 KEEPALIVE_TIME_MS = 10_000
@@ -136,8 +143,11 @@ class Subscription:
 
     def __init__(self, learner_id: int, *,
                  on_delivered: Callable[[FragmentState | FragmentDelta, float], None] | None = None,
-                 newest: Callable[[int], FragmentState] | None = None) -> None:
+                 newest: Callable[[int], FragmentState] | None = None, session: str = "", peer: str = "",
+                 since: float = 0.0) -> None:
+        """`session`, `peer`, `since`: the joining process, its address and when it joined (for messages)."""
         self.learner_id = learner_id
+        self.session, self.peer, self.since = session, peer, since
         self._on_delivered = on_delivered
         self._newest = newest
         self._lock = threading.Lock()
@@ -249,7 +259,7 @@ class SyncerHandler(Protocol):
     """What the server needs from the syncer service. Every method may block (the service's lock): the server
     calls them from its handler threads, never from its event loop."""
 
-    def join(self, join: Join, diloco_config: dict, peer: str) -> Subscription | str | None:
+    def join(self, join: Join, diloco_config: dict, peer: str, session: str = "") -> Subscription | str | None:
         """A Subscription (whose first message is the Welcome), the refusal reason, or None when
         the syncer is shutting down (the learner retries later)."""
         ...
@@ -325,11 +335,18 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         await context.abort(error.status, f"{error.reason}: {error.detail}")
         raise AssertionError("abort returns only by raising")  # pragma: no cover
 
-    async def _check_call(self, context: grpc.aio.ServicerContext) -> None:
+    async def _check_call(self, context: grpc.aio.ServicerContext) -> int | None:
+        """Token and schema; who the caller is: OPERATOR (the run token), a learner id (its own token), or None
+        when the server has no token (anyone)."""
         metadata = dict(context.invocation_metadata() or ())
+        identity = None
         if self._token is not None:
-            presented = str(metadata.get(TOKEN_KEY, "")).encode()
-            if not hmac.compare_digest(presented, self._token):
+            presented = str(metadata.get(TOKEN_KEY, ""))
+            if hmac.compare_digest(presented.encode(), self._token):
+                identity = OPERATOR
+            else:
+                identity = learner_of_token(self._token.decode(), presented)
+            if identity is None:
                 why = "no run token presented" if not presented else "wrong run token"
                 await self._refuse(context, WireError(
                     "unauthenticated", f"{why}: start the learner with the syncer's --token-file or --token-env",
@@ -339,6 +356,20 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             await self._refuse(context, WireError(
                 "bad_schema", f"wire schema version {schema or 'missing'}, but the syncer speaks {SCHEMA_VERSION}: "
                 "run the same ddiloco version everywhere", grpc.StatusCode.FAILED_PRECONDITION), None)
+        return identity
+
+    async def _check_identity(self, context: grpc.aio.ServicerContext, identity: int | None, learner_id: int,
+                              header: wire_pb2.UpdateHeader | None = None) -> None:
+        """A call acting for `learner_id` must carry that learner's own token (when the server has a token)."""
+        if identity is None or identity == learner_id:
+            return
+        if identity == OPERATOR:
+            why = (f"a call for learner {learner_id} carries the run token, which proves no learner: a learner "
+                   "presents its own token (ddiloco derives it from the run token; `ddiloco token --learner N`)")
+        else:
+            why = f"a call for learner {learner_id} carries learner {identity}'s token: a learner acts only as itself"
+        await self._refuse(context, WireError("unauthenticated", why, grpc.StatusCode.UNAUTHENTICATED), learner_id,
+                           header)
 
     @staticmethod
     def _check_learner_id(learner_id: int) -> None:
@@ -363,12 +394,14 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def Subscribe(self, request: wire_pb2.JoinRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[wire_pb2.SyncerChunk]:
-        await self._check_call(context)
+        identity = await self._check_call(context)
         try:
             join, config = decode_join(request)
         except WireError as exc:
             await self._refuse(context, exc, None)
-        answer = await self._off_loop(self.handler.join, join, config, context.peer())
+        await self._check_identity(context, identity, join.learner_id)
+        session = str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
+        answer = await self._off_loop(self.handler.join, join, config, context.peer(), session)
         if answer is NO_GENESIS:
             context.set_trailing_metadata(((REASON_KEY, NO_GENESIS),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -395,7 +428,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def PushUpdate(self, request_iterator: AsyncIterator,
                          context: grpc.aio.ServicerContext) -> wire_pb2.UpdateReply:
-        await self._check_call(context)
+        identity = await self._check_call(context)
         model = await self._off_loop(self.handler.wire_model)
         if model is None:
             await self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model "
@@ -409,6 +442,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
                 raise WireError("truncated", "the update stream ended before its header")
             header = assembler.start(first)
             learner_id = int(header.learner_id)
+            await self._check_identity(context, identity, learner_id, header)
             if not await self._off_loop(self.handler.is_member, learner_id):
                 raise WireError(str(RejectReason.UNKNOWN_LEARNER),
                                 f"learner {learner_id} has not joined (or was timed out): join first",
@@ -438,21 +472,23 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> wire_pb2.HeartbeatReply:
-        await self._check_call(context)
+        identity = await self._check_call(context)
         try:
             self._check_learner_id(request.learner_id)
         except WireError as exc:
             await self._refuse(context, exc, None)
+        await self._check_identity(context, identity, int(request.learner_id))
         known = await self._off_loop(self.handler.heartbeat,
                                      Heartbeat(int(request.learner_id), max(0, int(request.inner_step))))
         return wire_pb2.HeartbeatReply(known=known)
 
     async def Leave(self, request: wire_pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> wire_pb2.LeaveReply:
-        await self._check_call(context)
+        identity = await self._check_call(context)
         try:
             self._check_learner_id(request.learner_id)
         except WireError as exc:
             await self._refuse(context, exc, None)
+        await self._check_identity(context, identity, int(request.learner_id))
         await self._off_loop(self.handler.leave, Leave(int(request.learner_id)))
         return wire_pb2.LeaveReply()
 
@@ -464,13 +500,14 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def PushGenesis(self, request_iterator: AsyncIterator,
                           context: grpc.aio.ServicerContext) -> wire_pb2.GenesisReply:
-        await self._check_call(context)
+        identity = await self._check_call(context)
         assembler = GenesisAssembler()
         try:
             first = await self._next_chunk(request_iterator, "genesis")
             if first is None:
                 raise WireError("truncated", "the genesis stream ended before its header")
             assembler.start(first)
+            await self._check_identity(context, identity, int(assembler.header.learner_id))
             while (chunk := await self._next_chunk(request_iterator, "genesis")) is not None:
                 assembler.add(chunk)
             genesis = await self._off_loop(assembler.finish)
