@@ -26,3 +26,22 @@ def test_a_learner_presents_its_own_token_whether_given_the_run_token_or_its_own
     assert token_for_learner(own, 2) == own
     with pytest.raises(ValueError, match="learner 2's, not learner 5's"):
         token_for_learner(own, 5)
+
+
+def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
+    import os
+    import stat
+
+    from ddiloco.runtime.launcher import LaunchConfig, Launcher
+
+    launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=2, threads=1))
+    run_token = (tmp_path / "token").read_text().strip()
+    argv = launcher.learner_argv(1, "127.0.0.1:1")
+    path = argv[argv.index("--token-file") + 1]
+    assert path == str(tmp_path / "learners" / "1" / "token")
+    assert open(path).read().strip() == learner_token(run_token, 1)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    env = launcher.learner_env(0, "127.0.0.1:1")
+    assert open(env["DDILOCO_TOKEN_FILE"]).read().strip() == learner_token(run_token, 0)
+    evaluator = launcher.learner_env(0, "127.0.0.1:1", role="evaluator")
+    assert evaluator["DDILOCO_TOKEN_FILE"] == str(tmp_path / "token")  # the operator's: status and the model only
