@@ -176,10 +176,11 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
             subscription = Subscription(join.learner_id)
 
             def feed() -> None:
-                # One message ahead of the stream: a subscription keeps only the newest unsent state of a
-                # fragment, so putting them all at once would collapse them.
+                # A subscription keeps only the newest unsent state of a fragment, so putting them all at once
+                # would collapse them: stay ahead of the stream by up to one state of every other fragment.
+                ahead = max(1, len(states) - 1)
                 for i in range(count):
-                    while subscription.pending() and not subscription.closed:
+                    while subscription.pending() >= ahead and not subscription.closed:
                         time.sleep(1e-4)
                     subscription.put(states[i % len(states)])
                 subscription.close()

@@ -95,6 +95,8 @@ CHUNK_TIMEOUT_S = 60.0
 """An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
 UPLOADS_PER_LEARNER = 4
 """Updates one learner may have in flight at once (its sender sends one at a time)."""
+INLINE_ENCODE_BYTES = 1 << 20
+"""Messages up to this size are encoded on the event loop (a CRC of 1 MiB takes well under a millisecond)."""
 WATCH_POLL_S = 0.1
 """How often a watcher (an evaluator) asks whether newer rounds have committed."""
 STOPPED = "stopped"
@@ -376,6 +378,15 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         if not 0 <= learner_id <= MAX_LEARNER_ID:
             raise WireError(str(RejectReason.UNKNOWN_LEARNER), f"learner_id={learner_id} is invalid")
 
+    async def _encoded(self, message: SyncerMessage) -> list[wire_pb2.SyncerChunk]:
+        """A message's chunks: encoded on the loop when small (a thread hop costs more than the work), in the pool
+        when its tensors are large."""
+        size = message.payload_bytes if isinstance(message, FragmentState | FragmentDelta) else (
+            sum(s.payload_bytes for s in message.fragments) if isinstance(message, Welcome) else 0)
+        if size <= INLINE_ENCODE_BYTES:
+            return list(encode_syncer_message(message))
+        return await self._off_loop(lambda: list(encode_syncer_message(message)))
+
     async def _next_chunk(self, requests: AsyncIterator, what: str):
         """The next chunk of an upload, or None at its end; an upload silent for `chunk_timeout_s` is refused."""
         try:
@@ -415,8 +426,9 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         try:
             while (item := await subscription.next()) is not None:
                 queued_at, message = item
-                message = await self._off_loop(subscription.resolve, message)
-                for chunk in await self._off_loop(lambda m=message: list(encode_syncer_message(m))):
+                if isinstance(message, _Newest):  # takes the syncer's lock
+                    message = await self._off_loop(subscription.resolve, message)
+                for chunk in await self._encoded(message):
                     await context.write(chunk)
                 subscription.delivered(message, queued_at)
         finally:
@@ -533,7 +545,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
                 await asyncio.sleep(WATCH_POLL_S)  # a watcher waits on the loop, holding no thread
                 continue
             after, welcome = answer
-            for chunk in await self._off_loop(lambda w=welcome: list(encode_syncer_message(w))):
+            for chunk in await self._encoded(welcome):
                 await context.write(chunk)
             not_before = time.monotonic() + interval  # the service's clock: MonotonicClock
 
