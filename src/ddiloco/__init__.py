@@ -20,6 +20,7 @@ _EXPORTS = {
     "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
     "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.transport.inprocess",
     "LearnerEnvironment": "ddiloco.environment", "RefusedError": _SESSION, "Session": _SESSION,
+    "UnreachableError": _SESSION,
     "environment": "ddiloco.environment",
     "session": _SESSION, "Watcher": _EVALUATOR, "watch": _EVALUATOR,
 }

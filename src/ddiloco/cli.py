@@ -2,7 +2,8 @@
 
 The only module that reads `sys.argv` or configures logging. Each layer owns its subcommands in a
 `commands` module exposing `add_parser(subparsers)` and `run(args) -> int`; argument errors and
-invalid configs end with one clear line on stderr and exit code 2, never a traceback.
+invalid configs end with one clear line on stderr and exit code 2, never a traceback, and so does a
+Ctrl-C at any point from the first import of a command on (exit code 130).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ COMMAND_MODULES = (
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, the shell's code for a command ended by Ctrl-C."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,29 +57,33 @@ SCRIPT_COMMANDS = ("run",)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    script: list[str] | None = None
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, script = argv[:cut], argv[cut + 1:]
-    args = parser.parse_args(argv)
-    if script is not None and args.command not in SCRIPT_COMMANDS:
-        parser.error(f"`ddiloco {args.command}` takes no script after --")
-    if script == []:
-        parser.error("nothing after --: give the learner command, e.g. -- python train.py")
-    args.script = script or []
-    _configure_logging(args.verbose)
-    handler = args.handler
+    command = "ddiloco"
     try:
-        return int(handler(args) or 0)
-    except ValueError as exc:
-        # Config validation names the field and the value; that line is the whole message.
-        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        # Building the parser imports every command's flags, torch among them: seconds in which a Ctrl-C
+        # must end the command as quietly as one during the run.
+        parser = build_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        script: list[str] | None = None
+        if "--" in argv:
+            cut = argv.index("--")
+            argv, script = argv[:cut], argv[cut + 1:]
+        args = parser.parse_args(argv)
+        command = f"ddiloco {args.command}"
+        if script is not None and args.command not in SCRIPT_COMMANDS:
+            parser.error(f"`ddiloco {args.command}` takes no script after --")
+        if script == []:
+            parser.error("nothing after --: give the learner command, e.g. -- python train.py")
+        args.script = script or []
+        _configure_logging(args.verbose)
+        try:
+            return int(args.handler(args) or 0)
+        except ValueError as exc:
+            # Config validation names the field and the value; that line is the whole message.
+            print(f"{command}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"ddiloco {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

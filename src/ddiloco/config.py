@@ -29,6 +29,9 @@ DEFAULT_MAX_WEIGHT_RATIO = 16.0
 steps x (tokens per step)^2: honest rounds of one batch size reached 11 (real runtime: 33 inner steps beside two
 learners' 3) and a learner with twice the batch weighs 4 times as much. With n participants no share exceeds
 16 / (15 + n): 0.94 of 2, 0.84 of 4, 0.70 of 8 (docs/protocol.md, "Merge weights")."""
+DEFAULT_CONNECT_TIMEOUT_S = 120.0
+"""How long a learner that has never reached its syncer keeps trying: far longer than a syncer takes to start
+(imports, restore) or restart, short enough that a wrong address ends in an error within minutes."""
 
 
 def _require(condition: bool, field: str, value: Any, expected: str) -> None:
@@ -169,11 +172,17 @@ class LearnerConfig:
     waiting for that round and trains on (the round's result still overwrites it when it arrives)."""
     heartbeat_every_s: float = 5.0
     """How often an idle learner tells the syncer it is alive."""
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    """Longest a learner process tries a syncer that has never answered it (a wrong address, a syncer that is
+    not running) before it exits with an error (code 4); 0: no bound. Once the syncer has answered, the learner
+    retries without a bound: a syncer that restarts mid-run comes back on its address."""
 
     def __post_init__(self) -> None:
         _require(self.max_wait_s >= 0, "max_wait_s", self.max_wait_s, "a number >= 0 (seconds)")
         _require(self.heartbeat_every_s > 0, "heartbeat_every_s", self.heartbeat_every_s,
                  "a number > 0 (seconds)")
+        _require(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s >= 0, "connect_timeout_s",
+                 self.connect_timeout_s, "a finite number >= 0 (seconds; 0: no bound)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

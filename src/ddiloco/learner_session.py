@@ -26,7 +26,9 @@ moves messages through one of two transports:
   `step()` never blocks there; `ready` says whether the waiting rule lets the learner train now.
 
 Entering the session joins: the learner's own initialisation is replaced by the global parameters
-(the first learner of a new run provides them). `step()` publishes the fragments that fall due and
+(the first learner of a new run provides them). A syncer that refuses the learner ends the session with
+`RefusedError` (exit status 3); one that never answers, after `LearnerConfig.connect_timeout_s`, with
+`UnreachableError` (exit status 4). `step()` publishes the fragments that fall due and
 applies what the syncer sent; while the waiting rule blocks it waits, bounded by
 `LearnerConfig.max_wait_s`. Leaving the `with` block normally (or `done`) publishes every fragment's
 unpublished work once more, so the final global model includes it. Embedding tables are found by
@@ -65,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 EXIT_REFUSED = 3
 """Exit status of a learner process the syncer refused (the supervisor never restarts it)."""
+EXIT_UNREACHABLE = 4
+"""Exit status of a learner process whose syncer never answered within `LearnerConfig.connect_timeout_s` (the
+supervisor restarts it like a crash: under `ddiloco run` its syncer is local, and on its way back)."""
 COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
             "bytes_sent", "bytes_received", "joins", "waits_abandoned")
 """Counters reported in status.json, carried across restarts by the checkpoint."""
@@ -89,6 +94,18 @@ class RefusedError(SystemExit):
 
     def __str__(self) -> str:
         return f"refused by the syncer: {self.reason}"
+
+
+class UnreachableError(SystemExit):
+    """The syncer never answered within `LearnerConfig.connect_timeout_s` (a wrong address, a syncer that is not
+    running, a firewall). A `SystemExit` with status 4; `reason` names the address and the last error."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_UNREACHABLE)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 # ---- the session ------------------------------------------------------------------------------------------
@@ -293,6 +310,8 @@ class Session:
                 self._apply_inbox()
                 return
             if nxt.action is Action.JOIN:
+                if self.transport.unreachable is not None:
+                    self._unreachable(self.transport.unreachable)
                 self._set(state="joining" if self.rules.welcomes == 0 else "disconnected")
                 self.transport.wait(None)
             else:
@@ -309,6 +328,10 @@ class Session:
         logger.error("[learner %d] refused by the syncer: %s", self.learner_id, reason)
         self._finish("refused", flush=False)
         raise RefusedError(reason)
+
+    def _unreachable(self, reason: str) -> None:
+        self._finish("unreachable", flush=False)
+        raise UnreachableError(reason)
 
     def close(self, *, failed: bool = False) -> None:
         """Publish the last work (unless `failed` or stopped), flush, leave, checkpoint. Idempotent."""
@@ -327,12 +350,12 @@ class Session:
             for update in self.rules.finish():
                 self.transport.send(update)
         self.transport.flush(self.flush_timeout_s if state == "done" else STOP_FLUSH_S)
-        self.transport.close(leave=state != "refused")
+        self.transport.close(leave=state not in ("refused", "unreachable"))
         self.rules.end(state)
         if self._ledger is not None:
             self._ledger.close()
-        if self.directory is not None:
-            self._save()
+        if self.directory is not None and self.rules.welcomes > 0:
+            self._save()  # before the first Welcome no inner step ran: nothing new to keep
         self._set(state=state)
         if self._status_thread is not None:
             self._status_stop.set()

@@ -7,9 +7,11 @@ a later `--resume` read exactly the same settings. Cross-field checks live here 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,21 +66,28 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        """The config a JSON object describes. Every value is type-checked here, against the field's annotation,
+        so a user's `"lr": "1e-3"` is refused by name instead of failing somewhere in a `__post_init__`."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object ({{\"inner\": {{\"lr\": 0.001}}, ...}}), got {_json(data)}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown run config field(s): {', '.join(unknown)}")
         values: dict[str, Any] = {}
+        run_types = typing.get_type_hints(cls)
         for name, value in data.items():
             if name in SECTIONS:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{name} = {_json(value)} is invalid: expected a JSON object (the {name} section)")
                 section_cls = SECTIONS[name][0]
-                section_fields = {f.name for f in dataclasses.fields(section_cls)}
-                bad = sorted(set(value) - section_fields)
+                section_types = typing.get_type_hints(section_cls)
+                bad = sorted(set(value) - {f.name for f in dataclasses.fields(section_cls)})
                 if bad:
                     raise ValueError(f"unknown field(s) in section {name!r}: {', '.join(bad)}")
-                values[name] = section_cls(**value)
+                values[name] = section_cls(**{key: _typed(f"{name}.{key}", item, section_types[key])
+                                              for key, item in value.items()})
             else:
-                values[name] = value
+                values[name] = _typed(name, value, run_types[name])
         return cls(**values)
 
     def save(self, path: str | Path) -> None:
@@ -94,16 +103,102 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
+        """Read and check a config file; every problem is a `ValueError` that names the file."""
+        path = Path(path)
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ValueError(f"run config {path} does not exist") from None
+        except IsADirectoryError:
+            raise ValueError(f"run config {path} is a directory, not a JSON file") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"run config {path} is not UTF-8 text: is it a config.json?") from None
+        except OSError as exc:
+            raise ValueError(f"run config {path} cannot be read: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"run config {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"run config {path}: {exc}") from None
+
+
+_JSON_TYPES: dict[type, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str,), "a string"),
+}
+"""A field's annotation -> the JSON values it accepts, and how to say so. bool is an int subclass in Python,
+so it is refused explicitly wherever a number is expected."""
+
+
+def _json(value: Any) -> str:
+    """`value` as it was written in the JSON file (a string in quotes, null, true)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    accepted, _ = _JSON_TYPES[annotation]
+    return isinstance(value, accepted) and (annotation is bool or not isinstance(value, bool))
+
+
+def _typed(name: str, value: Any, annotation: Any) -> Any:
+    """`value` if it is a JSON value of the field's type (an integer for a float field becomes that float),
+    else a ValueError naming the field, the expected type and the value."""
+    if annotation not in _JSON_TYPES:
+        return value  # not a scalar field: its own __post_init__ judges it
+    if _fits(value, annotation):
+        return float(value) if annotation is float else value
+    hint = ""
+    if isinstance(value, str) and annotation is not str:
+        with contextlib.suppress(json.JSONDecodeError):
+            if _fits(json.loads(value), annotation):
+                hint = " (write it without quotes)"
+    raise ValueError(f"{name} = {_json(value)} is invalid: expected {_JSON_TYPES[annotation][1]}{hint}")
 
 
 RUN_FIELDS = ("num_learners", "inner_steps", "seed")
+RUN_FLAGS = {"num_learners": "--learners", "inner_steps": "--inner-steps", "seed": "--seed"}
+"""The run's own fields -> their command-line flags."""
+RESUMABLE = ("inner_steps", "quorum", "learner")
+"""What `--resume` may change: the inner-step budget (to extend a run), the syncer's quorum policy and the
+learners' waiting policy, which act afresh from the next round on. Everything else is what the run's existing
+state was made with: M (the data shards and learner ids), the seed, the algorithm the rounds were merged with,
+the model and data shapes, and the inner optimizer (restored from each learner's checkpoint, so a new value
+would be silently overridden)."""
+
+
+def flag_name(section: str | None, name: str) -> str:
+    """The command-line flag of a run config field (`--learners`, `--inner-lr`, `--min-quorum`)."""
+    if section is None:
+        return RUN_FLAGS[name]
+    return "--" + (SECTIONS[section][1] + name).replace("_", "-")
+
+
+def check_resume(saved: RunConfig, wanted: RunConfig) -> None:
+    """ValueError naming every setting that differs from the run's own (`saved`) but cannot change for an
+    existing run (see RESUMABLE), with both values."""
+    changed = [(None, name, getattr(saved, name), getattr(wanted, name))
+               for name in RUN_FIELDS if name not in RESUMABLE]
+    for section, (cls, _) in SECTIONS.items():
+        if section not in RESUMABLE:
+            changed += [(section, f.name, getattr(getattr(saved, section), f.name),
+                         getattr(getattr(wanted, section), f.name)) for f in dataclasses.fields(cls)]
+    refused = [f"{flag_name(section, name)} {_shown(new)} (the run has {_shown(old)})"
+               for section, name, old, new in changed if old != new]
+    if refused:
+        raise ValueError(f"an existing run cannot change {', '.join(refused)}; only --inner-steps and the quorum and "
+                         "learner settings (--min-quorum, --grace, --max-wait-s, ...) may change on --resume")
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, str) and (not value or " " in value) else str(value)
 
 
 def add_run_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ from ddiloco.transport.inprocess import InProcessHub
 
 class SessionTransport(Protocol):
     connected: bool
+    unreachable: str | None
+    """Why the transport gave up on a syncer that never answered (the session then stops), else None."""
 
     def start(self) -> None: ...
     def send(self, message: LearnerMessage) -> None: ...
@@ -37,6 +39,9 @@ class HubTransport:
     learners), so `wait` only lets the hub close rounds whose grace window has ended."""
 
     blocking = False
+
+    unreachable = None
+    """A hub in this process is always reached."""
 
     def __init__(self, hub: InProcessHub, learner: Learner) -> None:
         self.hub = hub
@@ -108,12 +113,17 @@ class GrpcTransport:
             return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
 
         self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,
-                            clock=clock, on_fate=rules.fate, genesis=genesis)
+                            clock=clock, on_fate=rules.fate, genesis=genesis,
+                            connect_timeout_s=config.learner.connect_timeout_s)
         self.learner = learner
 
     @property
     def connected(self) -> bool:
         return self.io.connected
+
+    @property
+    def unreachable(self) -> str | None:
+        return self.io.unreachable
 
     def start(self) -> None:
         self.io.start()

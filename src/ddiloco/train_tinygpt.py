@@ -20,7 +20,7 @@ import torch
 import ddiloco
 from ddiloco.data import load_corpus, shard_stream, validation_batches
 from ddiloco.environment import LearnerEnvironment, environment
-from ddiloco.learner_session import RefusedError
+from ddiloco.learner_session import RefusedError, UnreachableError
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig
 from ddiloco.training import inner_step, make_inner_optimizer
@@ -80,9 +80,9 @@ def main() -> int:
         return 0
     try:
         train(config, learner_id=env.learner_id, device=env.device)
-    except RefusedError as exc:
+    except (RefusedError, UnreachableError) as exc:
         print(f"ddiloco learner: {exc}", file=sys.stderr)
-        return exc.code if isinstance(exc.code, int) else 3
+        return int(exc.code)
     return 0
 
 

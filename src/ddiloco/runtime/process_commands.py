@@ -3,7 +3,8 @@
 This module turns flags into configs and objects, installs signal handlers, and runs a
 `SyncerService` behind a gRPC server or a `LearnerProcess`. The process contract (flags, files in the
 run directory, exit codes) is documented in docs/runtime.md; `ddiloco run` builds on it.
-Exit codes: 0 done (or stopped by SIGTERM/SIGINT), 2 bad flags or config, 3 refused by the syncer.
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT), 2 bad flags, config or run directory, 3 refused by the
+syncer, 4 a learner whose syncer never answered (`--connect-timeout-s`), 130 Ctrl-C while starting.
 """
 
 from __future__ import annotations
@@ -109,7 +110,12 @@ def run(args: argparse.Namespace) -> int:
 # ---- shared ------------------------------------------------------------------------------------------
 
 def resolve_run_config(args: argparse.Namespace) -> RunConfig:
+    """The run config (`--config`, else DIR/config.json, else defaults; flags on top), once the run directory
+    is known to be usable: every one of these processes writes there."""
+    from ddiloco.runtime.run_dir import prepare_run_dir
+
     run_dir = Path(args.run_dir)
+    prepare_run_dir(run_dir, flag="--run-dir")
     if args.config:
         base = RunConfig.load(args.config)
     elif (run_dir / "config.json").exists():
@@ -239,7 +245,7 @@ def run_learner(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: expected seconds > 0")
 
-    from ddiloco.learner_session import RefusedError
+    from ddiloco.learner_session import RefusedError, UnreachableError
     from ddiloco.train_tinygpt import train
 
     try:
@@ -247,7 +253,7 @@ def run_learner(args: argparse.Namespace) -> int:
               run_dir=Path(args.run_dir), token=token, link=args.link, tls_ca=tls_ca,
               tls_server_name=args.tls_server_name, chaos_control=args.chaos_control,
               checkpoint_every_s=args.checkpoint_every_s, status_every_s=args.status_every_s)
-    except RefusedError as exc:
+    except (RefusedError, UnreachableError) as exc:
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return int(exc.code)
     return 0

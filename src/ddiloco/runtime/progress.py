@@ -90,7 +90,7 @@ def learners_table(rows: list[LearnerRow]) -> Table:
         table.add_column(header, justify="left" if header == "state" else "right")
     for row in rows:
         step = "-" if row.inner_step is None else f"{row.inner_step}/{row.inner_steps or '?'}"
-        style = {"done": "green", "refused": "red", "failed": "red", "disconnected": "yellow",
+        style = {"done": "green", "refused": "red", "unreachable": "red", "failed": "red", "disconnected": "yellow",
                  "waiting": "yellow"}.get(row.state.split()[0], "")
         table.add_row(str(row.learner_id), _num(row.pid, "d"), Text(row.state, style=style), step,
                       _num(row.loss, ".3f"), _num(row.tokens_per_s, ",.0f"), _num(row.rounds, "d"), str(row.restarts))

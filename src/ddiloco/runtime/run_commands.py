@@ -1,11 +1,13 @@
 """`ddiloco run`: the main job. One command starts a syncer and M learners on this machine.
 
 Resolves the run config (defaults, `--config FILE`, or the run directory's own `config.json` with
-`--resume`; flags on top) and writes it to `DIR/config.json`, which every child reads. Then it
+`--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`), checks
+the run directory can be written, and only then writes `DIR/config.json`, which every child reads. Then it
 supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
 SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
-finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped.
+finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
+2 for bad input (a flag, the config file, the run directory) before anything starts.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="continue a stopped run from its directory (its config.json; flags still apply)")
+                        help="continue a stopped run from its directory (its config.json); --inner-steps and the "
+                             "quorum and learner flags may change it, any other config flag that differs is refused")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
     parser.add_argument("--link", default=None, metavar="BANDWIDTH,LATENCY",
@@ -77,8 +80,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
-    """The run directory and its resolved RunConfig (written to DIR/config.json)."""
-    from ddiloco.run_config import RunConfig, run_config_from_args
+    """The run directory and its resolved RunConfig (written to DIR/config.json). Every check comes first, so a
+    refused command writes nothing: a `--resume` that would change what the run was made with (`check_resume`)
+    leaves its config.json as it was."""
+    from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
+    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
 
     if args.resume is not None:
         run_dir = Path(args.resume)
@@ -86,18 +92,26 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
             raise ValueError(f"--run-dir {args.run_dir} and --resume {args.resume} name different directories")
         if args.config is not None:
             raise ValueError("--config cannot be combined with --resume: the run keeps its own config.json")
+        require_directory(run_dir, flag="--resume")
         if not (run_dir / "config.json").is_file():
             raise ValueError(f"--resume {run_dir}: no config.json there; is it a ddiloco run directory?")
-        config = run_config_from_args(args, RunConfig.load(run_dir / "config.json"))
+        prepare_run_dir(run_dir, flag="--resume")
+        saved = RunConfig.load(run_dir / "config.json")
+        config = run_config_from_args(args, saved)
+        try:
+            check_resume(saved, config)
+        except ValueError as exc:
+            raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
     else:
         run_dir = Path(args.run_dir) if args.run_dir is not None else (
             DEFAULT_RUNS_DIR / time.strftime("run-%Y%m%d-%H%M%S"))
+        require_directory(run_dir, flag="--run-dir")
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} already exists and is not empty: "
                              f"use --resume {run_dir} to continue it, or another --run-dir")
         base = RunConfig.load(args.config) if args.config is not None else None
         config = run_config_from_args(args, base)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_run_dir(run_dir, flag="--run-dir")
     config.save(run_dir / "config.json")
     return run_dir, config
 

@@ -10,7 +10,8 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
 - Exit codes decide the rest: a learner exiting 0 is done and never restarted; exit 3 means the
   syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
-  which end the run.
+  which end the run. A learner's exit 4 (its syncer never answered within `connect_timeout_s`) is
+  restarted like a crash: the syncer is this machine's own, and on its way back.
 - With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
   torch and the learner's modules imported, waiting for a role); a restart runs in one when one is
   waiting, so it costs no interpreter start and no imports (first starts are cold).

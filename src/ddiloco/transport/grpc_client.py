@@ -31,6 +31,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -142,6 +143,80 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = self.initial_s
+
+
+UNREACHABLE_WARN_AFTER = 3
+"""Failed attempts in a row before a learner warns that it cannot reach the syncer: one or two are the
+ordinary cost of a channel reconnecting, not news (each attempt is logged at DEBUG)."""
+UNREACHABLE_WARN_EVERY_S = 30.0
+"""While the syncer stays unreachable the warning is repeated at most this often, not once per attempt."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one failed attempt to reach the syncer calls for."""
+
+    warning: str | None = None
+    """A line to log at WARNING now (None: log the attempt at DEBUG only)."""
+    give_up: str | None = None
+    """Why the learner stops trying (None: retry after the backoff)."""
+
+
+class ConnectWatch:
+    """When a learner that cannot reach its syncer says so, and when it gives up. Time is passed in.
+
+    A learner that has never had an answer from the syncer gives up once `connect_timeout_s` has passed
+    since `started_at` (0: never): that is a wrong address, a syncer that is not running, a firewall. One
+    that has had an answer retries forever: a syncer restarting mid-run comes back on the same address,
+    and its learners must come back to it however long that takes. Either way it warns after
+    `UNREACHABLE_WARN_AFTER` failed attempts in a row, then at most every `UNREACHABLE_WARN_EVERY_S`.
+    """
+
+    def __init__(self, address: str, *, connect_timeout_s: float, started_at: float) -> None:
+        if not connect_timeout_s >= 0:
+            raise ValueError(f"connect_timeout_s={connect_timeout_s!r} is invalid: expected seconds >= 0 (0: no bound)")
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.started_at = started_at
+        self.ever_reached = False
+        self._failures = 0
+        self._failing_since = started_at
+        self._warned_at: float | None = None
+
+    def reached(self) -> None:
+        """The syncer answered (a Welcome, or any reply that is not a transport error)."""
+        self.ever_reached = True
+        self._failures = 0
+        self._warned_at = None
+
+    def failed(self, now: float, error: str) -> Verdict:
+        """One more attempt failed with `error` (a transport error: the syncer did not answer)."""
+        if self._failures == 0:
+            self._failing_since = now if self.ever_reached else self.started_at
+        self._failures += 1
+        waited_s = now - self._failing_since
+        if not self.ever_reached and self.connect_timeout_s > 0 and now - self.started_at >= self.connect_timeout_s:
+            return Verdict(give_up=f"cannot reach the syncer at {self.address}: no answer in "
+                                   f"{self.connect_timeout_s:g} s ({self._failures} attempts; last error: {error}). "
+                                   f"Check the address, and that the syncer runs and can be reached from here; "
+                                   f"the bound is the run config's learner.connect_timeout_s "
+                                   f"(--connect-timeout-s; 0: none)")
+        if self._failures < UNREACHABLE_WARN_AFTER:
+            return Verdict()
+        if self._warned_at is not None and now - self._warned_at < UNREACHABLE_WARN_EVERY_S:
+            return Verdict()
+        self._warned_at = now
+        if self.ever_reached:
+            return Verdict(warning=f"lost the syncer at {self.address} {_seconds(waited_s)} s ago ({self._failures} "
+                                   f"attempts; last error: {error}); retrying until it answers")
+        bound = (f"giving up {self.connect_timeout_s:g} s after the start" if self.connect_timeout_s > 0
+                 else "without a bound")
+        return Verdict(warning=f"cannot reach the syncer at {self.address} for {_seconds(waited_s)} s "
+                               f"({self._failures} attempts; last error: {error}); retrying, {bound}")
+
+
+def _seconds(value_s: float) -> str:
+    return f"{value_s:.1f}" if value_s < 10 else f"{value_s:.0f}"
 
 
 class SyncerClient:

@@ -8,7 +8,10 @@ reads what the syncer sent from the `Inbox` between inner steps. Two background 
   state (the Welcome), so a learner resumes syncing after a syncer restart without restarting. A new
   run's syncer that has no global model yet answers `no_genesis`: the receiver then proposes the
   learner's initial parameters (`genesis()`, taken while the main thread still waits for its first
-  Welcome) and subscribes again;
+  Welcome) and subscribes again. When the syncer does not answer, `ConnectWatch` decides what is
+  said (a warning naming the address and the error after a few failed attempts, then at most every
+  30 s) and when a learner that has never reached it gives up (`connect_timeout_s`, 0 = never): it
+  sets `unreachable` and wakes the main thread. One that has reached it once retries forever;
 - the sender uploads queued updates (each held back until its emulated link would have delivered
   it) and sends a heartbeat every `heartbeat_every_s`.
 
@@ -37,11 +40,13 @@ from dataclasses import dataclass
 import grpc
 
 from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.config import DEFAULT_CONNECT_TIMEOUT_S
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
     Backoff,
     ChaosFault,
+    ConnectWatch,
     Fault,
     SyncerClient,
     classify,
@@ -131,9 +136,11 @@ class LearnerIO:
 
     def __init__(self, client: SyncerClient, join: Join, *, heartbeat_every_s: float,
                  clock: Clock | None = None, on_fate: FateCallback = _ignore_fate,
-                 genesis: Callable[[], Genesis] | None = None) -> None:
+                 genesis: Callable[[], Genesis] | None = None,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         """`genesis`: the learner's initial parameters, asked for only if the syncer has none yet (None: this
-        learner never proposes them, and waits for another learner to)."""
+        learner never proposes them, and waits for another learner to). `connect_timeout_s`: how long the
+        receiver tries a syncer that has never answered before it gives up (`ConnectWatch`; 0: forever)."""
         self.client = client
         self.on_fate = on_fate
         self.genesis = genesis
@@ -146,6 +153,9 @@ class LearnerIO:
         self.inner_step = 0
         """Set by the main thread; heartbeats report it."""
         self.connected = False
+        self.unreachable: str | None = None
+        """Set (and the inbox woken) when the receiver gave up on a syncer that never answered: why."""
+        self._watch = ConnectWatch(client.address, connect_timeout_s=connect_timeout_s, started_at=self.clock.now())
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._rejoin = threading.Event()
@@ -216,6 +226,7 @@ class LearnerIO:
                         self._generation += 1
                         self.connected = True
                         self.stats.welcomes += 1
+                        self._watch.reached()
                         backoff.reset()
                     self.inbox.put(message, deliver_at)
             except ChaosFault as exc:
@@ -225,11 +236,18 @@ class LearnerIO:
                 if fault is Fault.REFUSED:
                     self._refused(error_text(exc))
                     return
+                if fault is not Fault.TRANSIENT:
+                    self._watch.reached()  # an answer, if not a Welcome yet
                 if fault is Fault.NO_GENESIS and self.genesis is not None and self._propose_genesis():
                     continue
                 if not (self._stop.is_set() or self._rejoin.is_set()):
-                    logger.warning("[learner %d] syncer unreachable (%s); retrying", self.learner_id, error_text(exc))
+                    if fault is not Fault.TRANSIENT:
+                        logger.warning("[learner %d] the syncer at %s answered %s; retrying", self.learner_id,
+                                       self.client.address, error_text(exc))
+                    elif self._unreachable(error_text(exc)):
+                        return
             except WireError as exc:
+                self._watch.reached()
                 logger.error("[learner %d] malformed message from the syncer (%s); re-joining", self.learner_id, exc)
             if self.connected:
                 self.stats.disconnects += 1
@@ -237,6 +255,21 @@ class LearnerIO:
             if not self._rejoin.is_set():
                 self._wake_receiver.wait(backoff.next_delay())
             self._wake_receiver.clear()
+
+    def _unreachable(self, error: str) -> bool:
+        """A subscription that failed without an answer: log it (rate-limited); True when the receiver gives up."""
+        verdict = self._watch.failed(self.clock.now(), error)
+        if verdict.give_up is not None:
+            logger.error("[learner %d] %s", self.learner_id, verdict.give_up)
+            self.unreachable = verdict.give_up
+            self.inbox.wake()  # the main thread waits for a Welcome that will not come
+            return True
+        if verdict.warning is not None:
+            logger.warning("[learner %d] %s", self.learner_id, verdict.warning)
+        else:
+            logger.debug("[learner %d] syncer at %s unreachable (%s); retrying", self.learner_id, self.client.address,
+                         error)
+        return False
 
     def _propose_genesis(self) -> bool:
         """Push the initial parameters; True to subscribe again at once (they, or another learner's, are
