@@ -149,12 +149,11 @@ def _fits(value: Any, annotation: Any) -> bool:
 
 
 def _typed(name: str, value: Any, annotation: Any) -> Any:
-    """`value` if it is a JSON value of the field's type (an integer for a float field becomes that float),
-    else a ValueError naming the field, the expected type and the value."""
-    if annotation not in _JSON_TYPES:
-        return value  # not a scalar field: its own __post_init__ judges it
-    if _fits(value, annotation):
-        return float(value) if annotation is float else value
+    """`value` if it is a JSON value of the field's type, else a ValueError naming the field, the expected type
+    and the value. An integer for a float field stays as written: every process that reads the same file then
+    computes the same `DilocoConfig.fingerprint()`, as every process always has."""
+    if annotation not in _JSON_TYPES or _fits(value, annotation):
+        return value  # (a field that is not a scalar is judged by its own __post_init__)
     hint = ""
     if isinstance(value, str) and annotation is not str:
         with contextlib.suppress(json.JSONDecodeError):
