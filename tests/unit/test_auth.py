@@ -31,6 +31,7 @@ def test_a_learner_presents_its_own_token_whether_given_the_run_token_or_its_own
 def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
     import os
     import stat
+    from pathlib import Path
 
     from ddiloco.runtime.launcher import LaunchConfig, Launcher
 
@@ -39,9 +40,9 @@ def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
     argv = launcher.learner_argv(1, "127.0.0.1:1")
     path = argv[argv.index("--token-file") + 1]
     assert path == str(tmp_path / "learners" / "1" / "token")
-    assert open(path).read().strip() == learner_token(run_token, 1)
+    assert Path(path).read_text().strip() == learner_token(run_token, 1)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     env = launcher.learner_env(0, "127.0.0.1:1")
-    assert open(env["DDILOCO_TOKEN_FILE"]).read().strip() == learner_token(run_token, 0)
+    assert Path(env["DDILOCO_TOKEN_FILE"]).read_text().strip() == learner_token(run_token, 0)
     evaluator = launcher.learner_env(0, "127.0.0.1:1", role="evaluator")
     assert evaluator["DDILOCO_TOKEN_FILE"] == str(tmp_path / "token")  # the operator's: status and the model only
