@@ -225,3 +225,23 @@ def test_tls_serves_verified_learners_and_refuses_plaintext(tmp_path):
             plain.status(timeout_s=5.0)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         plain.close()
+
+
+def test_a_learner_given_several_syncer_addresses_moves_to_the_next_when_one_is_unreachable(tmp_path):
+    # Issue 13 item 11: a syncer and its standby on another host; learners are given both addresses.
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on: the "dead primary"
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    with serving(tmp_path) as (syncer, port):
+        learner = tiny_learner()
+        client = SyncerClient(f"127.0.0.1:{dead},127.0.0.1:{port}", model=WireModel(learner.spec, learner.plan, "int4"),
+                              diloco_config=TINY_RUN.diloco)
+        io = LearnerIO(client, learner.join_message(), heartbeat_every_s=1.0)
+        try:
+            io.start()
+            assert isinstance(first_message(io), Welcome)
+            assert client.address == f"127.0.0.1:{port}"
+        finally:
+            io.close(leave=False)

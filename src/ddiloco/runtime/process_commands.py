@@ -57,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "ddiloco.session): joins the syncer, trains inner steps on its data shard, exchanges fragments "
                     "in the background, checkpoints its own progress, and leaves after --inner-steps. Your own "
                     "model: `ddiloco run -- python train.py`.")
-    learner.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's address")
+    learner.add_argument("--syncer", required=True, metavar="HOST:PORT[,HOST:PORT]",
+                         help="the syncer's address; several, comma-separated, for a syncer and its standbys on other "
+                              "hosts (the learner moves to the next when one cannot be reached)")
     learner.add_argument("--learner-id", type=int, required=True, metavar="N", help="this learner's id, 0..M-1")
     _add_common(learner)
     learner.add_argument("--link", metavar="BANDWIDTH,LATENCY",
@@ -227,12 +229,13 @@ def run_syncer(args: argparse.Namespace) -> int:
 # ---- ddiloco learner ----------------------------------------------------------------------------------------
 
 def run_learner(args: argparse.Namespace) -> int:
-    from ddiloco.transport.auth import read_ca_file, split_host_port
+    from ddiloco.transport.auth import read_ca_file
+    from ddiloco.transport.grpc_client import parse_addresses
     from ddiloco.transport.link import parse_link
 
     run_config = resolve_run_config(args)
     token = read_token(args)
-    split_host_port(args.syncer)
+    parse_addresses(args.syncer)
     if args.link:
         parse_link(args.link)
     tls_ca = read_ca_file(args.tls_ca)
@@ -262,11 +265,11 @@ def run_learner(args: argparse.Namespace) -> int:
 # ---- ddiloco evaluator ------------------------------------------------------------------------------------
 
 def run_evaluator(args: argparse.Namespace) -> int:
-    from ddiloco.transport.auth import split_host_port
+    from ddiloco.transport.grpc_client import parse_addresses
 
     run_config = resolve_run_config(args)
     token = read_token(args)
-    split_host_port(args.syncer)
+    parse_addresses(args.syncer)
     if not args.every_s >= 0:
         raise ValueError(f"--every-s {args.every_s} is invalid: expected seconds >= 0")
     _set_threads(args.threads)

@@ -219,25 +219,31 @@ def _seconds(value_s: float) -> str:
     return f"{value_s:.1f}" if value_s < 10 else f"{value_s:.0f}"
 
 
+def parse_addresses(text: str) -> list[str]:
+    """HOST:PORT[,HOST:PORT...] -> the addresses, each checked; ValueError naming a bad one."""
+    from ddiloco.transport.auth import split_host_port
+
+    addresses = [part.strip() for part in text.split(",")]
+    for address in addresses:
+        split_host_port(address)
+    return addresses
+
+
 class SyncerClient:
     """One learner's channel to the syncer. Thread-safe: one thread may subscribe while others push."""
 
     def __init__(self, address: str, *, model: WireModel, diloco_config: DilocoConfig, token: str | None = None,
                  tls_root_certificates: bytes | None = None, tls_server_name: str | None = None,
                  link: EmulatedLink | None = None) -> None:
-        self.address = address
+        """`address`: HOST:PORT, or several separated by commas (a syncer and its standbys on other hosts): the
+        client dials the first and moves to the next when one cannot be reached (`next_address`)."""
+        self.addresses = parse_addresses(address)
+        self.address = self.addresses[0]
         self.model = model
         self.diloco_config = diloco_config
         self.link = link or unlimited_link()
-        options = list(CHANNEL_OPTIONS)
-        if tls_root_certificates is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            credentials = grpc.ssl_channel_credentials(root_certificates=tls_root_certificates)
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        self._stub = wire_pb2_grpc.SyncerStub(self._channel)
+        self._tls = (tls_root_certificates, tls_server_name)
+        self._channel, self._stub = self._connect(self.address)
         self._token = token
         self._metadata = ((SCHEMA_KEY, str(SCHEMA_VERSION)),) + (((TOKEN_KEY, token),) if token else ())
         self.session = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
@@ -247,6 +253,29 @@ class SyncerClient:
         self._downlink_missed = False
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def _connect(self, address: str) -> tuple[grpc.Channel, wire_pb2_grpc.SyncerStub]:
+        options = list(CHANNEL_OPTIONS)
+        root_certificates, server_name = self._tls
+        if root_certificates is None:
+            channel = grpc.insecure_channel(address, options=options)
+        else:
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            channel = grpc.secure_channel(address, credentials, options=options)
+        return channel, wire_pb2_grpc.SyncerStub(channel)
+
+    def next_address(self) -> bool:
+        """Dial the next of several syncer addresses (after this one could not be reached); False with one."""
+        if len(self.addresses) < 2:
+            return False
+        with self._lock:
+            old = self._channel
+            self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+            self._channel, self._stub = self._connect(self.address)
+        old.close()
+        return True
 
     def _as_learner(self, learner_id: int) -> tuple[tuple[str, str], ...]:
         """Metadata of a call acting for `learner_id`: its own token (derived here when given the run token)."""

@@ -246,6 +246,8 @@ class LearnerIO:
                                        self.client.address, error_text(exc))
                     elif self._unreachable(error_text(exc)):
                         return
+                    else:
+                        self._fail_over()
             except WireError as exc:
                 self._watch.reached()
                 logger.error("[learner %d] malformed message from the syncer (%s); re-joining", self.learner_id, exc)
@@ -255,6 +257,13 @@ class LearnerIO:
             if not self._rejoin.is_set():
                 self._wake_receiver.wait(backoff.next_delay())
             self._wake_receiver.clear()
+
+    def _fail_over(self) -> None:
+        """Given several syncer addresses (a syncer and its standbys), try the next one after this one failed."""
+        failed = self.client.address
+        if self.client.next_address():
+            logger.warning("[learner %d] syncer at %s unreachable: trying %s", self.learner_id, failed,
+                           self.client.address)
 
     def _unreachable(self, error: str) -> bool:
         """A subscription that failed without an answer: log it (rate-limited); True when the receiver gives up."""
