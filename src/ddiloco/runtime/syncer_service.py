@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 
 DISCARDED_AT_STOP = "syncer stopped with the round open"
 """Reason of the `discarded` event for each update held in an open round at a clean stop."""
-DUPLICATE_WINDOW_S = 3.0
-"""A learner's process heard from this recently is alive: another process joining with its id is refused
-(learners send heartbeats every second by default)."""
+MIN_DUPLICATE_WINDOW_S = 3.0
+"""A learner's process heard from within two of its heartbeat periods (and at least this long) is alive: another
+process joining with its id is refused."""
 MIN_TIMER_WAIT_S = 1e-3
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
@@ -234,14 +234,15 @@ class SyncerService:
 
     def _duplicate(self, learner_id: int, session: str) -> str | None:
         """Why a join must be refused as a second live process of one learner (lock held), or None. The learner's
-        open subscription belongs to another process, and that process is alive: heard from within
-        DUPLICATE_WINDOW_S (its heartbeats and updates). A process that died (its stream ended) or fell silent (a
+        open subscription belongs to another process, and that process is alive: heard from (heartbeats,
+        updates) within two heartbeat periods. A process that died (its stream ended) or fell silent (a
         crashed machine whose connection is half open) is replaced by the new one."""
         old = self._subscriptions.get(learner_id)
         info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
         if old is None or not session or not old.session or old.session == session:
             return None
-        if info is None or not info.alive or self.clock.now() - info.last_seen >= DUPLICATE_WINDOW_S:
+        window = max(MIN_DUPLICATE_WINDOW_S, 2 * self.run_config.learner.heartbeat_every_s)
+        if info is None or not info.alive or self.clock.now() - info.last_seen >= window:
             return None
         age = self.clock.now() - old.since
         return (f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s "
