@@ -20,24 +20,31 @@ from ddiloco.runtime.launcher import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 
 CHAOS_TIMEOUT_S = 420
+SOAK_TIMEOUT_S = 300
 PROCESS_FAULTS = ("crash", "hang", "syncer_crash")
 
 
-@pytest.mark.timeout(CHAOS_TIMEOUT_S + 30)
-def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path):
-    run_dir = tmp_path / "chaos"
-    argv = [sys.executable, "-m", "ddiloco.cli", "chaos", "--quick", "--learners", "3", "--threads", "1",
+def run_chaos(run_dir, flags: list[str], *, timeout_s: float) -> dict:
+    """`ddiloco chaos FLAGS` with 3 learners of the tiny model as a real process (killed with its group if it
+    overruns); it must exit 0; its --json result."""
+    argv = [sys.executable, "-m", "ddiloco.cli", "chaos", *flags, "--learners", "3", "--threads", "1",
             "--run-dir", str(run_dir), "--json", *TINY_MODEL_FLAGS]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        output, _ = process.communicate(timeout=CHAOS_TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 0, output[-4000:]
-    result = json.loads(output.strip().splitlines()[-1])
+    return json.loads(output.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(CHAOS_TIMEOUT_S + 30)
+def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path):
+    run_dir = tmp_path / "chaos"
+    result = run_chaos(run_dir, ["--quick"], timeout_s=CHAOS_TIMEOUT_S)
 
     assert set(result["systems"]) == {"decoupled", "data_parallel", "sync_diloco"}
     assert result["invariants"] and all(result["invariants"].values()), result["invariants"]
@@ -73,26 +80,14 @@ def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path)
     assert list(run_dir.glob("*.png"))
 
 
-SOAK_TIMEOUT_S = 300
 
 
 @pytest.mark.timeout(SOAK_TIMEOUT_S + 30)
 def test_a_short_soak_kills_learners_and_the_syncer_at_random_and_keeps_every_invariant(tmp_path):
     """The CI soak: 60 s of kill -9s (learners and the syncer, one every 6 s on average) under the watchdog."""
     run_dir = tmp_path / "soak"
-    argv = [sys.executable, "-m", "ddiloco.cli", "chaos", "--soak", "--duration", "60", "--kill-every-s", "6",
-            "--systems", "decoupled", "--learners", "3", "--threads", "1", "--run-dir", str(run_dir), "--json",
-            *TINY_MODEL_FLAGS]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        output, _ = process.communicate(timeout=SOAK_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 0, output[-4000:]
-    result = json.loads(output.strip().splitlines()[-1])
+    result = run_chaos(run_dir, ["--soak", "--duration", "60", "--kill-every-s", "6", "--systems", "decoupled"],
+                       timeout_s=SOAK_TIMEOUT_S)
     assert result["invariants"] and all(result["invariants"].values()), result["invariants"]
     assert "rounds_kept_committing" in result["invariants"]
     faults = [json.loads(line) for line in (run_dir / "decoupled" / "chaos" / "faults.jsonl").read_text().splitlines()]
