@@ -160,7 +160,8 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
     from ddiloco.fragments import FragmentPlan
     from ddiloco.messages import FragmentState, ModelSpec
     from ddiloco.transport.grpc_codec import WireModel
-    from ddiloco.transport.grpc_server import Subscription, start_server
+    from ddiloco.transport.grpc_server import start_server
+    from ddiloco.transport.subscription import Subscription
 
     params, config = _fragment_tensors(case)
     plan = FragmentPlan.for_tensors(params, config)
