@@ -15,11 +15,13 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddiloco.runtime.ray_options import RayOptions, import_ray
 
@@ -84,19 +86,36 @@ class RayCluster:
         """Join the cluster or start the local instance; a line saying which, for the run's log."""
         ray = import_ray()
         quiet = {"logging_level": logging.WARNING, "log_to_driver": False, "include_dashboard": False}
-        if self.options.local:
-            self.num_cpus = max(float(os.cpu_count() or 1), math.ceil(cpus_needed))
-            ray.init(num_cpus=self.num_cpus, **quiet)
-            self.started_local = True
-            self.note_processes()
-            return f"started a local Ray instance ({self.num_cpus:g} CPUs, pids {sorted(self.local_processes)})"
-        ray.init(address=self.options.address, **quiet)
+        # ray.init replaces the driver's SIGTERM handler with sys.exit; `ddiloco run` stops cleanly on SIGTERM.
+        sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            if self.options.local:
+                self.num_cpus = max(float(os.cpu_count() or 1), math.ceil(cpus_needed))
+                ray.init(num_cpus=self.num_cpus, **quiet)
+                self.started_local = True
+                self.note_processes()
+                return f"started a local Ray instance ({self.num_cpus:g} CPUs, pids {sorted(self.local_processes)})"
+            ray.init(address=self.options.address, **quiet)
+        finally:
+            if sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
         resources = ray.cluster_resources()
         return (f"joined the Ray cluster at {self.options.address} ({resources.get('CPU', 0):g} CPUs, "
                 f"{resources.get('GPU', 0):g} GPUs)")
 
     def resources(self) -> dict[str, float]:
         return dict(import_ray().cluster_resources())
+
+    @staticmethod
+    def actor_state(actor: Any) -> tuple[str, str]:
+        """(state, why it died) of an actor from the GCS's actor table: `ALIVE`, `RESTARTING`, `DEAD`, ...
+        A call to an actor that Ray is restarting fails with the same `ActorDiedError` as one to an actor Ray
+        gave up on; only the table tells them apart. (`ray._private.state`: the pinned Ray's own accessor.)"""
+        import ray._private.state
+
+        entry = ray._private.state.actors(actor_id=actor._actor_id.hex()) or {}
+        cause = re.search(r'error_message: "([^"\n]*)', str(entry.get("DeathCause", "")))
+        return str(entry.get("State", "UNKNOWN")), cause.group(1) if cause else ""
 
     def note_processes(self) -> None:
         """Remember the local instance's current processes (workers come and go during the run)."""

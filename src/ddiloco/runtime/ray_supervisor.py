@@ -224,13 +224,13 @@ class RaySupervisor:
     # ---- what a status says ----------------------------------------------------------------------------
 
     def _on_status(self, slot: Slot, result: Any, now: float) -> None:
-        from ray.exceptions import ActorDiedError
-
-        if isinstance(result, ActorDiedError):
-            self._given_up(slot, _first_line(result))
-            return
         if isinstance(result, Exception):
-            # Unavailable while Ray restarts it (or a lost call): the process is gone, the next one not yet seen.
+            actor = self._actors.get(slot.name)
+            state, death = self.cluster.actor_state(actor) if actor is not None else ("DEAD", "")
+            if state == "DEAD":
+                self._given_up(slot, death or _first_line(result))
+                return
+            # Ray is restarting it (or creating it): the process is gone, the next one not yet seen.
             if slot.process is not None and slot.process.returncode is None:
                 slot.process.returncode = -1
                 slot.state = ChildState.BACKOFF
@@ -245,16 +245,19 @@ class RaySupervisor:
             self._kept_exit(slot, code, result["log_tail"])
 
     def _new_incarnation(self, slot: Slot, result: dict[str, Any], now: float) -> None:
-        first = slot.name not in self._incarnations
-        self._incarnations[slot.name] = int(result["incarnation"])
-        if not first:
+        incarnation = int(result["incarnation"])
+        # First seen after a restart (its first process died before the first status): still restarts to count.
+        known = self._incarnations.get(slot.name, 0 if incarnation > 0 else None)
+        self._incarnations[slot.name] = incarnation
+        if known is not None:
             code = result["previous_exit"]
             how = _describe_exit(code) if code is not None else "its Ray actor's death"
             slot.exit_codes.append(code if code is not None else -1)
             self._emit("exited", slot, f"exited with {how}", exit_code=code, log_tail=result["previous_log_tail"])
-            slot.restarts += 1
-            self._emit("restart_scheduled", slot, f"restarted by Ray (restart {slot.restarts})", delay_s=0.0,
-                       restarts=slot.restarts)
+            for _ in range(incarnation - known):  # Ray may have restarted it more than once
+                slot.restarts += 1
+                self._emit("restart_scheduled", slot, f"restarted by Ray (restart {slot.restarts})", delay_s=0.0,
+                           restarts=slot.restarts)
         slot.process = RemoteProcess(pid=int(result["pid"]), node=str(result["node"]), started_at=now)  # type: ignore[assignment]
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.STARTING if slot is self.syncer and not result["address"] else ChildState.RUNNING
