@@ -10,11 +10,12 @@ differs is who restarts. Each role is a `ray_actor.RoleActor` with `max_restarts
 local supervisor's events: a new incarnation is an `exited` + `restart_scheduled` + `started`, a kept exit
 is `done`, `refused` or `failed`, an actor Ray gave up on is `failed`.
 
-The syncer starts first; the learners and the evaluator are created once it serves, and each asks the
-syncer actor where it is at every start. Should a restarted syncer come back on another address (another
-node), every learner is restarted through Ray so it dials the new one. `shutdown()` stops in the local
-order (learners, which say Leave; the evaluator, which evaluates the final model; the syncer, which makes
-its last round durable), ends every actor, and stops a local Ray instance (`ray_cluster.RayCluster`).
+The syncer's actor is created first, the learners' and the evaluator's right after it; each of those asks
+the syncer actor where it serves before every start of its process. Should a restarted syncer come back
+on another address (another node), every learner is restarted through Ray so it dials the new one.
+`shutdown()` stops in the local order (learners, which say Leave; the evaluator, which evaluates the final
+model; the syncer, which makes its last round durable), ends every actor, and stops a local Ray instance
+(`ray_cluster.RayCluster`).
 """
 
 from __future__ import annotations
@@ -147,8 +148,11 @@ class RaySupervisor:
             self._emit("ray", None, f"the cluster has {have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; "
                        f"the run reserves {cpus:g} and {gpus:g}: actors wait until Ray has them")
         self._actor_class = ray.remote(RoleActor)
-        spec = self._spec(SYNCER, SYNCER)
-        self._create(self.syncer, spec, num_cpus=SYNCER_CPUS, num_gpus=0)
+        self._create(self.syncer, self._spec(SYNCER, SYNCER), num_cpus=SYNCER_CPUS, num_gpus=0)
+        # At once, not once the syncer serves: each learner's actor (a new worker process) starts while the
+        # syncer does, and waits in its constructor for the syncer's address before starting its process.
+        for slot in self._learner_slots:
+            self._create_learner(slot)
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -157,11 +161,12 @@ class RaySupervisor:
             slot = self._slot(name)
             if slot is not None and not slot.state.final:
                 self._on_status(slot, result, now)
-        if self.syncer_address is not None and self._stop_reason is None:
-            for slot in [*self.learners, *([self.evaluator] if self.evaluator is not None else [])]:
-                if slot.state == ChildState.PENDING:
-                    self._create_learner(slot)
         self.cluster.note_processes()
+
+    @property
+    def _learner_slots(self) -> list[Slot]:
+        """The learners and the evaluator: the roles that dial the syncer."""
+        return [*self.learners, *([self.evaluator] if self.evaluator is not None else [])]
 
     # ---- actors ---------------------------------------------------------------------------------------
 
@@ -272,7 +277,7 @@ class RaySupervisor:
         if moved:  # learners were told the old address: Ray restarts them, and they ask the syncer again
             import ray
 
-            for slot in [*self.learners, *([self.evaluator] if self.evaluator is not None else [])]:
+            for slot in self._learner_slots:
                 if slot.name in self._actors and not slot.state.final:
                     ray.kill(self._actors[slot.name], no_restart=False)
 
@@ -342,6 +347,11 @@ class RaySupervisor:
         """SIGTERM each slot's process through its actor (all at once), wait for the answers, end the actors."""
         import ray
 
+        for slot in [s for s in slots if s.process is None]:
+            # Still in its constructor (waiting for the syncer's address): ending it is enough; a process it
+            # started in the meantime gets SIGTERM with it (PR_SET_PDEATHSIG).
+            self._end_actor(slot)
+        slots = [s for s in slots if s.process is not None]
         calls = {slot.name: self._actors[slot.name].stop.remote(timeout_s) for slot in slots}
         deadline = time.monotonic() + timeout_s + STOP_MARGIN_S
         waiting = list(calls.values())
