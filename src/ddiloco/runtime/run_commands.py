@@ -7,7 +7,8 @@ supervises the children (`supervisor`), shows progress (`progress`), turns SIGIN
 SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
 finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
-2 for bad input (a flag, the config file, the run directory) before anything starts.
+2 for bad input (a flag, the config file, the run directory) before anything starts. With `--ray` the
+children are Ray actors (`ray_supervisor`, docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "After --, the learner command: M copies of your script (e.g. -- python train.py ARGS) "
                     "that call ddiloco.session, each told its place in the run by DDILOCO_* environment "
                     "variables (docs/your_model.md); without one, the built-in TinyGPT learner. "
-                    "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run.")
+                    "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run. --ray runs them "
+                    "as Ray actors, on a cluster or a Ray instance started here (docs/clusters.md).")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
