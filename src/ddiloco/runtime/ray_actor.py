@@ -54,6 +54,7 @@ ADDRESS_WAIT_S = 5.0
 EXIT_RESTART = 75
 """The actor worker's own exit status when it ends itself for Ray to restart the role (EX_TEMPFAIL)."""
 REAP_TIMEOUT_S = 10.0
+"""SIGTERM -> SIGKILL wait for a process this actor gives up on (a syncer that never served, a leftover group)."""
 LEARNER = "learner"
 
 
@@ -193,7 +194,7 @@ class RoleActor:
                     self._write_state()
                 elif time.monotonic() - started > self.spec.syncer_start_timeout_s:
                     logger.warning("[syncer] not serving after %.0f s: restarting", self.spec.syncer_start_timeout_s)
-                    stop_processes([self.child], self.spec.syncer_start_timeout_s)
+                    stop_processes([self.child], REAP_TIMEOUT_S)
                     code = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
                     break
             time.sleep(WATCH_POLL_S)
@@ -218,7 +219,11 @@ class RoleActor:
         return self._address
 
     def status(self) -> dict[str, Any]:
+        """This incarnation, and `returncode` once its process has ended for good (an exit that brings the role
+        back is never reported: the actor is about to end itself for Ray to restart it)."""
         code = self.child.returncode
+        if code is not None and not self._stopping and restarts_after(self.spec.role, code):
+            code = None
         return {"name": self.spec.name, "incarnation": self.incarnation, "pid": self.child.pid, "node": self.node,
                 "worker_pid": os.getpid(), "address": self._address, "returncode": code,
                 "previous_exit": self.previous.get("exit_code") if self.incarnation > 0 else None,

@@ -118,7 +118,8 @@ class RayCluster:
         return str(entry.get("State", "UNKNOWN")), cause.group(1) if cause else ""
 
     def note_processes(self) -> None:
-        """Remember the local instance's current processes (workers come and go during the run)."""
+        """Remember the local instance's current processes (at the start, and before `ray.shutdown()`: what
+        runs then is what must be gone after it)."""
         if self.started_local:
             self.local_processes.update(descendants(os.getpid()))
 

@@ -161,7 +161,6 @@ class RaySupervisor:
             slot = self._slot(name)
             if slot is not None and not slot.state.final:
                 self._on_status(slot, result, now)
-        self.cluster.note_processes()
 
     @property
     def _learner_slots(self) -> list[Slot]:
@@ -208,6 +207,7 @@ class RaySupervisor:
     def _answers(self) -> list[tuple[str, Any]]:
         """(name, status dict or the exception Ray raised) for every status call answered by now."""
         import ray
+        from ray.exceptions import RayError
 
         if not self._pending:
             return []
@@ -219,7 +219,7 @@ class RaySupervisor:
             del self._pending[name]
             try:
                 answers.append((name, ray.get(ref)))
-            except Exception as exc:  # noqa: BLE001 -- every Ray error is a state of the actor, reported below
+            except RayError as exc:  # unavailable, dead, or its call failed: a state of the actor (`_on_status`)
                 answers.append((name, exc))
         return answers
 
@@ -229,7 +229,7 @@ class RaySupervisor:
     # ---- what a status says ----------------------------------------------------------------------------
 
     def _on_status(self, slot: Slot, result: Any, now: float) -> None:
-        if isinstance(result, Exception):
+        if isinstance(result, BaseException):
             actor = self._actors.get(slot.name)
             state, death = self.cluster.actor_state(actor) if actor is not None else ("DEAD", "")
             if state == "DEAD":
@@ -243,7 +243,7 @@ class RaySupervisor:
         incarnation = int(result["incarnation"])
         if incarnation != self._incarnations.get(slot.name):
             self._new_incarnation(slot, result, now)
-        if slot is self.syncer and result["address"] and result["address"] != self.syncer_address:
+        if slot is self.syncer and result["address"] and slot.state == ChildState.STARTING:
             self._syncer_serves(result["address"])
         code = result["returncode"]
         if code is not None:
@@ -265,12 +265,13 @@ class RaySupervisor:
                            restarts=slot.restarts)
         slot.process = RemoteProcess(pid=int(result["pid"]), node=str(result["node"]), started_at=now)  # type: ignore[assignment]
         slot.pids.append(slot.process.pid)
-        slot.state = ChildState.STARTING if slot is self.syncer and not result["address"] else ChildState.RUNNING
+        slot.state = ChildState.STARTING if slot is self.syncer else ChildState.RUNNING  # syncer: until it serves
         self._emit("started", slot, f"started (pid {slot.process.pid} on {slot.process.node}, Ray actor pid "
                    f"{result['worker_pid']})", pid=slot.process.pid, restarts=slot.restarts, node=slot.process.node)
 
     def _syncer_serves(self, address: str) -> None:
-        moved = self.syncer_address is not None
+        """A syncer process (the first, or a restarted one) serves at `address`."""
+        moved = self.syncer_address is not None and address != self.syncer_address
         self.syncer_address = address
         self.syncer.state = ChildState.RUNNING
         self._emit("address", self.syncer, f"serving on {address}", address=address)
@@ -346,6 +347,7 @@ class RaySupervisor:
     def _stop(self, slots: list[Slot], timeout_s: float) -> None:
         """SIGTERM each slot's process through its actor (all at once), wait for the answers, end the actors."""
         import ray
+        from ray.exceptions import RayError
 
         for slot in [s for s in slots if s.process is None]:
             # Still in its constructor (waiting for the syncer's address): ending it is enough; a process it
@@ -362,7 +364,7 @@ class RaySupervisor:
         for slot in slots:
             try:
                 code = ray.get(calls[slot.name], timeout=0)
-            except Exception:  # noqa: BLE001 -- a dead, restarting or unanswering actor: its process is gone with it
+            except RayError:  # a dead, restarting or unanswering actor: its process goes with the actor
                 code = None
             if slot.process is not None:
                 slot.process.returncode = code if code is not None else -1
