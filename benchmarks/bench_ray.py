@@ -162,14 +162,14 @@ def main() -> None:
         values = [k[key] for r in runs for k in r["kills"]] if per_kill else [r[key] for r in runs]
         return statistics.median(values)
 
-    print(f"\n{'':34} {'local':>8} {'ray':>8} {'ray/local':>10}")
+    print(f"\n{'':38} {'local':>8} {'ray':>8} {'ray/local':>10}")
     for label, key, per_kill in (("start to every learner training", "to_training_s", False),
                                  ("start to the first round", "to_first_round_s", False),
                                  ("kill -9 to the new process", "to_start_s", True),
                                  ("kill -9 to its first accepted update", "to_accepted_s", True),
                                  ("Ctrl-C to everything stopped", "stop_s", False)):
         local, ray = median("local", key, per_kill), median("ray", key, per_kill)
-        print(f"{label:34} {local:7.2f}s {ray:7.2f}s {ray / local:9.2f}x")
+        print(f"{label:38} {local:7.2f}s {ray:7.2f}s {ray / local:9.2f}x")
     print(f"(medians of {args.repeats} run(s) per launcher, {args.kills} kill(s) per run, {args.learners} learners)")
 
 
