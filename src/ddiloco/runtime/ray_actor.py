@@ -146,15 +146,16 @@ class RoleActor:
 
     def _wait_for_syncer(self) -> str:
         import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         syncer = ray.get_actor(self.spec.syncer_actor)
         deadline = time.monotonic() + self.spec.syncer_wait_s
         while time.monotonic() < deadline:
             try:
                 address = ray.get(syncer.address.remote(), timeout=ADDRESS_WAIT_S)
-            except (ActorUnavailableError, GetTimeoutError):
-                address = None  # the syncer's actor is being restarted
+            except (RayActorError, GetTimeoutError):
+                # Being restarted (Ray raises ActorDiedError then too); gone for good, the driver ends the run.
+                address = None
             if address:
                 return address
             time.sleep(WATCH_POLL_S)
