@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,14 @@ def test_descendants_find_a_child_and_still_running_sees_it_go():
         child.stdin.close()
         child.wait(timeout=30)
     assert still_running({child.pid: seen[child.pid]}) == []
+
+
+def test_a_ray_address_nothing_listens_on_is_refused_before_anything_is_written(capsys, tmp_path):
+    pytest.importorskip("ray")
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    code, err = run_cli(capsys, "--ray", f"127.0.0.1:{port}", "--run-dir", str(run_dir))
+    assert code == 2 and f"--ray 127.0.0.1:{port}: no Ray cluster answers there" in err, err
+    assert not run_dir.exists()

@@ -95,7 +95,10 @@ class RayCluster:
                 self.started_local = True
                 self.note_processes()
                 return f"started a local Ray instance ({self.num_cpus:g} CPUs, pids {sorted(self.local_processes)})"
-            ray.init(address=self.options.address, **quiet)
+            try:
+                ray.init(address=self.options.address, **quiet)
+            except ConnectionError as exc:
+                raise ValueError(f"--ray {self.options.address}: cannot join the Ray cluster: {exc}") from None
         finally:
             if sigterm is not None:
                 signal.signal(signal.SIGTERM, sigterm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -19,6 +20,8 @@ LOCAL = ""
 """`--ray` without an address: start a Ray instance on this machine for the run, stop it at the end."""
 SYNCER_CPUS = 1.0
 """Ray CPUs reserved for the syncer actor: its merges and the round log are one process's work."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long `--ray HOST:PORT` may take to accept a TCP connection before the run is refused."""
 LOCAL_BIND = "127.0.0.1:0"
 CLUSTER_BIND = "0.0.0.0:0"
 """The syncer's default bind: loopback on a local instance, every interface on a cluster (learners on other
@@ -92,7 +95,21 @@ def ray_options_from_args(args: argparse.Namespace) -> RayOptions | None:
         raise ValueError(f"--device {args.device} cannot be combined with --gpus-per-learner: each learner uses the "
                          "GPUs Ray gives it (cuda, made visible by CUDA_VISIBLE_DEVICES)")
     import_ray()
+    check_reachable(options.address)
     return options
+
+
+def check_reachable(address: str) -> None:
+    """A usage error when `--ray HOST:PORT` names a port nothing listens on: `ray.init` would wait minutes for
+    it, deaf to Ctrl-C. (`auto` and `ray://` addresses are Ray's to resolve.)"""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or address.startswith("ray://") or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({exc}); give the head node's GCS "
+                         "address (HOST:PORT, `ray start --head` prints it) or `auto`") from None
 
 
 def import_ray() -> ModuleType:
