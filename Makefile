@@ -12,7 +12,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,hf]"
+	$(BIN)/pip install --quiet -e ".[dev,hf,ray]"
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -7,7 +7,8 @@ supervises the children (`supervisor`), shows progress (`progress`), turns SIGIN
 SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
 finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
-2 for bad input (a flag, the config file, the run directory) before anything starts.
+2 for bad input (a flag, the config file, the run directory) before anything starts. With `--ray` the
+children are Ray actors (`ray_supervisor`, docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PIPE_COLUMNS = 140
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ddiloco.run_config import add_run_config_flags
+    from ddiloco.runtime.ray_options import add_ray_flags
 
     parser = subparsers.add_parser(
         "run", help="start a syncer and M learner processes on this machine and supervise them",
@@ -40,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "After --, the learner command: M copies of your script (e.g. -- python train.py ARGS) "
                     "that call ddiloco.session, each told its place in the run by DDILOCO_* environment "
                     "variables (docs/your_model.md); without one, the built-in TinyGPT learner. "
-                    "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run.")
+                    "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run. --ray runs them "
+                    "as Ray actors, on a cluster or a Ray instance started here (docs/clusters.md).")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -76,6 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no live table: one line per learner event (automatic when stdout is not a terminal)")
     parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
+    add_ray_flags(parser)
     add_run_config_flags(parser)
 
 
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     from ddiloco.metrics import JsonlSink
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, LaunchConfig, Launcher, RunPaths, write_json_atomic
     from ddiloco.runtime.progress import ProgressView
+    from ddiloco.runtime.ray_options import ray_options_from_args
     from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
 
@@ -142,11 +147,16 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         raise ValueError(f"--init {args.init}: no such file")
     script = tuple(getattr(args, "script", ()) or ())
     devices = tuple(d.strip() for d in args.device.split(","))
+    ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
+    if ray_options is not None and ray_options.gpus_per_learner > 0:
+        devices = ("cuda",)  # the GPUs Ray makes visible to each learner's actor
     run_dir, config = _resolve(args)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // config.num_learners)
+    threads = args.threads or (ray_options.learner_threads if ray_options is not None
+                               else max(1, (os.cpu_count() or 1) // config.num_learners))
     evaluate = args.evaluate if args.evaluate is not None else not script
     launch = LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads,
-                          bind=args.bind or LaunchConfig.bind, link=args.link,
+                          bind=args.bind or (ray_options.default_bind if ray_options else LaunchConfig.bind),
+                          link=args.link,
                           command=tuple(command) if command is not None else DEFAULT_COMMAND,
                           script=script, devices=devices, evaluator=evaluate, eval_every_s=args.eval_every_s,
                           seed=config.seed, checkpoint_every_s=args.checkpoint_every_s,
@@ -172,7 +182,11 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
 
     supervisor_config = supervisor_config or SupervisorConfig(standby_learners=args.standby_learners,
                                                               standby_syncer=args.standby_syncer)
-    supervisor = Supervisor(supervisor_config, launcher=launcher, on_event=on_event)
+    if ray_options is not None:
+        from ddiloco.runtime.ray_supervisor import RaySupervisor
+        supervisor = RaySupervisor(supervisor_config, launcher=launcher, options=ray_options, on_event=on_event)
+    else:
+        supervisor = Supervisor(supervisor_config, launcher=launcher, on_event=on_event)
     progress = ProgressView(paths, supervisor, console=console,
                             live=not args.no_progress and console.is_terminal)
     progress_holder.append(progress)

@@ -1,0 +1,238 @@
+"""One role of a run (the syncer, learner N, the evaluator) as a Ray actor that runs its process.
+
+The actor starts exactly the process the local launcher would (`Launcher`: the same command line and
+`DDILOCO_*` environment, its own process group, its log in `DIR/logs/`, SIGTERM when the actor dies) and
+watches it. When the process dies in a way the local supervisor would restart (a crash, a signal, a
+syncer that never served), the actor ends its own worker process (`os._exit`), so that **Ray** restarts
+the role: `max_restarts` counts the restarts, and Ray places the new actor wherever the role's resources
+are free, on another node if its node is gone, which a watcher restarting in place could never do. The
+new incarnation SIGKILLs what is left of the old process group on this node before it starts again, so
+two processes never hold one learner id. An exit that a restart would not change (a learner done, exit 0;
+refused, 3; a usage error, 2) is kept and reported by `status()`: the driver ends the actor.
+
+Where the syncer serves is found through Ray: the syncer actor answers `address()` with the HOST:PORT its
+process wrote to `syncer.json` (a wildcard bind replaced by its node's address), and every learner actor
+asks it at each start. A restarted syncer binds the port it had, so running learners reconnect by
+themselves. `DIR/launcher/ray/NAME.json` carries a role's incarnation count, pid, node, address and last
+exit code from one incarnation to the next (the run directory is shared by every node, docs/clusters.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddiloco.runtime.launcher import (
+    DEFAULT_COMMAND,
+    WILDCARD_HOSTS,
+    ChildProcess,
+    LaunchConfig,
+    Launcher,
+    RunPaths,
+    process_group_alive,
+    read_json,
+    stop_processes,
+    with_port,
+    write_json_atomic,
+)
+from ddiloco.runtime.supervisor import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
+
+logger = logging.getLogger(__name__)
+
+WATCH_POLL_S = 0.1
+"""How often the actor looks at its process (and, for the syncer, at syncer.json)."""
+ADDRESS_WAIT_S = 5.0
+"""One wait for the syncer actor's answer; a learner asks again until `RoleSpec.syncer_wait_s`."""
+EXIT_RESTART = 75
+"""The actor worker's own exit status when it ends itself for Ray to restart the role (EX_TEMPFAIL)."""
+REAP_TIMEOUT_S = 10.0
+"""SIGTERM -> SIGKILL wait for a process this actor gives up on (a syncer that never served, a leftover group)."""
+LEARNER = "learner"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSpec:
+    """What one actor runs. Frozen: Ray hands the same spec to every incarnation."""
+
+    role: str
+    """`syncer`, `learner` or `evaluator`."""
+    name: str
+    """`syncer`, `learner-N`, `evaluator`: its log file and state file names."""
+    launch: LaunchConfig
+    """The run's launch config, as the local launcher gets it (run_dir absolute)."""
+    session: str
+    """This `ddiloco run` session's id: a state file from an earlier session is not this role's history."""
+    learner_id: int = 0
+    bind: str = "127.0.0.1:0"
+    """The syncer's listen address (its first incarnation's port; later ones keep the port they got)."""
+    cwd: str = ""
+    """The driver's working directory: the learner command's relative paths mean the same here."""
+    syncer_start_timeout_s: float = 120.0
+    """Longest the syncer's process may take to serve before it is killed and the role restarted."""
+    syncer_wait_s: float = 120.0
+    """Longest a learner's actor waits for the syncer's address before its role is restarted."""
+    syncer_actor: str = ""
+    """The Ray name of the run's syncer actor, which a learner's actor asks where the syncer serves (by name,
+    not by handle: an actor's constructor arguments must survive its restarts)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in (SYNCER, LEARNER, EVALUATOR):
+            raise ValueError(f"role={self.role!r} is invalid: expected syncer, learner or evaluator")
+        if not Path(self.launch.run_dir).is_absolute():
+            raise ValueError(f"launch.run_dir={self.launch.run_dir} is invalid: every node needs an absolute path")
+
+
+def restarts_after(role: str, code: int) -> bool:
+    """Whether a process of `role` that exited with `code` is brought back (the local supervisor's rules)."""
+    if code in (EXIT_USAGE, EXIT_REFUSED):
+        return False
+    return not (role != SYNCER and code == EXIT_DONE)
+
+
+class RoleActor:
+    """The body of the Ray actor (`ray.remote(RoleActor)`, made by the driver). See the module docstring."""
+
+    def __init__(self, spec: RoleSpec) -> None:
+        import ray
+
+        self.spec = spec
+        command = spec.launch.command
+        if command == DEFAULT_COMMAND or command[1:] == DEFAULT_COMMAND[1:]:
+            command = (sys.executable, *DEFAULT_COMMAND[1:])  # this node's interpreter, not the driver's path
+        self.launcher = Launcher(dataclasses.replace(spec.launch, command=command))
+        self.paths = RunPaths(Path(spec.launch.run_dir))
+        self.state_path = self.paths.root / "launcher" / "ray" / f"{spec.name}.json"
+        self.node = ray.util.get_node_ip_address()
+        previous = read_json(self.state_path) or {}
+        if previous.get("session") != spec.session:
+            previous = {}
+        self.previous = previous
+        self.incarnation = int(previous.get("incarnation", -1)) + 1
+        self._reap(previous)
+        if spec.cwd and Path(spec.cwd).is_dir():
+            os.chdir(spec.cwd)
+        self._stopping = False
+        self._address: str | None = None
+        self.syncer_address = self._wait_for_syncer() if spec.role != SYNCER else None
+        # Started from the actor's main thread: PR_SET_PDEATHSIG fires when that thread (the worker) dies.
+        self.child = self._start_child()
+        self._write_state()
+        threading.Thread(target=self._watch, name=f"watch-{spec.name}", daemon=True).start()
+
+    # ---- start -----------------------------------------------------------------------------------------
+
+    def _reap(self, previous: dict[str, Any]) -> None:
+        """SIGKILL the previous incarnation's process group if it still runs here (its actor was killed, and
+        the SIGTERM it got may still be saving): a learner id must never have two processes."""
+        pid = previous.get("pid")
+        if not isinstance(pid, int) or previous.get("node") != self.node or not process_group_alive(pid):
+            return
+        logger.warning("[%s] the previous process group %d still runs: SIGKILL", self.spec.name, pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        while process_group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(WATCH_POLL_S)
+
+    def _wait_for_syncer(self) -> str:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        syncer = ray.get_actor(self.spec.syncer_actor)
+        deadline = time.monotonic() + self.spec.syncer_wait_s
+        while time.monotonic() < deadline:
+            try:
+                address = ray.get(syncer.address.remote(), timeout=ADDRESS_WAIT_S)
+            except (RayActorError, GetTimeoutError):
+                # Being restarted (Ray raises ActorDiedError then too); gone for good, the driver ends the run.
+                address = None
+            if address:
+                return address
+            time.sleep(WATCH_POLL_S)
+        logger.warning("[%s] no syncer address after %.0f s: restarting", self.spec.name, self.spec.syncer_wait_s)
+        os._exit(EXIT_RESTART)
+
+    def _start_child(self) -> ChildProcess:
+        spec, launcher = self.spec, self.launcher
+        if spec.role == SYNCER:
+            bind = spec.bind
+            old = self.previous.get("address")
+            if isinstance(old, str) and self.previous.get("node") == self.node:
+                bind = with_port(bind, int(old.rpartition(":")[2]))  # learners reconnect where it was
+            return launcher.start_syncer(bind)
+        assert self.syncer_address is not None
+        if spec.role == EVALUATOR:
+            argv = launcher.evaluator_argv(self.syncer_address)
+            env = launcher.learner_env(0, self.syncer_address, role=EVALUATOR)
+        else:
+            argv = launcher.learner_argv(spec.learner_id, self.syncer_address)
+            env = launcher.learner_env(spec.learner_id, self.syncer_address)
+        return launcher.start(spec.name, argv, launcher.config.threads, env_extra=env)
+
+    def _write_state(self, **extra: Any) -> None:
+        write_json_atomic(self.state_path, {"session": self.spec.session, "incarnation": self.incarnation,
+                                            "pid": self.child.pid, "node": self.node, "address": self._address,
+                                            "worker_pid": os.getpid(), **extra})
+
+    # ---- watch -----------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        started = time.monotonic()
+        while (code := self.child.poll()) is None:
+            if self.spec.role == SYNCER and self._address is None:
+                self._address = self._served_address()
+                if self._address is not None:
+                    self._write_state()
+                elif time.monotonic() - started > self.spec.syncer_start_timeout_s:
+                    logger.warning("[syncer] not serving after %.0f s: restarting", self.spec.syncer_start_timeout_s)
+                    stop_processes([self.child], REAP_TIMEOUT_S)
+                    code = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
+                    break
+            time.sleep(WATCH_POLL_S)
+        if self._stopping or not restarts_after(self.spec.role, code):
+            return  # stopped on purpose, or final: status() reports it, the driver ends the actor
+        self._write_state(exit_code=code, log_tail=self.child.log_tail())
+        logger.warning("[%s] process %d exited with %s: ending the actor for Ray to restart it",
+                       self.spec.name, self.child.pid, code)
+        os._exit(EXIT_RESTART)
+
+    def _served_address(self) -> str | None:
+        bound = self.launcher.syncer_address(self.child.pid)
+        if bound is None:
+            return None
+        host, _, port = bound.rpartition(":")
+        return f"{self.node}:{port}" if host in WILDCARD_HOSTS else bound
+
+    # ---- the driver's calls ------------------------------------------------------------------------------
+
+    def address(self) -> str | None:
+        """Where learners dial this syncer, once its process serves."""
+        return self._address
+
+    def status(self) -> dict[str, Any]:
+        """This incarnation, and `returncode` once its process has ended for good (an exit that brings the role
+        back is never reported: the actor is about to end itself for Ray to restart it)."""
+        code = self.child.returncode
+        if code is not None and not self._stopping and restarts_after(self.spec.role, code):
+            code = None
+        return {"name": self.spec.name, "incarnation": self.incarnation, "pid": self.child.pid, "node": self.node,
+                "worker_pid": os.getpid(), "address": self._address, "returncode": code,
+                "previous_exit": self.previous.get("exit_code") if self.incarnation > 0 else None,
+                "previous_log_tail": self.previous.get("log_tail") or [],
+                "log_tail": self.child.log_tail() if code is not None else []}
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM the process group, SIGKILL after `timeout_s`; its exit code."""
+        self._stopping = True
+        stop_processes([self.child], timeout_s)
+        return self.child.returncode

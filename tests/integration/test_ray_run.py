@@ -1,0 +1,142 @@
+"""`ddiloco run --ray` on a real local Ray instance: actors, a kill -9, Ray's restart, and nothing left behind.
+
+The run starts its own Ray instance (`ray.init(num_cpus=...)`, the launcher's local start) with a syncer
+actor and two learner actors, each running the same `ddiloco` process the local launcher runs. A kill -9
+of learner 1's process makes its actor end itself, Ray restarts the actor (a new actor worker process),
+and the new learner process resumes and contributes to rounds again. After a Ctrl-C every process the run
+had (Ray's GCS, raylet, agents and workers, and the ddiloco children) is gone. Skipped only where Ray is
+not installed (`pip install ddiloco[ray]`; CI installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddiloco.checkpoint import RoundLog
+from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.runtime.ray_cluster import descendants, still_running
+
+pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).parents[2]
+WAIT_S = 180.0
+"""Hard limit on one wait: Ray's start and three processes importing torch on a loaded 2-core machine."""
+POLL_S = 0.1
+TINY = ["--model-width", "32", "--model-num-heads", "2", "--model-num-layers", "1", "--model-context-len", "32",
+        "--data-context-len", "32", "--data-batch-size", "4", "--num-fragments", "2", "--sync-every", "8",
+        "--threads", "1", "--checkpoint-every-s", "1"]
+
+
+class RunWatch:
+    """`ddiloco run --ray` as a real process, and every descendant it has had (seen at each poll)."""
+
+    def __init__(self, run_dir: Path, *flags: str) -> None:
+        self.run_dir = run_dir
+        self.seen: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        # Its own session, like a job started from a shell: a signal sent to it reaches only it.
+        self.popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--ray", "--run-dir", str(run_dir),
+                                       "--no-progress", *TINY, *flags], cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def note(self) -> None:
+        for pid, started in descendants(self.popen.pid).items():
+            if pid not in self.seen:
+                self.seen[pid] = started
+                try:
+                    self.names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                except OSError:
+                    self.names[pid] = "?"
+
+    def wait_for(self, condition, what: str):
+        deadline = time.monotonic() + WAIT_S
+        while not (value := condition()):
+            self.note()
+            if self.popen.poll() is not None:
+                pytest.fail(f"ddiloco run exited ({self.popen.returncode}) while waiting for {what}:\n"
+                            f"{self.popen.communicate()[0]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {WAIT_S} s waiting for {what}")
+            time.sleep(POLL_S)
+        return value
+
+    def finish(self) -> str:
+        """SIGINT, then its output once it has ended. Never leaves it running."""
+        try:
+            if self.popen.poll() is None:
+                self.popen.send_signal(signal.SIGINT)
+            return self.popen.communicate(timeout=WAIT_S)[0]
+        finally:
+            if self.popen.poll() is None:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+
+
+def learner_status(run_dir: Path, learner_id: int) -> dict:
+    return read_json(RunPaths(run_dir).learner_status(learner_id)) or {}
+
+
+def work(run_dir: Path, learner_id: int) -> list[dict]:
+    path = RunPaths(run_dir).learner_dir(learner_id) / "work.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def contributions(run_dir: Path, learner_id: int) -> list[int]:
+    """The inner steps of learner `learner_id`'s updates merged in committed rounds."""
+    return [p["inner_step"] for line in RoundLog(run_dir).lines() for p in line["participants"]
+            if p["learner_id"] == learner_id]
+
+
+def actor_state(run_dir: Path, name: str) -> dict:
+    return read_json(RunPaths(run_dir).root / "launcher" / "ray" / f"{name}.json") or {}
+
+
+@pytest.mark.timeout(600)
+def test_a_kill9_learner_is_restarted_by_ray_contributes_again_and_nothing_is_left(tmp_path):
+    run_dir = tmp_path / "run"
+    run = RunWatch(run_dir, "--learners", "2", "--inner-steps", "1000000", "--no-evaluate")
+    try:
+        run.wait_for(lambda: contributions(run_dir, 1) and actor_state(run_dir, "learner-1").get("pid")
+                     == learner_status(run_dir, 1).get("pid"), "learner 1 to contribute")
+        before = actor_state(run_dir, "learner-1")
+        victim = before["pid"]
+        os.kill(victim, signal.SIGKILL)
+        after = run.wait_for(lambda: (s := actor_state(run_dir, "learner-1")).get("incarnation") == 1
+                             and s.get("pid") != victim and s, "Ray to restart learner 1's actor")
+        # A new actor worker process (Ray's restart), not the old actor starting a second child.
+        assert after["worker_pid"] != before["worker_pid"]
+        run.wait_for(lambda: learner_status(run_dir, 1).get("pid") == after["pid"]
+                     and learner_status(run_dir, 1).get("state") == "training", "the new learner 1 to train")
+        # Past every inner step the killed process ever published at: only the new process's work.
+        starts = [i for i, line in enumerate(work(run_dir, 1)) if line["event"] == "start"]
+        assert len(starts) == 2
+        killed_reached = max((line["inner_step"] for line in work(run_dir, 1)[:starts[1]]
+                              if line["event"] == "publish"), default=-1)
+        run.wait_for(lambda: max(contributions(run_dir, 1)) > killed_reached,
+                     "a round merging the restarted learner's update")
+        run.note()
+    finally:
+        out = run.finish()
+    assert run.popen.returncode == 128 + signal.SIGINT, out
+    summary = read_json(RunPaths(run_dir).summary)
+    assert summary["outcome"] == "interrupted"
+    assert summary["learners"]["1"]["restarts"] == 1 and summary["learners"]["0"]["restarts"] == 0
+    assert summary["syncer"]["restarts"] == 0
+    ray_processes = [name for name in run.names.values() if "raylet" in name or "gcs_server" in name]
+    assert len(ray_processes) >= 2, run.names  # the snapshot saw Ray's own processes, not only ddiloco's
+    deadline = time.monotonic() + WAIT_S
+    while still_running(run.seen) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    left = {pid: run.names[pid] for pid in still_running(run.seen)}
+    assert not left, f"processes left behind: {left}"

@@ -1,0 +1,52 @@
+"""examples/slurm/: the sbatch recipe parses (and passes shellcheck where it is installed), and its restart
+loop brings a process back exactly when `ddiloco run`'s supervisor would (docs/clusters.md)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SLURM = Path(__file__).parents[2] / "examples" / "slurm"
+SCRIPTS = [SLURM / "ddiloco.sbatch", SLURM / "restart.sh"]
+TIMEOUT_S = 60
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_slurm_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=TIMEOUT_S)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_slurm_scripts_pass_shellcheck(script):
+    result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout
+
+
+def restart(role: str, command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SLURM / "restart.sh"), role, "bash", "-c", command], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_a_usage_error_or_a_refusal_is_not_restarted(tmp_path, code):
+    result = restart("learner", f"echo run >> runs; exit {code}", tmp_path)
+    assert result.returncode == code
+    assert (tmp_path / "runs").read_text().count("run") == 1
+
+
+def test_a_crashed_learner_is_restarted_until_it_is_done(tmp_path):
+    # The first run is killed (SIGKILL, as by kill -9), the second finishes.
+    result = restart("learner", "echo run >> runs; [ $(wc -l < runs) -ge 2 ] || kill -9 $$", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "runs").read_text().count("run") == 2
+    assert "learner exited with 137" in result.stderr and "restarting in 1 s" in result.stderr
+
+
+def test_a_syncer_that_exits_0_by_itself_is_restarted(tmp_path):
+    result = restart("syncer", "echo run >> runs; [ $(wc -l < runs) -ge 2 ] && exit 3; exit 0", tmp_path)
+    assert result.returncode == 3
+    assert (tmp_path / "runs").read_text().count("run") == 2
