@@ -2,7 +2,6 @@
 
     .venv/bin/python benchmarks/bench_syncer.py core [--params 16M,128M] [--learners 8] [--threads 1,2]
     .venv/bin/python benchmarks/bench_syncer.py core --params 1B --fragments 24
-    .venv/bin/python benchmarks/bench_syncer.py fleet [--learners 128] [--processes 4] [--rounds 20]
 
 `core`: the syncer core's work per round, against the memory-bound floor measured in the same run. A
 model of `params` float32 parameters in `fragments` fragments, `learners` learners, int4 uplink, int8
@@ -14,9 +13,8 @@ learner-values (`learners` x fragment size float32 values added into one accumul
 repeats, measured in the same process between the rounds, at the same torch thread count. Targets: at
 most 4x the floor per value on one thread, and at least 1.7x faster on 2 threads than on 1.
 
-`fleet`: `learners` lightweight learners (asyncio clients in `processes` processes: 128 Python processes
-with torch do not fit 2 cores and 24 GiB) against one real syncer process over gRPC on 127.0.0.1. See
-`bench_fleet.py`, which this subcommand runs.
+The fleet of 128 learners over real gRPC is `bench_fleet.py`; the downlink's fragment throughput is
+`bench_runtime.py --only bench_grpc_fragment_throughput`.
 """
 
 from __future__ import annotations
