@@ -23,8 +23,8 @@ def _absmax(tensor: torch.Tensor) -> float:
     bool per value and is about twenty times slower."""
     if tensor.numel() == 0:
         return 0.0
-    low, high = torch.aminmax(tensor)
-    return max(float(high), -float(low)) if not (math.isnan(low) or math.isnan(high)) else math.nan
+    low, high = (float(v) for v in torch.aminmax(tensor))  # NaN propagates into both, Inf into one
+    return math.nan if math.isnan(low) or math.isnan(high) else max(high, -low)
 
 
 class OuterOptimizer:
