@@ -10,7 +10,8 @@ every learner's update decoded and checked (`decode_payload`, what the wire laye
 service's lock), then handed to the core (`Syncer.receive`: added to the round's running sums; the last one
 closes the round: merge, outer step, downlink change). The floor is one `add_` pass over the same number of
 learner-values (`learners` x fragment size float32 values added into one accumulator), best of the same
-repeats, measured in the same process between the rounds, at the same torch thread count. Targets: at
+repeats, measured in the same process between the rounds, at the same torch thread count. Rounds are timed
+after one warm-up round per fragment (its first outer step allocates the momentum and touches the residual). Targets: at
 most 4x the floor per value on one thread, and at least 1.7x faster on 2 threads than on 1.
 
 The fleet of 128 learners over real gRPC is `bench_fleet.py`; the downlink's fragment throughput is
@@ -123,14 +124,13 @@ def bench_core(params_list: list[int], fragments: int, learners: int, threads_li
           f"{'floor s':>8} {'x floor':>7} {'Mvalues/s':>9}")
     for params in params_list:
         case = CoreCase(params, fragments, learners)
-        case.round()  # warm: the outer momentum and the downlink residual of fragment 0 are allocated
+        for _ in range(fragments):  # warm: every fragment's momentum and residual pages are touched once
+            case.round()
         best: dict[int, float] = {}
         for threads in threads_list:
             torch.set_num_threads(threads)
             rounds, floors = [], []
             for _ in range(repeats):
-                # A full cycle of fragments first would allocate every momentum buffer; the first cycle's rounds
-                # include that page-faulting, so the best of several rounds is the steady state.
                 decode_s, core_s = case.round()
                 rounds.append((decode_s + core_s, decode_s, core_s))
                 floors.append(case.floor())
