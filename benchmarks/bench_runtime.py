@@ -16,6 +16,7 @@ command-line values its signature names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import multiprocessing
@@ -183,7 +184,9 @@ def _fragment_server(case: str, count: int, port_queue, stop) -> None:
                 for i in range(count):
                     while subscription.pending() >= ahead and not subscription.closed:
                         time.sleep(1e-4)
-                    subscription.put(states[i % len(states)])
+                    # A new message each time, as each round's broadcast is: the server encodes a message once and
+                    # shares its chunks between the streams that send it (`SharedChunks`).
+                    subscription.put(dataclasses.replace(states[i % len(states)]))
                 subscription.close()
 
             threading.Thread(target=feed, daemon=True).start()

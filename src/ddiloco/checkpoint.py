@@ -334,7 +334,8 @@ def round_record_from_json(line: dict[str, Any], merged: dict[str, torch.Tensor]
                            for p in line["participants"]), merged=merged,
         opened_at=float(line["opened_at"]), quorum_at=float(line["quorum_at"]),
         closed_at=float(line["closed_at"]), grace_s=float(line["grace_s"]),
-        rejections=tuple((int(i), str(r)) for i, r in line.get("rejections", ())))
+        rejections=tuple((int(i), str(r)) for i, r in line.get("rejections", ())),
+        summed=tuple(int(i) for i in line.get("summed", ())))
 
 
 class RoundLog:

@@ -88,8 +88,14 @@ class Codec(Protocol):
         """Any floating dtype and shape (flattened row-major); raises NonFiniteError on NaN/Inf."""
         ...
 
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
-        """A new float32 CPU tensor of `shape`; ValueError if len(data) != encoded_nbytes(numel)."""
+    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A float32 CPU tensor of `shape`; ValueError if len(data) != encoded_nbytes(numel). A new tensor, or with
+        `out` (a contiguous float32 tensor of at least `buffer_numel(numel)` values, reused from call to call) a
+        view of it: a fresh buffer the size of a large tensor costs more in page faults than decoding into it."""
+        ...
+
+    def buffer_numel(self, numel: int) -> int:
+        """How many float32 values an `out` buffer for decoding `numel` values must hold."""
         ...
 
     def encoded_nbytes(self, numel: int) -> int:
@@ -152,10 +158,30 @@ def _payload(codec: Codec, data: bytes, numel: int) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=np.uint8)
 
 
+def _buffer(out: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """The first `numel` values of `out` (checked), or a new float32 tensor when there is none."""
+    if out is None:
+        return torch.empty(numel, dtype=torch.float32)
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < numel or out.device.type != "cpu":
+        raise TypeError(f"out must be a contiguous float32 CPU tensor of at least {numel} values, got "
+                         f"{out.dtype} with {out.numel()} values")
+    return out.view(-1)[:numel]
+
+
+def _into(out: torch.Tensor | None, decoded: torch.Tensor) -> torch.Tensor:
+    """`decoded`, or its values copied into `out` (formats whose decoding allocates anyway)."""
+    if out is None:
+        return decoded
+    return _buffer(out, decoded.numel()).copy_(decoded.reshape(-1)).view(decoded.shape)
+
+
 class Fp32Codec:
     """Raw float32: lossless, 32 bits/value. The identity codec, i.e. "compression off"."""
 
     name = "fp32"
+
+    def buffer_numel(self, numel: int) -> int:
+        return _check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
         return 4 * _check_numel(numel)
@@ -165,16 +191,19 @@ class Fp32Codec:
         _finite_absmax(x)
         return x.numpy().astype(FLOAT32_LE, copy=False).tobytes()
 
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
         dims, numel = _shape_numel(shape)
         values = _payload(self, data, numel).view(FLOAT32_LE).astype(np.float32, copy=False)
-        return torch.from_numpy(values).view(dims)
+        return _into(out, torch.from_numpy(values).view(dims))
 
 
 class Bf16Codec:
     """bfloat16, round to nearest even: relative error <= 2^-8, 16 bits/value."""
 
     name = "bf16"
+
+    def buffer_numel(self, numel: int) -> int:
+        return _check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
         return 2 * _check_numel(numel)
@@ -185,10 +214,10 @@ class Bf16Codec:
             x = x.clamp(-BF16_MAX, BF16_MAX)
         return x.to(torch.bfloat16).view(torch.int16).numpy().astype(INT16_LE, copy=False).tobytes()
 
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
         dims, numel = _shape_numel(shape)
         bits = _payload(self, data, numel).view(INT16_LE).astype(np.int16, copy=False)
-        return torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32).view(dims)
+        return _into(out, torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32).view(dims))
 
 
 class Fp8Codec:
@@ -198,6 +227,9 @@ class Fp8Codec:
     float32 rounding."""
 
     name = "fp8"
+
+    def buffer_numel(self, numel: int) -> int:
+        return _check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
         return SCALE_NBYTES + _check_numel(numel)
@@ -212,12 +244,12 @@ class Fp8Codec:
         torch.from_numpy(out[SCALE_NBYTES:]).view(torch.float8_e4m3fn).copy_(x / divisor)
         return out.tobytes()
 
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
         dims, numel = _shape_numel(shape)
         raw = _payload(self, data, numel)
         scale = float(raw[:SCALE_NBYTES].view(FLOAT32_LE)[0])
         codes = torch.from_numpy(raw[SCALE_NBYTES:]).view(torch.float8_e4m3fn)
-        return codes.to(torch.float32).mul_(scale).view(dims)
+        return _into(out, codes.to(torch.float32).mul_(scale).view(dims))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +313,9 @@ class _BlockCodec:
         num_blocks, num_code_bytes = self._counts(_check_numel(numel))
         return SCALE_NBYTES * num_blocks + num_code_bytes
 
+    def buffer_numel(self, numel: int) -> int:
+        return self._counts(_check_numel(numel))[0] * self.block_size
+
     def encode(self, tensor: torch.Tensor) -> bytes:
         x = _flat_float32(tensor)
         numel, size = x.numel(), self.block_size
@@ -322,7 +357,7 @@ class _BlockCodec:
         torch.from_numpy(out[scale_nbytes:]).copy_(packed[:num_code_bytes])  # exact: integers <= 255
         return out.tobytes()
 
-    def decode(self, data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
         dims, numel = _shape_numel(shape)
         raw = _payload(self, data, numel)
         num_blocks, num_code_bytes = self._counts(numel)
@@ -331,7 +366,7 @@ class _BlockCodec:
         codes = torch.from_numpy(raw[scale_nbytes:])
 
         # Padded to whole blocks; the result is a view of its first numel values (no copy to trim).
-        out = torch.empty(num_blocks * self.block_size, dtype=torch.float32)
+        out = _buffer(out, num_blocks * self.block_size)
         fields = out.view(-1, self.values_per_byte)
         mask = 2**self.bits - 1
         for k in range(self.values_per_byte):

@@ -30,6 +30,7 @@ This module owns the rule and the residuals. It knows nothing of rounds, learner
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -39,6 +40,7 @@ import torch
 from ddiloco.compression import NonFiniteError, get_codec
 from ddiloco.fragments import FragmentPlan
 from ddiloco.messages import FragmentDelta, FragmentState
+from ddiloco.update_values import DecodeBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +125,27 @@ class DeltaDownlink:
         self._shapes = dict(shapes)
         self._residual = {name: torch.zeros(shapes[name], dtype=torch.float32)
                           for names in plan.fragments for name in names}
+        # previous, change and decoded values live for one step: reused, since a fresh buffer the size of a large
+        # tensor costs more in page faults than the arithmetic done in it.
+        self._buffers = DecodeBuffers()
+
+    def _buffer(self, name: str, numel: int | None = None) -> torch.Tensor:
+        shape = self._shapes[name]
+        return self._buffers.take(math.prod(shape) if numel is None else numel)
 
     def before_step(self, fragment: int, tensors: Tensors) -> dict[str, torch.Tensor]:
         names = self._plan.fragments[fragment]
-        return {name: tensors[name].detach().to("cpu", torch.float32, copy=True) for name in names}
+        return {name: self._buffer(name)[:tensors[name].numel()].view(self._shapes[name]).copy_(tensors[name])
+                for name in names}
 
     @torch.no_grad()
     def after_step(self, fragment: int, version: int, previous: dict[str, torch.Tensor] | None,
                    tensors: Tensors) -> FragmentState | FragmentDelta:
         assert previous is not None, "before_step first"
         names = self._plan.fragments[fragment]
-        changes = {name: torch.sub(tensors[name], previous[name]).add_(self._residual[name]) for name in names}
+        changes = {name: torch.sub(tensors[name], previous[name],
+                                   out=self._buffer(name)[:tensors[name].numel()].view(self._shapes[name]))
+                   .add_(self._residual[name]) for name in names}
         try:
             payload = {name: self._codec.encode(changes[name]) for name in names}
         except NonFiniteError as exc:
@@ -143,15 +155,23 @@ class DeltaDownlink:
                            fragment, version, exc)
             for name in names:
                 self._residual[name].zero_()
+            self._give_back(previous, changes)
             return ExactDownlink().after_step(fragment, version, None, tensors)
-        rebuilt = {}
         for name in names:
-            decoded = self._codec.decode(payload[name], self._shapes[name])
-            rebuilt[name] = rebuild_tensor(previous[name], decoded)
-            self._residual[name] = changes[name].sub_(decoded)
-            tensors[name].copy_(rebuilt[name])
+            numel = tensors[name].numel()
+            out = self._buffer(name, self._codec.buffer_numel(numel))
+            decoded = self._codec.decode(payload[name], self._shapes[name], out=out)
+            # rebuild_tensor's arithmetic (torch.add of the same operands), written into the global tensor itself.
+            torch.add(previous[name], decoded, out=tensors[name])
+            torch.sub(changes[name], decoded, out=self._residual[name])
+            self._buffers.give([out])
+        self._give_back(previous, changes)
         return FragmentDelta(fragment, version, version - 1, self._codec.name, payload,
-                             fragment_checksum(rebuilt, names))
+                             fragment_checksum(tensors, names))
+
+    def _give_back(self, *buffers: dict[str, torch.Tensor]) -> None:
+        for group in buffers:
+            self._buffers.give([t.view(-1) for t in group.values()])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self._residual.items()}

@@ -10,8 +10,9 @@
   vector of the weighted mean of the unit directions. Embedding tensors are not near-orthogonal
   across learners and use the plain weighted mean.
 
-Everything here is a pure function of tensors and weights; float32 accumulation, with the norms in
-float64 (a float32 norm of values near 1e20 overflows, and inf / inf makes a finite round NaN).
+Everything here is a pure function of tensors and weights. The arithmetic (float32 sums in a stated order,
+float64 scalars, the norms of `ddiloco.update_values.l2_norm`) is that of the syncer's streaming merge,
+`ddiloco.round_sum`, which adds each update to the round's sums as it arrives.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+
+from ddiloco.messages import DecodedTensor
+from ddiloco.round_sum import MERGE_METHODS, RoundSum
+from ddiloco.update_values import l2_norm
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -57,58 +62,37 @@ def cap_weights(weights: Sequence[float], max_ratio: float) -> list[float]:
     return [min(float(w), limit) for w in weights]
 
 
-def _normalised(weights: Sequence[float], count: int) -> list[float] | None:
-    if len(weights) != count:
-        raise ValueError(f"got {count} tensors but {len(weights)} weights")
-    if count == 0:
+def _checked(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+    if len(weights) != len(deltas):
+        raise ValueError(f"got {len(deltas)} tensors but {len(weights)} weights")
+    if not deltas:
         raise ValueError("cannot merge zero tensors")
     if any(w < 0 for w in weights):
         raise ValueError(f"weights must be >= 0, got {list(weights)}")
-    total = float(sum(weights))
-    if total == 0.0:
-        return None
-    return [float(w) / total for w in weights]
 
 
 def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum_i w_i v_i / sum_i w_i (zeros when every weight is 0)."""
-    share = _normalised(weights, len(deltas))
-    out = torch.zeros_like(deltas[0], dtype=torch.float32)
-    if share is None:
-        return out
-    for delta, w in zip(deltas, share, strict=True):
-        if w:
-            out.add_(delta, alpha=w)
-    return out
+    """sum_i w_i v_i / sum_i w_i (zeros when every weight is 0), summed as `ddiloco.round_sum` says."""
+    _checked(deltas, weights)
+    return merge_round([{"v": d} for d in deltas], weights, method="mean")["v"]
 
 
 def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Radial-directional average: (sum w|v| / sum w) * unit(sum w v/|v|).
+    """Radial-directional average: (sum w|v| / sum w) * unit(sum w v/|v|), summed as `ddiloco.round_sum` says.
 
     Zero vectors add to the mean norm (with norm 0) but contribute no direction; if every vector is
     zero, or the directions cancel exactly, the result is zero.
     """
-    share = _normalised(weights, len(deltas))
-    out = torch.zeros_like(deltas[0], dtype=torch.float32)
-    if share is None:
-        return out
-    mean_norm = 0.0
-    # One pass for the norms, one for the direction sum: the merge is bandwidth-bound.
-    norms = [float(torch.linalg.vector_norm(d, dtype=torch.float64)) for d in deltas]
-    for delta, w, norm in zip(deltas, share, norms, strict=True):
-        mean_norm += w * norm
-        if w and norm > 0.0:
-            out.add_(delta, alpha=w / norm)
-    direction_norm = float(torch.linalg.vector_norm(out, dtype=torch.float64))
-    if direction_norm == 0.0:
-        return out.zero_()
-    return out.mul_(mean_norm / direction_norm)
+    _checked(deltas, weights)
+    return merge_round([{"v": d} for d in deltas], weights, method="rda")["v"]
 
 
 def merge_round(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *,
                 method: str = "rda", embeddings: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """Merge per tensor: RDA (or the weighted mean when method='mean'); embeddings by weighted mean."""
-    if method not in ("rda", "mean"):
+    """Merge per tensor: RDA (or the weighted mean when method='mean'); embeddings by weighted mean. The
+    updates are summed in list order, with exactly the arithmetic of the syncer's streaming merge
+    (`ddiloco.round_sum.RoundSum`), so this is its batch reference, bit for bit."""
+    if method not in MERGE_METHODS:
         raise ValueError(f"method={method!r} is invalid: expected 'rda' or 'mean'")
     if not updates:
         raise ValueError("cannot merge a round with no updates")
@@ -116,14 +100,12 @@ def merge_round(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     for update in updates[1:]:
         if list(update) != names:
             raise ValueError("updates of one round must carry the same tensors in the same order")
-    merged = {}
-    for name in names:
-        deltas = [update[name] for update in updates]
-        if method == "rda" and name not in embeddings:
-            merged[name] = rda(deltas, weights)
-        else:
-            merged[name] = weighted_mean(deltas, weights)
-    return merged
+    _checked(list(updates), weights)
+    summed = RoundSum(names, method=method, embeddings=embeddings)
+    for i, (update, weight) in enumerate(zip(updates, weights, strict=True)):
+        values = {name: update[name].to(torch.float32) for name in names}
+        summed.add(i, {name: DecodedTensor(v, l2_norm(v)) for name, v in values.items()}, float(weight))
+    return summed.result({name: updates[0][name].shape for name in names})
 
 
 def period_share(counts: Sequence[tuple[int, int, bool]], sync_every: int) -> float:

@@ -112,6 +112,15 @@ class Join:
 
 
 @dataclass(frozen=True)
+class DecodedTensor:
+    """One tensor of an update, decoded once and checked: float32 values, all finite, and their L2 norm."""
+
+    values: torch.Tensor
+    norm: float
+    """||values||_2, computed in float64 (finite: a float32 value squared cannot overflow a float64)."""
+
+
+@dataclass(frozen=True)
 class Update:
     """A learner's pseudo-gradient for one fragment: base - local, encoded per tensor."""
 
@@ -131,6 +140,10 @@ class Update:
     final: bool = False
     """The learner's last work before it leaves (`Learner.flush`): like a late update, it rides in a
     round without making one, so learners finishing together are merged in one round."""
+    decoded: Mapping[str, DecodedTensor] | None = field(default=None, repr=False, compare=False)
+    """The payload already decoded and checked by the wire layer (`ddiloco.update_values.decode_payload`), outside
+    the syncer's lock; None: the syncer core decodes it. Never sent: the wire carries `payload`. The values may sit
+    in reused buffers: the core reads them during `Syncer.receive` and keeps no reference to them."""
 
     @property
     def payload_bytes(self) -> int:
@@ -259,13 +272,16 @@ class RoundRecord:
     grace_s: float
     rejections: tuple[tuple[int, str], ...] = ()
     """(learner_id, reason) of updates for this fragment rejected while the round was open."""
+    summed: tuple[int, ...] = ()
+    """The participants' learner ids in the order their updates were summed into `merged` (arrival order,
+    `ddiloco.round_sum`); empty in round logs written before it was recorded."""
 
     def to_json(self) -> dict:
         return {
             "round": self.round_index, "fragment": self.fragment, "version": self.version,
             "participants": [dataclasses.asdict(p) for p in self.participants],
             "opened_at": self.opened_at, "quorum_at": self.quorum_at, "closed_at": self.closed_at,
-            "grace_s": self.grace_s, "rejections": [list(r) for r in self.rejections],
+            "grace_s": self.grace_s, "rejections": [list(r) for r in self.rejections], "summed": list(self.summed),
         }
 
 

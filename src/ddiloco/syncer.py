@@ -43,10 +43,11 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
-from ddiloco.merge import cap_weights, merge_round, period_share, token_weight
+from ddiloco.merge import cap_weights, period_share, token_weight
 from ddiloco.messages import (
     SCHEMA_VERSION,
     Commit,
+    DecodedTensor,
     FragmentDelta,
     FragmentState,
     Heartbeat,
@@ -65,6 +66,8 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.outer import OuterOptimizer
+from ddiloco.round_sum import RoundSum
+from ddiloco.update_values import decode_payload, l2_norm
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,9 @@ class LearnerInfo:
 
 @dataclass
 class _Pending:
-    deltas: dict[str, torch.Tensor]
+    payloads: tuple[Mapping[str, bytes], ...]
+    """The update's encoded tensors; with a late update folded in, the held one's first. Kept (at int4 an eighth of
+    the decoded float32 values) so that a round can be summed again (`Syncer._merged`)."""
     base_version: int
     steps: int
     tokens: int
@@ -132,6 +137,8 @@ class _OpenRound:
     close_at: float | None = None
     grace_s: float = 0.0
     rejections: list[tuple[int, str]] = field(default_factory=list)
+    summed: RoundSum | None = None
+    """The round's running sums (`ddiloco.round_sum`), from its first update on."""
 
 
 @dataclass(frozen=True)
@@ -358,17 +365,22 @@ class Syncer:
             return RejectReason.DUPLICATE, f"already holds an update of this learner for fragment {p}"
         return None
 
-    def _decode(self, update: Update) -> dict[str, torch.Tensor] | tuple[RejectReason, str]:
-        deltas = {}
-        for name in self.plan.fragments[update.fragment]:
-            try:
-                delta = self._codec.decode(update.payload[name], self._shapes[name])
-            except ValueError as exc:
-                return RejectReason.MALFORMED, f"{name}: {exc}"
-            if not bool(torch.isfinite(delta).all()):
-                return RejectReason.NON_FINITE, f"{name} holds non-finite values"
-            deltas[name] = delta
-        return deltas
+    def _decode(self, update: Update) -> Mapping[str, DecodedTensor] | tuple[RejectReason, str]:
+        """The update's tensors decoded and checked: by the wire layer already (`Update.decoded`), or here."""
+        if update.decoded is not None:
+            assert sorted(update.decoded) == sorted(update.payload), "the wire layer decodes every tensor it passes"
+            return update.decoded
+        return decode_payload(self._codec, update.payload, self.plan.fragments[update.fragment], self._shapes)
+
+    def _decode_chain(self, payloads: Sequence[Mapping[str, bytes]], p: int) -> dict[str, DecodedTensor]:
+        """A held update's values again from its payloads (each checked when it arrived), a folded one's summed."""
+        total: dict[str, torch.Tensor] = {}
+        for payload in payloads:
+            decoded = decode_payload(self._codec, payload, self.plan.fragments[p], self._shapes)
+            assert not isinstance(decoded, tuple), "payloads are held only once checked"
+            total = {name: total[name] + t.values if total else t.values for name, t in decoded.items()}
+        # A folded sum of finite values can still overflow: its norm is then inf, and the round does not commit.
+        return {name: DecodedTensor(values, l2_norm(values)) for name, values in total.items()}
 
     def _on_update(self, update: Update, now: float) -> list[SyncerAction]:
         self.bytes_received += update.payload_bytes
@@ -383,20 +395,26 @@ class Syncer:
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
         open_round = self._open[update.fragment]
-        pending = _Pending(decoded, update.base_version, update.steps, update.tokens, update.inner_step, update.final)
+        pending = _Pending((update.payload,), update.base_version, update.steps, update.tokens, update.inner_step,
+                           update.final)
         held = open_round.updates.get(update.learner_id)
-        if held is not None:
+        if open_round.summed is None:
+            open_round.summed = RoundSum(self.plan.fragments[update.fragment], method=self.config.merge,
+                                         embeddings=self.plan.embeddings)
+        if held is None:
+            open_round.summed.add(update.learner_id, decoded, token_weight(update.tokens, update.steps))
+        else:
             folded = (*held.folded, (held.base_version, held.inner_step))
             if held.base_version < update.base_version:
                 # A late update still held, and new work from the next version (which overwrote the learner's
                 # fragment, so the two cover different steps): the round counts both, as one.
-                pending = _Pending({name: held.deltas[name] + delta for name, delta in decoded.items()},
-                                   update.base_version, held.steps + update.steps, held.tokens + update.tokens,
-                                   update.inner_step, update.final, folded)
+                pending = _Pending((*held.payloads, update.payload), update.base_version, held.steps + update.steps,
+                                   held.tokens + update.tokens, update.inner_step, update.final, folded)
             else:
                 # The same base: the same work continued (a pseudo-gradient is measured from the base), so it
                 # replaces the held one. `_validate` refused every other overlap.
                 pending = dataclasses.replace(pending, folded=folded)
+            open_round.summed.invalidate()  # the sums hold the replaced update: the round is summed again at its close
         open_round.updates[update.learner_id] = pending
         if open_round.first_at is None and update.base_version == self.versions[update.fragment] and not update.final:
             open_round.first_at = now  # the quorum time runs from the first update the round is due for
@@ -447,13 +465,28 @@ class Syncer:
             return self._close(p, now)
         return []
 
+    def _merged(self, p: int, summed_ids: list[int], weights: list[float]) -> dict[str, torch.Tensor]:
+        """The round's merge with these (capped) weights, summed in the order its updates arrived: its running sums
+        when they hold exactly that, else summed again from the held payloads (a held update was replaced or
+        folded, or the cap lowered a weight; the sums used the weights as they arrived)."""
+        open_round = self._open[p]
+        summed = open_round.summed
+        if summed is None or not summed.holds(summed_ids, weights):
+            summed = RoundSum(self.plan.fragments[p], method=self.config.merge, embeddings=self.plan.embeddings)
+            for learner_id, weight in zip(summed_ids, weights, strict=True):
+                summed.add(learner_id, self._decode_chain(open_round.updates[learner_id].payloads, p), weight)
+        open_round.summed = None
+        return summed.result(self._shapes)
+
     def _close(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
+        summed_ids = list(open_round.updates)  # arrival order: the order of the round's sums
+        raw = [token_weight(u.tokens, u.steps) for u in open_round.updates.values()]
+        capped = dict(zip(summed_ids, cap_weights(raw, self.quorum.max_weight_ratio), strict=True))
+        merged = self._merged(p, summed_ids, [capped[i] for i in summed_ids])
         learner_ids = sorted(open_round.updates)
         pending = [open_round.updates[i] for i in learner_ids]
-        weights = cap_weights([token_weight(u.tokens, u.steps) for u in pending], self.quorum.max_weight_ratio)
-        merged = merge_round([u.deltas for u in pending], weights, method=self.config.merge,
-                             embeddings=self.plan.embeddings)
+        weights = [capped[i] for i in learner_ids]
         share = period_share([(u.steps, u.tokens, u.final) for u in pending], self.config.sync_every)
         if share < 1.0:
             merged = {name: delta * share for name, delta in merged.items()}
@@ -474,7 +507,7 @@ class Syncer:
             round_index=self.rounds_committed, fragment=p, version=version_before + 1,
             participants=participants, merged=merged, opened_at=opened_at,
             quorum_at=open_round.quorum_at, closed_at=now, grace_s=open_round.grace_s,
-            rejections=tuple(open_round.rejections))
+            rejections=tuple(open_round.rejections), summed=tuple(summed_ids))
         unwritten = self._make_durable(record, now)
         if unwritten is not None:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)

@@ -43,6 +43,7 @@ from ddiloco.messages import (
     Update,
 )
 from ddiloco.transport import wire_pb2
+from ddiloco.update_values import DecodeBuffers, decode_payload
 
 CHUNK_BYTES = 1 << 20
 """Data bytes per chunk: large enough that per-chunk overhead is negligible (gRPC measured 0.6 GB/s
@@ -394,11 +395,14 @@ def _check_counters(h: wire_pb2.UpdateHeader) -> None:
 class UpdateAssembler:
     """Reassembles one PushUpdate stream into an `Update`, validating as it goes."""
 
-    def __init__(self, model: WireModel) -> None:
+    def __init__(self, model: WireModel, *, buffers: DecodeBuffers | None = None) -> None:
+        """`buffers`: where `finish` decodes into (given back by `release`); none: new tensors."""
         self.model = model
         self._codec = get_codec(model.codec_name)
         self.header: wire_pb2.UpdateHeader | None = None
         self._receiver: _Receiver | None = None
+        self._buffers = buffers
+        self._taken: list[torch.Tensor] = []
 
     def start(self, chunk: wire_pb2.UpdateChunk) -> wire_pb2.UpdateHeader:
         """Check the first chunk's header before any data is read, then take the chunk's data."""
@@ -427,21 +431,29 @@ class UpdateAssembler:
         self._receiver.add(chunk.data)
 
     def finish(self) -> Update:
-        """The update, once the stream has ended; its payload decodes to finite values."""
+        """The update, once the stream has ended, decoded and checked (`Update.decoded`: the syncer core does not
+        decode it again; with `buffers`, valid until `release`); its payload decodes to finite values."""
         assert self.header is not None and self._receiver is not None, "start() first"
         self._receiver.require_complete()
         h, buffer = self.header, self._receiver.buffer
         check_crc32(buffer, h.crc32, f"update of learner {h.learner_id} for fragment {h.fragment}")
         payload, offset = {}, 0
         for t in h.tensors:
-            data = bytes(buffer[offset:offset + t.nbytes])
+            payload[t.name] = bytes(buffer[offset:offset + t.nbytes])
             offset += t.nbytes
-            try:
-                decoded = self._codec.decode(data, tuple(t.shape))
-            except ValueError as exc:
-                raise WireError(str(RejectReason.MALFORMED), f"tensor {t.name!r}: {exc}") from None
-            if not bool(torch.isfinite(decoded).all()):
-                raise WireError(str(RejectReason.NON_FINITE), f"tensor {t.name!r} decodes to NaN or Inf values")
-            payload[t.name] = data
+        if self._buffers is not None:
+            self._taken = [self._buffers.take(self._codec.buffer_numel(math.prod(t.shape))) for t in h.tensors]
+        decoded = decode_payload(self._codec, payload, list(payload), {t.name: tuple(t.shape) for t in h.tensors},
+                                 into=self._taken)
+        if isinstance(decoded, tuple):
+            self.release()
+            reason, detail = decoded
+            raise WireError(str(reason), f"tensor {detail}")
         return Update(int(h.learner_id), int(h.fragment), int(h.base_version), int(h.inner_step), int(h.steps),
-                      int(h.tokens), h.codec, payload, final=bool(h.final))
+                      int(h.tokens), h.codec, payload, final=bool(h.final), decoded=decoded)
+
+    def release(self) -> None:
+        """The decoded values are no longer needed (the syncer core has taken the update): their buffers go back."""
+        if self._buffers is not None and self._taken:
+            self._buffers.give(self._taken)
+        self._taken = []

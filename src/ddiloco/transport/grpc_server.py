@@ -68,8 +68,10 @@ from ddiloco.transport.grpc_codec import (
     decode_join,
     shortened,
 )
+from ddiloco.transport.shared_chunks import SharedChunks
 from ddiloco.transport.subscription import Subscription, _Newest
 from ddiloco.transport.syncer_stream import encode_syncer_message
+from ddiloco.update_values import DecodeBuffers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -198,6 +200,8 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         self._chunk_timeout_s = chunk_timeout_s
         self._uploads: collections.Counter[int] = collections.Counter()
         """Uploads in flight per learner (only touched on the event loop)."""
+        self.shared_chunks = SharedChunks(self._encode)
+        self.decode_buffers = DecodeBuffers()
 
     async def _off_loop(self, function: Callable[..., T], *args, **kwargs) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args,
@@ -255,8 +259,15 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             raise WireError(str(RejectReason.UNKNOWN_LEARNER), f"learner_id={learner_id} is invalid")
 
     async def _encoded(self, message: SyncerMessage) -> list[wire_pb2.SyncerChunk]:
-        """A message's chunks: encoded on the loop when small (a thread hop costs more than the work), in the pool
-        when its tensors are large."""
+        """A message's chunks: a round's broadcast encoded once for every subscription (`SharedChunks`), any other
+        message for its one stream."""
+        if isinstance(message, FragmentState | FragmentDelta):
+            return await self.shared_chunks.chunks(message)
+        return await self._encode(message)
+
+    async def _encode(self, message: SyncerMessage) -> list[wire_pb2.SyncerChunk]:
+        """Encoded on the loop when small (a thread hop costs more than the work), in the pool when its tensors
+        are large."""
         size = message.payload_bytes if isinstance(message, FragmentState | FragmentDelta) else (
             sum(s.payload_bytes for s in message.fragments) if isinstance(message, Welcome) else 0)
         if size <= INLINE_ENCODE_BYTES:
@@ -321,7 +332,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         if model is None:
             await self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model "
                                                   "yet: join first", grpc.StatusCode.NOT_FOUND), None)
-        assembler = UpdateAssembler(model)
+        assembler = UpdateAssembler(model, buffers=self.decode_buffers)
         learner_id = None
         counted = False
         try:
@@ -355,7 +366,11 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
                 self._uploads[learner_id] -= 1
                 if not self._uploads[learner_id]:
                     del self._uploads[learner_id]
-        accepted, reason, detail = await self._off_loop(self.handler.update, update)
+        try:
+            accepted, reason, detail = await self._off_loop(self.handler.update, update)
+        finally:
+            # The core has added the decoded values to its round's sums (it keeps none of them) or rejected them.
+            assembler.release()
         return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)
 
     async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,

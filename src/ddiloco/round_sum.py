@@ -1,0 +1,114 @@
+"""The streaming merge of one round: running sums per tensor, added to as updates arrive.
+
+An open round holds one float32 tensor per tensor of its fragment, however many updates it collects
+(before: every learner's decoded pseudo-gradient until the round closed), and closing it costs one pass
+over the fragment instead of M. `ddiloco.merge.merge_round` is the same arithmetic applied to a list, so a
+round merged as it streams in and the batch merge of the same updates in the same order agree bit for bit.
+
+The formulation (RDA: Decoupled DiLoCo, arXiv 2604.21428; see `ddiloco.merge` for why). Contributions
+i = 1..m in summation order, each with decoded values d_i, their L2 norm n_i (`ddiloco.update_values`) and
+weight w_i >= 0. With r the first positive weight in that order, c_i = w_i / r (float64: raw token weights
+reach 1e14, and the sums stay near the size of the values):
+
+    RDA tensor:    D = sum of (c_i / n_i) d_i over i with c_i > 0 and n_i > 0     float32, in order
+                   N = sum of c_i n_i,  C = sum of c_i                            float64, in order
+                   result = D * ((N / C) / ||D||)       (zeros when C = 0 or ||D|| = 0; ||.||: `l2_norm`)
+    weighted mean: S = sum of c_i d_i over i with c_i > 0                         float32, in order
+                   result = S / C                        (zeros when C = 0)
+
+"In order" means: the first term is `d * a` (a new tensor), each later one `acc.add_(d, alpha=a)`, where a is
+the coefficient above as a Python float. The syncer sums a round in the order its learners' updates
+arrived; the order is recorded (`RoundRecord.summed`). Replay never sums again: the round log holds each
+round's merged tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping, Sequence
+
+import torch
+
+from ddiloco.messages import DecodedTensor
+from ddiloco.update_values import l2_norm
+
+MERGE_METHODS = ("rda", "mean")
+
+
+class RoundSum:
+    """Running sums of one round's updates (see the module docstring). Add updates with `add`, take the
+    merged tensors once with `result`. `invalidate` drops the sums of a round that must be summed again (one
+    of its updates was replaced); later `add`s are then ignored and `holds` is False."""
+
+    def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = ()) -> None:
+        if method not in MERGE_METHODS:
+            raise ValueError(f"method={method!r} is invalid: expected 'rda' or 'mean'")
+        self.names = list(names)
+        self._rda = {name: method == "rda" and name not in embeddings for name in self.names}
+        self._sums: dict[str, torch.Tensor] | None = {}
+        self._norm_sums = dict.fromkeys(self.names, 0.0)
+        self._reference: float | None = None
+        self._total = 0.0
+        self.keys: list[Hashable] = []
+        self.weights: list[float] = []
+
+    def add(self, key: Hashable, tensors: Mapping[str, DecodedTensor], weight: float) -> None:
+        """Add one update (its tensors decoded and checked) with `weight` (>= 0), after those added before."""
+        if not weight >= 0:
+            raise ValueError(f"weight={weight!r} is invalid: expected a number >= 0")
+        self.keys.append(key)
+        self.weights.append(weight)
+        if self._sums is None:
+            return
+        if weight > 0 and self._reference is None:
+            self._reference = weight
+        if self._reference is None:
+            return  # no positive weight yet: a zero weight adds nothing, to any sum
+        coefficient = weight / self._reference
+        self._total += coefficient
+        if coefficient == 0.0:
+            return
+        for name in self.names:
+            tensor = tensors[name]
+            if self._rda[name]:
+                self._norm_sums[name] += coefficient * tensor.norm
+                if tensor.norm > 0.0:
+                    self._accumulate(name, tensor.values, coefficient / tensor.norm)
+            else:
+                self._accumulate(name, tensor.values, coefficient)
+
+    def _accumulate(self, name: str, values: torch.Tensor, alpha: float) -> None:
+        assert self._sums is not None
+        held = self._sums.get(name)
+        if held is None:
+            self._sums[name] = torch.mul(values, alpha)
+        else:
+            held.add_(values, alpha=alpha)
+
+    def invalidate(self) -> None:
+        self._sums = None
+
+    def holds(self, keys: Sequence[Hashable], weights: Sequence[float]) -> bool:
+        """Whether the sums are valid and hold exactly `keys` with `weights`, in this order."""
+        return self._sums is not None and self.keys == list(keys) and self.weights == list(weights)
+
+    def result(self, shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """The merged tensors (float32; `shapes` gives those of tensors no term reached, which are zeros). The
+        sums become the result: call once."""
+        if self._sums is None:
+            raise RuntimeError("the round's sums were invalidated: sum it again")
+        merged = {}
+        for name in self.names:
+            held = self._sums.get(name)
+            if held is None or self._total == 0.0:
+                merged[name] = torch.zeros(shapes[name], dtype=torch.float32)
+                continue
+            if self._rda[name]:
+                direction_norm = l2_norm(held)
+                if direction_norm == 0.0:
+                    merged[name] = held.zero_()
+                else:
+                    merged[name] = held.mul_((self._norm_sums[name] / self._total) / direction_norm)
+            else:
+                merged[name] = held.div_(self._total)
+        self._sums = None
+        return merged
