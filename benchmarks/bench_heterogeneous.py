@@ -5,19 +5,19 @@
 
 The set-up of `ddiloco experiment heterogeneous` (4 learners, two of them 18 % slower, 10 % step-time jitter,
 320 inner steps each, the run defaults): K = M (`sync`) against K = 1 + adaptive grace with the learners'
-round pace on (`paced`, the default: a learner slower than the rounds publishes after fewer of its own inner
-steps) and off (`unpaced`: only the reactive schedule move of a late learner). Prints final loss, goodput,
-participants per round and mean staleness per variant.
+round pace on (`paced`, `DilocoConfig.pace_rounds`: a learner slower than the rounds publishes after fewer of its
+own inner steps) and off (`unpaced`, the default: only the reactive schedule move of a late learner). Prints final
+loss, goodput, participants per round and mean staleness per variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
-import ddiloco.learner
 from ddiloco.config import QuorumConfig
 from ddiloco.sim.experiments import HETEROGENEOUS_JITTER, HETEROGENEOUS_SLOWDOWN, _Runner, default_scale
 
@@ -30,14 +30,9 @@ def run(variant: str, runner: _Runner) -> dict:
                                    jitter=HETEROGENEOUS_JITTER)
     quorum = (QuorumConfig(min_quorum=num, grace="none") if variant == "sync"
               else QuorumConfig(min_quorum=1, grace="adaptive"))
-    deadband = ddiloco.learner.ROUND_PACE_DEADBAND
-    if variant == "unpaced":
-        ddiloco.learner.ROUND_PACE_DEADBAND = 1.0  # no pace below 0 exists: the schedule never speeds up
-    try:
-        start = time.perf_counter()
-        result = runner.decoupled(variant, cluster=cluster, diloco=runner.scale.diloco(), quorum=quorum)
-    finally:
-        ddiloco.learner.ROUND_PACE_DEADBAND = deadband
+    start = time.perf_counter()
+    diloco = dataclasses.replace(runner.scale.diloco(), pace_rounds=variant == "paced")
+    result = runner.decoupled(variant, cluster=cluster, diloco=diloco, quorum=quorum)
     m = result.metrics
     return {"variant": variant, "loss": m["final_val_loss"], "goodput": m["goodput"],
             "participants": m["mean_participants_per_round"], "staleness": m["mean_staleness"],

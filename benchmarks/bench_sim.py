@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_sim.py --sweep         # the quality hyper-parameter sweep (~30 min)
     .venv/bin/python benchmarks/bench_sim.py --sweep --steps 1000 --only dp:2e-3 dd:2e-3:1.0:0.0:32
 
-1. Event loop: no-op events per second through `ddiloco.sim.engine.EventLoop` (DESIGN.md measured
+1. Event loop: no-op events per second through `ddiloco.sim.engine.EventLoop` (docs/architecture.md:
    about 1 M/s for heapq).
 2. Harness overhead: a Decoupled DiLoCo run (M = 4, default TinyGPT, batch 8) against the same number
    of bare inner steps, interleaved, so both see the same machine load; the difference is what the

@@ -69,6 +69,10 @@ class DilocoConfig:
     them, as the paper's learners do (alpha = 0 in Streaming DiLoCo), losing about tau / H of every
     fragment's work. Harness, 4 learners x 896 inner steps (`ddiloco experiment quality`'s run): 1.8202 -> 1.8069
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
+    pace_rounds: bool = False
+    """Whether a learner slower than the rounds publishes after fewer of its own inner steps (`Learner.round_pace`,
+    Dynamic Local Updates). Off by default: in the harness it lowered the loss of 2 slow learners in 4 (2.4761 ->
+    2.3853), but on real processes of equal speed on a loaded machine it opened more rounds (docs/results.md)."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
     embedding_pattern: str = ""
@@ -99,6 +103,7 @@ class DilocoConfig:
                  "overlap_steps", self.overlap_steps, "an integer >= 0 (inner steps)")
         _require(isinstance(self.keep_overlap_work, bool), "keep_overlap_work", self.keep_overlap_work,
                  "true or false")
+        _require(isinstance(self.pace_rounds, bool), "pace_rounds", self.pace_rounds, "true or false")
         _require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
         _require_choice("merge", self.merge, MERGE_METHODS)
         _require_choice("codec", self.codec, CODEC_CHOICES)

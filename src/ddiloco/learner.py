@@ -12,8 +12,8 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
 - `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
   state survives) and resets its counters; with `keep_overlap_work`, the steps trained since the fragment was
   published are kept on top of the new value, with their counters (docs/protocol.md). Each result also
-  measures the learner's pace against the rounds (`round_pace`): a learner slower than the others publishes
-  after fewer of its own inner steps. `receive(FragmentDelta)`: the same with the value rebuilt from
+  measures the learner's pace against the rounds (`round_pace`): with `pace_rounds`, a learner slower than the
+  others publishes after fewer of its own inner steps. `receive(FragmentDelta)`: the same with the value rebuilt from
   the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another version,
   or the checksum disagrees) makes it join again, for the Welcome's full float32 fragments.
 - `can_step`: the waiting rule. After publishing fragment p at inner step s, the learner may train
@@ -403,7 +403,7 @@ class Learner:
             raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
                              "learner declared: declare the largest batch it trains on")
         self.inner_step += 1
-        if self.follows_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND:
+        if self.config.pace_rounds and self.follows_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND:
             # Clamped: a learner that blocks (a slow syncer) must not be driven to publish every step.
             self.phase += 1.0 / max(self.round_pace, MIN_ROUND_PACE) - 1.0
         for p in range(self.plan.num_fragments):

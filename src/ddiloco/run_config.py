@@ -1,7 +1,7 @@
 """The resolved configuration of a whole run: every component's config plus the run's own fields.
 
 One JSON file (`config.json` in the run directory) holds it, so the syncer, every learner process and
-a later `--resume` read exactly the same settings. Cross-field checks live here (STYLE.md).
+a later `--resume` read exactly the same settings. Cross-field checks live here.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def test_a_welcome_overwrites_the_overlap_steps():
 
 # ---- the rounds' pace (Dynamic Local Updates) ------------------------------------------------------------
 
-PACED = DilocoConfig(num_fragments=2, sync_every=8, overlap_steps=8, codec="fp32", downlink_codec="fp32")
+PACED = DilocoConfig(num_fragments=2, sync_every=8, overlap_steps=8, codec="fp32", downlink_codec="fp32",
+                     pace_rounds=True)
 """Rounds 4 inner steps apart; tau long enough that no learner waits in these tests."""
 
 

@@ -159,7 +159,7 @@ def test_elastic_pauses_downscale_and_upscale_per_failure_and_loses_the_slice_wh
 
 
 def test_decoupled_with_m_learners_behaves_like_elastic_on_n_over_m_chips():
-    # PAPER.md's rule of thumb; exact in this model, since a failure pauses only its own learner.
+    # The paper's rule of thumb; exact in this model, since a failure pauses only its own learner.
     decoupled = simulate("decoupled", Scenario(layout=LayoutConfig(chips=1_200_000, learners=4)), QUICK)
     elastic = simulate("elastic_data_parallel", Scenario(layout=LayoutConfig(chips=300_000)), QUICK)
     assert decoupled.goodput.mean == pytest.approx(elastic.goodput.mean, abs=0.01)

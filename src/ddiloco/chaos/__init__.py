@@ -1,1 +1,1 @@
-"""chaos layer of ddiloco (see docs/ and DESIGN.md)."""
+"""chaos layer of ddiloco: fault plans, injectors, analysis (docs/chaos.md)."""

@@ -27,7 +27,7 @@ PAPER_GOODPUT_PCT = {
     "decoupled_m8": (98, 96, 94, 88, 80),
     "decoupled_m16": (99, 98, 96, 93, 86),
 }
-"""Goodput in percent, per-chip MTBI one year (PAPER.md section 4)."""
+"""Goodput in percent, per-chip MTBI one year (arXiv 2604.21428, section 4)."""
 
 GRID_ROWS = {
     "data_parallel": ("data_parallel", None),

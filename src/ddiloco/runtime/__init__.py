@@ -1,1 +1,1 @@
-"""runtime layer of ddiloco (see docs/ and DESIGN.md)."""
+"""runtime layer of ddiloco: processes, supervision, launchers (docs/runtime.md, docs/architecture.md)."""

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
 
-    # One thread: the harness is deterministic per thread count, and the machine is shared (DESIGN.md 3).
+    # One thread: the harness is deterministic per thread count, and the machine is shared (docs/architecture.md).
     torch.set_num_threads(1)
     if args.seed < 0:
         raise ValueError(f"--seed={args.seed} is invalid: expected an integer >= 0")

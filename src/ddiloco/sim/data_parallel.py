@@ -12,7 +12,7 @@ same speeds and jitter as the learners), plus a ring all-reduce of the float32 g
 job's interconnect (`DataParallelConfig.allreduce`, by default a datacenter fabric, so communication
 costs data-parallel almost nothing: the comparison is about failures, not bandwidth).
 
-Failures (same `FaultPlan` as the other systems; PAPER.md section 4):
+Failures (same `FaultPlan` as the other systems; arXiv 2604.21428, section 4):
 
 - **non-elastic**: one replica failing kills the job. The step in progress is lost; everyone waits
   until the failed replica is back (its outage ends), then `restart_s` to relaunch, and training

@@ -6,7 +6,7 @@ is the driver's business (`ddiloco.sim.decoupled`, `ddiloco.sim.data_parallel`).
 experiment runs under the same plan, so they face exactly the same failures.
 
 The failure model is the one of the Decoupled DiLoCo chaos experiments (Douillard et al., arXiv
-2604.21428, section 4 of PAPER.md), scaled down to a handful of learners: each learner fails as a
+2604.21428, section 4), scaled down to a handful of learners: each learner fails as a
 Poisson process with mean time between interruptions `mtbi_s` (counted while it is up), and comes back
 after a recovery time drawn from an exponentiated Weibull distribution,
 F(x) = (1 - exp(-(x / scale)^k))^alpha, sampled by inversion x = scale * (-log(1 - u^(1/alpha)))^(1/k).

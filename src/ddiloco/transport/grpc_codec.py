@@ -47,7 +47,7 @@ from ddiloco.update_values import DecodeBuffers, decode_payload
 
 CHUNK_BYTES = 1 << 20
 """Data bytes per chunk: large enough that per-chunk overhead is negligible (gRPC measured 0.6 GB/s
-on loopback with 1 MiB chunks, DESIGN.md), small enough to stay far below message-size limits."""
+on loopback with 1 MiB chunks, docs/architecture.md), small enough to stay far below message-size limits."""
 MAX_CHUNK_BYTES = 4 * CHUNK_BYTES
 """A data chunk larger than this is refused (our own senders never exceed CHUNK_BYTES)."""
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
