@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -78,6 +79,37 @@ class LearnerStats:
     each answered by joining again."""
 
 
+class FragmentAccess(Protocol):
+    """How the core reads and writes one fragment's parameters. `LocalParameters` when this process holds
+    them all; `ddiloco.learner_group.LearnerGroup` when the learner spans torch.distributed ranks (the
+    values are then gathered to, and sent from, the rank that talks to the syncer)."""
+
+    def read(self, fragment: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """A float32 copy of each parameter's full value, owned by the caller (training goes on meanwhile)."""
+        ...
+
+    def write(self, fragment: int, values: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite each parameter in place with its full value."""
+        ...
+
+
+class LocalParameters:
+    """Every parameter in this process: a read is a float32 copy on the parameter's device, a write an in-place
+    copy (so the inner optimizer's state, which refers to the parameter objects, survives)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.params = params
+
+    @torch.no_grad()
+    def read(self, fragment: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return {name: self.params[name].detach().to(torch.float32, copy=True) for name in names}
+
+    @torch.no_grad()
+    def write(self, fragment: int, values: Mapping[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            self.params[name].copy_(value)
+
+
 @dataclass(frozen=True)
 class _Outstanding:
     base_version: int
@@ -88,8 +120,10 @@ class Learner:
     """One learner's protocol state around a user's model. See the module docstring."""
 
     def __init__(self, config: DilocoConfig, *, learner_id: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0) -> None:
-        """`max_tokens_per_step`: the most tokens (or samples) one inner step counts, declared at join (0: none)."""
+                 optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0,
+                 access: FragmentAccess | None = None) -> None:
+        """`max_tokens_per_step`: the most tokens (or samples) one inner step counts, declared at join (0: none).
+        `access`: how fragments are read and written (default: `LocalParameters`, this process holds them)."""
         if learner_id < 0:
             raise ValueError(f"learner_id={learner_id} is invalid: expected an integer >= 0")
         require_int("max_tokens_per_step", max_tokens_per_step, minimum=0)
@@ -99,6 +133,7 @@ class Learner:
         self.model = model
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
         self._params = dict(model.named_parameters())
+        self.access: FragmentAccess = access or LocalParameters(self._params)
         self.spec = ModelSpec.from_named_tensors(self._params.items())
         self.embeddings = embedding_names(model, config.embedding_pattern)
         canonical = {id(p): name for name, p in self._params.items()}
@@ -292,11 +327,10 @@ class Learner:
         names = self.plan.fragments[p]
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
+        self.access.write(p, state.tensors)
         for name in names:
-            param = self._params[name]
-            param.copy_(state.tensors[name])
             # The base is what the next pseudo-gradient is measured from: the exact global value.
-            self._base[p][name] = state.tensors[name].to(device=param.device, dtype=torch.float32,
+            self._base[p][name] = state.tensors[name].to(device=self._params[name].device, dtype=torch.float32,
                                                          copy=True)
         self.versions[p] = state.version
         self.steps_since[p] = 0
@@ -356,8 +390,9 @@ class Learner:
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
         payload = {}
+        current = self.access.read(p, self.plan.fragments[p])
         for name in self.plan.fragments[p]:
-            delta = self._base[p][name] - self._params[name].detach().to(torch.float32)
+            delta = self._base[p][name] - current[name]
             if not bool(torch.isfinite(delta).all()):
                 self.stats.updates_withheld_non_finite += 1
                 logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",

@@ -55,7 +55,9 @@ from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_stat
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DilocoConfig, LearnerConfig
 from ddiloco.environment import LearnerEnvironment, environment
+from ddiloco.follower_session import FollowerSession
 from ddiloco.learner import Learner
+from ddiloco.learner_group import LearnerGroup, is_distributed, local_tensors, reshard_optimizer, unwrap
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.run_config import RunConfig
@@ -130,12 +132,16 @@ class Session:
                  link: str | None = None, tls_ca: bytes | None = None, tls_server_name: str | None = None,
                  chaos_control: str | Path | None = None, checkpoint_every_s: float = 10.0,
                  status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
-                 sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0) -> None:
+                 sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0,
+                 group: LearnerGroup | None = None) -> None:
         for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid: expected seconds > 0")
         if (hub is None) == (syncer is None):
             raise ValueError("a session needs exactly one of hub= (in process) or syncer= (HOST:PORT)")
+        if group is not None and (hub is not None or not group.leader):
+            raise ValueError("a learner of several ranks trains over gRPC (syncer=), and only its rank 0 runs a "
+                             "Session (the others follow it: ddiloco.session() makes each side)")
         if not 0 <= learner_id < config.num_learners:
             raise ValueError(f"learner_id={learner_id} is invalid: the run has {config.num_learners} learners "
                              f"(ids 0..{config.num_learners - 1})")
@@ -159,8 +165,14 @@ class Session:
         self.checkpoint_every_s = checkpoint_every_s
         self.status_every_s = status_every_s
         self.flush_timeout_s = flush_timeout_s
+        self.group = group
+        """The learner's other torch.distributed ranks (`ddiloco.learner_group`), or None: a one-process learner."""
         self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer,
-                               max_tokens_per_step=max_tokens_per_step)
+                               max_tokens_per_step=max_tokens_per_step, access=group)
+        if group is not None:
+            group.fragments = self.learner.plan.fragments
+        self._genesis: dict[str, torch.Tensor] | None = None
+        """Sharded parameters' full initial values, gathered before the join (`_gather_genesis`)."""
         self._chaos = None
         if chaos_control is not None:
             from ddiloco.chaos.control import ChaosControl
@@ -178,9 +190,10 @@ class Session:
             self.transport = HubTransport(hub, self.learner)
         else:
             assert syncer is not None
+            params = (lambda: self._genesis) if group is not None and group.sharded else None
             self.transport = GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
                                             link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
-                                            chaos=self._chaos, clock=self.clock)
+                                            chaos=self._chaos, clock=self.clock, genesis_params=params)
         self._handle_sigterm = handle_sigterm and hub is None
         self._previous_handler: Any = None
         self._stop = threading.Event()
@@ -251,9 +264,28 @@ class Session:
             self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
             self._status_thread.start()
         self._last_checkpoint = self.clock.now()
+        self._gather_genesis()
         self.transport.start()
         self._settle()
+        if self._genesis is not None:
+            # Joined: the full copy goes; the base copies of the global values stand in for it from now on.
+            self._genesis = {name: base[name] for base in self.learner._base for name in base}
+        self._end_call()
         self._step_started = time.monotonic()
+
+    def _gather_genesis(self) -> None:
+        """Sharded parameters: gather their full values now (a collective, on the training thread), in case this
+        learner's are the run's first (the transport proposes them from its own thread)."""
+        if self.group is None or not self.group.sharded:
+            return
+        self._genesis = {}
+        for p, names in enumerate(self.learner.plan.fragments):
+            self._genesis.update(self.group.read(p, names))
+
+    def _end_call(self, *, exit_status: int = 0) -> None:
+        """The followers' ranks return from the session call they are in (`LearnerGroup.serve`)."""
+        if self.group is not None:
+            self.group.end(self.learner.inner_step, done=self.done or self._closed, exit_status=exit_status)
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
@@ -263,6 +295,10 @@ class Session:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
         started = self._step_started or time.monotonic()
+        if self.group is not None:
+            tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch
+            if stop:
+                self.request_stop()
         self._straggle(started)
         step_s = time.monotonic() - started
         for update in self.rules.after_inner_step(tokens):
@@ -279,6 +315,7 @@ class Session:
             self._last_checkpoint = self.clock.now()
         if not self.done:
             self._settle()
+        self._end_call()
         self._step_started = time.monotonic()
 
     def _straggle(self, started: float) -> None:
@@ -363,6 +400,9 @@ class Session:
             self.write_status()
         self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
         self.sink.close()
+        if state != "failed":
+            # After a failure the group's collectives may be what failed: the followers end with this process.
+            self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
@@ -387,7 +427,16 @@ class Session:
         if self._saver is not None:
             self._saver.join()  # one write at a time, in order
         user = {name: obj.state_dict() for name, obj in self.state.items()}
-        state = copy.deepcopy({"learner": self.learner.state_dict(), "state": user})
+        learner = self.learner.state_dict()
+        ranks = None
+        if self.group is not None:
+            # Every rank's own objects (its data position), and its shard of a sharded optimizer state.
+            ranks = self.group.save(None)
+            if self.group.sharded:
+                learner["optimizer"] = local_tensors(learner["optimizer"])
+        state = copy.deepcopy({"learner": learner, "state": user})
+        if ranks is not None:
+            state["ranks"] = ranks
         meta = {"tokens": self.progress.tokens, "counters": self.counters()}
         serial = self.learner.inner_step
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
@@ -409,6 +458,8 @@ class Session:
             return
         state, meta, _ = latest
         self.learner.load_state_dict(state["learner"])
+        if self.group is not None:
+            self._restore_ranks(state.get("ranks"))
         self.rules.resumed = True
         saved = state.get("state", {})
         for name, obj in self.state.items():
@@ -422,6 +473,23 @@ class Session:
         self._last_rate = (time.monotonic(), self.progress.tokens)
         logger.info("[learner %d | inner %d] resumed from its checkpoint", self.learner_id, self.learner.inner_step)
         self.sink.event("resume", learner_id=self.learner_id, inner_step=self.learner.inner_step)
+
+    def _restore_ranks(self, ranks: list[Any] | None) -> None:
+        """Hand each follower its part of the checkpoint; with replicated parameters (DDP) the optimizer state is
+        the same on every rank, so it is the leader's."""
+        assert self.group is not None
+        if self.group.sharded:
+            reshard_optimizer(self.optimizer)
+        if ranks is None or len(ranks) != self.group.size:
+            logger.warning("[learner %d] the checkpoint holds the state of %s rank(s), this learner has %d: the "
+                           "other ranks start their state=%s afresh", self.learner_id,
+                           "no" if ranks is None else len(ranks), self.group.size,
+                           "" if self.group.sharded else " objects (the optimizer is rank 0's)")
+            ranks = [None] * self.group.size
+        shared = None if self.group.sharded else self.optimizer.state_dict()
+        entries = [{"state": {}, "optimizer": shared} if entry is None else
+                   {**entry, "optimizer": entry.get("optimizer") if self.group.sharded else shared} for entry in ranks]
+        self.group.restore(entries)
 
     def _set(self, **changes: Any) -> None:
         values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
@@ -458,8 +526,14 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
             run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
             config: RunConfig | DilocoConfig | str | Path | None = None, inner_steps: int | None = None,
             tls_ca: str | Path | bytes | None = None, tls_server_name: str | None = None, link: str | None = None,
-            **options: Any) -> Session:
+            group: Any = None, **options: Any) -> Session | FollowerSession:
     """A `Session` for `model` trained by `optimizer`: use it as a context manager (see the module docstring).
+
+    Inside a torchrun job (torch.distributed initialised, or RANK and WORLD_SIZE set: it is initialised here,
+    gloo on cpu, nccl on cuda), the job's ranks are one learner: rank 0 gets the `Session`, the others a
+    `FollowerSession` with the same loop surface (docs/your_model.md, "A learner of several devices"). Pass the
+    DDP wrapper or its module, or an FSDP2 (`fully_shard`) model; `group=` a process group of this learner's
+    ranks when the world holds more than them.
 
     Without keywords, everything comes from the environment `ddiloco run` sets (`environment()`). Keywords
     override it: `hub=` an `InProcessHub` (in process), or `syncer="host:port"` with `learner_id=`,
@@ -474,6 +548,13 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     env = environment()
     run_config = _resolve_config(config, env, hub)
     learner_id = env.learner_id if learner_id is None else learner_id
+    model = unwrap(model)
+    learners_group = _learner_group(model, env, group)
+    if learners_group is not None and not learners_group.leader:
+        return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
+                               state=state, handle_sigterm=options.get("handle_sigterm", True))
+    if learners_group is not None:
+        options["group"] = learners_group
     if hub is None:
         syncer = syncer or env.syncer
         if syncer is None:
@@ -497,6 +578,15 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         tls = read_ca_file(tls_ca)
     return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
                    run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
+
+
+def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any) -> LearnerGroup | None:
+    """This learner's ranks, when it has several (initialising torch.distributed from torchrun's variables)."""
+    import torch.distributed as dist
+
+    if env.world_size > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("nccl" if env.device.startswith("cuda") else "gloo")
+    return LearnerGroup(model, group=group) if is_distributed(group) else None
 
 
 def _replace(config: RunConfig, **changes: Any) -> RunConfig:

@@ -1,0 +1,137 @@
+"""Learners of several ranks: `ddiloco run --nproc-per-learner 2 -- python examples/ddp.py` (real processes, real
+gloo process groups, real gRPC, a real kill -9).
+
+Each learner is a torchrun-style job of 2 ranks (DDP, or FSDP2 with --fsdp): rank 0 talks to the syncer and the
+other rank follows it. A kill -9 of one rank of learner 0 takes down that learner's group only; the supervisor
+restarts the group, which resumes from its checkpoint and contributes again, while learner 1 never restarts.
+Afterwards the syncer's global state equals the replay of the round log from the genesis, and the ranks of each
+learner end with the same model (each prints the loss of its own copy; DDP replicas, FSDP shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddiloco.checkpoint import RoundLog, load_latest_state
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.syncer import replay_rounds
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).parents[2]
+WAIT_S = 240.0
+POLL_S = 0.1
+FAST = ["--learners", "2", "--nproc-per-learner", "2", "--num-fragments", "2", "--sync-every", "8", "--threads", "1",
+        "--checkpoint-every-s", "0.5", "--no-progress"]
+FINAL = re.compile(r"learner (\d+) rank (\d+) final \{'val_loss': ([0-9.e-]+)\}")
+
+
+def start_run(run_dir: Path, inner_steps: int, *script_args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *FAST,
+                             "--inner-steps", str(inner_steps), "--", sys.executable, "examples/ddp.py", *script_args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for(condition, what: str, popen: subprocess.Popen):
+    deadline = time.monotonic() + WAIT_S
+    while not (value := condition()):
+        if popen.poll() is not None:
+            pytest.fail(f"ddiloco run exited ({popen.returncode}) while waiting for {what}:\n{popen.communicate()[0]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {WAIT_S} s waiting for {what}")
+        time.sleep(POLL_S)
+    return value
+
+
+def finish(popen: subprocess.Popen) -> str:
+    try:
+        out, _ = popen.communicate(timeout=WAIT_S)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    assert popen.returncode == 0, out
+    return out
+
+
+def participations(run_dir: Path, learner_id: int) -> int:
+    return sum(learner_id in [p["learner_id"] for p in line["participants"]] for line in RoundLog(run_dir).lines())
+
+
+def assert_global_state_is_the_replay(run_dir: Path) -> None:
+    config = RunConfig.load(run_dir / "config.json")
+    records = list(RoundLog(run_dir).records())
+    replayed = replay_rounds(config.diloco, load_file(run_dir / "genesis.safetensors"), records)
+    state, _, serial = load_latest_state(run_dir / "checkpoints" / "syncer")
+    assert serial == len(records) > 0
+    for name, tensor in replayed.items():
+        assert torch.equal(state["global"][name], tensor), name
+
+
+def assert_ranks_agree(run_dir: Path, learner_id: int) -> None:
+    """The last start of the learner printed one final loss per rank, and they are equal."""
+    log = RunPaths(run_dir).log(f"learner-{learner_id}").read_text()
+    last_start = log.rsplit("=== ", 1)[-1]
+    finals = {int(m[2]): float(m[3]) for m in FINAL.finditer(last_start) if int(m[1]) == learner_id}
+    assert sorted(finals) == [0, 1], last_start[-2000:]
+    assert finals[0] == finals[1]
+
+
+def assert_completed(run_dir: Path, *, restarts: list[int]) -> None:
+    summary = read_json(RunPaths(run_dir).summary)
+    assert summary["outcome"] == "completed"
+    assert [summary["learners"][str(i)]["state"] for i in (0, 1)] == ["done", "done"]
+    assert [summary["learners"][str(i)]["restarts"] for i in (0, 1)] == restarts
+    assert all(summary["learners"][str(i)]["tokens"] > 0 for i in (0, 1))
+
+
+@pytest.mark.timeout(600)
+def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_again(tmp_path):
+    run_dir = tmp_path / "run"
+    paths = RunPaths(run_dir)
+    popen = start_run(run_dir, 600)
+    ranks_file = paths.learner_dir(0) / "ranks.json"
+    checkpoint_dir = paths.learner_dir(0) / "checkpoint"
+    wait_for(lambda: (s := load_latest_state(checkpoint_dir)) is not None and s[2] > 0
+             and participations(run_dir, 0) >= 2, "learner 0 checkpointed and merged", popen)
+    group = read_json(ranks_file)
+    os.kill(group["ranks"][1], signal.SIGKILL)  # rank 1: the follower, not the rank that talks to the syncer
+    _, _, checkpoint_step = load_latest_state(checkpoint_dir)
+    merged_before = participations(run_dir, 0)
+    wait_for(lambda: (g := read_json(ranks_file)) is not None and g["pid"] != group["pid"], "learner 0 restarted",
+             popen)
+    out = finish(popen)
+    assert_completed(run_dir, restarts=[1, 0])
+    starts = [json.loads(line) for line in (paths.learner_dir(0) / "work.jsonl").read_text().splitlines()
+              if '"start"' in line]
+    assert len(starts) == 2 and starts[1]["inner_step"] >= checkpoint_step > 0  # resumed, not from inner step 0
+    assert participations(run_dir, 0) > merged_before + 2, out  # it contributed again after the restart
+    restarted = read_json(ranks_file)
+    assert restarted["master_port"] and restarted["ranks"] != group["ranks"]
+    assert_global_state_is_the_replay(run_dir)
+    for learner_id in (0, 1):
+        assert_ranks_agree(run_dir, learner_id)
+
+
+@pytest.mark.timeout(400)
+def test_fsdp2_learners_of_two_ranks_train_and_the_global_state_is_the_replay(tmp_path):
+    run_dir = tmp_path / "run"
+    finish(start_run(run_dir, 120, "--fsdp"))
+    assert_completed(run_dir, restarts=[0, 0])
+    assert participations(run_dir, 0) > 0 and participations(run_dir, 1) > 0
+    assert_global_state_is_the_replay(run_dir)
+    for learner_id in (0, 1):
+        assert_ranks_agree(run_dir, learner_id)
