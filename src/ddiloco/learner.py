@@ -51,6 +51,7 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.publisher import DeferredPayload
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,9 @@ class Learner:
         before it published its part (`_publish_before`), so its next rounds fall due in time for the others'."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
+        self.deferred = False
+        """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
+        then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
         self.joined = False
         self.refused_reason: str | None = None
         self._outstanding: dict[int, _Outstanding] = {}
@@ -389,24 +393,43 @@ class Learner:
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
-        payload = {}
-        current = self.access.read(p, self.plan.fragments[p])
-        for name in self.plan.fragments[p]:
-            delta = self._base[p][name] - current[name]
-            if not bool(torch.isfinite(delta).all()):
-                self.stats.updates_withheld_non_finite += 1
-                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
-                             self.learner_id, self.inner_step, name)
-                return None
-            payload[name] = self._codec.encode(delta.cpu())
+        names = self.plan.fragments[p]
+        current = self.access.read(p, names)
+        payload: Mapping[str, bytes]
+        if self.deferred:
+            # Only the copy above on this thread; the pseudo-gradient and its encoding on the publisher's.
+            payload = DeferredPayload({name: self._base[p][name] for name in names}, current, self._codec)
+        else:
+            payload = {}
+            for name in names:
+                delta = self._base[p][name] - current[name]
+                if not bool(torch.isfinite(delta).all()):
+                    self.stats.updates_withheld_non_finite += 1
+                    logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                                 self.learner_id, self.inner_step, name)
+                    return None
+                payload[name] = self._codec.encode(delta.cpu())
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload, final=final)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
         self._published_from[p] = self.versions[p]
         self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
-        self.stats.bytes_sent += update.payload_bytes
+        if not self.deferred:
+            self.stats.bytes_sent += update.payload_bytes  # deferred: counted once encoded (`Publisher`)
         return update
+
+    def withdraw(self, update: Update) -> None:
+        """A deferred update was withheld after all (its pseudo-gradient is not finite): forget that it was
+        published, as `_publish` does for one withheld on the spot."""
+        p = update.fragment
+        self.stats.updates_sent -= 1
+        self.stats.updates_withheld_non_finite += 1
+        outstanding = self._outstanding.get(p)
+        if outstanding is not None and outstanding.base_version == update.base_version:
+            del self._outstanding[p]
+        if self._published_from[p] == update.base_version:
+            self._published_from[p] = None
 
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""

@@ -60,6 +60,7 @@ from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup, is_distributed, local_tensors, reshard_optimizer, unwrap
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.transport.inprocess import InProcessHub
@@ -194,6 +195,12 @@ class Session:
             self.transport = GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
                                             link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
                                             chaos=self._chaos, clock=self.clock, genesis_params=params)
+        self._publisher: Publisher | None = None
+        """Over gRPC, the thread that takes and encodes pseudo-gradients (`ddiloco.publisher`); none in process,
+        where delivery stays synchronous."""
+        if hub is None:
+            self.learner.deferred = True
+            self._publisher = Publisher(self.transport.send, on_sent=self._count_sent)
         self._handle_sigterm = handle_sigterm and hub is None
         self._previous_handler: Any = None
         self._stop = threading.Event()
@@ -300,9 +307,10 @@ class Session:
             if stop:
                 self.request_stop()
         self._straggle(started)
+        self._take_withheld()
         step_s = time.monotonic() - started
         for update in self.rules.after_inner_step(tokens):
-            self.transport.send(update)
+            self._send(update)
         total = self.progress.tokens + tokens
         self._set(state="training" if self.transport.connected else "disconnected",
                   loss=float(loss) if loss is not None else self.progress.loss, tokens=total)
@@ -317,6 +325,23 @@ class Session:
             self._settle()
         self._end_call()
         self._step_started = time.monotonic()
+
+    def _send(self, message: Any) -> None:
+        if self._publisher is not None:
+            self._publisher.send(message)
+        else:
+            self.transport.send(message)
+
+    def _count_sent(self, update: Any) -> None:
+        self.learner.stats.bytes_sent += update.payload_bytes  # (the publisher's thread: the one that writes it)
+
+    def _take_withheld(self) -> None:
+        """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them."""
+        if self._publisher is None:
+            return
+        for withheld in self._publisher.take_withheld():
+            self.learner.withdraw(withheld.update)
+            self.rules.fate(withheld.update, "withheld", f"non-finite pseudo-gradient in {withheld.tensor}")
 
     def _straggle(self, started: float) -> None:
         """A straggler injected by a chaos run: this step takes `slowdown` times its compute time."""
@@ -356,9 +381,10 @@ class Session:
                 self.transport.wait(max(0.0, (nxt.until or now) - now))
 
     def _apply_inbox(self) -> None:
+        self._take_withheld()
         for message in self.transport.take_ready():
             for reply in self.rules.receive(message, self.clock.now()):
-                self.transport.send(reply)
+                self._send(reply)
 
     def _refused(self) -> None:
         reason = self.rules.refusal or "refused"
@@ -385,8 +411,11 @@ class Session:
             # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
             # publishes (an update one version stale is still merged, see the syncer's late-update rule).
             for update in self.rules.finish():
-                self.transport.send(update)
-        self.transport.flush(self.flush_timeout_s if state == "done" else STOP_FLUSH_S)
+                self._send(update)
+        flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
+        if self._publisher is not None:
+            self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
+        self.transport.flush(flush_s)
         self.transport.close(leave=state not in ("refused", "unreachable"))
         self.rules.end(state)
         if self._ledger is not None:
