@@ -149,6 +149,31 @@ class LearnerGroup:
         out: list[Any] = [None]
         dist.scatter_object_list(out, list(states), src=self.leader_global_rank, group=self.group)
 
+    def checkpoint(self, learner_state: dict[str, Any]) -> list[Any]:
+        """At the leader's checkpoint: every rank's own objects (its data position) and, sharded, its shard of the
+        optimizer state; `learner_state["optimizer"]` (the leader's) becomes its shard too, picklable."""
+        ranks = self.save(None)
+        if self.sharded:
+            learner_state["optimizer"] = local_tensors(learner_state["optimizer"])
+        return ranks
+
+    def restore_checkpoint(self, ranks: list[Any] | None, optimizer: torch.optim.Optimizer, *,
+                           learner_id: int) -> None:
+        """The leader has loaded its checkpoint (its optimizer included): hand each follower its part. With
+        replicated parameters (DDP) the optimizer state is the same on every rank, so it is the leader's."""
+        if self.sharded:
+            reshard_optimizer(optimizer)
+        if ranks is None or len(ranks) != self.size:
+            logger.warning("[learner %d] the checkpoint holds the state of %s rank(s), this learner has %d: the "
+                           "other ranks start their state=%s afresh", learner_id,
+                           "no" if ranks is None else len(ranks), self.size,
+                           " objects and optimizer shards" if self.sharded else " objects (the optimizer is rank 0's)")
+            ranks = [None] * self.size
+        shared = None if self.sharded else optimizer.state_dict()
+        entries = [{"state": {}, "optimizer": shared} if entry is None else
+                   {**entry, "optimizer": entry.get("optimizer") if self.sharded else shared} for entry in ranks]
+        self.restore(entries)
+
     def step(self, tokens: int) -> tuple[int, bool]:
         """The tokens of every rank's batch, summed, and whether any rank was asked to stop."""
         self._command(Op.STEP)

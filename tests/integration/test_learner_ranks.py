@@ -1,8 +1,8 @@
 """Learners of several ranks: `ddiloco run --nproc-per-learner 2 -- python examples/ddp.py` (real processes, real
 gloo process groups, real gRPC, a real kill -9).
 
-Each learner is a torchrun-style job of 2 ranks (DDP, or FSDP2 with --fsdp): rank 0 talks to the syncer and the
-other rank follows it. A kill -9 of one rank of learner 0 takes down that learner's group only; the supervisor
+Each learner is a torchrun-style job of 2 ranks (DDP; or FSDP2 with --fsdp, one learner): rank 0 talks to the
+syncer and the other rank follows it. A kill -9 of one rank of learner 0 takes down that learner's group only; the supervisor
 restarts the group, which resumes from its checkpoint and contributes again, while learner 1 never restarts.
 Afterwards the syncer's global state equals the replay of the round log from the genesis, and the ranks of each
 learner end with the same model (each prints the loss of its own copy; DDP replicas, FSDP shards).
@@ -33,13 +33,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).parents[2]
 WAIT_S = 240.0
 POLL_S = 0.1
-FAST = ["--learners", "2", "--nproc-per-learner", "2", "--num-fragments", "2", "--sync-every", "8", "--threads", "1",
+FAST = ["--nproc-per-learner", "2", "--num-fragments", "2", "--sync-every", "8", "--threads", "1",
         "--checkpoint-every-s", "0.5", "--no-progress"]
 FINAL = re.compile(r"learner (\d+) rank (\d+) final \{'val_loss': ([0-9.e-]+)\}")
 
 
-def start_run(run_dir: Path, inner_steps: int, *script_args: str) -> subprocess.Popen:
+def start_run(run_dir: Path, inner_steps: int, *script_args: str, learners: int = 2) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *FAST,
+                             "--learners", str(learners),
                              "--inner-steps", str(inner_steps), "--", sys.executable, "examples/ddp.py", *script_args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -92,17 +93,18 @@ def assert_ranks_agree(run_dir: Path, learner_id: int) -> None:
 
 def assert_completed(run_dir: Path, *, restarts: list[int]) -> None:
     summary = read_json(RunPaths(run_dir).summary)
+    learners = [summary["learners"][str(i)] for i in range(len(restarts))]
     assert summary["outcome"] == "completed"
-    assert [summary["learners"][str(i)]["state"] for i in (0, 1)] == ["done", "done"]
-    assert [summary["learners"][str(i)]["restarts"] for i in (0, 1)] == restarts
-    assert all(summary["learners"][str(i)]["tokens"] > 0 for i in (0, 1))
+    assert [learner["state"] for learner in learners] == ["done"] * len(restarts)
+    assert [learner["restarts"] for learner in learners] == restarts
+    assert all(learner["tokens"] > 0 for learner in learners)
 
 
 @pytest.mark.timeout(600)
 def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_again(tmp_path):
     run_dir = tmp_path / "run"
     paths = RunPaths(run_dir)
-    popen = start_run(run_dir, 600)
+    popen = start_run(run_dir, 300)
     ranks_file = paths.learner_dir(0) / "ranks.json"
     checkpoint_dir = paths.learner_dir(0) / "checkpoint"
     wait_for(lambda: (s := load_latest_state(checkpoint_dir)) is not None and s[2] > 0
@@ -127,11 +129,10 @@ def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_aga
 
 
 @pytest.mark.timeout(400)
-def test_fsdp2_learners_of_two_ranks_train_and_the_global_state_is_the_replay(tmp_path):
+def test_an_fsdp2_learner_of_two_ranks_trains_and_the_global_state_is_the_replay(tmp_path):
     run_dir = tmp_path / "run"
-    finish(start_run(run_dir, 120, "--fsdp"))
-    assert_completed(run_dir, restarts=[0, 0])
-    assert participations(run_dir, 0) > 0 and participations(run_dir, 1) > 0
+    finish(start_run(run_dir, 48, "--fsdp", learners=1))
+    assert_completed(run_dir, restarts=[0])
+    assert participations(run_dir, 0) >= 48 // 8  # a round per fragment every 8 inner steps, and the final ones
     assert_global_state_is_the_replay(run_dir)
-    for learner_id in (0, 1):
-        assert_ranks_agree(run_dir, learner_id)
+    assert_ranks_agree(run_dir, 0)

@@ -153,3 +153,13 @@ def test_the_environment_ddiloco_run_sets():
         environment({"DDILOCO_LEARNER_ID": "3", "DDILOCO_NUM_LEARNERS": "3"})
     with pytest.raises(ValueError, match="expected an integer"):
         environment({"DDILOCO_LEARNER_ID": "one"})
+
+
+def test_the_environment_reads_torchruns_rank_and_world_size():
+    env = environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
+    assert (environment({}).rank, environment({}).world_size) == (0, 1)
+    with pytest.raises(ValueError, match="RANK=2 is invalid with WORLD_SIZE=2"):
+        environment({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' is invalid"):
+        environment({"WORLD_SIZE": "two"})
