@@ -1,11 +1,12 @@
 """Learners of several ranks: `ddiloco run --nproc-per-learner 2 -- python examples/ddp.py` (real processes, real
 gloo process groups, real gRPC, a real kill -9).
 
-Each learner is a torchrun-style job of 2 ranks (DDP; or FSDP2 with --fsdp, one learner): rank 0 talks to the
-syncer and the other rank follows it. A kill -9 of one rank of learner 0 takes down that learner's group only;
-the supervisor restarts the group, which resumes from its checkpoint and contributes again, while learner 1 never restarts.
-Afterwards the syncer's global state equals the replay of the round log from the genesis, and the ranks of each
-learner end with the same model (each prints the loss of its own copy; DDP replicas, FSDP shards).
+Each learner is a torchrun-style job of 2 ranks (DDP; or FSDP2 with --fsdp, one learner): rank 0 talks
+to the syncer and the other rank follows it. A kill -9 of one rank of learner 0 takes down that learner's
+group only; the supervisor restarts the group, which resumes from its checkpoint and contributes again,
+while learner 1 never restarts. Afterwards the syncer's global state equals the replay of the round log
+from the genesis, and the ranks of each learner end with the same model (each prints the loss of its own
+copy; DDP replicas, FSDP shards).
 """
 
 from __future__ import annotations
