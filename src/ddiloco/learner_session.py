@@ -417,8 +417,10 @@ class Session:
         self.rules.end(state)
         if self._ledger is not None:
             self._ledger.close()
-        if self.directory is not None and self.rules.welcomes > 0:
-            self._save()  # before the first Welcome no inner step ran: nothing new to keep
+        # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks keeps
+        # its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
+        if self.directory is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
+            self._save()
         self._set(state=state)
         if self._status_thread is not None:
             self._status_stop.set()
