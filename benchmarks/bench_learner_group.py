@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
         for mode, read_s, write_s, nbytes in results:
             got_read = nbytes * (size - 1) // size if mode == "fsdp" else 0
             got_write = nbytes // size if mode == "fsdp" else nbytes
-            print(f"{mode:>5}: read (publish) {read_s * 1e3:7.1f} ms, each follower receives {got_read / 1e6:5.2f} MB; "
+            print(f"{mode:>5}: read (publish) {read_s * 1e3:7.1f} ms, each rank receives {got_read / 1e6:5.2f} MB; "
                   f"write (from the syncer) {write_s * 1e3:7.1f} ms, each follower receives {got_write / 1e6:5.2f} MB")
     dist.destroy_process_group()
 

@@ -135,7 +135,9 @@ class Learner:
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
         self._params = dict(model.named_parameters())
         self.access: FragmentAccess = access or LocalParameters(self._params)
-        self.spec = ModelSpec.from_named_tensors(self._params.items())
+        # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
+        # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
+        self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
         self.embeddings = embedding_names(model, config.embedding_pattern)
         canonical = {id(p): name for name, p in self._params.items()}
         every = model.named_parameters(remove_duplicate=False)
