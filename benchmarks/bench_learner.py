@@ -81,21 +81,20 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
     inline = joined_learner(model, optimizer, deferred=False)
     idle_s, in_flight_s, blocked_deferred_s, blocked_inline_s = [], [], [], []
     for i in range(2 * steps):
-        in_flight = i % 2 == 1
+        in_flight = i % 2 == 1  # the publish queued at the end of the previous step is being encoded meanwhile
         if not in_flight:
             publisher.drain()  # nothing being encoded during this step
         (in_flight_s if in_flight else idle_s).append(inner_step())
+        if not in_flight:
+            started = time.perf_counter()
+            inline.after_inner_step(BATCH * CONTEXT)  # encodes on this thread, as before the publisher
+            synchronize(device)
+            blocked_inline_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         for update in deferred.after_inner_step(BATCH * CONTEXT):
             publisher.send(update)
         synchronize(device)
         blocked_deferred_s.append(time.perf_counter() - started)
-        if not in_flight:
-            publisher.drain()
-            started = time.perf_counter()
-            inline.after_inner_step(BATCH * CONTEXT)  # encodes on this thread, as before the publisher
-            synchronize(device)
-            blocked_inline_s.append(time.perf_counter() - started)
     publisher.close(60.0)
     assert len(sent) == 2 * steps and all(len(update.payload) > 0 for update in sent)
     step_s = statistics.median(idle_s)

@@ -197,7 +197,8 @@ class Session:
         where delivery stays synchronous."""
         if hub is None:
             self.learner.deferred = True
-            self._publisher = Publisher(self.transport.send, on_sent=self._count_sent)
+            self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
+                                        on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
         self._handle_sigterm = handle_sigterm and hub is None
         self._previous_handler: Any = None
         self._stop = threading.Event()
@@ -412,6 +413,7 @@ class Session:
         flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
         if self._publisher is not None:
             self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
+            self._take_withheld()
         self.transport.flush(flush_s)
         self.transport.close(leave=state not in ("refused", "unreachable"))
         self.rules.end(state)

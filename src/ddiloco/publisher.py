@@ -93,10 +93,16 @@ _DRAINED = object()
 class Publisher:
     """One thread between the session and its transport. See the module docstring."""
 
-    def __init__(self, send: Callable[[LearnerMessage], None], *, on_sent: Callable[[Update], None]) -> None:
-        """`send`: the transport's; `on_sent(update)`: an update's bytes are known (the learner counts them)."""
+    def __init__(self, send: Callable[[LearnerMessage], None], *, on_sent: Callable[[Update], None],
+                 on_dropped: Callable[[Update, str], None] = lambda update, reason: None) -> None:
+        """`send`: the transport's; `on_sent(update)`: an update's bytes are known (the learner counts them);
+        `on_dropped(update, reason)`: an update still queued when the publisher closed, never sent."""
         self._send = send
         self._on_sent = on_sent
+        self._on_dropped = on_dropped
+        self._closed = False
+        self._send_lock = threading.Lock()
+        """Held while handing a message to the transport: after `close` returns, nothing more is sent."""
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self._withheld: list[Withheld] = []
         self._withheld_lock = threading.Lock()
@@ -118,7 +124,11 @@ class Publisher:
         return withheld
 
     def close(self, timeout_s: float) -> None:
+        """Hand what is queued to the transport (waiting up to `timeout_s`); what is left after that is dropped
+        (reason "exit"), since the transport closes next."""
         self.drain(timeout_s)
+        with self._send_lock:
+            self._closed = True
         self._queue.put(None)
         self._thread.join(timeout_s)
 
@@ -127,15 +137,21 @@ class Publisher:
             if isinstance(item, tuple) and item[0] is _DRAINED:
                 item[1].set()
                 continue
-            if isinstance(item, Update) and isinstance(item.payload, DeferredPayload):
-                if item.payload.resolve() is None:
-                    logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
-                                 item.learner_id, item.inner_step, item.payload.non_finite)
-                    with self._withheld_lock:
-                        self._withheld.append(Withheld(item, item.payload.non_finite or "?"))
+            deferred = isinstance(item, Update) and isinstance(item.payload, DeferredPayload)
+            if deferred and item.payload.resolve() is None:
+                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                             item.learner_id, item.inner_step, item.payload.non_finite)
+                with self._withheld_lock:
+                    self._withheld.append(Withheld(item, item.payload.non_finite or "?"))
+                continue
+            with self._send_lock:
+                if self._closed:
+                    if isinstance(item, Update):
+                        self._on_dropped(item, "exit")
                     continue
-                self._on_sent(item)
-            try:
-                self._send(item)
-            except Exception:  # the transport's own faults are state; anything else must not kill this thread
-                logger.exception("[publisher] sending %s failed", type(item).__name__)
+                if deferred:
+                    self._on_sent(item)
+                try:
+                    self._send(item)
+                except Exception:  # the transport's own faults are state; anything else must not kill this thread
+                    logger.exception("[publisher] sending %s failed", type(item).__name__)
