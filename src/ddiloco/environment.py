@@ -3,8 +3,9 @@
 `ddiloco.environment()` reads the `DDILOCO_*` variables (docs/your_model.md lists them); the launcher
 (`ddiloco.runtime.launcher.Launcher.learner_env`) writes them. Like torchrun's RANK and WORLD_SIZE, they
 are how a script started by the launcher learns who it is; a script started by hand can set them, or
-pass the same facts to `ddiloco.session(...)` as keywords. This module is the one place of the library
-that reads them.
+pass the same facts to `ddiloco.session(...)` as keywords. It also reads torchrun's `RANK`, `WORLD_SIZE`
+and `LOCAL_RANK` (a learner of several ranks). This module is the one place of the library that reads
+them.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ moves messages through one of two transports:
 - **in-process** (`hub=InProcessHub(...)`): the syncer in the same process, for notebooks and tests.
   `step()` never blocks there; `ready` says whether the waiting rule lets the learner train now.
 
+A learner of several torch.distributed ranks (torchrun, DDP, FSDP2) runs this `Session` on its rank 0
+only, with its `LearnerGroup` (`ddiloco.learner_group`): fragments it applies and publishes are written
+to and read from every rank; the others run a `FollowerSession` (`ddiloco.session_setup` picks). Over
+gRPC a publish costs the training thread only a copy of the fragment (`ddiloco.publisher`).
+
 Entering the session joins: the learner's own initialisation is replaced by the global parameters
 (the first learner of a new run provides them). A syncer that refuses the learner ends the session with
 `RefusedError` (exit status 3); one that never answers, after `LearnerConfig.connect_timeout_s`, with

@@ -51,7 +51,7 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     run_config = _resolve_config(config, env, hub)
     learner_id = env.learner_id if learner_id is None else learner_id
     model = unwrap(model)
-    learners_group = _learner_group(model, env, group)
+    learners_group = _learner_group(model, env, group) if hub is None else None
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
                                state=state, handle_sigterm=options.get("handle_sigterm", True))

@@ -21,13 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ddiloco.checkpoint import RoundLog, load_latest_state
-from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import RunPaths, read_json
-from ddiloco.syncer import replay_rounds
+from tests.helpers import assert_global_state_is_the_replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,16 +68,6 @@ def finish(popen: subprocess.Popen) -> str:
 
 def participations(run_dir: Path, learner_id: int) -> int:
     return sum(learner_id in [p["learner_id"] for p in line["participants"]] for line in RoundLog(run_dir).lines())
-
-
-def assert_global_state_is_the_replay(run_dir: Path) -> None:
-    config = RunConfig.load(run_dir / "config.json")
-    records = list(RoundLog(run_dir).records())
-    replayed = replay_rounds(config.diloco, load_file(run_dir / "genesis.safetensors"), records)
-    state, _, serial = load_latest_state(run_dir / "checkpoints" / "syncer")
-    assert serial == len(records) > 0
-    for name, tensor in replayed.items():
-        assert torch.equal(state["global"][name], tensor), name
 
 
 def assert_ranks_agree(run_dir: Path, learner_id: int) -> None:
@@ -137,3 +124,54 @@ def test_an_fsdp2_learner_of_two_ranks_trains_and_the_global_state_is_the_replay
     assert participations(run_dir, 0) >= 48 // 8  # a round per fragment every 8 inner steps, and the final ones
     assert_global_state_is_the_replay(run_dir)
     assert_ranks_agree(run_dir, 0)
+
+
+def _resume_sharded_optimizer(rank: int, port: int) -> None:
+    """Two identical FSDP2 models train alike; one's optimizer goes through a checkpoint (its local shards,
+    pickled) into a fresh optimizer; one more step must leave both models bit-identical."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ddiloco.learner_group import local_tensors, reshard_optimizer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(fully_shard(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    data = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 4, generator=data) for _ in range(3)]
+
+    def train(model, optimizer, batch):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for batch in batches[:2]:
+        for model, optimizer in zip(models, optimizers, strict=True):
+            train(model, optimizer, batch)
+    saved = pickle.loads(pickle.dumps(local_tensors(optimizers[1].state_dict())))
+    resumed = torch.optim.AdamW(models[1].parameters(), lr=1e-2)
+    resumed.load_state_dict(saved)
+    reshard_optimizer(resumed)
+    train(models[0], optimizers[0], batches[2])
+    train(models[1], resumed, batches[2])
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_optimizer_state_survives_its_checkpoint_bit_for_bit():
+    import torch.multiprocessing as mp
+
+    from ddiloco.runtime.rank_group import free_port
+
+    mp.spawn(_resume_sharded_optimizer, args=(free_port(),), nprocs=2, join=True)
