@@ -88,40 +88,53 @@ def assert_completed(run_dir: Path, *, restarts: list[int]) -> None:
     assert all(learner["tokens"] > 0 for learner in learners)
 
 
-@pytest.mark.timeout(600)
-def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_again(tmp_path):
-    run_dir = tmp_path / "run"
+def kill_a_follower(run_dir: Path, popen: subprocess.Popen) -> tuple[int, int]:
+    """Once learner 0 has checkpointed and merged, kill -9 its rank 1 (not the rank that talks to the syncer) and
+    wait for the restarted group; returns (the inner step of the checkpoint it resumes from, rounds it had merged)."""
     paths = RunPaths(run_dir)
-    popen = start_run(run_dir, 300)
     ranks_file = paths.learner_dir(0) / "ranks.json"
     checkpoint_dir = paths.learner_dir(0) / "checkpoint"
     wait_for(lambda: (s := load_latest_state(checkpoint_dir)) is not None and s[2] > 0
              and participations(run_dir, 0) >= 2, "learner 0 checkpointed and merged", popen)
     group = read_json(ranks_file)
-    os.kill(group["ranks"][1], signal.SIGKILL)  # rank 1: the follower, not the rank that talks to the syncer
+    os.kill(group["ranks"][1], signal.SIGKILL)
     _, _, checkpoint_step = load_latest_state(checkpoint_dir)
     merged_before = participations(run_dir, 0)
     wait_for(lambda: (g := read_json(ranks_file)) is not None and g["pid"] != group["pid"], "learner 0 restarted",
              popen)
-    out = finish(popen)
-    assert_completed(run_dir, restarts=[1, 0])
-    starts = [json.loads(line) for line in (paths.learner_dir(0) / "work.jsonl").read_text().splitlines()
+    restarted = read_json(ranks_file)
+    assert restarted["master_port"] and restarted["ranks"] != group["ranks"]
+    return checkpoint_step, merged_before
+
+
+def assert_resumed(run_dir: Path, checkpoint_step: int, merged_before: int, out: str) -> None:
+    starts = [json.loads(line) for line in (RunPaths(run_dir).learner_dir(0) / "work.jsonl").read_text().splitlines()
               if '"start"' in line]
     assert len(starts) == 2 and starts[1]["inner_step"] >= checkpoint_step > 0  # resumed, not from inner step 0
     assert participations(run_dir, 0) > merged_before + 2, out  # it contributed again after the restart
-    restarted = read_json(ranks_file)
-    assert restarted["master_port"] and restarted["ranks"] != group["ranks"]
+
+
+@pytest.mark.timeout(600)
+def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_again(tmp_path):
+    run_dir = tmp_path / "run"
+    popen = start_run(run_dir, 200)
+    checkpoint_step, merged_before = kill_a_follower(run_dir, popen)
+    out = finish(popen)
+    assert_completed(run_dir, restarts=[1, 0])
+    assert_resumed(run_dir, checkpoint_step, merged_before, out)
     assert_global_state_is_the_replay(run_dir)
     for learner_id in (0, 1):
         assert_ranks_agree(run_dir, learner_id)
 
 
-@pytest.mark.timeout(400)
-def test_an_fsdp2_learner_of_two_ranks_trains_and_the_global_state_is_the_replay(tmp_path):
+@pytest.mark.timeout(600)
+def test_an_fsdp2_learner_resumes_its_shards_after_a_kill9_and_the_global_state_is_the_replay(tmp_path):
     run_dir = tmp_path / "run"
-    finish(start_run(run_dir, 48, "--fsdp", learners=1))
-    assert_completed(run_dir, restarts=[0])
-    assert participations(run_dir, 0) >= 48 // 8  # a round per fragment every 8 inner steps, and the final ones
+    popen = start_run(run_dir, 96, "--fsdp", learners=1)
+    checkpoint_step, merged_before = kill_a_follower(run_dir, popen)
+    out = finish(popen)
+    assert_completed(run_dir, restarts=[1])
+    assert_resumed(run_dir, checkpoint_step, merged_before, out)  # each rank's optimizer shard restored
     assert_global_state_is_the_replay(run_dir)
     assert_ranks_agree(run_dir, 0)
 
