@@ -19,7 +19,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

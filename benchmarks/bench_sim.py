@@ -34,7 +34,8 @@ DEFAULT_GRID = ("dp:1e-3", "dp:2e-3", "dp:4e-3",
                 "dd:1e-3:0.7:0.9:32", "dd:2e-3:0.7:0.9:32", "dd:1e-3:0.7:0.5:32", "dd:2e-3:0.7:0.5:32",
                 "dd:2e-3:0.5:0.9:32", "dd:2e-3:1.0:0.0:32", "dd:3e-3:1.0:0.0:32", "dd:2e-3:1.3:0.0:32",
                 "dd:2e-3:1.0:0.0:16", "dd:2e-3:1.0:0.0:8")
-"""dp:INNER_LR, or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H (P = 4, tau = 2, int4, K = 1 + adaptive grace)."""
+"""dp:INNER_LR, or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite] (P = 4, tau = 2, int4, K = 1 + adaptive
+grace; `overwrite`: the overlap steps are overwritten when a round's result arrives instead of kept)."""
 
 
 def bench_event_loop(events: int) -> None:
@@ -76,7 +77,8 @@ def run_spec(spec: str, steps: int, evals: int) -> str:
     if parts[0] == "dp":
         result = DataParallelSim(DataParallelSimConfig(workload=workload, cluster=ClusterConfig())).run()
     else:
-        diloco = DilocoConfig(sync_every=int(parts[4]), outer_lr=float(parts[2]), outer_momentum=float(parts[3]))
+        diloco = DilocoConfig(sync_every=int(parts[4]), outer_lr=float(parts[2]), outer_momentum=float(parts[3]),
+                              keep_overlap_work=parts[5:] != ["overwrite"])
         result = DecoupledSim(DecoupledSimConfig(workload=workload, diloco=diloco, quorum=QuorumConfig())).run()
     curve = " ".join(f"{p.val_loss:.3f}" for p in result.curve[1:-1])
     return (f"| {spec} | {result.metrics['final_val_loss']:.4f} | {curve} | "

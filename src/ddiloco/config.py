@@ -62,6 +62,12 @@ class DilocoConfig:
     overlap_steps: int = 2
     """tau, in inner steps: a learner may train this many inner steps after publishing a fragment
     before it must hold a newer version of that fragment (it waits at that point, see LearnerConfig)."""
+    keep_overlap_work: bool = True
+    """What a learner does with the inner steps it trained on a fragment after publishing it (at most tau,
+    or more if it stopped waiting) when the round's result arrives: True keeps them, on top of the new global
+    value (local <- new + (local - local at publish)), and publishes them in its next update; False overwrites
+    them, as the paper's learners do (alpha = 0 in Streaming DiLoCo), losing about tau / H of every
+    fragment's work. Keeping won at every size measured (docs/results.md, "Defaults and rounds")."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
     embedding_pattern: str = ""
@@ -90,6 +96,8 @@ class DilocoConfig:
                  "sync_every", self.sync_every, "an integer >= 1 (inner steps)")
         _require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
                  "overlap_steps", self.overlap_steps, "an integer >= 0 (inner steps)")
+        _require(isinstance(self.keep_overlap_work, bool), "keep_overlap_work", self.keep_overlap_work,
+                 "true or false")
         _require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
         _require_choice("merge", self.merge, MERGE_METHODS)
         _require_choice("codec", self.codec, CODEC_CHOICES)

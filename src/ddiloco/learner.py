@@ -10,7 +10,10 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
   with `max_tokens_per_step` declares it in its `Join` and refuses a step that counts more (the syncer
   rejects an update with more tokens than steps x the declaration, or than the run's limit without one).
 - `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
-  state survives) and resets its counters. `receive(FragmentDelta)`: the same with the value rebuilt from
+  state survives) and resets its counters; with `keep_overlap_work`, the steps trained since the fragment was
+  published are kept on top of the new value, with their counters (docs/protocol.md). Each result also
+  measures the learner's pace against the rounds (`round_pace`): a learner slower than the others publishes
+  after fewer of its own inner steps. `receive(FragmentDelta)`: the same with the value rebuilt from
   the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another version,
   or the checksum disagrees) makes it join again, for the Welcome's full float32 fragments.
 - `can_step`: the waiting rule. After publishing fragment p at inner step s, the learner may train
@@ -18,7 +21,7 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
   a version of p newer than the one it published from. Any newer version satisfies the wait, even one
   that does not yet include this learner's update (that update is merged into a later round). The
   driver bounds the wait (`LearnerConfig.max_wait_s`) and then calls `stop_waiting()`; the learner
-  trains on and the round's result, when it arrives, still overwrites the fragment.
+  trains on and the round's result, when it arrives, still replaces the fragment.
 
 The learner never waits for other learners. Paper: arXiv 2604.21428.
 """
@@ -55,6 +58,15 @@ from ddiloco.publisher import DeferredPayload
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
+
+ROUND_PACE_SMOOTHING = 0.1
+"""Weight of each new round in `Learner.round_pace`: about ten rounds (2.5 periods at P = 4) of memory, which
+averages out step-time jitter and the grace window's variation."""
+ROUND_PACE_DEADBAND = 0.05
+"""A learner within 5 % of the rounds' pace keeps its schedule: the learners that set the clock must not chase
+their own noise (publishing earlier would close rounds earlier, and the next estimate would be lower still)."""
+MIN_ROUND_PACE = 0.5
+"""The fastest a schedule runs: twice the learner's step count."""
 
 DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
@@ -117,6 +129,16 @@ class _Outstanding:
     published_at_step: int
 
 
+@dataclass(frozen=True)
+class _AtPublish:
+    """A fragment as it was published: the work after it is not in that update."""
+
+    tensors: dict[str, torch.Tensor]
+    steps_since: int
+    tokens_since: int
+    inner_step: int
+
+
 class Learner:
     """One learner's protocol state around a user's model. See the module docstring."""
 
@@ -168,6 +190,15 @@ class Learner:
         self.deferred = False
         """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
         then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
+        self.round_pace = 1.0
+        """Moving average of (own inner steps between two rounds' results) / (H / P): below 1, this learner
+        is slower than the learners whose rounds set the clock (`_track_round_clock`)."""
+        self._last_result: tuple[int, int] | None = None
+        """(round index, own inner step) of the newest round result received."""
+        self._blocked_since_result = False
+        self._at_publish: list[_AtPublish | None] = [None] * num
+        """Per fragment, its local value and counters when it was last published, until a newer version
+        arrives (`config.keep_overlap_work`: the work trained after that point is carried onto it)."""
         self.joined = False
         self.refused_reason: str | None = None
         self._outstanding: dict[int, _Outstanding] = {}
@@ -189,6 +220,11 @@ class Learner:
 
     def blocking_fragments(self) -> list[int]:
         """Fragments published more than tau inner steps ago whose newer version has not arrived."""
+        blocking = self._blocking()
+        self._blocked_since_result = self._blocked_since_result or bool(blocking)
+        return blocking
+
+    def _blocking(self) -> list[int]:
         tau = self.config.overlap_steps
         return sorted(p for p, out in self._outstanding.items() if self.inner_step >= out.published_at_step + tau)
 
@@ -330,23 +366,53 @@ class Learner:
         if not force and state.version <= self.versions[p]:
             self.stats.fragments_ignored_stale += 1
             return
-        names = self.plan.fragments[p]
+        names, num_fragments = self.plan.fragments[p], self.plan.num_fragments
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
-        self.access.write(p, state.tensors)
-        for name in names:
-            # The base is what the next pseudo-gradient is measured from: the exact global value.
-            self._base[p][name] = state.tensors[name].to(device=self._params[name].device, dtype=torch.float32,
-                                                         copy=True)
+        at_publish, self._at_publish[p] = self._at_publish[p], None
+        carry = at_publish is not None and not force and self.config.keep_overlap_work
+        # The base is what the next pseudo-gradient is measured from: the exact global value.
+        bases = {name: state.tensors[name].to(device=self._params[name].device, dtype=torch.float32, copy=True)
+                 for name in names}
+        if carry:
+            # The steps trained since the publish are not in the update: keep them on the new value.
+            current = self.access.read(p, names)
+            self.access.write(p, {name: bases[name] + (current[name] - at_publish.tensors[name].to(torch.float32))
+                                  for name in names})
+        else:
+            self.access.write(p, state.tensors)
+        self._base[p].update(bases)
+        if not force:
+            self._track_round_clock(num_fragments * (state.version - 1) + p)
         self.versions[p] = state.version
-        self.steps_since[p] = 0
-        self.tokens_since[p] = 0
-        self.synced_at[p] = self.inner_step
+        if carry:
+            self.steps_since[p] -= at_publish.steps_since
+            self.tokens_since[p] -= at_publish.tokens_since
+            self.synced_at[p] = at_publish.inner_step
+        else:
+            self.steps_since[p] = 0
+            self.tokens_since[p] = 0
+            self.synced_at[p] = self.inner_step
         self.stats.bytes_received += state.payload_bytes if payload_bytes is None else payload_bytes
         self.stats.fragments_applied += 1
         outstanding = self._outstanding.get(p)
         if outstanding is not None and state.version > outstanding.base_version:
             del self._outstanding[p]
+
+    def _track_round_clock(self, round_index: int) -> None:
+        """Measure this learner's pace against the rounds' clock: the rounds close when the others publish,
+        so a learner that needs fewer of its own inner steps than H / P between two rounds' results is slower
+        than them. Its schedule then runs faster than its step count (`after_inner_step` adds the difference
+        to `phase`): it publishes after fewer inner steps, in time for the others' rounds, instead of one
+        version late in every round (Dynamic Local Updates; docs/protocol.md, "Rounds")."""
+        last, self._last_result = self._last_result, (round_index, self.inner_step)
+        blocked, self._blocked_since_result = self._blocked_since_result or bool(self._blocking()), False
+        if last is None or round_index <= last[0] or not self.follows_rounds or blocked:
+            return  # a learner that waited for the syncer measured the syncer, not its own pace
+        spacing = self.config.sync_every / self.plan.num_fragments
+        sample = (self.inner_step - last[1]) / ((round_index - last[0]) * spacing)
+        # Capped above only far from 1: a cap at 1 would bias the average of a learner in pace downwards.
+        self.round_pace += ROUND_PACE_SMOOTHING * (min(sample, 2.0) - self.round_pace)
 
     def take_schedule_position(self, welcome: Welcome) -> None:
         """Move to the global schedule position that `welcome` implies.
@@ -362,6 +428,7 @@ class Learner:
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self._published_early.clear()
         self.phase = 0
+        self._last_result = None
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.next_round)
 
@@ -378,6 +445,9 @@ class Learner:
             raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
                              "learner declared: declare the largest batch it trains on")
         self.inner_step += 1
+        if self.follows_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND:
+            # Clamped: a learner that blocks (a slow syncer) must not be driven to publish every step.
+            self.phase += 1.0 / max(self.round_pace, MIN_ROUND_PACE) - 1.0
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
@@ -413,6 +483,10 @@ class Learner:
                 payload[name] = self._codec.encode(delta.cpu())
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload, final=final)
+        if self.config.keep_overlap_work:
+            # The copy just taken is the fragment's value at this publish (never changed in place after it).
+            self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],
+                                             self.inner_step)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
         self._published_from[p] = self.versions[p]
         self.synced_at[p] = self.inner_step
@@ -432,6 +506,7 @@ class Learner:
             del self._outstanding[p]
         if self._published_from[p] == update.base_version:
             self._published_from[p] = None
+        self._at_publish[p] = None  # nothing of that work went out: none of it is carried as unpublished
 
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""
@@ -462,6 +537,7 @@ class Learner:
             "inner_step": self.inner_step,
             "next_round": self.next_round,
             "phase": self.phase,
+            "round_pace": self.round_pace,
             "optimizer": self.optimizer.state_dict(),
         }
 
@@ -470,7 +546,8 @@ class Learner:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
         self.next_round = int(state["next_round"])
-        self.phase = int(state.get("phase", 0))
+        self.phase = float(state.get("phase", 0))
+        self.round_pace = float(state.get("round_pace", 1.0))
         self._published_early.clear()
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])

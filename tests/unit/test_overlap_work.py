@@ -1,0 +1,139 @@
+"""The learner's work after a publish (the tau-step overlap) when the round's result arrives: kept on top
+of the new global value (`DilocoConfig.keep_overlap_work`, the default) or overwritten."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ddiloco.compression import get_codec
+from ddiloco.config import DilocoConfig
+from ddiloco.learner import Learner
+from ddiloco.messages import FragmentState, Welcome
+from tests.helpers import TinyNet, make_batches, params_of, sgd, train_step
+
+CONFIG = DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=4, overlap_steps=2,
+                      codec="fp32", downlink_codec="fp32")
+
+
+def _joined_learner(config: DilocoConfig) -> Learner:
+    learner = Learner(config, learner_id=0, model=TinyNet(seed=1), optimizer=None)
+    learner.optimizer = sgd(learner.model)
+    start = params_of(TinyNet(seed=2))
+    learner.receive(Welcome(0, (FragmentState(0, 0, start),), config.fingerprint()))
+    return learner
+
+
+def _train(learner: Learner, batches) -> list:
+    updates = []
+    for batch in batches:
+        updates += learner.after_inner_step(train_step(learner.model, learner.optimizer, batch))
+    return updates
+
+
+def _new_global(learner: Learner) -> dict[str, torch.Tensor]:
+    return {name: torch.full_like(t, 0.25) for name, t in params_of(learner.model).items()}
+
+
+def test_steps_trained_after_a_publish_are_kept_on_the_new_global_value_and_published_next():
+    learner = _joined_learner(CONFIG)
+    batches = make_batches(8, seed=3)
+    (update,) = _train(learner, batches[:4])                  # publishes at inner step 4, from version 0
+    at_publish = params_of(learner.model)
+    assert _train(learner, batches[4:6]) == []                # the overlap: 2 steps not in the update
+    local = params_of(learner.model)
+    new = _new_global(learner)
+    learner.receive(FragmentState(0, 1, new))
+    for name, value in params_of(learner.model).items():
+        torch.testing.assert_close(value, new[name] + (local[name] - at_publish[name]), rtol=0, atol=1e-6)
+    assert learner.steps_since == [2] and learner.tokens_since == [update.tokens // 2]
+    assert learner.unpublished() == [2]
+    # The next update measures from the new value: it carries the kept steps and counts them.
+    (following,) = _train(learner, batches[6:8])              # due at inner step 8
+    assert following.base_version == 1 and following.steps == 4 and following.tokens == update.tokens
+    codec = get_codec(CONFIG.codec)
+    for name, value in params_of(learner.model).items():
+        torch.testing.assert_close(codec.decode(following.payload[name], tuple(value.shape)), new[name] - value,
+                                   rtol=0, atol=0)
+
+
+def test_overwrite_loses_the_overlap_steps_as_the_paper_learner_does():
+    config = DilocoConfig(**{**CONFIG.to_dict(), "keep_overlap_work": False})
+    learner = _joined_learner(config)
+    batches = make_batches(4, seed=3)
+    _train(learner, batches)
+    new = _new_global(learner)
+    learner.receive(FragmentState(0, 1, new))
+    for name, value in params_of(learner.model).items():
+        torch.testing.assert_close(value, new[name], rtol=0, atol=0)
+    assert learner.steps_since == [0] and learner.unpublished() == [0]
+
+
+def test_a_welcome_overwrites_the_overlap_steps():
+    learner = _joined_learner(CONFIG)
+    _train(learner, make_batches(4, seed=3))
+    new = _new_global(learner)
+    learner.receive(Welcome(0, (FragmentState(0, 1, new),), CONFIG.fingerprint()))
+    for name, value in params_of(learner.model).items():
+        torch.testing.assert_close(value, new[name], rtol=0, atol=0)
+    assert learner.steps_since == [0]
+
+
+# ---- the rounds' pace (Dynamic Local Updates) ------------------------------------------------------------
+
+PACED = DilocoConfig(num_fragments=2, sync_every=8, overlap_steps=8, codec="fp32", downlink_codec="fp32")
+"""Rounds 4 inner steps apart; tau long enough that no learner waits in these tests."""
+
+
+def _results_every(learner: Learner, own_steps: int, rounds: int) -> list:
+    """Train `learner`, handing it the next round's result after every `own_steps` of its inner steps (as the
+    others' rounds would arrive); returns its updates."""
+    updates, batches = [], make_batches(own_steps * rounds, seed=5)
+    global_ = params_of(learner.model)
+    for r in range(rounds):
+        updates += _train(learner, batches[r * own_steps:(r + 1) * own_steps])
+        p, version = r % 2, r // 2 + 1
+        learner.receive(FragmentState(p, version, {n: global_[n] for n in learner.plan.fragments[p]}))
+    return updates
+
+
+def _paced_learner() -> Learner:
+    learner = Learner(PACED, learner_id=0, model=TinyNet(seed=1), optimizer=None)
+    learner.optimizer = sgd(learner.model)
+    learner.receive(Welcome(0, tuple(FragmentState(p, 0, {n: t for n, t in params_of(TinyNet(seed=2)).items()
+                                                          if n in learner.plan.fragments[p]}) for p in range(2)),
+                            PACED.fingerprint()))
+    return learner
+
+
+def test_a_learner_slower_than_the_rounds_publishes_after_fewer_of_its_own_steps():
+    learner = _paced_learner()
+    _results_every(learner, 3, 40)                                 # rounds every 3 of its steps, H / P = 4
+    assert learner.round_pace == pytest.approx(0.75, abs=0.03)
+    steps_at = [u.inner_step for u in _results_every(learner, 3, 12)]
+    assert set(b - a for a, b in zip(steps_at, steps_at[1:], strict=False)) <= {2, 3, 4}
+    assert (steps_at[-1] - steps_at[0]) / (len(steps_at) - 1) == pytest.approx(3.0, abs=0.35)
+
+
+def test_a_learner_in_pace_with_the_rounds_keeps_its_schedule():
+    learner = _paced_learner()
+    updates = _results_every(learner, 4, 40)
+    assert learner.round_pace == pytest.approx(1.0, abs=0.01) and learner.phase == 0
+    assert [u.inner_step for u in updates] == [4 * (r + 1) for r in range(40)]
+
+
+def test_a_learner_that_waited_for_the_syncer_does_not_count_the_wait_as_its_pace():
+    # Its link is slow: after each publish it blocks (tau = 1) until the result arrives, and meanwhile the
+    # other fragment's round result arrives too. Counted as pace, two results per 5 of its steps would read 0.6.
+    learner = _paced_learner()
+    learner.config = dataclasses.replace(PACED, overlap_steps=1)
+    batches, global_ = iter(make_batches(200, seed=5)), params_of(learner.model)
+    for _ in range(20):
+        while learner.can_step:
+            _train(learner, [next(batches)])
+        (waited_for,) = learner.blocking_fragments()
+        for p in (1 - waited_for, waited_for):
+            state = {n: global_[n] for n in learner.plan.fragments[p]}
+            learner.receive(FragmentState(p, learner.versions[p] + 1, state))
+    assert learner.stats.updates_sent >= 20
+    assert learner.round_pace == 1.0
