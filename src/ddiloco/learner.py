@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -39,6 +38,7 @@ from torch import nn
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, require_int
 from ddiloco.downlink import rebuild
+from ddiloco.fragment_access import FragmentAccess, LocalParameters
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
 from ddiloco.messages import (
     FragmentDelta,
@@ -90,37 +90,6 @@ class LearnerStats:
     downlink_resyncs: int = 0
     """Fragment changes this learner could not rebuild (another base version, a checksum that disagrees),
     each answered by joining again."""
-
-
-class FragmentAccess(Protocol):
-    """How the core reads and writes one fragment's parameters. `LocalParameters` when this process holds
-    them all; `ddiloco.learner_group.LearnerGroup` when the learner spans torch.distributed ranks (the
-    values are then gathered to, and sent from, the rank that talks to the syncer)."""
-
-    def read(self, fragment: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """A float32 copy of each parameter's full value, owned by the caller (training goes on meanwhile)."""
-        ...
-
-    def write(self, fragment: int, values: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite each parameter in place with its full value."""
-        ...
-
-
-class LocalParameters:
-    """Every parameter in this process: a read is a float32 copy on the parameter's device, a write an in-place
-    copy (so the inner optimizer's state, which refers to the parameter objects, survives)."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
-        self.params = params
-
-    @torch.no_grad()
-    def read(self, fragment: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return {name: self.params[name].detach().to(torch.float32, copy=True) for name in names}
-
-    @torch.no_grad()
-    def write(self, fragment: int, values: Mapping[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            self.params[name].copy_(value)
 
 
 @dataclass(frozen=True)
