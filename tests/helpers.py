@@ -174,3 +174,24 @@ def tiny_sim_workload(*, inner_steps: int = 16, batch_size: int = 2, eval_points
     model = ModelConfig(width=16, num_layers=2, num_heads=2, context_len=16)
     return WorkloadConfig(model=model, data=DataConfig(batch_size=batch_size, context_len=16),
                           inner=InnerConfig(lr=lr), inner_steps=inner_steps, eval_points=eval_points, val_batches=1)
+
+
+def assert_global_state_is_the_replay(run_dir) -> None:
+    """The syncer's latest full state in a run directory equals its genesis (DIR/genesis.safetensors, whatever
+    the model) with every committed round of the round log replayed on top, bit for bit."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from ddiloco.checkpoint import RoundLog, load_latest_state
+    from ddiloco.run_config import RunConfig
+    from ddiloco.syncer import replay_rounds
+
+    run_dir = Path(run_dir)
+    config = RunConfig.load(run_dir / "config.json")
+    records = list(RoundLog(run_dir).records())
+    replayed = replay_rounds(config.diloco, load_file(run_dir / "genesis.safetensors"), records)
+    state, _, serial = load_latest_state(run_dir / "checkpoints" / "syncer")
+    assert serial == len(records) > 0
+    for name, tensor in replayed.items():
+        assert torch.equal(state["global"][name], tensor), name

@@ -22,7 +22,7 @@ _EXPORTS = {
     "LearnerEnvironment": "ddiloco.environment", "RefusedError": _SESSION, "Session": _SESSION,
     "UnreachableError": _SESSION,
     "environment": "ddiloco.environment",
-    "session": _SESSION, "Watcher": _EVALUATOR, "watch": _EVALUATOR,
+    "session": "ddiloco.session_setup", "Watcher": _EVALUATOR, "watch": _EVALUATOR,
 }
 """Public name -> the module that owns it. Imported on first use, so `import ddiloco` (and the `ddiloco`
 command's --help) does not pay for importing torch."""

@@ -3,8 +3,9 @@
 `ddiloco.environment()` reads the `DDILOCO_*` variables (docs/your_model.md lists them); the launcher
 (`ddiloco.runtime.launcher.Launcher.learner_env`) writes them. Like torchrun's RANK and WORLD_SIZE, they
 are how a script started by the launcher learns who it is; a script started by hand can set them, or
-pass the same facts to `ddiloco.session(...)` as keywords. This module is the one place of the library
-that reads them.
+pass the same facts to `ddiloco.session(...)` as keywords. It also reads torchrun's `RANK`, `WORLD_SIZE`
+and `LOCAL_RANK` (a learner of several ranks). This module is the one place of the library that reads
+them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class LearnerEnvironment:
     """An evaluator's period (`ddiloco run --eval-every-s`)."""
     checkpoint_every_s: float = 10.0
     """The period of the learner's local checkpoints (`ddiloco run --checkpoint-every-s`)."""
+    rank: int = 0
+    """This process's torch.distributed rank within its learner (torchrun's RANK; 0 for a one-process learner)."""
+    world_size: int = 1
+    """The learner's ranks (torchrun's WORLD_SIZE; `ddiloco run --nproc-per-learner`)."""
+    local_rank: int = 0
+    """torchrun's LOCAL_RANK: this rank's index on its machine (which GPU it takes)."""
 
     @property
     def managed(self) -> bool:
@@ -58,14 +65,14 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         value = env.get(ENV_PREFIX + name)
         return value if value else None
 
-    def number(name: str, default: int) -> int:
-        value = get(name)
+    def number(name: str, default: int, *, prefix: str = ENV_PREFIX) -> int:
+        value = env.get(prefix + name) or None
         if value is None:
             return default
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name}={value!r} is invalid: expected an integer") from None
+            raise ValueError(f"{prefix}{name}={value!r} is invalid: expected an integer") from None
 
     def path(name: str) -> Path | None:
         value = get(name)
@@ -77,10 +84,14 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
         chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None,
         eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
-        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0))
+        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0),
+        rank=number("RANK", 0, prefix=""), world_size=number("WORLD_SIZE", 1, prefix=""),
+        local_rank=number("LOCAL_RANK", 0, prefix=""))
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")
+    if not 0 <= found.rank < found.world_size:
+        raise ValueError(f"RANK={found.rank} is invalid with WORLD_SIZE={found.world_size}: expected 0..WORLD_SIZE-1")
     if found.role not in ("learner", "evaluator"):
         raise ValueError(f"{ENV_PREFIX}ROLE={found.role!r} is invalid: expected learner or evaluator")
     return found

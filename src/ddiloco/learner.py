@@ -38,6 +38,7 @@ from torch import nn
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, require_int
 from ddiloco.downlink import rebuild
+from ddiloco.fragment_access import FragmentAccess, LocalParameters
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names
 from ddiloco.messages import (
     FragmentDelta,
@@ -53,6 +54,7 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.publisher import DeferredPayload
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,10 @@ class Learner:
     """One learner's protocol state around a user's model. See the module docstring."""
 
     def __init__(self, config: DilocoConfig, *, learner_id: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0) -> None:
-        """`max_tokens_per_step`: the most tokens (or samples) one inner step counts, declared at join (0: none)."""
+                 optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0,
+                 access: FragmentAccess | None = None) -> None:
+        """`max_tokens_per_step`: the most tokens (or samples) one inner step counts, declared at join (0: none).
+        `access`: how fragments are read and written (default: `LocalParameters`, this process holds them)."""
         if learner_id < 0:
             raise ValueError(f"learner_id={learner_id} is invalid: expected an integer >= 0")
         require_int("max_tokens_per_step", max_tokens_per_step, minimum=0)
@@ -121,7 +125,10 @@ class Learner:
         self.model = model
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
         self._params = dict(model.named_parameters())
-        self.spec = ModelSpec.from_named_tensors(self._params.items())
+        self.access: FragmentAccess = access or LocalParameters(self._params)
+        # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
+        # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
+        self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
         self.embeddings = embedding_names(model, config.embedding_pattern)
         canonical = {id(p): name for name, p in self._params.items()}
         every = model.named_parameters(remove_duplicate=False)
@@ -149,6 +156,9 @@ class Learner:
         before it published its part (`_publish_before`), so its next rounds fall due in time for the others'."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
+        self.deferred = False
+        """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
+        then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
         self.round_pace = 1.0
         """Moving average of (own inner steps between two rounds' results) / (H / P): below 1, this learner
         is slower than the learners whose rounds set the clock (`_track_round_clock`)."""
@@ -330,16 +340,17 @@ class Learner:
             raise ValueError(f"fragment {p} state carries the wrong tensors")
         at_publish, self._at_publish[p] = self._at_publish[p], None
         carry = at_publish is not None and not force and self.config.keep_overlap_work
-        for name in names:
-            param = self._params[name]
-            # The base is what the next pseudo-gradient is measured from: the exact global value.
-            base = state.tensors[name].to(device=param.device, dtype=torch.float32, copy=True)
-            if carry:
-                # The steps trained since the publish are not in the update: keep them on the new value.
-                param.copy_(base + (param.detach().to(torch.float32) - at_publish.tensors[name].to(torch.float32)))
-            else:
-                param.copy_(state.tensors[name])
-            self._base[p][name] = base
+        # The base is what the next pseudo-gradient is measured from: the exact global value.
+        bases = {name: state.tensors[name].to(device=self._params[name].device, dtype=torch.float32, copy=True)
+                 for name in names}
+        if carry:
+            # The steps trained since the publish are not in the update: keep them on the new value.
+            current = self.access.read(p, names)
+            self.access.write(p, {name: bases[name] + (current[name] - at_publish.tensors[name].to(torch.float32))
+                                  for name in names})
+        else:
+            self.access.write(p, state.tensors)
+        self._base[p].update(bases)
         if not force:
             self._track_round_clock(num_fragments * (state.version - 1) + p)
         self.versions[p] = state.version
@@ -423,26 +434,48 @@ class Learner:
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
-        payload = {}
-        for name in self.plan.fragments[p]:
-            delta = self._base[p][name] - self._params[name].detach().to(torch.float32)
-            if not bool(torch.isfinite(delta).all()):
-                self.stats.updates_withheld_non_finite += 1
-                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
-                             self.learner_id, self.inner_step, name)
-                return None
-            payload[name] = self._codec.encode(delta.cpu())
+        names = self.plan.fragments[p]
+        current = self.access.read(p, names)
+        payload: Mapping[str, bytes]
+        if self.deferred:
+            # Only the copy above on this thread; the pseudo-gradient and its encoding on the publisher's.
+            payload = DeferredPayload({name: self._base[p][name] for name in names}, current, self._codec)
+        else:
+            payload = {}
+            for name in names:
+                delta = self._base[p][name] - current[name]
+                if not bool(torch.isfinite(delta).all()):
+                    self.stats.updates_withheld_non_finite += 1
+                    logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                                 self.learner_id, self.inner_step, name)
+                    return None
+                payload[name] = self._codec.encode(delta.cpu())
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload, final=final)
         if self.config.keep_overlap_work:
-            local = {name: self._params[name].detach().clone() for name in self.plan.fragments[p]}
-            self._at_publish[p] = _AtPublish(local, self.steps_since[p], self.tokens_since[p], self.inner_step)
+            # The copy just taken is the fragment's value at this publish (never changed in place after it).
+            self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],
+                                             self.inner_step)
         self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
         self._published_from[p] = self.versions[p]
         self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
-        self.stats.bytes_sent += update.payload_bytes
+        if not self.deferred:
+            self.stats.bytes_sent += update.payload_bytes  # deferred: counted once encoded (`Publisher`)
         return update
+
+    def withdraw(self, update: Update) -> None:
+        """A deferred update was withheld after all (its pseudo-gradient is not finite): forget that it was
+        published, as `_publish` does for one withheld on the spot."""
+        p = update.fragment
+        self.stats.updates_sent -= 1
+        self.stats.updates_withheld_non_finite += 1
+        outstanding = self._outstanding.get(p)
+        if outstanding is not None and outstanding.base_version == update.base_version:
+            del self._outstanding[p]
+        if self._published_from[p] == update.base_version:
+            self._published_from[p] = None
+        self._at_publish[p] = None  # nothing of that work went out: none of it is carried as unpublished
 
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""

@@ -25,6 +25,11 @@ moves messages through one of two transports:
 - **in-process** (`hub=InProcessHub(...)`): the syncer in the same process, for notebooks and tests.
   `step()` never blocks there; `ready` says whether the waiting rule lets the learner train now.
 
+A learner of several torch.distributed ranks (torchrun, DDP, FSDP2) runs this `Session` on its rank 0
+only, with its `LearnerGroup` (`ddiloco.learner_group`): fragments it applies and publishes are written
+to and read from every rank; the others run a `FollowerSession` (`ddiloco.session_setup` picks). Over
+gRPC a publish costs the training thread only a copy of the fragment (`ddiloco.publisher`).
+
 Entering the session joins: the learner's own initialisation is replaced by the global parameters
 (the first learner of a new run provides them). A syncer that refuses the learner ends the session with
 `RefusedError` (exit status 3); one that never answers, after `LearnerConfig.connect_timeout_s`, with
@@ -53,11 +58,11 @@ from torch import nn
 
 from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_state, save_state
 from ddiloco.clock import Clock, MonotonicClock
-from ddiloco.config import DilocoConfig, LearnerConfig
-from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.learner import Learner
+from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.transport.inprocess import InProcessHub
@@ -130,12 +135,16 @@ class Session:
                  link: str | None = None, tls_ca: bytes | None = None, tls_server_name: str | None = None,
                  chaos_control: str | Path | None = None, checkpoint_every_s: float = 10.0,
                  status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
-                 sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0) -> None:
+                 sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0,
+                 group: LearnerGroup | None = None) -> None:
         for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid: expected seconds > 0")
         if (hub is None) == (syncer is None):
             raise ValueError("a session needs exactly one of hub= (in process) or syncer= (HOST:PORT)")
+        if group is not None and (hub is not None or not group.leader):
+            raise ValueError("a learner of several ranks trains over gRPC (syncer=), and only its rank 0 runs a "
+                             "Session (the others follow it: ddiloco.session() makes each side)")
         if not 0 <= learner_id < config.num_learners:
             raise ValueError(f"learner_id={learner_id} is invalid: the run has {config.num_learners} learners "
                              f"(ids 0..{config.num_learners - 1})")
@@ -159,8 +168,14 @@ class Session:
         self.checkpoint_every_s = checkpoint_every_s
         self.status_every_s = status_every_s
         self.flush_timeout_s = flush_timeout_s
+        self.group = group
+        """The learner's other torch.distributed ranks (`ddiloco.learner_group`), or None: a one-process learner."""
         self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer,
-                               max_tokens_per_step=max_tokens_per_step)
+                               max_tokens_per_step=max_tokens_per_step, access=group)
+        if group is not None:
+            group.fragments = self.learner.plan.fragments
+        self._genesis: dict[str, torch.Tensor] | None = None
+        """Sharded parameters' full initial values, gathered before the join (`_gather_genesis`)."""
         self._chaos = None
         if chaos_control is not None:
             from ddiloco.chaos.control import ChaosControl
@@ -178,9 +193,17 @@ class Session:
             self.transport = HubTransport(hub, self.learner)
         else:
             assert syncer is not None
+            params = (lambda: self._genesis) if group is not None and group.sharded else None
             self.transport = GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
                                             link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
-                                            chaos=self._chaos, clock=self.clock)
+                                            chaos=self._chaos, clock=self.clock, genesis_params=params)
+        self._publisher: Publisher | None = None
+        """Over gRPC, the thread that takes and encodes pseudo-gradients (`ddiloco.publisher`); none in process,
+        where delivery stays synchronous."""
+        if hub is None:
+            self.learner.deferred = True
+            self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
+                                        on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
         self._handle_sigterm = handle_sigterm and hub is None
         self._previous_handler: Any = None
         self._stop = threading.Event()
@@ -251,9 +274,28 @@ class Session:
             self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
             self._status_thread.start()
         self._last_checkpoint = self.clock.now()
+        self._gather_genesis()
         self.transport.start()
         self._settle()
+        if self._genesis is not None:
+            # Joined: the full copy goes; the base copies of the global values stand in for it from now on.
+            self._genesis = {name: base[name] for base in self.learner._base for name in base}
+        self._end_call()
         self._step_started = time.monotonic()
+
+    def _gather_genesis(self) -> None:
+        """Sharded parameters: gather their full values now (a collective, on the training thread), in case this
+        learner's are the run's first (the transport proposes them from its own thread)."""
+        if self.group is None or not self.group.sharded:
+            return
+        self._genesis = {}
+        for p, names in enumerate(self.learner.plan.fragments):
+            self._genesis.update(self.group.read(p, names))
+
+    def _end_call(self, *, exit_status: int = 0) -> None:
+        """The followers' ranks return from the session call they are in (`LearnerGroup.serve`)."""
+        if self.group is not None:
+            self.group.end(self.learner.inner_step, done=self.done or self._closed, exit_status=exit_status)
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
@@ -263,10 +305,15 @@ class Session:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
         started = self._step_started or time.monotonic()
+        if self.group is not None:
+            tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch
+            if stop:
+                self.request_stop()
         self._straggle(started)
+        self._take_withheld()
         step_s = time.monotonic() - started
         for update in self.rules.after_inner_step(tokens):
-            self.transport.send(update)
+            self._send(update)
         total = self.progress.tokens + tokens
         self._set(state="training" if self.transport.connected else "disconnected",
                   loss=float(loss) if loss is not None else self.progress.loss, tokens=total)
@@ -279,7 +326,25 @@ class Session:
             self._last_checkpoint = self.clock.now()
         if not self.done:
             self._settle()
+        self._end_call()
         self._step_started = time.monotonic()
+
+    def _send(self, message: Any) -> None:
+        if self._publisher is not None:
+            self._publisher.send(message)
+        else:
+            self.transport.send(message)
+
+    def _count_sent(self, update: Any) -> None:
+        self.learner.stats.bytes_sent += update.payload_bytes  # (the publisher's thread: the one that writes it)
+
+    def _take_withheld(self) -> None:
+        """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them."""
+        if self._publisher is None:
+            return
+        for withheld in self._publisher.take_withheld():
+            self.learner.withdraw(withheld.update)
+            self.rules.fate(withheld.update, "withheld", f"non-finite pseudo-gradient in {withheld.tensor}")
 
     def _straggle(self, started: float) -> None:
         """A straggler injected by a chaos run: this step takes `slowdown` times its compute time."""
@@ -319,9 +384,10 @@ class Session:
                 self.transport.wait(max(0.0, (nxt.until or now) - now))
 
     def _apply_inbox(self) -> None:
+        self._take_withheld()
         for message in self.transport.take_ready():
             for reply in self.rules.receive(message, self.clock.now()):
-                self.transport.send(reply)
+                self._send(reply)
 
     def _refused(self) -> None:
         reason = self.rules.refusal or "refused"
@@ -348,14 +414,20 @@ class Session:
             # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
             # publishes (an update one version stale is still merged, see the syncer's late-update rule).
             for update in self.rules.finish():
-                self.transport.send(update)
-        self.transport.flush(self.flush_timeout_s if state == "done" else STOP_FLUSH_S)
+                self._send(update)
+        flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
+        if self._publisher is not None:
+            self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
+            self._take_withheld()
+        self.transport.flush(flush_s)
         self.transport.close(leave=state not in ("refused", "unreachable"))
         self.rules.end(state)
         if self._ledger is not None:
             self._ledger.close()
-        if self.directory is not None and self.rules.welcomes > 0:
-            self._save()  # before the first Welcome no inner step ran: nothing new to keep
+        # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks keeps
+        # its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
+        if self.directory is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
+            self._save()
         self._set(state=state)
         if self._status_thread is not None:
             self._status_stop.set()
@@ -363,6 +435,9 @@ class Session:
             self.write_status()
         self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
         self.sink.close()
+        if state != "failed":
+            # After a failure the group's collectives may be what failed: the followers end with this process.
+            self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
@@ -387,7 +462,11 @@ class Session:
         if self._saver is not None:
             self._saver.join()  # one write at a time, in order
         user = {name: obj.state_dict() for name, obj in self.state.items()}
-        state = copy.deepcopy({"learner": self.learner.state_dict(), "state": user})
+        learner = self.learner.state_dict()
+        ranks = self.group.checkpoint(learner) if self.group is not None else None
+        state = copy.deepcopy({"learner": learner, "state": user})
+        if ranks is not None:
+            state["ranks"] = ranks
         meta = {"tokens": self.progress.tokens, "counters": self.counters()}
         serial = self.learner.inner_step
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
@@ -409,6 +488,8 @@ class Session:
             return
         state, meta, _ = latest
         self.learner.load_state_dict(state["learner"])
+        if self.group is not None:
+            self.group.restore_checkpoint(state.get("ranks"), self.optimizer, learner_id=self.learner_id)
         self.rules.resumed = True
         saved = state.get("state", {})
         for name, obj in self.state.items():
@@ -451,80 +532,3 @@ class Session:
         while not self._status_stop.wait(self.status_every_s):
             self.write_status()
             self.sink.log({f"{self.prefix}/tokens_per_s": self.tokens_per_s}, step=self.progress.inner_step)
-
-
-def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mapping[str, Stateful] | None = None,
-            hub: InProcessHub | None = None, learner_id: int | None = None, syncer: str | None = None,
-            run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
-            config: RunConfig | DilocoConfig | str | Path | None = None, inner_steps: int | None = None,
-            tls_ca: str | Path | bytes | None = None, tls_server_name: str | None = None, link: str | None = None,
-            **options: Any) -> Session:
-    """A `Session` for `model` trained by `optimizer`: use it as a context manager (see the module docstring).
-
-    Without keywords, everything comes from the environment `ddiloco run` sets (`environment()`). Keywords
-    override it: `hub=` an `InProcessHub` (in process), or `syncer="host:port"` with `learner_id=`,
-    `run_dir=`, `token_file=` (or the token itself, `token=`), `config=` (a `RunConfig`, a path to a run's
-    config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
-    `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
-    (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
-    `handle_sigterm`, `sink`, `chaos_control`, and `max_tokens_per_step`: the most `tokens` one `step()` will
-    count (your largest batch), declared to the syncer when joining; a `step()` over it raises ValueError, and
-    without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step").
-    """
-    env = environment()
-    run_config = _resolve_config(config, env, hub)
-    learner_id = env.learner_id if learner_id is None else learner_id
-    if hub is None:
-        syncer = syncer or env.syncer
-        if syncer is None:
-            raise ValueError("ddiloco.session: no syncer to connect to. Start the script with `ddiloco run -- python "
-                             "SCRIPT`, pass syncer='host:port', or hub=InProcessHub(...) to train in this process")
-        run_dir = run_dir if run_dir is not None else env.run_dir
-        token_file = token_file if token_file is not None else env.token_file
-        link = link if link is not None else env.link
-        options.setdefault("chaos_control", env.chaos_control)
-        options.setdefault("checkpoint_every_s", env.checkpoint_every_s)
-    if inner_steps is not None:
-        run_config = _replace(run_config, inner_steps=inner_steps)
-    if token is None and token_file is not None:
-        from ddiloco.transport.auth import read_token_file
-
-        token = read_token_file(token_file)
-    tls = tls_ca if isinstance(tls_ca, bytes) else None
-    if isinstance(tls_ca, str | Path):
-        from ddiloco.transport.auth import read_ca_file
-
-        tls = read_ca_file(tls_ca)
-    return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
-                   run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
-
-
-def _replace(config: RunConfig, **changes: Any) -> RunConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
-
-
-def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: LearnerEnvironment,
-                    hub: InProcessHub | None) -> RunConfig:
-    if isinstance(config, RunConfig):
-        return config
-    if isinstance(config, str | Path):
-        return RunConfig.load(config)
-    if isinstance(config, DilocoConfig):
-        learners = _HUB_LEARNERS if hub is not None else env.num_learners
-        return RunConfig(diloco=config, num_learners=learners, inner_steps=_UNBOUNDED)
-    if hub is not None:
-        return RunConfig(diloco=hub.config, quorum=hub.quorum, learner=LearnerConfig(), num_learners=_HUB_LEARNERS,
-                         inner_steps=_UNBOUNDED)
-    if env.config is not None:
-        return RunConfig.load(env.config)
-    if env.run_dir is not None and (env.run_dir / "config.json").is_file():
-        return RunConfig.load(env.run_dir / "config.json")
-    return RunConfig(num_learners=env.num_learners)
-
-
-_UNBOUNDED = 2**62
-"""The inner-step budget of a session without a run config: `done` never turns true by itself."""
-_HUB_LEARNERS = 2**31 - 1
-"""An in-process hub takes any number of learners (pass config=RunConfig(...) to say how many)."""

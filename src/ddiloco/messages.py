@@ -51,6 +51,10 @@ class ModelSpec:
         return cls(tuple(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                          for name, t in named))
 
+    def in_dtype(self, dtype: str) -> ModelSpec:
+        """The same names and shapes, every tensor in `dtype`."""
+        return ModelSpec(tuple(TensorSpec(t.name, t.shape, dtype) for t in self.tensors))
+
     def by_name(self) -> dict[str, TensorSpec]:
         return {spec.name: spec for spec in self.tensors}
 

@@ -7,6 +7,7 @@ counters); the session's rules never depend on which one carries the messages.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -94,7 +95,10 @@ class GrpcTransport:
 
     def __init__(self, learner: Learner, rules: LearnerRules, *, address: str, token: str | None,
                  config: RunConfig, link: str | None, tls_ca: bytes | None, tls_server_name: str | None,
-                 chaos: Any, clock: Clock) -> None:
+                 chaos: Any, clock: Clock,
+                 genesis_params: Callable[[], Mapping[str, torch.Tensor] | None] | None = None) -> None:
+        """`genesis_params`: the full initial parameters to propose as the run's genesis, where the model's own
+        are not (sharded across ranks: `Session._gather_genesis`); default: the model's."""
         from ddiloco.transport.genesis_codec import Genesis
         from ddiloco.transport.grpc_client import SyncerClient
         from ddiloco.transport.grpc_codec import WireModel
@@ -109,7 +113,8 @@ class GrpcTransport:
                                    tls_server_name=tls_server_name, link=emulated)
 
         def genesis() -> Genesis:
-            params = {n: p.detach() for n, p in learner.model.named_parameters()}
+            given = genesis_params() if genesis_params is not None else None
+            params = dict(given) if given is not None else {n: p.detach() for n, p in learner.model.named_parameters()}
             return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
 
         self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,

@@ -153,3 +153,36 @@ def test_the_environment_ddiloco_run_sets():
         environment({"DDILOCO_LEARNER_ID": "3", "DDILOCO_NUM_LEARNERS": "3"})
     with pytest.raises(ValueError, match="expected an integer"):
         environment({"DDILOCO_LEARNER_ID": "one"})
+
+
+def test_the_environment_reads_torchruns_rank_and_world_size():
+    env = environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
+    assert (environment({}).rank, environment({}).world_size) == (0, 1)
+    with pytest.raises(ValueError, match="RANK=2 is invalid with WORLD_SIZE=2"):
+        environment({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' is invalid"):
+        environment({"WORLD_SIZE": "two"})
+
+
+def test_a_learner_in_bfloat16_trains_against_float32_global_state():
+    # Mixed precision: the learner's parameters (and its autocast) in bf16; the syncer's global model in float32.
+    shared = hub()
+    model = TinyNet(seed=1).to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loaded = 0
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=8) as sync:
+        for batch in make_batches(8, seed=0):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                tokens = train_step(model, optimizer, batch)
+            before = list(sync.learner.versions)
+            sync.step(tokens=tokens)
+            global_params = shared.syncer.global_params()
+            for p, names in enumerate(sync.learner.plan.fragments):
+                if sync.learner.versions[p] > before[p]:  # a round came back: the global value, rounded to bf16
+                    loaded += 1
+                    assert all(torch.equal(params[n], global_params[n].to(torch.bfloat16)) for n in names)
+    assert loaded >= 3 and shared.syncer.rounds_committed >= 4
+    assert {t.dtype for t in shared.syncer.global_params().values()} == {torch.float32}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

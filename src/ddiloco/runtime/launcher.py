@@ -292,8 +292,17 @@ class LaunchConfig:
     """The run's seed, handed to every learner (DDILOCO_SEED) so each builds the same initial model."""
     checkpoint_every_s: float = 10.0
     """Period of every learner's local checkpoints (a learner killed hard redoes at most this much work)."""
+    nproc_per_learner: int = 1
+    """torch.distributed ranks per learner (`--nproc-per-learner`): above 1, each learner's script runs as a
+    group of ranks with torchrun's environment (`ddiloco.runtime.rank_group`); devices are dealt per rank."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.nproc_per_learner, bool) or not isinstance(self.nproc_per_learner, int) \
+                or self.nproc_per_learner < 1:
+            raise ValueError(f"nproc_per_learner={self.nproc_per_learner!r} is invalid: expected an integer >= 1")
+        if self.nproc_per_learner > 1 and not self.script:
+            raise ValueError(f"nproc_per_learner={self.nproc_per_learner} needs a learner script (-- python "
+                             "train.py): the built-in learner is one process")
         if not self.devices or not all(self.devices):
             raise ValueError(f"devices={self.devices!r} is invalid: expected one or more torch devices")
         if not self.eval_every_s >= 0:
@@ -351,9 +360,22 @@ class Launcher:
     def device(self, learner_id: int) -> str:
         return self.config.devices[learner_id % len(self.config.devices)]
 
+    def rank_devices(self, learner_id: int) -> list[str]:
+        """The device of each rank of learner `learner_id` (the run's devices dealt round-robin over all ranks)."""
+        n = self.config.nproc_per_learner
+        return [self.config.devices[(learner_id * n + r) % len(self.config.devices)] for r in range(n)]
+
+    def ranks_file(self, learner_id: int) -> Path:
+        """Where a learner of several ranks lists their pids (`ddiloco.runtime.rank_group`)."""
+        return self.paths.learner_dir(learner_id) / "ranks.json"
+
     def learner_argv(self, learner_id: int, syncer_address: str) -> list[str]:
         """The user's script as it stands (its place in the run travels in `learner_env`), or the built-in
         `ddiloco learner` with flags."""
+        if self.config.script and self.config.nproc_per_learner > 1:
+            return [sys.executable, "-m", "ddiloco.runtime.rank_group", "--nproc", str(self.config.nproc_per_learner),
+                    "--devices", ",".join(self.rank_devices(learner_id)), "--pids-file",
+                    str(self.ranks_file(learner_id)), "--", *self.config.script]
         if self.config.script:
             return list(self.config.script)
         argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),

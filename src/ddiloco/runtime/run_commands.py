@@ -66,6 +66,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the global model and its momentum)")
     parser.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
                         help="torch device of each learner, dealt round-robin: cpu, cuda, cuda:0,cuda:1 (default: cpu)")
+    parser.add_argument("--nproc-per-learner", type=int, default=1, metavar="N",
+                        help="run each learner's script as N torch.distributed ranks with torchrun's environment "
+                             "(RANK, WORLD_SIZE, MASTER_PORT, ...; its own rendezvous), e.g. DDP or FSDP inside a "
+                             "learner; a rank that dies restarts its learner's ranks only (default 1)")
     parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=None,
                         help="also run an evaluator: the script with DDILOCO_ROLE=evaluator, which calls ddiloco.watch "
                              "(default: on for the built-in learner, off for a script)")
@@ -146,13 +150,18 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     if args.init is not None and not args.init.is_file():
         raise ValueError(f"--init {args.init}: no such file")
     script = tuple(getattr(args, "script", ()) or ())
+    if args.nproc_per_learner < 1:
+        raise ValueError(f"--nproc-per-learner {args.nproc_per_learner} is invalid: expected an integer >= 1")
+    if args.nproc_per_learner > 1 and not script:
+        raise ValueError(f"--nproc-per-learner {args.nproc_per_learner} needs a learner script after -- (e.g. -- "
+                         "python train.py): the built-in learner is one process")
     devices = tuple(d.strip() for d in args.device.split(","))
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
     if ray_options is not None and ray_options.gpus_per_learner > 0:
         devices = ("cuda",)  # the GPUs Ray makes visible to each learner's actor
     run_dir, config = _resolve(args)
     threads = args.threads or (ray_options.learner_threads if ray_options is not None
-                               else max(1, (os.cpu_count() or 1) // config.num_learners))
+                               else max(1, (os.cpu_count() or 1) // (config.num_learners * args.nproc_per_learner)))
     evaluate = args.evaluate if args.evaluate is not None else not script
     launch = LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads,
                           bind=args.bind or (ray_options.default_bind if ray_options else LaunchConfig.bind),
@@ -160,6 +169,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
                           command=tuple(command) if command is not None else DEFAULT_COMMAND,
                           script=script, devices=devices, evaluator=evaluate, eval_every_s=args.eval_every_s,
                           seed=config.seed, checkpoint_every_s=args.checkpoint_every_s,
+                          nproc_per_learner=args.nproc_per_learner,
                           syncer_args=("--init", str(args.init.resolve())) if args.init is not None else ())
     launcher = Launcher(launch)
     paths = RunPaths(run_dir)

@@ -1,0 +1,127 @@
+"""What `ddiloco.session` returns on the ranks of a learner other than rank 0: the same loop surface as a
+`Session` (`done`, `inner_step`, `step()`, the `with` block), with no syncer, transport, ledger or status
+file of its own. Each call serves rank 0's commands until rank 0 ends it (`ddiloco.learner_group`): a
+fragment from the syncer arrives by broadcast (or, sharded, by scatter), a publish gathers shards, a
+checkpoint collects this rank's `state=` objects. So the user's loop runs unchanged on every rank, and every
+rank leaves it after the same inner step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddiloco.config import DilocoConfig
+from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+class FollowerSession:
+    """Rank r > 0 of learner `learner_id`. Use `ddiloco.session()`, which makes it on those ranks."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, diloco: DilocoConfig, learner_id: int,
+                 group: LearnerGroup, state: Mapping[str, Any] | None = None, handle_sigterm: bool = True) -> None:
+        if group.leader:
+            raise ValueError("rank 0 of a learner runs a Session, not a FollowerSession")
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.state = dict(state or {})
+        self._learner_id = learner_id
+        params = dict(model.named_parameters())
+        # The same plan as rank 0's Learner: the fragments are named by index in the leader's commands.
+        embeddings = embedding_names(model, diloco.embedding_pattern)
+        group.fragments = FragmentPlan.for_tensors(params, diloco, embeddings=embeddings).fragments
+        self._handle_sigterm = handle_sigterm
+        self._previous_handler: Any = None
+        self._inner_step = 0
+        self._done = False
+        self._entered = False
+        self._closed = False
+
+    @property
+    def learner_id(self) -> int:
+        return self._learner_id
+
+    @property
+    def inner_step(self) -> int:
+        """The learner's inner step, as rank 0 last said."""
+        return self._inner_step
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def request_stop(self) -> None:
+        """Rank 0 hears of it at the next `step()` (summed over the ranks), and the whole learner stops."""
+        self.group.stop_requested = True
+
+    def __enter__(self) -> FollowerSession:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def start(self) -> None:
+        if self._entered:
+            raise RuntimeError("a session is started once")
+        self._entered = True
+        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
+        self._serve()
+
+    def step(self, tokens: int, *, loss: float | None = None) -> None:
+        """This rank's inner step is done: `tokens` are its own batch's (rank 0 sums every rank's)."""
+        if not self._entered or self._closed:
+            raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
+        self._serve(tokens=tokens)
+
+    def close(self, *, failed: bool = False) -> None:
+        if self._closed or not self._entered:
+            return
+        self._closed = True
+        try:
+            if not failed:
+                self._serve()
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+                self._previous_handler = None
+
+    def _serve(self, *, tokens: int = 0) -> None:
+        self._inner_step, self._done, exit_status = self.group.serve(tokens=tokens, save=self._own_state,
+                                                                     restore=self._restore)
+        if exit_status:
+            # Rank 0 was refused or found no syncer: this rank ends with the same status.
+            raise SystemExit(exit_status)
+
+    def _own_state(self) -> dict[str, Any]:
+        state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None}
+        if self.group.sharded:
+            state["optimizer"] = local_tensors(self.optimizer.state_dict())
+        return state
+
+    def _restore(self, entry: Mapping[str, Any]) -> None:
+        if entry.get("optimizer") is not None:
+            self.optimizer.load_state_dict(entry["optimizer"])
+            if self.group.sharded:
+                reshard_optimizer(self.optimizer)
+        saved = entry.get("state", {})
+        for name, obj in self.state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])

@@ -1,0 +1,157 @@
+"""A publish that does not stall training: the pseudo-gradient is taken and encoded on a background thread.
+
+At a publish the training thread only copies the fragment (`FragmentAccess.read`: a float32 copy on the
+parameter's device, or, for a sharded learner, the gathered full value) and queues the update; the
+publisher's thread then computes base - copy (on the parameter's device), moves it to the CPU, checks it
+is finite, encodes it with the run's codec and hands the update to the transport. Every message the session
+sends goes through the same FIFO queue, so the syncer sees them in the order the session made them.
+
+An update whose pseudo-gradient turns out not to be finite is withheld here, not sent: the session hears
+of it at its next call (`take_withheld`) and the learner forgets that publish (`Learner.withdraw`), exactly
+as if it had been withheld on the spot. The queue is bounded (`MAX_QUEUED`): a learner that publishes
+faster than one thread can encode waits for the encoder instead of piling up copies of its fragments.
+
+Only the gRPC transport uses it; in process (`InProcessHub`) delivery stays synchronous and deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ddiloco.compression import Codec
+from ddiloco.messages import LearnerMessage, Update
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED = 4
+"""Messages waiting for the publisher's thread before the training thread waits for it: a few fragments'
+copies of memory at most."""
+
+
+class DeferredPayload(Mapping[str, bytes]):
+    """An update's payload, computed on first use: base - snapshot per tensor, encoded. `None` from `resolve`
+    when a pseudo-gradient is not finite (the update must then be withheld)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], codec: Codec) -> None:
+        self._base = dict(base)  # the fragment's base tensors are replaced on a new version, never changed in place
+        self._snapshot = dict(snapshot)
+        self._codec = codec
+        self._encoded: dict[str, bytes] | None = None
+        self.non_finite: str | None = None
+        """The first tensor whose pseudo-gradient is not finite, once resolved."""
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def resolve(self) -> dict[str, bytes] | None:
+        with self._lock:
+            if self._encoded is None and self.non_finite is None:
+                encoded = {}
+                for name, snapshot in self._snapshot.items():
+                    delta = (self._base[name] - snapshot).cpu()
+                    if not bool(torch.isfinite(delta).all()):
+                        self.non_finite = name
+                        break
+                    encoded[name] = self._codec.encode(delta)
+                else:
+                    self._encoded = encoded
+                self._snapshot = {}  # the copies go as soon as they are encoded
+            return self._encoded
+
+    def _resolved(self) -> dict[str, bytes]:
+        encoded = self.resolve()
+        if encoded is None:
+            raise ValueError(f"the pseudo-gradient of {self.non_finite} is not finite: this update is withheld")
+        return encoded
+
+    def __getitem__(self, name: str) -> bytes:
+        return self._resolved()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+
+@dataclass(frozen=True)
+class Withheld:
+    """A queued update that was not sent: its pseudo-gradient of `tensor` is not finite."""
+
+    update: Update
+    tensor: str
+
+
+_DRAINED = object()
+
+
+class Publisher:
+    """One thread between the session and its transport. See the module docstring."""
+
+    def __init__(self, send: Callable[[LearnerMessage], None], *, on_sent: Callable[[Update], None],
+                 on_dropped: Callable[[Update, str], None] = lambda update, reason: None) -> None:
+        """`send`: the transport's; `on_sent(update)`: an update's bytes are known (the learner counts them);
+        `on_dropped(update, reason)`: an update still queued when the publisher closed, never sent."""
+        self._send = send
+        self._on_sent = on_sent
+        self._on_dropped = on_dropped
+        self._closed = False
+        self._send_lock = threading.Lock()
+        """Held while handing a message to the transport: after `close` returns, nothing more is sent."""
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
+        self._withheld: list[Withheld] = []
+        self._withheld_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="learner-publish", daemon=True)
+        self._thread.start()
+
+    def send(self, message: LearnerMessage) -> None:
+        self._queue.put(message)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every message queued so far is with the transport; False on timeout."""
+        done = threading.Event()
+        self._queue.put((_DRAINED, done))
+        return done.wait(timeout_s)
+
+    def take_withheld(self) -> list[Withheld]:
+        with self._withheld_lock:
+            withheld, self._withheld = self._withheld, []
+        return withheld
+
+    def close(self, timeout_s: float) -> None:
+        """Hand what is queued to the transport (waiting up to `timeout_s`); what is left after that is dropped
+        (reason "exit"), since the transport closes next."""
+        self.drain(timeout_s)
+        with self._send_lock:
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, tuple) and item[0] is _DRAINED:
+                item[1].set()
+                continue
+            deferred = isinstance(item, Update) and isinstance(item.payload, DeferredPayload)
+            if deferred and item.payload.resolve() is None:
+                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                             item.learner_id, item.inner_step, item.payload.non_finite)
+                with self._withheld_lock:
+                    self._withheld.append(Withheld(item, item.payload.non_finite or "?"))
+                continue
+            with self._send_lock:
+                if self._closed:
+                    if isinstance(item, Update):
+                        self._on_dropped(item, "exit")
+                    continue
+                if deferred:
+                    self._on_sent(item)
+                try:
+                    self._send(item)
+                except Exception:  # the transport's own faults are state; anything else must not kill this thread
+                    logger.exception("[publisher] sending %s failed", type(item).__name__)

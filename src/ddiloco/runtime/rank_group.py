@@ -1,0 +1,141 @@
+"""One learner as a group of N ranks: `python -m ddiloco.runtime.rank_group --nproc N -- python train.py`.
+
+`ddiloco run --nproc-per-learner N` starts this in place of the learner's script (the supervisor sees one
+child per learner, as always). It starts the script N times with torchrun's environment (`RANK`,
+`LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `ROLE_RANK`, `ROLE_WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`), so a script written for torchrun runs unchanged, and each learner has its
+own rendezvous: a free port on 127.0.0.1, picked at every start, so no two learners' process groups ever
+meet. The ranks stay in this process's process group (the supervisor's stop and kill reach them all) and
+get SIGTERM if it dies (`PR_SET_PDEATHSIG`).
+
+It fails fast, as torchrun does with no restarts of its own: when a rank exits with a failure (kill -9, a
+crash, or a gloo/NCCL error once a peer is gone) the others are stopped (SIGTERM, SIGKILL after
+`STOP_GRACE_S`) and it exits with that rank's status (128 + the signal for a killed rank), so the
+supervisor restarts the learner's whole group, which rejoins like any restarted learner. Exit statuses
+that mean "do not restart" (2 usage, 3 refused) pass through unchanged. It exits 0 when every rank has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddiloco.runtime.launcher import LOOPBACK, _die_with_parent, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""How often the ranks' exits are checked."""
+STOP_GRACE_S = 5.0
+"""After one rank failed, how long the others get to exit on SIGTERM before SIGKILL (they are stuck in a
+collective with the dead rank, or failing out of one)."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now (the rendezvous binds it a moment later, as torchrun --standalone does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, nproc: int, port: int, device: str | None) -> dict[str, str]:
+    """torchrun's variables for `rank` of a one-machine group of `nproc` (and its device, when dealt)."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+           "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+           "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0"}
+    if device is not None:
+        env["DDILOCO_DEVICE"] = device
+    return env
+
+
+def exit_status(code: int) -> int:
+    """A rank's status as a shell reports it: 128 + N for a rank killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), pids_file: Path | None = None) -> int:
+    """Start `argv` as ranks 0..nproc-1 and wait; returns the exit status of the group (see the module docstring)."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
+    if not argv:
+        raise ValueError("no command to start: pass it after --")
+    port = free_port()
+    ranks: list[subprocess.Popen] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _forward(ranks, signum))
+    try:
+        for rank in range(nproc):
+            device = devices[rank % len(devices)] if devices else None
+            ranks.append(subprocess.Popen(list(argv), env={**os.environ, **rank_env(rank, nproc, port, device)},
+                                          preexec_fn=_die_with_parent))
+        if pids_file is not None:
+            write_json_atomic(pids_file, {"pid": os.getpid(), "master_port": port, "ranks": [r.pid for r in ranks]})
+        return _wait(ranks)
+    finally:
+        _stop(ranks)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _forward(ranks: Sequence[subprocess.Popen], signum: int) -> None:
+    """This process was signalled alone (its parent died): pass it on. A signal to the process group already
+    reached every rank, and a rank's session takes a second SIGTERM like the first."""
+    for rank in ranks:
+        if rank.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                rank.send_signal(signum)
+
+
+def _wait(ranks: Sequence[subprocess.Popen]) -> int:
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            logger.warning("[rank-group] rank %d (pid %d) exited with status %d: stopping the other ranks", rank,
+                           ranks[rank].pid, exit_status(code))
+            return exit_status(code)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(POLL_S)
+
+
+def _stop(ranks: Sequence[subprocess.Popen]) -> None:
+    _forward(ranks, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddiloco.runtime.rank_group",
+                                     description="Run one learner as N ranks with torchrun's environment.")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks of the learner")
+    parser.add_argument("--devices", default="", help="torch devices dealt to the ranks round-robin (DDILOCO_DEVICE)")
+    parser.add_argument("--pids-file", type=Path, default=None, help="write the ranks' pids here (JSON)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the learner's command")
+    parsed = parser.parse_args(args)
+    command = parsed.command[1:] if parsed.command[:1] == ["--"] else parsed.command
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    devices = [d for d in parsed.devices.split(",") if d]
+    try:
+        return run_group(command, nproc=parsed.nproc, devices=devices, pids_file=parsed.pids_file)
+    except ValueError as exc:
+        print(f"rank_group: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,122 @@
+"""`ddiloco.session(...)`: a learner's session made from the environment `ddiloco run` (or torchrun) sets and
+the caller's keywords. It resolves the run config, the syncer's address, the token and TLS files, and, in a job
+of several torch.distributed ranks, this learner's process group: rank 0 gets the `Session`
+(`ddiloco.learner_session`, which talks to the syncer), every other rank a `FollowerSession`
+(`ddiloco.follower_session`). The session itself lives in those modules; this one only decides which to make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddiloco.config import DilocoConfig, LearnerConfig
+from ddiloco.environment import LearnerEnvironment, environment
+from ddiloco.follower_session import FollowerSession
+from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
+from ddiloco.learner_session import Session, Stateful
+from ddiloco.run_config import RunConfig
+from ddiloco.transport.inprocess import InProcessHub
+
+
+def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mapping[str, Stateful] | None = None,
+            hub: InProcessHub | None = None, learner_id: int | None = None, syncer: str | None = None,
+            run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
+            config: RunConfig | DilocoConfig | str | Path | None = None, inner_steps: int | None = None,
+            tls_ca: str | Path | bytes | None = None, tls_server_name: str | None = None, link: str | None = None,
+            group: Any = None, **options: Any) -> Session | FollowerSession:
+    """A `Session` for `model` trained by `optimizer`: use it as a context manager (see the module docstring).
+
+    Inside a torchrun job (torch.distributed initialised, or RANK and WORLD_SIZE set: it is initialised here,
+    gloo on cpu, nccl on cuda), the job's ranks are one learner: rank 0 gets the `Session`, the others a
+    `FollowerSession` with the same loop surface (docs/your_model.md, "A learner of several devices"). Pass the
+    DDP wrapper or its module, or an FSDP2 (`fully_shard`) model; `group=` a process group of this learner's
+    ranks when the world holds more than them.
+
+    Without keywords, everything comes from the environment `ddiloco run` sets (`environment()`). Keywords
+    override it: `hub=` an `InProcessHub` (in process), or `syncer="host:port"` with `learner_id=`,
+    `run_dir=`, `token_file=` (or the token itself, `token=`), `config=` (a `RunConfig`, a path to a run's
+    config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
+    `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
+    (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
+    `handle_sigterm`, `sink`, `chaos_control`, and `max_tokens_per_step`: the most `tokens` one `step()` will
+    count (your largest batch), declared to the syncer when joining; a `step()` over it raises ValueError, and
+    without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step").
+    """
+    env = environment()
+    run_config = _resolve_config(config, env, hub)
+    learner_id = env.learner_id if learner_id is None else learner_id
+    model = unwrap(model)
+    learners_group = _learner_group(model, env, group) if hub is None else None
+    if learners_group is not None and not learners_group.leader:
+        return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
+                               state=state, handle_sigterm=options.get("handle_sigterm", True))
+    if learners_group is not None:
+        options["group"] = learners_group
+    if hub is None:
+        syncer = syncer or env.syncer
+        if syncer is None:
+            raise ValueError("ddiloco.session: no syncer to connect to. Start the script with `ddiloco run -- python "
+                             "SCRIPT`, pass syncer='host:port', or hub=InProcessHub(...) to train in this process")
+        run_dir = run_dir if run_dir is not None else env.run_dir
+        token_file = token_file if token_file is not None else env.token_file
+        link = link if link is not None else env.link
+        options.setdefault("chaos_control", env.chaos_control)
+        options.setdefault("checkpoint_every_s", env.checkpoint_every_s)
+    if inner_steps is not None:
+        run_config = _replace(run_config, inner_steps=inner_steps)
+    if token is None and token_file is not None:
+        from ddiloco.transport.auth import read_token_file
+
+        token = read_token_file(token_file)
+    tls = tls_ca if isinstance(tls_ca, bytes) else None
+    if isinstance(tls_ca, str | Path):
+        from ddiloco.transport.auth import read_ca_file
+
+        tls = read_ca_file(tls_ca)
+    return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
+                   run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
+
+
+def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any) -> LearnerGroup | None:
+    """This learner's ranks, when it has several (initialising torch.distributed from torchrun's variables)."""
+    import torch.distributed as dist
+
+    if env.world_size > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("nccl" if env.device.startswith("cuda") else "gloo")
+    return LearnerGroup(model, group=group) if is_distributed(group) else None
+
+
+def _replace(config: RunConfig, **changes: Any) -> RunConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: LearnerEnvironment,
+                    hub: InProcessHub | None) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config
+    if isinstance(config, str | Path):
+        return RunConfig.load(config)
+    if isinstance(config, DilocoConfig):
+        learners = _HUB_LEARNERS if hub is not None else env.num_learners
+        return RunConfig(diloco=config, num_learners=learners, inner_steps=_UNBOUNDED)
+    if hub is not None:
+        return RunConfig(diloco=hub.config, quorum=hub.quorum, learner=LearnerConfig(), num_learners=_HUB_LEARNERS,
+                         inner_steps=_UNBOUNDED)
+    if env.config is not None:
+        return RunConfig.load(env.config)
+    if env.run_dir is not None and (env.run_dir / "config.json").is_file():
+        return RunConfig.load(env.run_dir / "config.json")
+    return RunConfig(num_learners=env.num_learners)
+
+
+_UNBOUNDED = 2**62
+"""The inner-step budget of a session without a run config: `done` never turns true by itself."""
+_HUB_LEARNERS = 2**31 - 1
+"""An in-process hub takes any number of learners (pass config=RunConfig(...) to say how many)."""

@@ -1,0 +1,91 @@
+"""The publisher (`ddiloco.publisher`): a deferred publish sends exactly what an inline one would, from the values
+at the moment of the publish, in the session's order; a non-finite pseudo-gradient is withheld and forgotten."""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.config import DilocoConfig
+from ddiloco.learner import Learner
+from ddiloco.messages import FragmentState, Join, Update
+from ddiloco.publisher import DeferredPayload, Publisher
+from tests.helpers import TinyNet, make_batches, sgd, train_step
+
+CONFIG = DilocoConfig(num_fragments=2, sync_every=2, overlap_steps=1)
+
+
+def joined(model: torch.nn.Module, *, deferred: bool) -> Learner:
+    learner = Learner(CONFIG, learner_id=0, model=model, optimizer=sgd(model))
+    params = dict(model.named_parameters())
+    for p, names in enumerate(learner.plan.fragments):
+        learner._apply(FragmentState(p, 0, {n: params[n].detach().clone() for n in names}), force=True)
+    learner.joined = True
+    learner.deferred = deferred
+    return learner
+
+
+def twins() -> tuple[torch.nn.Module, torch.nn.Module]:
+    first, second = TinyNet(seed=3), TinyNet(seed=3)
+    for batch in make_batches(3, seed=1):
+        train_step(first, sgd(first), batch)
+        train_step(second, sgd(second), batch)
+    return first, second
+
+
+def test_a_deferred_update_carries_the_bytes_an_inline_one_does_from_the_values_at_publish_time():
+    inline_model, deferred_model = twins()
+    inline, deferred = joined(inline_model, deferred=False), joined(deferred_model, deferred=True)
+    (expected,) = inline.after_inner_step(8)
+    (update,) = deferred.after_inner_step(8)
+    assert isinstance(update.payload, DeferredPayload)
+    with torch.no_grad():
+        for param in deferred_model.parameters():
+            param.add_(1.0)  # training goes on before the publisher's thread encodes: it must not see this
+    assert dict(update.payload) == dict(expected.payload)
+    assert (update.fragment, update.base_version, update.steps, update.tokens) == (
+        expected.fragment, expected.base_version, expected.steps, expected.tokens)
+
+
+def test_the_publisher_sends_in_order_and_counts_bytes_once_encoded():
+    model, _ = twins()
+    learner = joined(model, deferred=True)
+    sent: list = []
+    counted: list[int] = []
+    publisher = Publisher(sent.append, on_sent=lambda u: counted.append(u.payload_bytes))
+    (first,) = learner.after_inner_step(4)
+    publisher.send(first)
+    publisher.send(Join(0, learner.spec, "f"))
+    (second,) = learner.after_inner_step(4)
+    publisher.send(second)
+    assert publisher.drain(10.0)
+    assert [type(m) for m in sent] == [Update, Join, Update]
+    assert [m.fragment for m in sent if isinstance(m, Update)] == [first.fragment, second.fragment]
+    assert counted == [first.payload_bytes, second.payload_bytes] and all(counted)
+    publisher.close(10.0)
+
+
+def test_a_non_finite_pseudo_gradient_is_withheld_and_the_learner_forgets_that_publish():
+    model, _ = twins()
+    learner = joined(model, deferred=True)
+    sent: list = []
+    publisher = Publisher(sent.append, on_sent=lambda u: None)
+    name, param = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        param.fill_(float("nan"))
+    fragment = learner.plan.fragment_of(name)
+    updates: list[Update] = []
+    while not any(u.fragment == fragment for u in updates):
+        updates = learner.after_inner_step(4)
+    (bad,) = [u for u in updates if u.fragment == fragment]
+    for update in updates:
+        publisher.send(update)
+    assert publisher.drain(10.0)
+    withheld = publisher.take_withheld()
+    assert [(w.update, w.tensor) for w in withheld] == [(bad, name)]
+    assert bad not in sent
+    assert fragment in learner._outstanding  # published, as far as the learner knew
+    sent_before = learner.stats.updates_sent
+    learner.withdraw(bad)
+    assert fragment not in learner._outstanding  # so the waiting rule never waits for its round
+    assert learner.stats.updates_withheld_non_finite == 1 and learner.stats.updates_sent == sent_before - 1
+    publisher.close(10.0)

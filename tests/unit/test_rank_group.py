@@ -1,0 +1,54 @@
+"""`ddiloco.runtime.rank_group`: a learner's ranks started with torchrun's environment, failing fast as a group
+(real processes; each rank a tiny Python script, no torch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from ddiloco.runtime.launcher import LaunchConfig, Launcher
+from ddiloco.runtime.rank_group import exit_status, run_group
+
+WRITE_ENV = ("import json, os, sys; keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
+             "'MASTER_PORT', 'DDILOCO_DEVICE'); json.dump({k: os.environ.get(k) for k in keys}, "
+             "open(sys.argv[1] + '/' + os.environ['RANK'], 'w'))")
+
+
+def test_every_rank_gets_torchruns_environment_and_one_rendezvous_port(tmp_path):
+    pids = tmp_path / "ranks.json"
+    assert run_group([sys.executable, "-c", WRITE_ENV, str(tmp_path)], nproc=3, devices=["cuda:0", "cuda:1"],
+                     pids_file=pids) == 0
+    envs = [json.loads((tmp_path / str(rank)).read_text()) for rank in range(3)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["DDILOCO_DEVICE"]) for e in envs] == [
+        ("0", "0", "cuda:0"), ("1", "1", "cuda:1"), ("2", "2", "cuda:0")]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == {("3", "3", "127.0.0.1")}
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1 and int(ports.pop()) == json.loads(pids.read_text())["master_port"] > 0
+    assert len(json.loads(pids.read_text())["ranks"]) == 3
+
+
+def test_a_rank_killed_by_sigkill_stops_the_others_and_the_group_exits_137(tmp_path):
+    # Rank 1 kills itself; rank 0 would sleep for a minute: the group must not wait for it.
+    script = ("import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGKILL); "
+              "time.sleep(60)")
+    assert run_group([sys.executable, "-c", script], nproc=2) == 137 == exit_status(-9)
+
+
+@pytest.mark.parametrize("status", [3, 2, 1])
+def test_a_ranks_exit_status_passes_through(status):
+    script = f"import os, sys, time; os.environ['RANK'] == '1' and sys.exit({status}); time.sleep(60)"
+    assert run_group([sys.executable, "-c", script], nproc=2) == status
+
+
+def test_the_launcher_wraps_a_script_of_several_ranks_and_deals_devices_per_rank(tmp_path):
+    launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=2, threads=1, script=("python", "train.py"),
+                                     nproc_per_learner=2, devices=("cuda:0", "cuda:1", "cuda:2"), use_token=False))
+    argv = launcher.learner_argv(1, "127.0.0.1:5")
+    assert argv[1:3] == ["-m", "ddiloco.runtime.rank_group"] and argv[-3:] == ["--", "python", "train.py"]
+    assert argv[argv.index("--nproc") + 1] == "2" and argv[argv.index("--devices") + 1] == "cuda:2,cuda:0"
+    with pytest.raises(ValueError, match="nproc_per_learner=2 needs a learner script"):
+        LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, nproc_per_learner=2)
+    with pytest.raises(ValueError, match="nproc_per_learner=0 is invalid"):
+        LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, script=("x",), nproc_per_learner=0)
