@@ -428,7 +428,7 @@ class Launcher:
         to its stdin instead of /dev/null (a standby reads its role there)."""
         log_path = self.paths.log(name)
         env = dict(os.environ)
-        # OpenMP/MKL pools sized before torch even starts, matching --threads (DESIGN.md section 3).
+        # OpenMP/MKL pools sized before torch even starts, matching --threads (docs/architecture.md).
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         env.update(self.config.extra_env)
         env.update(env_extra or {})

@@ -240,7 +240,7 @@ def run_learner(args: argparse.Namespace) -> int:
         parse_link(args.link)
     tls_ca = read_ca_file(args.tls_ca)
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // run_config.num_learners)
-    _set_threads(threads)  # before any torch work (DESIGN.md section 3)
+    _set_threads(threads)  # before any torch work (docs/architecture.md)
     if args.learner_id >= run_config.num_learners:
         raise ValueError(f"--learner-id {args.learner_id} is invalid: the run has {run_config.num_learners} "
                          f"learners (ids 0..{run_config.num_learners - 1})")

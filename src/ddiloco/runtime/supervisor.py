@@ -5,7 +5,7 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
 - The syncer starts first; learners start once it has written `syncer.json` (its real address).
   Restarts reuse that port, so learners already running reconnect to the new syncer by themselves.
 - A child that dies is restarted after an exponential backoff (`Backoff`: 0.5 s doubling to 8 s,
-  reset once a child has run for `stable_after_s`). Self-healing, DESIGN.md section 4: a dead
+  reset once a child has run for `stable_after_s`). Self-healing (docs/architecture.md, "Faults are data"): a dead
   learner stops only itself.
 - Exit codes decide the rest: a learner exiting 0 is done and never restarted; exit 3 means the
   syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
