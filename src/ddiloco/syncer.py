@@ -450,11 +450,15 @@ class Syncer:
         # leaves ride in a round but never make one: a round is an outer step, and it is due when
         # learners report from the current version.
         due = {i for i, u in open_round.updates.items() if u.base_version == self.versions[p] and not u.final}
-        if open_round.quorum_at is None and len(due) >= self.effective_quorum():
+        alive = set(self.alive_learners())
+        # K is capped at who can still report: the learners alive and those gone whose update is here. Not the
+        # learners alive alone: a learner leaving after its update would let its update alone close a K = M
+        # round that the others, alive, are about to report to.
+        quorum = max(1, min(self.quorum.min_quorum, len(alive | due)))
+        if open_round.quorum_at is None and len(due) >= quorum:
             open_round.quorum_at = now
             open_round.grace_s = self.grace_window()
             open_round.close_at = now + open_round.grace_s
-        alive = set(self.alive_learners())
         finished = {i for i, u in open_round.updates.items() if u.final}
         if (open_round.quorum_at is not None and alive <= due) or (not due and alive <= finished):
             # Everyone alive has reported for this round, or no one alive is left to report (the end of a

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).parents[2]
 LEARNERS = 2
 INNER_STEPS = 60
-"""Not a multiple of the round spacing (H / P = 8): the last round (due at inner step 56) comes back
-before a learner finishes, so every learner receives every round it took part in."""
+"""A multiple of the round spacing (H / P = 4): the last round falls due at the last inner step, so a learner
+may finish and leave while the other has yet to report to it (that round must still wait for it: K = M)."""
 RUN_TIMEOUT_S = 240
 
 
