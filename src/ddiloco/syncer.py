@@ -6,7 +6,8 @@ a pure state machine: the driver passes the current time into `receive(message, 
 order (`Commit` makes a round durable and must finish before the `Send`s that follow it).
 
 A round for fragment p collects updates until the minimum quorum K is present (K is capped at the
-learners alive, so a quorum larger than the live learners never deadlocks). It then waits a grace
+learners that can still report: those alive and those gone whose update is in the round, so a quorum larger
+than the live learners never deadlocks). It then waits a grace
 window for stragglers: adaptive, clip(gamma * (tau * step_time - quorum_time - sync_time), 0,
 step_time) from moving averages; fixed; or none. A round also closes at once when every live learner
 has reported. Closing merges the updates (token-weighted RDA), takes the outer step, bumps the
