@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ddiloco.checks import require, require_choice, require_int
+
 FRAGMENT_STRATEGIES = ("balanced", "strided", "single")
 MERGE_METHODS = ("rda", "mean")
 GRACE_MODES = ("adaptive", "fixed", "none")
@@ -32,22 +34,6 @@ learners' 3) and a learner with twice the batch weighs 4 times as much. With n p
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 """How long a learner that has never reached its syncer keeps trying: far longer than a syncer takes to start
 (imports, restore) or restart, short enough that a wrong address ends in an error within minutes."""
-
-
-def _require(condition: bool, field: str, value: Any, expected: str) -> None:
-    if not condition:
-        raise ValueError(f"{field}={value!r} is invalid: expected {expected}")
-
-
-def require_int(name: str, value: Any, *, minimum: int) -> None:
-    """ValueError naming `name` unless `value` is an int >= minimum (bool is an int subclass, but
-    True as a count is a bug, not a 1)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _require_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    _require(value in choices, field, value, "one of " + ", ".join(choices))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,27 +81,27 @@ class DilocoConfig:
     every learner rebuild the same global value bit for bit (`ddiloco.downlink`). Joins always get fp32."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.num_fragments, int) and self.num_fragments >= 1,
+        require(isinstance(self.num_fragments, int) and self.num_fragments >= 1,
                  "num_fragments", self.num_fragments, "an integer >= 1")
-        _require(isinstance(self.sync_every, int) and self.sync_every >= 1,
+        require(isinstance(self.sync_every, int) and self.sync_every >= 1,
                  "sync_every", self.sync_every, "an integer >= 1 (inner steps)")
-        _require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
+        require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0,
                  "overlap_steps", self.overlap_steps, "an integer >= 0 (inner steps)")
-        _require(isinstance(self.keep_overlap_work, bool), "keep_overlap_work", self.keep_overlap_work,
+        require(isinstance(self.keep_overlap_work, bool), "keep_overlap_work", self.keep_overlap_work,
                  "true or false")
-        _require(isinstance(self.pace_rounds, bool), "pace_rounds", self.pace_rounds, "true or false")
-        _require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
-        _require_choice("merge", self.merge, MERGE_METHODS)
-        _require_choice("codec", self.codec, CODEC_CHOICES)
-        _require_choice("downlink_codec", self.downlink_codec, DOWNLINK_CODEC_CHOICES)
+        require(isinstance(self.pace_rounds, bool), "pace_rounds", self.pace_rounds, "true or false")
+        require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
+        require_choice("merge", self.merge, MERGE_METHODS)
+        require_choice("codec", self.codec, CODEC_CHOICES)
+        require_choice("downlink_codec", self.downlink_codec, DOWNLINK_CODEC_CHOICES)
         try:
             re.compile(self.embedding_pattern)
         except re.error as exc:
             raise ValueError(f"embedding_pattern={self.embedding_pattern!r} is not a valid "
                              f"regular expression: {exc}") from None
-        _require(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", self.outer_lr,
+        require(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", self.outer_lr,
                  "a finite number > 0")
-        _require(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "0 <= value < 1")
+        require(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "0 <= value < 1")
         if self.fragment_strategy == "single" and self.num_fragments != 1:
             raise ValueError(f"fragment_strategy='single' needs num_fragments=1, got {self.num_fragments}")
 
@@ -157,20 +143,20 @@ class QuorumConfig:
     participants (`merge.cap_weights`); a heavier one is lowered to it. 1 makes every round an equal average."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.min_quorum, int) and self.min_quorum >= 1, "min_quorum",
+        require(isinstance(self.min_quorum, int) and self.min_quorum >= 1, "min_quorum",
                  self.min_quorum, "an integer >= 1")
-        _require_choice("grace", self.grace, GRACE_MODES)
-        _require(math.isfinite(self.grace_s) and self.grace_s >= 0, "grace_s", self.grace_s,
+        require_choice("grace", self.grace, GRACE_MODES)
+        require(math.isfinite(self.grace_s) and self.grace_s >= 0, "grace_s", self.grace_s,
                  "a finite number >= 0 (seconds)")
-        _require(math.isfinite(self.grace_gamma) and self.grace_gamma >= 0, "grace_gamma",
+        require(math.isfinite(self.grace_gamma) and self.grace_gamma >= 0, "grace_gamma",
                  self.grace_gamma, "a finite number >= 0")
-        _require(0 <= self.estimate_decay < 1, "estimate_decay", self.estimate_decay, "0 <= value < 1")
-        _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "max_staleness",
+        require(0 <= self.estimate_decay < 1, "estimate_decay", self.estimate_decay, "0 <= value < 1")
+        require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "max_staleness",
                  self.max_staleness, "an integer >= 0 (versions)")
-        _require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
+        require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
                  "a number > 0 (seconds)")
         require_int("max_tokens_per_step", self.max_tokens_per_step, minimum=1)
-        _require(isinstance(self.max_weight_ratio, int | float) and math.isfinite(self.max_weight_ratio)
+        require(isinstance(self.max_weight_ratio, int | float) and math.isfinite(self.max_weight_ratio)
                  and self.max_weight_ratio >= 1, "max_weight_ratio", self.max_weight_ratio, "a finite number >= 1")
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,10 +178,10 @@ class LearnerConfig:
     retries without a bound: a syncer that restarts mid-run comes back on its address."""
 
     def __post_init__(self) -> None:
-        _require(self.max_wait_s >= 0, "max_wait_s", self.max_wait_s, "a number >= 0 (seconds)")
-        _require(self.heartbeat_every_s > 0, "heartbeat_every_s", self.heartbeat_every_s,
+        require(self.max_wait_s >= 0, "max_wait_s", self.max_wait_s, "a number >= 0 (seconds)")
+        require(self.heartbeat_every_s > 0, "heartbeat_every_s", self.heartbeat_every_s,
                  "a number > 0 (seconds)")
-        _require(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s >= 0, "connect_timeout_s",
+        require(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s >= 0, "connect_timeout_s",
                  self.connect_timeout_s, "a finite number >= 0 (seconds; 0: no bound)")
 
     def to_dict(self) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import require_int
+from ddiloco.checks import require_int
 
 VOCAB_SIZE = 256
 """One token per byte value."""

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ddiloco.checks import require_int
 from ddiloco.compression import get_codec
-from ddiloco.config import DilocoConfig, require_int
+from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragment_access import FragmentAccess, LocalParameters
 from ddiloco.fragments import FragmentPlan, due_step, embedding_names

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddiloco.config import require_int
+from ddiloco.checks import require_int
 from ddiloco.data import Batch
 
 INIT_STD = 0.02

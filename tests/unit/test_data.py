@@ -72,10 +72,10 @@ def test_truncated_corpus_is_reported():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
-        ({"context_len": 0}, "context_len must be an int >= 1, got 0"),
-        ({"context_len": 8.0}, "context_len must be an int >= 1, got 8.0"),
-        ({"seed": -1}, "seed must be an int >= 0, got -1"),
+        ({"batch_size": 0}, "batch_size=0 is invalid: expected an integer >= 1"),
+        ({"context_len": 0}, "context_len=0 is invalid: expected an integer >= 1"),
+        ({"context_len": 8.0}, "context_len=8.0 is invalid: expected an integer >= 1"),
+        ({"seed": -1}, "seed=-1 is invalid: expected an integer >= 0"),
         ({"val_fraction": 0.0}, "val_fraction must be a number in (0, 1), got 0.0"),
         ({"val_fraction": 1}, "val_fraction must be a number in (0, 1), got 1"),
     ],
@@ -153,8 +153,8 @@ def test_small_corpus_error_says_what_each_shard_has_and_needs():
     ("shard", "num_shards", "message"),
     [
         (2, 2, "shard must be in [0, num_shards=2), got 2"),
-        (-1, 2, "shard must be an int >= 0, got -1"),
-        (0, 0, "num_shards must be an int >= 1, got 0"),
+        (-1, 2, "shard=-1 is invalid: expected an integer >= 0"),
+        (0, 0, "num_shards=0 is invalid: expected an integer >= 1"),
     ],
 )
 def test_bad_shard_arguments_are_rejected(shard, num_shards, message):
@@ -202,7 +202,7 @@ def test_batch_shapes_dtypes_and_token_count():
     assert partial.inputs.shape == (2, 12)
     assert partial.tokens == 24
     assert stream.batches_drawn == 2
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size=0 is invalid: expected an integer >= 1"):
         stream.next_batch(batch_size=0)
 
 

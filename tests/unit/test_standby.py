@@ -47,7 +47,7 @@ def test_only_a_module_run_by_this_interpreter_can_go_to_a_standby():
 
 def test_pool_settings_are_checked(tmp_path):
     launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, use_token=False))
-    with pytest.raises(ValueError, match="size must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="size=-1 is invalid: expected an integer >= 0"):
         StandbyPool(launcher, size=-1, name="s", preload=(), threads=1)
     with pytest.raises(ValueError, match="refill_delay_s"):
         StandbyPool(launcher, size=1, name="s", preload=(), threads=1, refill_delay_s=-1.0)

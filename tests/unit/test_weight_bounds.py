@@ -151,7 +151,7 @@ def test_a_learner_refuses_to_count_more_tokens_than_it_declared():
     learner.after_inner_step(tokens=24)
     with pytest.raises(ValueError, match="tokens=25 is more than the max_tokens_per_step=24 this learner declared"):
         learner.after_inner_step(tokens=25)
-    with pytest.raises(ValueError, match="max_tokens_per_step must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_tokens_per_step=-1 is invalid: expected an integer >= 0"):
         Learner(CONFIG, learner_id=0, model=TinyNet(seed=0), max_tokens_per_step=-1)
 
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
-from ddiloco.config import require_int
+from ddiloco.checks import require_int
 from ddiloco.metrics import JsonlSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes

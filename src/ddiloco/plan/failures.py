@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.checks import require
+
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 """The paper quotes the per-chip mean time between interruptions in years."""
 
@@ -25,13 +27,8 @@ RECOVERY_MEAN_GRID_SCALES = 60.0
 """The integration grid reaches this many scale parameters; the survival function is ~0 beyond."""
 
 
-def _require(condition: bool, field: str, value: object, expected: str) -> None:
-    if not condition:
-        raise ValueError(f"{field}={value!r} is invalid: expected {expected}")
-
-
 def _positive(field: str, value: float, unit: str) -> None:
-    _require(isinstance(value, int | float) and math.isfinite(value) and value > 0, field, value,
+    require(isinstance(value, int | float) and math.isfinite(value) and value > 0, field, value,
              f"a finite number > 0 ({unit})")
 
 
@@ -53,7 +50,7 @@ class FailureModel:
 
     def __post_init__(self) -> None:
         _positive("mtbi_s", self.mtbi_s, "seconds")
-        _require(isinstance(self.chips_per_slice, int) and self.chips_per_slice >= 1, "chips_per_slice",
+        require(isinstance(self.chips_per_slice, int) and self.chips_per_slice >= 1, "chips_per_slice",
                  self.chips_per_slice, "an integer >= 1")
         _positive("recovery_scale_s", self.recovery_scale_s, "seconds")
         _positive("recovery_shape", self.recovery_shape, "dimensionless")

@@ -10,16 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ddiloco.checks import require
 from ddiloco.plan.failures import FailureModel
 
 
-def _require(condition: bool, field_name: str, value: object, expected: str) -> None:
-    if not condition:
-        raise ValueError(f"{field_name}={value!r} is invalid: expected {expected}")
-
-
 def _finite_at_least(field_name: str, value: float, low: float, unit: str) -> None:
-    _require(isinstance(value, int | float) and math.isfinite(value) and value >= low, field_name, value,
+    require(isinstance(value, int | float) and math.isfinite(value) and value >= low, field_name, value,
              f"a finite number >= {low:g} ({unit})")
 
 
@@ -68,16 +64,16 @@ class LayoutConfig:
     (set it to your model's measured throughput)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.chips, int) and self.chips >= 1, "chips", self.chips, "an integer >= 1")
-        _require(isinstance(self.learners, int) and 1 <= self.learners <= self.chips, "learners",
+        require(isinstance(self.chips, int) and self.chips >= 1, "chips", self.chips, "an integer >= 1")
+        require(isinstance(self.learners, int) and 1 <= self.learners <= self.chips, "learners",
                  self.learners, f"an integer between 1 and chips={self.chips}")
-        _require(isinstance(self.min_quorum, int) and 1 <= self.min_quorum <= self.learners, "min_quorum",
+        require(isinstance(self.min_quorum, int) and 1 <= self.min_quorum <= self.learners, "min_quorum",
                  self.min_quorum, f"an integer between 1 and learners={self.learners}")
-        _require(0.0 <= self.slow_learner_fraction <= 1.0, "slow_learner_fraction", self.slow_learner_fraction,
+        require(0.0 <= self.slow_learner_fraction <= 1.0, "slow_learner_fraction", self.slow_learner_fraction,
                  "a share between 0 and 1")
         _finite_at_least("slow_learner_slowdown", self.slow_learner_slowdown, 0.0, "relative extra step time")
         _finite_at_least("step_time_spread", self.step_time_spread, 0.0, "relative standard deviation")
-        _require(math.isfinite(self.tokens_per_chip_s) and self.tokens_per_chip_s > 0, "tokens_per_chip_s",
+        require(math.isfinite(self.tokens_per_chip_s) and self.tokens_per_chip_s > 0, "tokens_per_chip_s",
                  self.tokens_per_chip_s, "a finite number > 0 (tokens per chip-second)")
 
     @property
@@ -97,10 +93,10 @@ class ScavengeConfig:
     """Mean length of one availability window, in seconds (windows and gaps are exponential)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.extra_learners, int) and self.extra_learners >= 0, "extra_learners",
+        require(isinstance(self.extra_learners, int) and self.extra_learners >= 0, "extra_learners",
                  self.extra_learners, "an integer >= 0")
-        _require(0.0 < self.availability <= 1.0, "availability", self.availability, "a share in (0, 1]")
-        _require(math.isfinite(self.window_s) and self.window_s > 0, "window_s", self.window_s,
+        require(0.0 < self.availability <= 1.0, "availability", self.availability, "a share in (0, 1]")
+        require(math.isfinite(self.window_s) and self.window_s > 0, "window_s", self.window_s,
                  "a finite number > 0 (seconds)")
 
 
@@ -117,11 +113,11 @@ class SimulationConfig:
     """Seed of every random draw; the same seed gives bitwise the same results."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.failures, int) and self.failures >= 10, "failures", self.failures,
+        require(isinstance(self.failures, int) and self.failures >= 10, "failures", self.failures,
                  "an integer >= 10")
-        _require(isinstance(self.replicas, int) and self.replicas >= 2, "replicas", self.replicas,
+        require(isinstance(self.replicas, int) and self.replicas >= 2, "replicas", self.replicas,
                  "an integer >= 2 (a confidence interval needs two)")
-        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

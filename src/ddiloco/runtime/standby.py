@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.config import require_int
+from ddiloco.checks import require_int
 
 if TYPE_CHECKING:  # the launcher imports this module: at run time the import would be a cycle
     from ddiloco.runtime.launcher import ChildProcess, Launcher
