@@ -67,7 +67,7 @@ async def _learner(learner_id: int, address: str, args, start, arrivals: dict) -
     from ddiloco.messages import SCHEMA_VERSION, FragmentDelta, FragmentState, Join, ModelSpec, Update, Welcome
     from ddiloco.transport import wire_pb2_grpc
     from ddiloco.transport.grpc_codec import WireModel, encode_join, encode_update
-    from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, SCHEMA_KEY
+    from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, SCHEMA_KEY
     from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 
     config = _run_config(args.learners, args.fragments)

@@ -7,9 +7,9 @@ from torch import nn
 
 from ddiloco.clock import VirtualClock
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.syncer import Syncer
-from ddiloco.transport.inprocess import InProcessHub
 
 
 class TinyNet(nn.Module):

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {
     "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
-    "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.transport.inprocess",
+    "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.inprocess",
     "LearnerEnvironment": "ddiloco.environment", "RefusedError": _SESSION, "Session": _SESSION,
     "UnreachableError": _SESSION,
     "environment": "ddiloco.environment",

@@ -58,6 +58,7 @@ from torch import nn
 
 from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_state, save_state
 from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_rules import Action, LearnerRules
@@ -65,7 +66,6 @@ from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
-from ddiloco.transport.inprocess import InProcessHub
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Session:
         """Sharded parameters' full initial values, gathered before the join (`_gather_genesis`)."""
         self._chaos = None
         if chaos_control is not None:
-            from ddiloco.chaos.control import ChaosControl
+            from ddiloco.fault_control import ChaosControl
 
             # Seeded by the learner id: each learner draws its own drops and corruptions, reproducibly.
             self._chaos = ChaosControl(Path(chaos_control), seed=learner_id)

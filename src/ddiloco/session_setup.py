@@ -17,10 +17,10 @@ from torch import nn
 from ddiloco.config import DilocoConfig, LearnerConfig
 from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.follower_session import FollowerSession
+from ddiloco.inprocess import InProcessHub
 from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
 from ddiloco.learner_session import Session, Stateful
 from ddiloco.run_config import RunConfig
-from ddiloco.transport.inprocess import InProcessHub
 
 
 def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mapping[str, Stateful] | None = None,

@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import torch
 
 from ddiloco.clock import Clock
+from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import LearnerRules
 from ddiloco.messages import LearnerMessage, Leave, SyncerMessage
 from ddiloco.run_config import RunConfig
-from ddiloco.transport.inprocess import InProcessHub
 
 
 class SessionTransport(Protocol):

@@ -36,7 +36,7 @@ from ddiloco.transport.grpc_codec import (
     encode_join,
     encode_update,
 )
-from ddiloco.transport.grpc_server import SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
+from ddiloco.transport.grpc_common import SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
 

@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from ddiloco.chaos.control import ActiveFault, write_control
 from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
 from ddiloco.chaos.dp_common import params_digest
 from ddiloco.checkpoint import load_latest_state
+from ddiloco.fault_control import ActiveFault, write_control
 from ddiloco.model import build_model
 from ddiloco.run_config import add_run_config_flags, run_config_from_args
 from ddiloco.runtime.launcher import process_group_alive

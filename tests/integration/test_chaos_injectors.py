@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.chaos.control import ActiveFault, ChaosControl, control_path, write_control
 from ddiloco.checkpoint import RoundLog, load_latest_state
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
+from ddiloco.fault_control import ActiveFault, ChaosControl, control_path, write_control
 from ddiloco.learner import Learner
 from ddiloco.messages import FragmentDelta, Welcome
 from ddiloco.metrics import MemorySink

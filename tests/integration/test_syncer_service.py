@@ -312,7 +312,8 @@ def test_refused_calls_are_logged_once_per_period_and_peer_and_counted_exactly(t
     from ddiloco.runtime.syncer_state import SyncerStore
     from ddiloco.syncer import Syncer
     from ddiloco.transport import wire_pb2, wire_pb2_grpc
-    from ddiloco.transport.grpc_server import SCHEMA_KEY, TOKEN_KEY, start_server
+    from ddiloco.transport.grpc_common import SCHEMA_KEY, TOKEN_KEY
+    from ddiloco.transport.grpc_server import start_server
 
     run = RunConfig(model=ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32),
                     data=DataConfig(context_len=32, batch_size=4), diloco=DilocoConfig(num_fragments=2),

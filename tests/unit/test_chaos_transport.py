@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.chaos.control import ActiveFault, ChaosControl, control_path, write_control
 from ddiloco.checkpoint import round_record_from_json
 from ddiloco.clock import VirtualClock
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.fault_control import ActiveFault, ChaosControl, control_path, write_control
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, ModelSpec, RejectReason, Update, Welcome

@@ -6,11 +6,11 @@ import torch
 
 from ddiloco.clock import VirtualClock
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
+from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.messages import FragmentState, Refused, Update, Welcome
 from ddiloco.syncer import Syncer
-from ddiloco.transport.inprocess import InProcessHub
 from tests.helpers import TinyNet, make_batches, params_of, sgd, train_step
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32")

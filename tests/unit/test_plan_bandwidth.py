@@ -154,9 +154,9 @@ def test_even_fragments_split_the_parameter_count():
 @pytest.mark.parametrize("downlink_codec", ["fp32", "int8", "int4"])
 def test_prediction_matches_a_real_in_process_run_exactly(downlink_codec):
     from ddiloco.config import DilocoConfig, QuorumConfig
+    from ddiloco.inprocess import InProcessHub
     from ddiloco.learner import Learner
     from ddiloco.syncer import Syncer
-    from ddiloco.transport.inprocess import InProcessHub
     from tests.helpers import TinyNet
 
     config = DilocoConfig(num_fragments=3, sync_every=6, codec="int4", downlink_codec=downlink_codec)

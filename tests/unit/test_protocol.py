@@ -7,10 +7,10 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.inprocess import JoinRefusedError
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, Rejected, RejectReason, Send
 from ddiloco.syncer import MAX_REJECTION_RECORDS, Syncer, replay_rounds
-from ddiloco.transport.inprocess import JoinRefusedError
 from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
 
 FP32 = dict(codec="fp32", downlink_codec="fp32")

@@ -8,11 +8,11 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.inprocess import InProcessHub, JoinRefusedError
 from ddiloco.learner import Learner
 from ddiloco.merge import merge_round, token_weight
 from ddiloco.messages import Commit, Join, Refused, RejectReason, Send, Update
 from ddiloco.syncer import Syncer, replay_rounds
-from ddiloco.transport.inprocess import InProcessHub, JoinRefusedError
 from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
 
 CONFIG = DilocoConfig(num_fragments=1, fragment_strategy="single", codec="fp32")

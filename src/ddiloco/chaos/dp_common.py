@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.chaos.control import control_path
+from ddiloco.fault_control import control_path
 
 EXIT_OK = 0
 EXIT_BAD_ARGS = 2

@@ -18,7 +18,7 @@ writes the whole state with `ddiloco.checkpoint.save_state` (serial = global ste
 commit point). A new attempt loads the latest state, so the steps since it are computed again on the same
 batches. On SIGTERM the ranks agree on a last step, rank 0 evaluates and they write a final checkpoint.
 
-Faults from the rank's control file (`ddiloco.chaos.control`), checked once per step:
+Faults from the rank's control file (`ddiloco.fault_control`), checked once per step:
 
 - straggler (factor f): the rank sleeps (f - 1) x its compute time of the step (forward, backward with
   DDP's loopback all-reduce inside it, optimizer step); the others wait for it in the next collective.
@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddiloco.chaos.control import ChaosControl
 from ddiloco.chaos.dp_common import (
     ALIVE_EVERY_S,
     EXIT_BAD_ARGS,
@@ -80,6 +79,7 @@ from ddiloco.chaos.dp_common import (
 )
 from ddiloco.checkpoint import atomic_write_json, load_latest_state, read_json, save_state
 from ddiloco.data import load_corpus, shard_stream, validation_batches
+from ddiloco.fault_control import ChaosControl
 from ddiloco.metrics import JsonlSink
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig

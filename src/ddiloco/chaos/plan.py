@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ddiloco.chaos.control import VALUE_EXPECTED, value_valid
+from ddiloco.fault_control import VALUE_EXPECTED, value_valid
 from ddiloco.sim.faults import FailureModel
 from ddiloco.transport.link import parse_link
 

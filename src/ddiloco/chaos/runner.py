@@ -12,7 +12,7 @@ The `FaultInjector` turns the plan's faults into real actions at their times:
   (SIGSTOP, SIGCONT at the end), `syncer_crash` (SIGKILL of the syncer; for data-parallel training
   it is the job's coordinator, rank 0, which hosts the rendezvous store);
 - in-process faults (`partition`, `latency`, `bandwidth`, `drop`, `corrupt`, `straggler`) through
-  the target's control file (`ddiloco.chaos.control`), which the target's transport and training
+  the target's control file (`ddiloco.fault_control`), which the target's transport and training
   loop obey. A partitioned data-parallel rank is also held: the job cannot restart without it.
 
 Every executed fault is appended to `SYSTEM_DIR/chaos/faults.jsonl` when it fires (so a crashed
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddiloco.chaos.control import IN_PROCESS_KINDS, ActiveFault, control_path, write_control
 from ddiloco.chaos.plan import Fault, FaultPlan
+from ddiloco.fault_control import IN_PROCESS_KINDS, ActiveFault, control_path, write_control
 from ddiloco.runtime.launcher import RunPaths, process_group_alive, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.control import control_path
-from ddiloco.runtime.standby import role_message
+from ddiloco.fault_control import control_path
 from ddiloco.transport.auth import learner_token
 
 logger = logging.getLogger(__name__)
@@ -441,21 +440,3 @@ class Launcher:
                                      preexec_fn=_die_with_parent, close_fds=True)
         logger.info("[%s] started pid %d", name, popen.pid)
         return ChildProcess(name, argv, popen, log_path, offset, time.monotonic())
-
-    def hand_role(self, standby: ChildProcess, name: str, argv: list[str], module: str,
-                  args: list[str]) -> ChildProcess | None:
-        """Turn a waiting standby (`ddiloco.runtime.standby`) into child `name` running `python -m module
-        args...`, logging where a fresh start of `name` would; None if the standby is gone."""
-        log_path = self.paths.log(name)
-        with log_path.open("ab") as log:
-            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start in standby pid {standby.pid}: "
-                      f"{' '.join(argv)}\n".encode())
-            offset = log.tell()
-        assert standby.popen.stdin is not None, "a standby is started with stdin_pipe=True"
-        try:
-            standby.popen.stdin.write(role_message(module, args, str(log_path)))
-            standby.popen.stdin.close()
-        except (BrokenPipeError, ValueError):
-            return None
-        logger.info("[%s] runs in standby pid %d", name, standby.pid)
-        return ChildProcess(name, argv, standby.popen, log_path, offset, time.monotonic())

@@ -86,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evaluator.add_argument("--device", default="cpu", help="torch device of the model (default: cpu)")
     learner.add_argument("--chaos-control", metavar="PATH",
                          help="obey the faults a chaos run writes to this control file (partition, latency, "
-                              "bandwidth, drop, corrupt, straggler; see ddiloco.chaos.control); default: none")
+                              "bandwidth, drop, corrupt, straggler; see ddiloco.fault_control); default: none")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -35,12 +35,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddiloco.checks import require_int
-
-if TYPE_CHECKING:  # the launcher imports this module: at run time the import would be a cycle
-    from ddiloco.runtime.launcher import ChildProcess, Launcher
+from ddiloco.runtime.launcher import ChildProcess, Launcher, stop_processes
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ TORCH_LAZY = ("torch._dynamo",)
 """What torch imports lazily on first use: building the first optimizer imports torch._dynamo (about 800
 modules, sympy among them: 0.9 s on an idle core)."""
 LEARNER_PRELOAD = ("ddiloco.cli", "ddiloco.runtime.process_commands", "ddiloco.train_tinygpt",
-                   "ddiloco.transport.grpc_client", "ddiloco.chaos.control", *TORCH_LAZY)
+                   "ddiloco.transport.grpc_client", "ddiloco.fault_control", *TORCH_LAZY)
 """What a learner process imports before its first step (torch, grpc, the model, the data pipeline)."""
 DEFAULT_REFILL_DELAY_S = 5.0
 DEFAULT_NICE = 10
@@ -216,7 +214,7 @@ class StandbyPool:
             if standby.poll() is not None:
                 self._standby_died(standby)
                 continue
-            child = self.launcher.hand_role(standby, name, list(argv), *command)
+            child = self._hand_role(standby, name, list(argv), *command)
             if child is None:
                 continue
             self.handed_out += 1
@@ -227,13 +225,29 @@ class StandbyPool:
 
     def close(self) -> None:
         """Stop every standby still waiting (end-of-file first, so it exits by itself)."""
-        from ddiloco.runtime.launcher import stop_processes
-
         for standby in self._waiting:
             standby.close_stdin()
         stop_processes(self._waiting, STOP_TIMEOUT_S)
         self._waiting = []
         self._refill_at = []
+
+    def _hand_role(self, standby: ChildProcess, name: str, argv: list[str], module: str,
+                   args: list[str]) -> ChildProcess | None:
+        """Turn a waiting standby into child `name` running `python -m module args...`, logging where a fresh
+        start of `name` would; None if the standby is gone."""
+        log_path = self.launcher.paths.log(name)
+        with log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start in standby pid {standby.pid}: "
+                      f"{' '.join(argv)}\n".encode())
+            offset = log.tell()
+        assert standby.popen.stdin is not None, "a standby is started with stdin_pipe=True"
+        try:
+            standby.popen.stdin.write(role_message(module, args, str(log_path)))
+            standby.popen.stdin.close()
+        except (BrokenPipeError, ValueError):
+            return None
+        logger.info("[%s] runs in standby pid %d", name, standby.pid)
+        return ChildProcess(name, argv, standby.popen, log_path, offset, time.monotonic())
 
     def _standby_died(self, child: ChildProcess) -> None:
         self.failed_in_a_row += 1

@@ -58,7 +58,8 @@ from ddiloco.syncer import Syncer
 from ddiloco.throttle import Throttle
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_codec import WireModel, config_difference, shortened
-from ddiloco.transport.grpc_server import NO_GENESIS, STOP_GRACE_S, STOPPED, peer_host
+from ddiloco.transport.grpc_common import NO_GENESIS
+from ddiloco.transport.grpc_server import STOP_GRACE_S, STOPPED, peer_host
 from ddiloco.transport.subscription import Subscription
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The Decoupled DiLoCo driver of the virtual-time harness: M learners and the syncer on one clock.
 
 Drives the real `Learner` and `Syncer` cores through their public API only, the way
-`ddiloco.transport.inprocess.InProcessHub` does, but with time: every inner step is really computed
+`ddiloco.inprocess.InProcessHub` does, but with time: every inner step is really computed
 (`ddiloco.training.inner_step` on the learner's TinyGPT, AdamW and data shard) and lasts a virtual
 duration drawn by `ddiloco.sim.cluster.StepTimer`; every message crosses a simulated link
 (`ddiloco.sim.links`) with latency and bandwidth, per direction; learners fail and recover by a

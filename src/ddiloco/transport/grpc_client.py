@@ -46,7 +46,7 @@ from ddiloco.transport.grpc_codec import (
     encode_update,
     flip_data_byte,
 )
-from ddiloco.transport.grpc_server import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
+from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
 from ddiloco.transport.link import EmulatedLink, unlimited_link
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 

@@ -61,12 +61,20 @@ from ddiloco.transport.auth import learner_of_token
 from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler
 from ddiloco.transport.grpc_codec import (
     MAX_LEARNER_ID,
-    MAX_MESSAGE_BYTES,
     UpdateAssembler,
     WireError,
     WireModel,
     decode_join,
     shortened,
+)
+from ddiloco.transport.grpc_common import (
+    CHANNEL_OPTIONS,
+    MIN_PING_INTERVAL_MS,
+    NO_GENESIS,
+    REASON_KEY,
+    SCHEMA_KEY,
+    SESSION_KEY,
+    TOKEN_KEY,
 )
 from ddiloco.transport.shared_chunks import SharedChunks
 from ddiloco.transport.subscription import Subscription, _Newest
@@ -76,20 +84,9 @@ from ddiloco.update_values import DecodeBuffers
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TOKEN_KEY = "ddiloco-token"
-SESSION_KEY = "ddiloco-session"
-"""Metadata of a Subscribe: which process joins (host/pid/random), so a second live process with the same
-learner id is told apart from the same process joining again."""
 MAX_SESSION_CHARS = 200
 OPERATOR = -1
 """The identity of a call carrying the run token (status, evaluators): the operator's, no learner's."""
-SCHEMA_KEY = "ddiloco-schema-version"
-REASON_KEY = "ddiloco-reason"
-KEEPALIVE_TIME_MS = 10_000
-"""HTTP/2 pings every 10 s on idle connections, so a dead peer on another machine is noticed."""
-KEEPALIVE_TIMEOUT_MS = 5_000
-MIN_PING_INTERVAL_MS = 5_000
-"""The server accepts pings this often (must not exceed the clients' keepalive time)."""
 DEFAULT_HANDLER_THREADS = 16
 """Threads the server's calls block in (the syncer's lock, decoding, encoding). Streams hold none."""
 CHUNK_TIMEOUT_S = 60.0
@@ -103,24 +100,6 @@ WATCH_POLL_S = 0.1
 STOPPED = "stopped"
 """`SyncerHandler.snapshot`'s answer once the syncer stops."""
 STOP_GRACE_S = 2.0
-RECONNECT_BACKOFF_MS = (100, 2_000)
-"""(first, longest) delay between a client channel's reconnection attempts."""
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # gRPC's own reconnect backoff grows to minutes by default; a learner waiting for a restarted
-    # syncer should find it within a couple of seconds.
-    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
-]
-"""Options shared by the server and its clients."""
-
 
 
 def peer_host(peer: str) -> str:
@@ -128,11 +107,6 @@ def peer_host(peer: str) -> str:
     client comes from another port."""
     host, _, port = peer.rpartition(":")
     return host if peer.startswith(("ipv4:", "ipv6:")) and port.isdigit() and ":" in host else peer
-
-
-NO_GENESIS = "no_genesis"
-"""The reason of a Subscribe refused because the run has no global model yet (the learner then pushes its
-initial parameters with PushGenesis and subscribes again)."""
 
 
 class SyncerHandler(Protocol):

@@ -12,7 +12,7 @@ Messages queue behind each other in the bucket, as on a real link, while latenci
 message does not wait for the previous one's propagation). `parse_link("2.5gbit,40ms")` reads the
 command-line form. This module owns the arithmetic only; the gRPC client applies it.
 
-Faults switched on while a process runs (a chaos run's control file, `ddiloco.chaos.control`) reach
+Faults switched on while a process runs (a chaos run's control file, `ddiloco.fault_control`) reach
 the link through a `LinkFaults` object, queried per message: extra latency is added to the one-way
 delay, and a bandwidth cap serialises each direction at the capped rate on top of the bucket above:
 
@@ -91,7 +91,7 @@ def parse_link(text: str) -> LinkSpec:
 
 class LinkFaults(Protocol):
     """Faults active on a learner's link right now; every method is cheap and thread-safe.
-    `ddiloco.chaos.control.ChaosControl` is one (this layer does not import it)."""
+    `ddiloco.fault_control.ChaosControl` is one (this layer does not import it)."""
 
     def partitioned(self) -> bool: ...
 

@@ -1,0 +1,41 @@
+"""What the gRPC server and its clients agree on: metadata keys, refusal reasons, channel options.
+
+Both sides import these from here, so a client never imports the server.
+"""
+
+from __future__ import annotations
+
+from ddiloco.transport.grpc_codec import MAX_MESSAGE_BYTES
+
+TOKEN_KEY = "ddiloco-token"
+SESSION_KEY = "ddiloco-session"
+"""Metadata of a Subscribe: which process joins (host/pid/random), so a second live process with the same
+learner id is told apart from the same process joining again."""
+SCHEMA_KEY = "ddiloco-schema-version"
+REASON_KEY = "ddiloco-reason"
+KEEPALIVE_TIME_MS = 10_000
+"""HTTP/2 pings every 10 s on idle connections, so a dead peer on another machine is noticed."""
+KEEPALIVE_TIMEOUT_MS = 5_000
+MIN_PING_INTERVAL_MS = 5_000
+"""The server accepts pings this often (must not exceed the clients' keepalive time)."""
+RECONNECT_BACKOFF_MS = (100, 2_000)
+"""(first, longest) delay between a client channel's reconnection attempts."""
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # gRPC's own reconnect backoff grows to minutes by default; a learner waiting for a restarted
+    # syncer should find it within a couple of seconds.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+]
+"""Options shared by the server and its clients."""
+
+NO_GENESIS = "no_genesis"
+"""The reason of a Subscribe refused because the run has no global model yet (the learner then pushes its
+initial parameters with PushGenesis and subscribes again)."""
