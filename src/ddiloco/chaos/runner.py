@@ -33,11 +33,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddiloco.chaos.plan import Fault, FaultPlan
 from ddiloco.fault_control import IN_PROCESS_KINDS, ActiveFault, control_path, write_control
 from ddiloco.runtime.launcher import RunPaths, process_group_alive, read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from ddiloco.chaos.data_parallel import DataParallelJob
+    from ddiloco.run_config import RunConfig
+    from ddiloco.runtime.supervisor import Slot, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +204,11 @@ def _describe(fault: Fault) -> str:
 class RuntimeTargets:
     """Targets of a `ddiloco run`-style system: the supervisor's syncer and learner slots."""
 
-    def __init__(self, supervisor: Any, paths: RunPaths) -> None:
+    def __init__(self, supervisor: Supervisor, paths: RunPaths) -> None:
         self.supervisor = supervisor
         self.paths = paths
 
-    def _slot(self, target: str) -> Any:
+    def _slot(self, target: str) -> Slot:
         if target == SYNCER:
             return self.supervisor.syncer
         return self.supervisor.learners[int(target.rpartition("-")[2])]
@@ -254,7 +259,7 @@ class ChaosSettings:
             raise ValueError(f"threads={self.threads} is invalid: expected an integer >= 1")
 
 
-def runtime_config(run_config: Any, system: str) -> Any:
+def runtime_config(run_config: RunConfig, system: str) -> RunConfig:
     """The run config of a runtime system: synchronous DiLoCo waits for every live learner (K = M, no
     grace); learners never finish on their own (the run ends at the plan's duration)."""
     config = dataclasses.replace(run_config, inner_steps=10**9)
@@ -272,7 +277,7 @@ def _runtime_ready(paths: RunPaths, num_learners: int) -> bool:
     return True
 
 
-def run_runtime_system(system: str, system_dir: Path, run_config: Any, plan: FaultPlan, settings: ChaosSettings,
+def run_runtime_system(system: str, system_dir: Path, run_config: RunConfig, plan: FaultPlan, settings: ChaosSettings,
                        *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run Decoupled DiLoCo (or synchronous DiLoCo) under `plan`; returns the run.json record."""
     from ddiloco.metrics import JsonlSink
@@ -411,7 +416,7 @@ class DataParallelTargets:
     """Targets of the data-parallel job: learner-N is rank N; the syncer's counterpart is rank 0, the
     coordinator that hosts the job's rendezvous store."""
 
-    def __init__(self, job: Any) -> None:
+    def __init__(self, job: DataParallelJob) -> None:
         self.job = job
 
     @staticmethod
@@ -432,7 +437,7 @@ class DataParallelTargets:
         self.job.hold(self.rank(target), until)  # the job cannot re-form without that rank
 
 
-def run_data_parallel_system(system_dir: Path, run_config: Any, plan: FaultPlan, settings: ChaosSettings,
+def run_data_parallel_system(system_dir: Path, run_config: RunConfig, plan: FaultPlan, settings: ChaosSettings,
                              *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the DDP baseline under `plan`; returns the run.json record."""
     from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
