@@ -378,3 +378,34 @@ def test_real_run_satisfies_rounds_replay_and_processes_and_a_tampered_round_fai
     log.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     ok, detail = inv.global_equals_replay(tampered)
     assert not ok and "differ from the replay" in detail
+
+
+def _unlogged_merge(learner: int, inner: int):
+    """The syncer was killed between the fsync of a round and the "update" line of the update that closed it: the
+    line is missing, and the learner, whose reply never came, saw its update dropped."""
+    def syncer_lines(lines):
+        return [e for e in lines if not (e.get("event") == "update" and e["learner_id"] == learner
+                                         and e["inner_step"] == inner)]
+
+    def learner_lines(lines):
+        return [{**e, "fate": "dropped", "reason": "syncer unreachable"}
+                if e.get("event") == "fate" and e["inner_step"] == inner else e for e in lines]
+    return syncer_lines, learner_lines
+
+
+@pytest.mark.parametrize(("learner", "inner", "ok"), [
+    (0, 40, True),    # round 1: the last round of the killed incarnation 0
+    (1, 8, False),    # round 0: incarnation 0 went on committing after it, so the line cannot be missing
+    (1, 18, False),   # round 2: incarnation 1 stopped cleanly
+])
+def test_only_the_last_round_of_a_killed_syncer_may_lack_its_closing_update_line(tmp_path, learner, inner, ok):
+    d = make_runtime_dir(tmp_path)
+    syncer_lines, learner_lines = _unlogged_merge(learner, inner)
+    edit_jsonl(d / "syncer" / "metrics.jsonl", syncer_lines)
+    edit_jsonl(d / "learners" / str(learner) / "work.jsonl", learner_lines)
+    passed, detail = inv.every_update_merged_or_rejected_with_reason(d)
+    assert passed is ok, detail
+    if ok:
+        assert "merged_as_the_syncer_was_killed 1" in detail and "merged 4" in detail
+    else:
+        assert f"inner step {inner}: accepted 0 time(s)" in detail

@@ -19,7 +19,7 @@ from ddiloco.clock import VirtualClock
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import Commit, Join, Rejected, RejectReason, RoundRecord, Send, Update
-from ddiloco.metrics import JsonlSink, NullSink
+from ddiloco.metrics import JsonlSink, MemorySink, NullSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore
@@ -206,3 +206,33 @@ def test_write_trouble_reports_once_when_writes_fail_and_once_when_they_work_aga
 def test_other_errors_than_oserror_are_not_swallowed():
     with pytest.raises(ZeroDivisionError):
         WriteTrouble("x").attempt(lambda: 1 / 0)
+
+
+class WatchedStore(SyncerStore):
+    """The real store, noting in the sink's event list where each round became durable."""
+
+    def __init__(self, run_dir, sink: MemorySink) -> None:
+        super().__init__(run_dir)
+        self.sink = sink
+
+    def commit(self, record: RoundRecord) -> None:
+        super().commit(record)
+        self.sink.events.append({"kind": "durable", "round": record.round_index})
+
+
+def test_the_update_that_closes_a_round_is_logged_right_after_the_round_is_durable(tmp_path):
+    # Before: the "update" line came after the round's results went out (its commit line, the sends), so a kill -9
+    # in between left a merged update the syncer's log never showed accepted: a soak run under load failed
+    # every_update_merged_or_rejected_with_reason that way.
+    run_config = RunConfig(diloco=CONFIG, quorum=QUORUM, num_learners=1)
+    sink = MemorySink()
+    syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)))
+    service = SyncerService(run_config, syncer, WatchedStore(tmp_path, sink), sink=sink, clock=VirtualClock())
+    assert not isinstance(service.join(Join(0, syncer.spec, CONFIG.fingerprint()), CONFIG.to_dict(), "test"), str)
+    assert service.update(_update(syncer, 0, 0, inner_step=4))[0]
+    stale = _update(syncer, 0, 0, inner_step=8)
+    stale = Update(0, 0, stale.base_version - 1, 8, 8, 80, "fp32", stale.payload)  # on a version since replaced
+    assert not service.update(stale)[0]
+    service.close()
+    kinds = [(e["kind"], e.get("accepted")) for e in sink.events if e["kind"] in ("durable", "update", "commit")]
+    assert kinds == [("durable", None), ("update", True), ("commit", None), ("update", False)]

@@ -205,22 +205,33 @@ def every_update_merged_or_rejected_with_reason(system_dir: str | Path) -> Resul
                                        "accepted by its fate but by no syncer update event")
 
     merged: Counter[tuple[int, tuple[int, int, int, int]]] = Counter()
+    last_round: dict[int, set[tuple[int, int, int, int]]] = {}
     incarnation = 0
     for r in RoundLog(system_dir).lines():
         # A round whose commit event is missing (a kill between the fsync and the event line) was
         # committed by the incarnation that committed the round before it.
         incarnation = committed_by.get(int(r["round"]), incarnation)
+        last_round[incarnation] = set()
         for p in r["participants"]:
             # A participant also names the learner's earlier updates it includes (Participant.folded).
             for base, step in [(p["base_version"], p.get("inner_step", -1)), *p.get("folded", ())]:
-                merged[(incarnation, (int(p["learner_id"]), int(r["fragment"]), int(base), int(step)))] += 1
+                key = (int(p["learner_id"]), int(r["fragment"]), int(base), int(step))
+                merged[(incarnation, key)] += 1
+                last_round[incarnation].add(key)
+    # The update that closed an incarnation's last round may lack its "update" line when a kill came between the
+    # round's fsync and that line (`SyncerService.commit` writes it right after): once per killed incarnation.
+    unlogged_closer = {number: keys for number, keys in last_round.items() if _killed(syncer_incarnations[number])}
     for number, key in sorted(set(accepted) | set(merged) | set(discarded)):
         a, m, d = accepted[(number, key)], merged[(number, key)], discarded[(number, key)]
         counts["merged"] += min(m, a)
         counts["discarded"] += min(d, max(a - m, 0))
         lost = a - m - d
         described = f"learner {key[0]} update of fragment {key[1]} at inner step {key[3]}"
-        if lost < 0:
+        if lost == -1 and key in unlogged_closer.get(number, ()):
+            unlogged_closer.pop(number)
+            counts["merged"] += 1
+            counts["merged_as_the_syncer_was_killed"] += 1
+        elif lost < 0:
             unexplained.append(f"{described}: accepted {a} time(s) by syncer incarnation {number} but merged {m} "
                                f"and discarded {d} time(s)")
         elif lost > 0 and _killed(syncer_incarnations[number]):

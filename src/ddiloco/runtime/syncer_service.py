@@ -135,6 +135,8 @@ class SyncerService:
         self._bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
         self._participation = store.participation()
         self._rounds_at_save = 0
+        self._arriving: Update | None = None
+        self._arrival_logged = False
         self.sends_dropped = 0
         self._state_writes = WriteTrouble(f"the syncer's full state in {store.state_dir}")
         self._status_writes = WriteTrouble(str(self.status_path))
@@ -142,7 +144,7 @@ class SyncerService:
             self._adopt(syncer)
 
     def _adopt(self, syncer: Syncer) -> None:
-        syncer.journal = self.store  # every round durable in the run directory before the core changes state
+        syncer.journal = self  # every round durable in the run directory (`commit`) before the core changes state
         self.syncer = syncer
         self._wire = WireModel(syncer.spec, syncer.plan, self.run_config.diloco.codec,
                                self.run_config.diloco.downlink_codec)
@@ -327,7 +329,11 @@ class SyncerService:
         verdict = (True, "", "")
         with self._cond:
             assert self.syncer is not None, "the wire layer refuses updates before the genesis"
-            actions = self.syncer.receive(update, self.clock.now())
+            self._arriving, self._arrival_logged = update, False
+            try:
+                actions = self.syncer.receive(update, self.clock.now())
+            finally:
+                self._arriving = None
             rest: list[SyncerAction] = []
             for action in actions:
                 message = action.message if isinstance(action, Send) else None
@@ -338,12 +344,29 @@ class SyncerService:
             self._carry_out(rest)
             self._cond.notify_all()
         accepted, reason, detail = verdict
-        self.sink.event("update", learner_id=update.learner_id, fragment=update.fragment,
-                        base_version=update.base_version, inner_step=update.inner_step, accepted=accepted,
-                        reason=reason)
+        if not self._arrival_logged:
+            self._log_update(update, accepted=accepted, reason=reason)
         if not accepted:
             self._record(update.learner_id, reason, detail, fragment=update.fragment, inner_step=update.inner_step)
         return verdict
+
+    def commit(self, record: RoundRecord) -> None:
+        """The core's journal: the round made durable in the run directory. The update that closed it is logged
+        as accepted at once after the fsync, not after the round's results went out, so that a kill -9 of the
+        syncer leaves at most the last round's closing update merged without its line (the chaos invariant
+        every_update_merged_or_rejected_with_reason allows exactly that, as it allows the last commit line)."""
+        self.store.commit(record)
+        update = self._arriving
+        if update is not None and not self._arrival_logged and record.fragment == update.fragment and any(
+                p.learner_id == update.learner_id and p.base_version == update.base_version
+                and p.inner_step == update.inner_step for p in record.participants):
+            self._log_update(update, accepted=True, reason="")
+            self._arrival_logged = True
+
+    def _log_update(self, update: Update, *, accepted: bool, reason: str) -> None:
+        self.sink.event("update", learner_id=update.learner_id, fragment=update.fragment,
+                        base_version=update.base_version, inner_step=update.inner_step, accepted=accepted,
+                        reason=reason)
 
     def is_member(self, learner_id: int) -> bool:
         with self._cond:
