@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint unit integration bench run clean proto
+.PHONY: test acceptance lint unit integration bench run clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -m "not acceptance" --durations=25
+
+acceptance: $(STAMP)
+	$(BIN)/python -m pytest -q -m acceptance --durations=10
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -19,6 +19,8 @@ import pytest
 from ddiloco.runtime.launcher import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]
+
 CHAOS_TIMEOUT_S = 420
 SOAK_TIMEOUT_S = 300
 PROCESS_FAULTS = ("crash", "hang", "syncer_crash")

@@ -20,6 +20,8 @@ from ddiloco.sim.report import write_run
 
 torch.set_num_threads(1)
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]
+
 QUICK_LIMIT_S = 60.0
 """Acceptance: each quick variant finishes within 60 s on the project's 2-core machine."""
 

@@ -26,7 +26,7 @@ from ddiloco.runtime.ray_cluster import descendants, still_running
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]
 
 REPO = Path(__file__).parents[2]
 WAIT_S = 180.0

@@ -115,6 +115,7 @@ def export_and_load(run_dir: Path, model: torch.nn.Module) -> None:
     assert any(not torch.equal(genesis[name], tensors[name]) for name in genesis)  # it trained
 
 
+@pytest.mark.acceptance
 def test_the_built_in_tinygpt_as_a_script_trains_survives_a_kill_and_exports(tmp_path):
     from ddiloco.model import ModelConfig, build_model
 
@@ -130,12 +131,14 @@ def test_a_small_mlp_trains_survives_a_kill_and_exports(tmp_path):
     export_and_load(run_dir, load_example("mlp").build_model())
 
 
+@pytest.mark.acceptance
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra (transformers)")
 def test_a_transformers_gpt2_with_tied_weights_trains_survives_a_kill_and_exports(tmp_path):
     run_dir = run_with_a_kill(tmp_path, "gpt2", inner_steps=240)
     export_and_load(run_dir, load_example("gpt2").build_model())
 
 
+@pytest.mark.acceptance
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra (transformers)")
 def test_a_mixture_of_experts_trains_survives_a_kill_and_exports(tmp_path):
     run_dir = run_with_a_kill(tmp_path, "moe", inner_steps=240)
