@@ -2,9 +2,11 @@
 
 At a publish the training thread only copies the fragment (`FragmentAccess.read`: a float32 copy on the
 parameter's device, or, for a sharded learner, the gathered full value) and queues the update; the
-publisher's thread then computes base - copy (on the parameter's device), moves it to the CPU, checks it
-is finite, encodes it with the run's codec and hands the update to the transport. Every message the session
-sends goes through the same FIFO queue, so the syncer sees them in the order the session made them.
+publisher's thread then computes base - copy (on the parameter's device), checks it is finite, encodes it
+with the run's codec and hands the update to the transport. The block codecs (int8, int4) quantise on the
+parameter's device and copy only scales and codes to the host; the others copy the float values first.
+Every message the session sends goes through the same FIFO queue, so the syncer sees them in the order
+the session made them.
 
 An update whose pseudo-gradient turns out not to be finite is withheld here, not sent: the session hears
 of it at its next call (`take_withheld`) and the learner forgets that publish (`Learner.withdraw`), exactly
@@ -53,7 +55,7 @@ class DeferredPayload(Mapping[str, bytes]):
             if self._encoded is None and self.non_finite is None:
                 encoded = {}
                 for name, snapshot in self._snapshot.items():
-                    delta = (self._base[name] - snapshot).cpu()
+                    delta = self._base[name] - snapshot  # on the parameter's device; the codec copies what it sends
                     if not bool(torch.isfinite(delta).all()):
                         self.non_finite = name
                         break
