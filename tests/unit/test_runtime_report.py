@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
+from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import RunPaths, write_json_atomic
 from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
 from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, read_jsonl, write_report
-from ddiloco.runtime.supervisor import Backoff, ChildState, Slot
+from ddiloco.runtime.supervisor import ChildState, Slot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -113,7 +114,7 @@ def test_summary_table_shows_every_learner_and_the_run(tmp_path):
 
 
 def slot(state: ChildState, pid: int | None = None) -> Slot:
-    s = Slot("learner-1", 1, Backoff(0.5, 8.0, 30.0), state=state)
+    s = Slot("learner-1", 1, Backoff(0.5, 8.0, stable_after_s=30.0), state=state)
     if pid is not None:
         s.process = SimpleNamespace(pid=pid, returncode=None)  # what `Slot.pid` reads of a ChildProcess
     return s

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive, read_json
-from ddiloco.runtime.supervisor import Backoff, ChildState, Supervisor, SupervisorConfig
+from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
 
 WAIT_S = 30.0
 """Hard limit on every wait for a child to reach a state."""
@@ -166,9 +167,9 @@ def assert_all_gone(pids) -> None:
 
 def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
     backoff = Backoff(0.5, 8.0, stable_after_s=30.0)
-    assert [backoff.delay(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-    assert backoff.delay(30.0) == 0.5
-    assert backoff.delay(0.1) == 1.0
+    assert [backoff.after_run(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert backoff.after_run(30.0) == 0.5
+    assert backoff.after_run(0.1) == 1.0
 
 
 @pytest.mark.parametrize("field, value", [("poll_interval_s", 0.0), ("backoff_initial_s", -1.0),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import Launcher
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
@@ -41,7 +42,6 @@ from ddiloco.runtime.supervisor import (
     EXIT_DONE,
     EXIT_REFUSED,
     SYNCER,
-    Backoff,
     ChildState,
     Event,
     Slot,
@@ -81,7 +81,8 @@ class RaySupervisor:
         self.options = options
         self.launch = dataclasses.replace(launch, run_dir=Path(launch.run_dir).resolve())
         self._on_event = on_event or (lambda event: None)
-        backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s, config.stable_after_s)
+        backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s,
+                                  stable_after_s=config.stable_after_s)
         self.syncer = Slot(SYNCER, None, backoff())
         self.learners = [Slot(f"learner-{i}", i, backoff()) for i in range(launch.num_learners)]
         self.evaluator = Slot(EVALUATOR, None, backoff()) if launch.evaluator else None

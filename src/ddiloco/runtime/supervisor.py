@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddiloco.backoff import Backoff
 from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
@@ -118,24 +119,6 @@ class SupervisorConfig:
             raise ValueError(f"max_restarts={self.max_restarts} is invalid: expected >= 0")
 
 
-class Backoff:
-    """Restart delays: initial, doubling, capped; back to initial after a stable run."""
-
-    def __init__(self, initial_s: float, max_s: float, stable_after_s: float) -> None:
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self.stable_after_s = stable_after_s
-        self._next_s = initial_s
-
-    def delay(self, ran_for_s: float) -> float:
-        """The delay before restarting a child that ran `ran_for_s` seconds before it died."""
-        if ran_for_s >= self.stable_after_s:
-            self._next_s = self.initial_s
-        delay = self._next_s
-        self._next_s = min(self._next_s * 2, self.max_s)
-        return delay
-
-
 @dataclass(frozen=True)
 class Event:
     """Something the supervisor did or saw. `name` is "syncer" or "learner-N"."""
@@ -181,7 +164,8 @@ class Supervisor:
         self.config = config
         self.launcher = launcher
         self._on_event = on_event or (lambda event: None)
-        backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s, config.stable_after_s)
+        backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s,
+                                  stable_after_s=config.stable_after_s)
         self.syncer = Slot(SYNCER, None, backoff())
         self.learners = [Slot(f"learner-{i}", i, backoff()) for i in range(launcher.config.num_learners)]
         self.evaluator = Slot(EVALUATOR, None, backoff()) if launcher.config.evaluator else None
@@ -466,7 +450,7 @@ class Supervisor:
 
     def _schedule_restart(self, slot: Slot, now: float) -> None:
         assert slot.process is not None
-        delay = slot.backoff.delay(now - slot.process.started_at)
+        delay = slot.backoff.after_run(now - slot.process.started_at)
         slot.restarts += 1
         slot.restart_at = max(now + delay, slot.held_until or now)
         slot.state = ChildState.BACKOFF

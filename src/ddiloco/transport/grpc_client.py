@@ -1,8 +1,8 @@
 """A learner's gRPC client of the syncer: join and subscribe, push updates, heartbeats, leave.
 
 One `SyncerClient` owns one channel. gRPC reconnects the channel by itself; the caller (the learner
-process's I/O threads) decides when to re-subscribe, with `Backoff`. Every message passes through the
-learner's `EmulatedLink`: uploads are held back until the link would have delivered them, and each
+process's I/O threads) decides when to re-subscribe (`ddiloco.backoff.Backoff`). Every message passes
+through the learner's `EmulatedLink`: uploads are held back until the link would have delivered them, and each
 downloaded message carries the time at which the link would have handed it over. Bytes on the wire
 (serialised chunks) are counted in both directions.
 
@@ -125,24 +125,6 @@ def error_text(error: grpc.RpcError) -> str:
     details = error.details() if callable(getattr(error, "details", None)) else None
     code = error.code() if callable(getattr(error, "code", None)) else None
     return f"{getattr(code, 'name', code)}: {details or error}"
-
-
-class Backoff:
-    """Exponential backoff with a cap: initial_s, 2 initial_s, ... up to max_s; reset on success."""
-
-    def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, factor: float = 2.0) -> None:
-        if not 0 < initial_s <= max_s:
-            raise ValueError(f"initial_s={initial_s} and max_s={max_s} are invalid: expected 0 < initial_s <= max_s")
-        self.initial_s, self.max_s, self.factor = initial_s, max_s, factor
-        self._next = initial_s
-
-    def next_delay(self) -> float:
-        delay = self._next
-        self._next = min(self.max_s, self._next * self.factor)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self.initial_s
 
 
 UNREACHABLE_WARN_AFTER = 3

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from ddiloco.backoff import Backoff
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DEFAULT_CONNECT_TIMEOUT_S
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
-    Backoff,
     ChaosFault,
     ConnectWatch,
     Fault,
@@ -55,6 +55,9 @@ from ddiloco.transport.grpc_client import (
     error_text,
 )
 from ddiloco.transport.grpc_codec import WireError
+
+RECONNECT_DELAY_S = (0.1, 2.0)
+"""(first, longest) wait between a learner's attempts to subscribe again after its stream to the syncer broke."""
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +220,7 @@ class LearnerIO:
     # ---- receiver ------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        backoff = Backoff()
+        backoff = Backoff(*RECONNECT_DELAY_S)
         while not self._stop.is_set():
             self._rejoin.clear()
             try:
