@@ -37,7 +37,16 @@ def setting(default: Any = dataclasses.MISSING, *, flag: str | None = None, meta
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal right after a field) of a dataclass, by field name."""
+    """Attribute docstrings (the string literal right after a field) of a dataclass and its bases, by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings written in `cls`'s own class body."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

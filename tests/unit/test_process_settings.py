@@ -14,7 +14,7 @@ import pytest
 
 from ddiloco import cli
 from ddiloco.chaos.runner import ChaosSettings
-from ddiloco.flags import add_config_flags, config_from_args, field_types, flag_fields, setting
+from ddiloco.flags import add_config_flags, config_from_args, field_docs, field_types, flag_fields, setting
 from ddiloco.plan.commands import BANDWIDTH_CONFIGS, GOODPUT_CONFIGS
 from ddiloco.run_config import RUN_FIELDS, SECTIONS, RunConfig, run_config_from_args
 from ddiloco.runtime.launcher import Launcher
@@ -109,6 +109,17 @@ def test_a_learner_shows_no_syncer_only_setting_and_run_shows_the_algorithm():
     for command in ("run", "syncer", "chaos"):
         text = commands[command].format_help()
         assert "--min-quorum" in text and "--num-fragments" in text and "--inner-lr" in text
+
+
+@pytest.mark.parametrize("cls", [SyncerSettings, LearnerSettings, EvaluatorSettings, RunSettings])
+def test_every_setting_is_documented_where_it_is_declared_and_its_help_says_so(cls):
+    # Fields inherited from ProcessSettings (--run-dir, --token-file, ...) keep their base class's docstrings.
+    docs = field_docs(cls)
+    assert set(docs) == {f.name for f in dataclasses.fields(cls)} and all(docs.values())
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, cls)
+    helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert all(helps[name].startswith(doc.replace("%", "%%")) for name, doc in docs.items())
 
 
 # ---- ddiloco run -> settings file -> child ----------------------------------------------------------------
