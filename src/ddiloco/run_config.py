@@ -18,7 +18,7 @@ from typing import Any
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import VOCAB_SIZE, DataConfig
-from ddiloco.flags import add_config_flags, config_from_args
+from ddiloco.flags import add_config_flags, config_from_args, flag_of, setting
 from ddiloco.model import ModelConfig
 from ddiloco.training import InnerConfig
 
@@ -43,9 +43,9 @@ class RunConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    num_learners: int = 4
+    num_learners: int = setting(4, flag="--learners", metavar="M")
     """M: learner processes in the run."""
-    inner_steps: int = 600
+    inner_steps: int = setting(600, metavar="STEPS")
     """Inner steps each learner trains before it leaves."""
     seed: int = 0
     """Seed of the global model's initialisation (done once, by the syncer)."""
@@ -84,10 +84,10 @@ class RunConfig:
                 bad = sorted(set(value) - {f.name for f in dataclasses.fields(section_cls)})
                 if bad:
                     raise ValueError(f"unknown field(s) in section {name!r}: {', '.join(bad)}")
-                values[name] = section_cls(**{key: _typed(f"{name}.{key}", item, section_types[key])
+                values[name] = section_cls(**{key: typed_value(f"{name}.{key}", item, section_types[key])
                                               for key, item in value.items()})
             else:
-                values[name] = _typed(name, value, run_types[name])
+                values[name] = typed_value(name, value, run_types[name])
         return cls(**values)
 
     def save(self, path: str | Path) -> None:
@@ -148,7 +148,7 @@ def _fits(value: Any, annotation: Any) -> bool:
     return isinstance(value, accepted) and (annotation is bool or not isinstance(value, bool))
 
 
-def _typed(name: str, value: Any, annotation: Any) -> Any:
+def typed_value(name: str, value: Any, annotation: Any) -> Any:
     """`value` if it is a JSON value of the field's type, else a ValueError naming the field, the expected type
     and the value. An integer for a float field stays as written: every process that reads the same file then
     computes the same `DilocoConfig.fingerprint()`, as every process always has."""
@@ -163,8 +163,7 @@ def _typed(name: str, value: Any, annotation: Any) -> Any:
 
 
 RUN_FIELDS = ("num_learners", "inner_steps", "seed")
-RUN_FLAGS = {"num_learners": "--learners", "inner_steps": "--inner-steps", "seed": "--seed"}
-"""The run's own fields -> their command-line flags."""
+"""The run's own fields (not a section's)."""
 RESUMABLE = ("inner_steps", "quorum", "learner")
 """What `--resume` may change: the inner-step budget (to extend a run), the syncer's quorum policy and the
 learners' waiting policy, which act afresh from the next round on. Everything else is what the run's existing
@@ -176,8 +175,11 @@ would be silently overridden)."""
 def flag_name(section: str | None, name: str) -> str:
     """The command-line flag of a run config field (`--learners`, `--inner-lr`, `--min-quorum`)."""
     if section is None:
-        return RUN_FLAGS[name]
+        return flag_of(_RUN_FIELD[name])
     return "--" + (SECTIONS[section][1] + name).replace("_", "-")
+
+
+_RUN_FIELD = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
 def check_resume(saved: RunConfig, wanted: RunConfig) -> None:
@@ -200,15 +202,15 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) and (not value or " " in value) else str(value)
 
 
-def add_run_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags for every section (`--num-fragments`, `--min-quorum`, `--inner-lr`, `--model-width`, ...)
-    and the run's own fields (`--learners`, `--inner-steps`, `--seed`)."""
-    parser.add_argument("--learners", dest="num_learners", type=int, default=None,
-                        help="M, learner processes (default: 4)")
-    parser.add_argument("--inner-steps", type=int, default=None,
-                        help="inner steps per learner (default: 600)")
-    parser.add_argument("--seed", type=int, default=None, help="global model init seed (default: 0)")
-    for cls, prefix in SECTIONS.values():
+def add_run_config_flags(parser: argparse.ArgumentParser, *, sections: tuple[str, ...] = tuple(SECTIONS),
+                         run_fields: tuple[str, ...] = RUN_FIELDS) -> None:
+    """Flags for the run's own fields (`--learners`, `--inner-steps`, `--seed`) and for every field of the named
+    sections (`--num-fragments`, `--min-quorum`, `--inner-lr`, `--model-width`, ...): a command shows the settings
+    it uses (`ddiloco learner` has no quorum flags: that policy is the syncer's)."""
+    if run_fields:
+        add_config_flags(parser, RunConfig, only=run_fields, title="run")
+    for name in sections:
+        cls, prefix = SECTIONS[name]
         add_config_flags(parser, cls, prefix=prefix)
 
 

@@ -29,6 +29,7 @@ def test_a_learner_presents_its_own_token_whether_given_the_run_token_or_its_own
 
 
 def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
+    import json
     import os
     import stat
     from pathlib import Path
@@ -38,7 +39,7 @@ def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
     launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=2, threads=1))
     run_token = (tmp_path / "token").read_text().strip()
     argv = launcher.learner_argv(1, "127.0.0.1:1")
-    path = argv[argv.index("--token-file") + 1]
+    path = json.loads(Path(argv[argv.index("--settings") + 1]).read_text())["token_file"]
     assert path == str(tmp_path / "learners" / "1" / "token")
     assert Path(path).read_text().strip() == learner_token(run_token, 1)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -47,11 +47,8 @@ def fake_ddiloco() -> None:
     step_s = 0.01
     role = sys.argv[1]
     parser = argparse.ArgumentParser()
-    for flag in ("--run-dir", "--config", "--token-file", "--bind", "--syncer", "--threads", "--link", "--device",
-                 "--every-s", "--checkpoint-every-s"):
-        parser.add_argument(flag)
-    parser.add_argument("--learner-id", type=int)
-    args = parser.parse_args(sys.argv[2:])
+    parser.add_argument("--settings")  # the launcher writes each child's settings there, as ddiloco reads them
+    args = argparse.Namespace(**json.loads(Path(parser.parse_args(sys.argv[2:]).settings).read_text()))
     run = Path(args.run_dir)
     plan_path = run / "fake_plan.json"
     plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
@@ -66,7 +63,7 @@ def fake_ddiloco() -> None:
         os.replace(tmp, path)
 
     with (run / "fake_calls.jsonl").open("a") as calls:
-        calls.write(json.dumps({"role": role, "pid": os.getpid(), "argv": sys.argv[1:],
+        calls.write(json.dumps({"role": role, "pid": os.getpid(), "argv": sys.argv[1:], "settings": vars(args),
                                 "omp": os.environ.get("OMP_NUM_THREADS")}) + "\n")
     if role == "syncer":
         behaviour = plan.get("syncer", {})
@@ -192,10 +189,10 @@ def test_learners_run_to_done_then_the_syncer_is_stopped(tmp_path, fake_command)
     assert supervisor.syncer.process.returncode == 0  # it got SIGTERM and exited cleanly
     assert_all_gone(all_pids(supervisor))
     calls = [json.loads(line) for line in (launcher.paths.root / "fake_calls.jsonl").read_text().splitlines()]
-    learner_argv = [c["argv"] for c in calls if c["role"] == "learner"]
+    learner_settings = [c["settings"] for c in calls if c["role"] == "learner"]
     address = supervisor.syncer_address
-    assert all(argv[argv.index("--syncer") + 1] == address for argv in learner_argv)
-    assert all("--token-file" in argv and "--threads" in argv for argv in learner_argv)
+    assert sorted(s["learner_id"] for s in learner_settings) == [0, 1]
+    assert all(s["syncer"] == address and s["threads"] == 1 and s["token_file"] for s in learner_settings)
     assert {c["omp"] for c in calls} == {"1"}
     assert [e.kind for e in events][:2] == ["started", "address"]
 
@@ -474,5 +471,5 @@ def test_run_refuses_a_negative_standby_count_before_starting_anything(tmp_path,
 
     run_dir = tmp_path / "run"
     assert main(["run", "--run-dir", str(run_dir), "--no-progress", "--standby-learners", "-1"]) == 2
-    assert "--standby-learners -1 is invalid: expected an integer >= 0" in capsys.readouterr().err
+    assert "--standby-learners=-1 is invalid: expected an integer >= 0" in capsys.readouterr().err
     assert not run_dir.exists()

@@ -17,7 +17,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddiloco.chaos.runner import ChaosSettings
 
 EXIT_INVARIANT_BROKEN = 1
 DEFAULT_RUNS_DIR = Path("runs")
@@ -28,6 +31,8 @@ SOAK_WATCHDOG_S = 60.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ddiloco.chaos.runner import ChaosSettings
+    from ddiloco.flags import add_config_flags
     from ddiloco.run_config import add_run_config_flags
 
     parser = subparsers.add_parser(
@@ -60,21 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plan-seed", type=int, default=0, help="seed of a drawn plan and of drop/corrupt draws")
     parser.add_argument("--kill-every-s", type=float, default=10.0,
                         help="with --soak: mean seconds between kills (default 10)")
-    parser.add_argument("--watchdog-s", type=float, default=None,
-                        help="fail a runtime system that commits no round for this long (default: 60 with --soak, "
-                             "else none)")
     parser.add_argument("--systems", default=",".join(_systems()),
                         help="comma-separated systems to run (default: all: %(default)s)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where everything goes (default: runs/chaos-<timestamp>)")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per learner / rank (default 1)")
-    parser.add_argument("--eval-every-s", type=float, default=5.0, help="validation loss period (default 5)")
-    parser.add_argument("--dp-checkpoint-every-s", type=float, default=20.0,
-                        help="data-parallel checkpoint period, seconds of training (default 20)")
-    parser.add_argument("--dp-hang-timeout-s", type=float, default=10.0,
-                        help="a data-parallel rank without a step for this long has failed (default 10)")
     parser.add_argument("--uptime-bin-s", type=float, default=5.0,
                         help="uptime counts the bins of this length in which the global model advanced (default 5)")
     parser.add_argument("--cold-restarts", action="store_true",
@@ -82,7 +78,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "standby processes, two restarts' worth: 2 standby learners for the runtime, 2 M "
                              "standby ranks for data-parallel)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line of stdout")
+    # --cold-restarts above is warm_restarts=False; the soak's watchdog defaults to SOAK_WATCHDOG_S.
+    add_config_flags(parser, ChaosSettings, skip=("warm_restarts",), title="chaos settings")
     add_run_config_flags(parser)
+
+
+def _chaos_settings(args: argparse.Namespace) -> ChaosSettings:
+    """How each system runs, from the flags; a bad value is one line naming its flag."""
+    from ddiloco.chaos.runner import ChaosSettings
+    from ddiloco.flags import as_flag_error, config_from_args
+
+    watchdog_s = args.watchdog_s if args.watchdog_s is not None else SOAK_WATCHDOG_S if args.soak else None
+    try:
+        return config_from_args(ChaosSettings, args, warm_restarts=not args.cold_restarts, watchdog_s=watchdog_s)
+    except ValueError as exc:
+        raise as_flag_error(exc, ChaosSettings) from None
 
 
 def _systems() -> tuple[str, ...]:
@@ -132,17 +142,13 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.analysis import analyze_system
     from ddiloco.chaos.invariants import check_invariants
     from ddiloco.chaos.report import SETTINGS, summarize_invariants, write_report
-    from ddiloco.chaos.runner import RUNTIME_SYSTEMS, ChaosSettings, run_data_parallel_system, run_runtime_system
+    from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
     from ddiloco.runtime.launcher import write_json_atomic
 
     systems = _parse_systems(args.systems)
     config = _run_config(args)
     plan = _plan(args, config.num_learners)
-    settings = ChaosSettings(threads=args.threads, eval_every_s=args.eval_every_s,
-                             dp_checkpoint_every_s=args.dp_checkpoint_every_s, dp_hang_timeout_s=args.dp_hang_timeout_s,
-                             warm_restarts=not args.cold_restarts,
-                             watchdog_s=args.watchdog_s if args.watchdog_s is not None else (
-                                 SOAK_WATCHDOG_S if args.soak else None))
+    settings = _chaos_settings(args)
     if not args.uptime_bin_s > 0:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
     run_dir = Path(args.run_dir) if args.run_dir is not None else (

@@ -27,6 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.fault_control import control_path
+from ddiloco.runtime.process_settings import (
+    DEFAULT_CHECKPOINT_EVERY_S,
+    DEFAULT_EVAL_EVERY_S,
+    EvaluatorSettings,
+    LearnerSettings,
+    ProcessSettings,
+    SyncerSettings,
+    save_settings,
+)
 from ddiloco.transport.auth import learner_token
 
 logger = logging.getLogger(__name__)
@@ -115,6 +124,10 @@ class RunPaths:
 
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
+
+    def settings(self, name: str) -> Path:
+        """Child `name`'s settings file (`ddiloco syncer|learner|evaluator --settings FILE`)."""
+        return self.root / "settings" / f"{name}.json"
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -256,7 +269,7 @@ def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """What the launcher puts on the children's command lines."""
+    """What the launcher puts in the children's settings files (`ddiloco.runtime.process_settings`)."""
 
     run_dir: Path
     """The run directory (contract: config.json, syncer.json, learners/N/, ...)."""
@@ -275,8 +288,9 @@ class LaunchConfig:
     command: tuple[str, ...] = DEFAULT_COMMAND
     """The `ddiloco` executable as an argv prefix (tests put a fake one here)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
-    syncer_args: tuple[str, ...] = ()
-    """More flags for the syncer (e.g. `--init FILE`)."""
+    init: Path | None = None
+    """A new run's initial global parameters, for the syncer (`--init FILE.safetensors`); None: the first
+    learner's own."""
     chaos_control: bool = False
     """Start every learner with `--chaos-control DIR/learners/N/chaos.json` (`ddiloco chaos` injects faults there)."""
     script: tuple[str, ...] = ()
@@ -285,11 +299,11 @@ class LaunchConfig:
     """torch devices dealt to the learners round-robin (`--device cuda:0,cuda:1`)."""
     evaluator: bool = True
     """Also run one evaluator (the script with DDILOCO_ROLE=evaluator; the built-in one without a script)."""
-    eval_every_s: float = 10.0
+    eval_every_s: float = DEFAULT_EVAL_EVERY_S
     """The evaluator's period (seconds between evaluations of the global model)."""
     seed: int = 0
     """The run's seed, handed to every learner (DDILOCO_SEED) so each builds the same initial model."""
-    checkpoint_every_s: float = 10.0
+    checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S
     """Period of every learner's local checkpoints (a learner killed hard redoes at most this much work)."""
     nproc_per_learner: int = 1
     """torch.distributed ranks per learner (`--nproc-per-learner`): above 1, each learner's script runs as a
@@ -331,11 +345,16 @@ class Launcher:
             with os.fdopen(fd, "w") as file:
                 file.write(os.urandom(24).hex() + "\n")
 
-    def _common_flags(self, learner_id: int | None = None) -> list[str]:
-        flags = ["--run-dir", str(self.paths.root), "--config", str(self.paths.config)]
-        if self.config.use_token:
-            flags += ["--token-file", str(self._token_file(learner_id))]
-        return flags
+    def _common_settings(self, learner_id: int | None = None) -> dict[str, Any]:
+        """The settings every child shares: the run directory, its config.json, its token file."""
+        return {"run_dir": str(self.paths.root), "config": str(self.paths.config),
+                "token_file": str(self._token_file(learner_id)) if self.config.use_token else None}
+
+    def _settings_argv(self, role: str, name: str, settings: ProcessSettings) -> list[str]:
+        """`ddiloco ROLE --settings FILE`, with `settings` written to the run directory's FILE first (atomically:
+        a restart rewrites it while nothing reads it, and a child never sees half a file)."""
+        path = save_settings(self.paths.settings(name), settings)
+        return [*self.config.command, role, "--settings", str(path)]
 
     def _token_file(self, learner_id: int | None) -> Path:
         """The run token (the syncer's, the evaluator's), or learner N's own token: a learner process holds only
@@ -353,8 +372,14 @@ class Launcher:
             os.replace(tmp, path)
         return path
 
-    def syncer_argv(self, bind: str) -> list[str]:
-        return [*self.config.command, "syncer", "--bind", bind, *self._common_flags(), *self.config.syncer_args]
+    def syncer_settings(self, bind: str, *, standby: bool = False) -> SyncerSettings:
+        return SyncerSettings(bind=bind, threads=self.config.syncer_threads, standby=standby,
+                              init=str(Path(self.config.init).resolve()) if self.config.init is not None else None,
+                              **self._common_settings())
+
+    def syncer_argv(self, bind: str, *, standby: bool = False) -> list[str]:
+        return self._settings_argv("syncer", "syncer-standby" if standby else "syncer",
+                                   self.syncer_settings(bind, standby=standby))
 
     def device(self, learner_id: int) -> str:
         return self.config.devices[learner_id % len(self.config.devices)]
@@ -377,21 +402,23 @@ class Launcher:
                     str(self.ranks_file(learner_id)), "--", *self.config.script]
         if self.config.script:
             return list(self.config.script)
-        argv = [*self.config.command, "learner", "--syncer", syncer_address, "--learner-id", str(learner_id),
-                *self._common_flags(learner_id), "--threads", str(self.config.threads),
-                "--device", self.device(learner_id), "--checkpoint-every-s", str(self.config.checkpoint_every_s)]
-        if self.config.link:
-            argv += ["--link", self.config.link]
-        if self.config.chaos_control:
-            argv += ["--chaos-control", str(control_path(self.paths.learner_dir(learner_id)))]
-        return argv
+        settings = self.learner_settings(learner_id, syncer_address)
+        return self._settings_argv("learner", f"learner-{learner_id}", settings)
+
+    def learner_settings(self, learner_id: int, syncer_address: str) -> LearnerSettings:
+        """The built-in `ddiloco learner`'s settings."""
+        chaos = str(control_path(self.paths.learner_dir(learner_id))) if self.config.chaos_control else None
+        return LearnerSettings(syncer=syncer_address, learner_id=learner_id, threads=self.config.threads,
+                               device=self.device(learner_id), checkpoint_every_s=self.config.checkpoint_every_s,
+                               link=self.config.link, chaos_control=chaos, **self._common_settings(learner_id))
 
     def evaluator_argv(self, syncer_address: str) -> list[str]:
         """The user's script (in the evaluator role, by `learner_env`), or the built-in `ddiloco evaluator`."""
         if self.config.script:
             return list(self.config.script)
-        return [*self.config.command, "evaluator", "--syncer", syncer_address, *self._common_flags(),
-                "--threads", str(self.config.threads), "--every-s", str(self.config.eval_every_s)]
+        settings = EvaluatorSettings(syncer=syncer_address, threads=self.config.threads,
+                                     every_s=self.config.eval_every_s, **self._common_settings())
+        return self._settings_argv("evaluator", "evaluator", settings)
 
     def learner_env(self, learner_id: int, syncer_address: str, *, role: str = "learner") -> dict[str, str]:
         """A learner's place in the run, for `ddiloco.environment()` (docs/your_model.md lists the variables)."""
@@ -410,7 +437,7 @@ class Launcher:
     def start_syncer(self, bind: str, *, standby: bool = False) -> ChildProcess:
         """The syncer, or (`standby`) a standby syncer that takes over on `bind` when it dies."""
         if standby:
-            return self.start("syncer-standby", [*self.syncer_argv(bind), "--standby"], self.config.syncer_threads)
+            return self.start("syncer-standby", self.syncer_argv(bind, standby=True), self.config.syncer_threads)
         return self.start("syncer", self.syncer_argv(bind), self.config.syncer_threads)
 
     def syncer_address(self, pid: int) -> str | None:

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass
 from types import ModuleType
 
+from ddiloco.flags import add_config_flags, flag_fields, setting
+
 RAY_VERSION = "2.58.0"
 """The Ray release the extra pins (it installs beside torch==2.13.0 without touching it)."""
 INSTALL_HINT = f"pip install 'ddiloco[ray]' (Ray {RAY_VERSION})"
@@ -34,10 +36,12 @@ class RayOptions:
 
     address: str = LOCAL
     """A Ray cluster to join (`auto`, `HOST:PORT`, `ray://HOST:PORT`), or "" for a local instance."""
-    cpus_per_learner: float = 1.0
-    """Ray CPUs each learner actor (and the evaluator) reserves; its torch threads default to this, rounded up."""
-    gpus_per_learner: float = 0.0
-    """Ray GPUs each learner actor (and the evaluator) reserves; Ray sets CUDA_VISIBLE_DEVICES for it."""
+    cpus_per_learner: float = setting(1.0, metavar="N")
+    """with --ray: Ray CPUs each learner actor (and the evaluator) reserves; its torch threads default to this,
+    rounded up"""
+    gpus_per_learner: float = setting(0.0, metavar="N")
+    """with --ray: Ray GPUs each learner actor (and the evaluator) reserves; Ray sets CUDA_VISIBLE_DEVICES for it
+    (learners then use cuda)"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str):
@@ -72,18 +76,14 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
                         help="run the syncer and learners as Ray actors (restarted by Ray when they die): on the "
                              "cluster at ADDRESS (auto, HOST:PORT), or without one on a Ray instance started here "
                              f"for the run (needs {INSTALL_HINT}; docs/clusters.md)")
-    parser.add_argument("--cpus-per-learner", type=float, default=1.0, metavar="N",
-                        help="with --ray: Ray CPUs each learner reserves (default: 1; also its torch threads)")
-    parser.add_argument("--gpus-per-learner", type=float, default=0.0, metavar="N",
-                        help="with --ray: Ray GPUs each learner reserves (default: 0); learners then use cuda")
+    add_config_flags(parser, RayOptions, skip=("address",), title="Ray (with --ray)", keep_defaults=True)
 
 
 def ray_options_from_args(args: argparse.Namespace) -> RayOptions | None:
     """The options of `--ray`, or None without it (then the Ray-only flags must keep their defaults)."""
     if args.ray is None:
-        for flag, value, default in (("--cpus-per-learner", args.cpus_per_learner, 1.0),
-                                     ("--gpus-per-learner", args.gpus_per_learner, 0.0)):
-            if value != default:
+        for flag, field in flag_fields(RayOptions, skip=("address",)).items():
+            if getattr(args, field.name) != field.default:
                 raise ValueError(f"{flag} only applies with --ray (Ray reserves it for each learner actor)")
         return None
     if args.standby_learners or args.standby_syncer:

@@ -21,7 +21,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser without them
+    from ddiloco.run_config import RunConfig
+    from ddiloco.runtime.launcher import LaunchConfig
+    from ddiloco.runtime.ray_options import RayOptions
+    from ddiloco.runtime.run_settings import RunSettings
 
 EXIT_FAILED = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -31,8 +37,10 @@ PIPE_COLUMNS = 140
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ddiloco.flags import add_config_flags
     from ddiloco.run_config import add_run_config_flags
     from ddiloco.runtime.ray_options import add_ray_flags
+    from ddiloco.runtime.run_settings import RunSettings
 
     parser = subparsers.add_parser(
         "run", help="start a syncer and M learner processes on this machine and supervise them",
@@ -51,38 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "quorum and learner flags may change it, any other config flag that differs is refused")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
-    parser.add_argument("--link", default=None, metavar="BANDWIDTH,LATENCY",
-                        help="emulate this link for every learner, e.g. 2.5gbit,40ms")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per learner (default: max(1, cores // learners))")
-    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
-                        help="where the syncer listens (default: 127.0.0.1:0, a free port)")
-    parser.add_argument("--standby-learners", type=int, default=0, metavar="N",
-                        help="keep N warm learner processes (torch imported, waiting) so that a crashed learner is "
-                             "replaced without a cold start (default 0)")
-    parser.add_argument("--standby-syncer", action="store_true",
-                        help="keep a standby syncer following the syncer's durable state; it takes over on the same "
-                             "address when the syncer dies, with no cold restart (costs one more process holding "
-                             "the global model and its momentum)")
-    parser.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
-                        help="torch device of each learner, dealt round-robin: cpu, cuda, cuda:0,cuda:1 (default: cpu)")
-    parser.add_argument("--nproc-per-learner", type=int, default=1, metavar="N",
-                        help="run each learner's script as N torch.distributed ranks with torchrun's environment "
-                             "(RANK, WORLD_SIZE, MASTER_PORT, ...; its own rendezvous), e.g. DDP or FSDP inside a "
-                             "learner; a rank that dies restarts its learner's ranks only (default 1)")
-    parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=None,
-                        help="also run an evaluator: the script with DDILOCO_ROLE=evaluator, which calls ddiloco.watch "
-                             "(default: on for the built-in learner, off for a script)")
-    parser.add_argument("--eval-every-s", type=float, default=10.0,
-                        help="seconds between two evaluations of the global model (default: 10)")
-    parser.add_argument("--checkpoint-every-s", type=float, default=10.0,
-                        help="period of each learner's local checkpoint: a kill -9 redoes at most this much "
-                             "(default: 10)")
-    parser.add_argument("--init", type=Path, default=None, metavar="FILE.safetensors",
-                        help="a new run's initial global parameters (default: the first learner's own)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no live table: one line per learner event (automatic when stdout is not a terminal)")
     parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
+    add_config_flags(parser, RunSettings, title="run settings", keep_defaults=True)
     add_ray_flags(parser)
     add_run_config_flags(parser)
 
@@ -124,53 +104,64 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
     return run_dir, config
 
 
+def run_settings_from_args(args: argparse.Namespace) -> RunSettings:
+    """`ddiloco run`'s own settings from its flags; a bad value is one line naming the flag."""
+    from ddiloco.flags import as_flag_error, config_from_args
+    from ddiloco.runtime.run_settings import RunSettings
+
+    try:
+        return config_from_args(RunSettings, args)
+    except ValueError as exc:
+        raise as_flag_error(exc, RunSettings) from None
+
+
+def launch_config(settings: RunSettings, config: RunConfig, run_dir: Path, *, script: tuple[str, ...],
+                  ray_options: RayOptions | None, command: tuple[str, ...]) -> LaunchConfig:
+    """What the launcher tells every child (its settings file), from `ddiloco run`'s settings and the run config:
+    the one place a `ddiloco run` flag turns into a child's setting."""
+    from ddiloco.runtime.launcher import LaunchConfig
+
+    devices = settings.devices
+    if ray_options is not None and ray_options.gpus_per_learner > 0:
+        devices = ("cuda",)  # the GPUs Ray makes visible to each learner's actor
+    threads = settings.threads or (ray_options.learner_threads if ray_options is not None else max(
+        1, (os.cpu_count() or 1) // (config.num_learners * settings.nproc_per_learner)))
+    bind = settings.bind or (ray_options.default_bind if ray_options is not None else LaunchConfig.bind)
+    return LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads, bind=bind,
+                        link=settings.link, command=command, script=script, devices=devices,
+                        evaluator=settings.evaluate if settings.evaluate is not None else not script,
+                        eval_every_s=settings.eval_every_s, seed=config.seed,
+                        checkpoint_every_s=settings.checkpoint_every_s, nproc_per_learner=settings.nproc_per_learner,
+                        init=Path(settings.init).resolve() if settings.init is not None else None)
+
+
 def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         supervisor_config: Any = None) -> int:
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
     from rich.console import Console
 
     from ddiloco.metrics import JsonlSink
-    from ddiloco.runtime.launcher import DEFAULT_COMMAND, LaunchConfig, Launcher, RunPaths, write_json_atomic
+    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths, write_json_atomic
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.ray_options import ray_options_from_args
     from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
-    if args.standby_learners < 0:
-        raise ValueError(f"--standby-learners {args.standby_learners} is invalid: expected an integer >= 0")
-    if args.link is not None:
+    settings = run_settings_from_args(args)
+    if settings.link is not None:
         from ddiloco.transport.link import parse_link
-        parse_link(args.link)  # a bad --link is a usage error here, not a crash loop in every learner
-    if not args.checkpoint_every_s > 0:
-        raise ValueError(f"--checkpoint-every-s {args.checkpoint_every_s} is invalid: expected seconds > 0")
-    if not args.eval_every_s >= 0:
-        raise ValueError(f"--eval-every-s {args.eval_every_s} is invalid: expected seconds >= 0")
-    if args.init is not None and not args.init.is_file():
-        raise ValueError(f"--init {args.init}: no such file")
+        parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
+    if settings.init is not None and not Path(settings.init).is_file():
+        raise ValueError(f"--init {settings.init}: no such file")
     script = tuple(getattr(args, "script", ()) or ())
-    if args.nproc_per_learner < 1:
-        raise ValueError(f"--nproc-per-learner {args.nproc_per_learner} is invalid: expected an integer >= 1")
-    if args.nproc_per_learner > 1 and not script:
-        raise ValueError(f"--nproc-per-learner {args.nproc_per_learner} needs a learner script after -- (e.g. -- "
+    if settings.nproc_per_learner > 1 and not script:
+        raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. -- "
                          "python train.py): the built-in learner is one process")
-    devices = tuple(d.strip() for d in args.device.split(","))
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
-    if ray_options is not None and ray_options.gpus_per_learner > 0:
-        devices = ("cuda",)  # the GPUs Ray makes visible to each learner's actor
     run_dir, config = _resolve(args)
-    threads = args.threads or (ray_options.learner_threads if ray_options is not None
-                               else max(1, (os.cpu_count() or 1) // (config.num_learners * args.nproc_per_learner)))
-    evaluate = args.evaluate if args.evaluate is not None else not script
-    launch = LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads,
-                          bind=args.bind or (ray_options.default_bind if ray_options else LaunchConfig.bind),
-                          link=args.link,
-                          command=tuple(command) if command is not None else DEFAULT_COMMAND,
-                          script=script, devices=devices, evaluator=evaluate, eval_every_s=args.eval_every_s,
-                          seed=config.seed, checkpoint_every_s=args.checkpoint_every_s,
-                          nproc_per_learner=args.nproc_per_learner,
-                          syncer_args=("--init", str(args.init.resolve())) if args.init is not None else ())
+    launch = launch_config(settings, config, run_dir, script=script, ray_options=ray_options,
+                           command=tuple(command) if command is not None else DEFAULT_COMMAND)
+    threads = launch.threads
     launcher = Launcher(launch)
     paths = RunPaths(run_dir)
     console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
@@ -190,8 +181,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         if progress_holder:
             progress_holder[0].on_event(event)
 
-    supervisor_config = supervisor_config or SupervisorConfig(standby_learners=args.standby_learners,
-                                                              standby_syncer=args.standby_syncer)
+    supervisor_config = supervisor_config or SupervisorConfig(standby_learners=settings.standby_learners,
+                                                              standby_syncer=settings.standby_syncer)
     if ray_options is not None:
         from ddiloco.runtime.ray_supervisor import RaySupervisor
         supervisor = RaySupervisor(supervisor_config, launcher=launcher, options=ray_options, on_event=on_event)
