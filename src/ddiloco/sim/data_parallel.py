@@ -22,9 +22,11 @@ Failures (same `FaultPlan` as the other systems; arXiv 2604.21428, section 4):
   global batch; the step in progress is lost. A returning replica is re-admitted at the next step
   boundary after an `upscale_s` pause for everyone.
 
-Metrics follow `ddiloco.sim.accounting`: goodput counts each participating replica's compute time of
-steps that stay in the model; uptime is the share of time the job computes (including steps that are
-later rolled back or cut by a failure).
+Metrics are `ddiloco.goodput`'s (what the harness books: `ddiloco.sim.accounting`): goodput counts each
+participating replica's compute time of steps that stay in the model; the global model advances with
+every step above every earlier step number (a step done again after a rollback is not progress), and
+uptime is measured in bins of `uptime_bin_s` (default one sync period of the default H, so that it
+compares with the DiLoCo systems of an experiment; `ddiloco.sim.experiments` passes its own H).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from typing import Any
 
 import torch
 
+from ddiloco.config import DilocoConfig
 from ddiloco.data import Batch, load_corpus, shard_stream
-from ddiloco.sim.accounting import CurvePoint, SimResult, WorkLedger, core_metrics
+from ddiloco.goodput import Advance, EventLog
+from ddiloco.sim.accounting import CurvePoint, SimResult, WorkLedger, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
-from ddiloco.sim.faults import FaultPlan
+from ddiloco.sim.faults import FaultPlan, outage_faults
 from ddiloco.sim.links import BITS_PER_BYTE, LinkConfig
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.training import inner_step, make_inner_optimizer
@@ -110,8 +114,10 @@ class DataParallelSim:
     """Runs one data-parallel configuration under a fault plan; `run()` returns a `SimResult`."""
 
     def __init__(self, config: DataParallelSimConfig, *, faults: FaultPlan | None = None,
-                 name: str | None = None, corpus: bytes | None = None) -> None:
+                 name: str | None = None, corpus: bytes | None = None, uptime_bin_s: float | None = None) -> None:
         self.config = config
+        self.uptime_bin_s = (DilocoConfig().sync_every * config.cluster.step_time_s if uptime_bin_s is None
+                             else uptime_bin_s)
         self.faults = faults or FaultPlan()
         dp = config.data_parallel
         self.name = name or ("elastic_data_parallel" if dp.elastic else "data_parallel")
@@ -133,7 +139,9 @@ class DataParallelSim:
         self.tokens_processed = 0
         self.global_step = 0
         self.members = set(range(num))
-        self.busy: list[tuple[float, float]] = []
+        self.advances: list[Advance] = []
+        self._high_step = 0
+        """The highest global step ever reached: only a step above it advances the global model."""
         self._since_checkpoint: list[tuple[int, float]] = []  # (replica, seconds) of steps after it
         self._checkpoint = self._snapshot()
         self.failures = 0
@@ -155,9 +163,12 @@ class DataParallelSim:
         final_loss = self.evaluator.loss(dict(self.model.named_parameters()))
         self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, final_loss))
         self.loop.record("final", val_loss=final_loss, global_steps=self.global_step)
-        return SimResult(system=self.name, metrics=self._metrics(final_loss), curve=self.curve, log=self.loop.log,
-                         final_params={n: p.detach().clone() for n, p in self.model.named_parameters()},
-                         settings=self._settings())
+        events = event_log(self.ledger, num_learners=self.config.cluster.num_learners, start_s=0.0,
+                           end_s=self.loop.now, uptime_bin_s=self.uptime_bin_s, advances=self.advances,
+                           faults=outage_faults(self.faults))
+        final_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return SimResult(system=self.name, metrics=self._metrics(events, final_loss), curve=self.curve,
+                         log=self.loop.log, final_params=final_params, settings=self._settings(), events=events)
 
     def _down(self, replica: int, time_s: float) -> bool:
         return self.faults.is_down(replica, time_s)
@@ -225,7 +236,6 @@ class DataParallelSim:
             fail_s, replica = failure
             for i, duration in durations.items():
                 self.ledger.add(i, "crashed", min(duration, fail_s - start))
-            self.busy.append((start, fail_s))
             self.failures += 1
             loop.clock.advance_to(fail_s)
             loop.record("fail", replica=replica, step=self.global_step)
@@ -234,8 +244,10 @@ class DataParallelSim:
         batch = _concat(batches)
         loss = inner_step(self.model, self.optimizer, batch, grad_clip=self.config.workload.inner.grad_clip)
         loop.clock.advance_to(end)
-        self.busy.append((start, end))
         self.global_step += 1
+        if self.global_step > self._high_step:
+            self._high_step = self.global_step
+            self.advances.append(Advance(end, tuple(participants), float(batch.tokens)))
         self.kept_tokens += batch.tokens
         self.tokens_processed += batch.tokens
         sent = allreduce_bytes(replicas=len(participants), nbytes=self.model_bytes)
@@ -279,10 +291,9 @@ class DataParallelSim:
         self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, loss))
         self.loop.record("eval", tokens=self.kept_tokens, val_loss=loss)
 
-    def _metrics(self, final_loss: float) -> dict[str, Any]:
-        metrics = core_metrics(self.ledger, num_learners=self.config.cluster.num_learners, start_s=0.0,
-                               end_s=self.loop.now, busy=self.busy, final_loss=final_loss,
-                               tokens_processed=self.tokens_processed, tokens_merged=self.kept_tokens)
+    def _metrics(self, events: EventLog, final_loss: float) -> dict[str, Any]:
+        metrics = core_metrics(events, final_loss=final_loss, tokens_processed=self.tokens_processed,
+                               tokens_merged=self.kept_tokens)
         metrics.update({
             "bytes_up": sum(self.bytes_per_replica),
             "bytes_down": sum(self.bytes_per_replica),
@@ -298,4 +309,5 @@ class DataParallelSim:
         config = self.config
         return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
                 "data_parallel": dataclasses.asdict(config.data_parallel), "seed": config.seed,
+                "uptime_bin_s": self.uptime_bin_s,
                 "faults": self.faults.to_json()}

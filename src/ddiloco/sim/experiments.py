@@ -160,8 +160,9 @@ class _Runner:
                       faults: FaultPlan | None = None) -> SimResult:
         config = DataParallelSimConfig(workload=self.workload, cluster=cluster,
                                        data_parallel=DataParallelConfig(elastic=elastic), seed=self.seed)
-        return self._timed(system, lambda: DataParallelSim(config, faults=faults, name=system,
-                                                           corpus=self.corpus).run())
+        bin_s = self.scale.sync_every * cluster.step_time_s  # the DiLoCo systems' sync period: one uptime bin
+        return self._timed(system, lambda: DataParallelSim(config, faults=faults, name=system, corpus=self.corpus,
+                                                           uptime_bin_s=bin_s).run())
 
     def _timed(self, system: str, run: Callable[[], SimResult]) -> SimResult:
         self.progress(f"[{self.name}] running {system} ...")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.goodput import Fault
+
 
 @dataclass(frozen=True, order=True)
 class Outage:
@@ -84,6 +86,11 @@ class FaultPlan:
 
     def to_json(self) -> list[dict]:
         return [o.to_json() for o in self.outages]
+
+
+def outage_faults(plan: FaultPlan) -> tuple[Fault, ...]:
+    """The plan's outages as `ddiloco.goodput` faults (a learner down from start to end, then back)."""
+    return tuple(Fault(o.learner_id, o.start_s, o.end_s) for o in plan.outages)
 
 
 @dataclass(frozen=True, kw_only=True)

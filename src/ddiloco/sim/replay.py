@@ -81,7 +81,7 @@ def rebuild(result: SimResult) -> DecoupledSim | DataParallelSim:
     dp["allreduce"] = LinkConfig(**dp["allreduce"])
     config = DataParallelSimConfig(workload=_workload(settings["workload"]), cluster=_cluster(settings["cluster"]),
                                    data_parallel=DataParallelConfig(**dp), seed=settings["seed"])
-    return DataParallelSim(config, faults=faults, name=result.system)
+    return DataParallelSim(config, faults=faults, name=result.system, uptime_bin_s=settings.get("uptime_bin_s"))
 
 
 def params_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
