@@ -264,7 +264,7 @@ def summarize(log: EventLog) -> Summary:
                    recoveries=tuple((stall_s(log, f), rejoin_s(log, f)) for f in log.faults))
 
 
-def ledger_work(seconds: Sequence[dict[str, float]]) -> tuple[Work, ...]:
-    """`Work` records of a per-learner {category: seconds} ledger, learner by learner."""
+def booked_work(seconds: Sequence[dict[str, float]]) -> tuple[Work, ...]:
+    """`Work` records of per-learner {category: seconds}, learner by learner."""
     return tuple(Work(learner, category, value)
                  for learner, per in enumerate(seconds) for category, value in per.items())

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.sim.faults import FailureModel, FaultPlan, Outage, draw_fault_plan
+from ddiloco.failures import FailureModel
+from ddiloco.plan.failures import sample_recovery_s
+from ddiloco.sim.faults import HARNESS_FAILURES, FaultPlan, Outage, draw_fault_plan, harness_failures
 
 
 def test_fault_plan_sorts_queries_and_refuses_overlaps():
@@ -22,7 +24,7 @@ def test_fault_plan_sorts_queries_and_refuses_overlaps():
 
 
 def test_drawn_fault_plans_are_seeded_and_keep_someone_alive():
-    model = FailureModel(mtbi_s=50.0, recovery_scale_s=20.0)
+    model = harness_failures(mtbi_s=50.0, recovery_scale_s=20.0)
     a = draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=7)
     assert a == draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=7)
     assert a != draw_fault_plan(model, num_learners=4, horizon_s=1000.0, seed=8)
@@ -38,8 +40,20 @@ def test_recovery_times_follow_the_exponentiated_weibull_quantiles():
     # F(x) = (1 - exp(-(x / scale)^k))^alpha, so the median solves F = 1/2.
     median = 20.0 * (-math.log1p(-(0.5 ** (1 / 1.5)))) ** (1 / 0.8)
     assert np.median(draws) == pytest.approx(median, rel=0.03)
-    capped = FailureModel(max_recovery_s=5.0)
+    capped = harness_failures(max_recovery_s=5.0)
     assert max(capped.sample_recovery_s(rng) for _ in range(1000)) <= 5.0
+
+
+def test_the_planner_and_the_harness_draw_recoveries_from_one_model():
+    # One class, one sampler: the harness's draws one at a time are the planner's vector draws, bit for bit,
+    # and both are the inversion formula capped at the harness's 300 s.
+    rng = np.random.default_rng(3)
+    one_by_one = [HARNESS_FAILURES.sample_recovery_s(rng) for _ in range(500)]
+    assert one_by_one == list(sample_recovery_s(np.random.default_rng(3), 500, HARNESS_FAILURES))
+    u = np.random.default_rng(3).random(500)
+    by_hand = [min(10.0 * (-math.log1p(-(x ** (1 / 1.5)))) ** (1 / 0.8), 300.0) for x in u]
+    assert one_by_one == by_hand
+    assert isinstance(HARNESS_FAILURES, FailureModel) and FailureModel().max_recovery_s is None
 
 
 def test_torch_generator_is_untouched_by_seeded_models():

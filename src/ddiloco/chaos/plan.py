@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ddiloco.failures import FailureModel
 from ddiloco.fault_control import VALUE_EXPECTED, value_valid
-from ddiloco.sim.faults import FailureModel
 from ddiloco.transport.link import parse_link
 
 KINDS = ("crash", "hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt", "syncer_crash")
@@ -384,9 +384,9 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
     total_weight = sum(weights.values())
     if total_weight <= 0:
         raise ValueError("kind_weights is invalid: expected at least one weight > 0")
-    model = FailureModel(mtbi_s=mtbi_per_chip_s / chips_per_learner, recovery_scale_s=recovery_scale_s,
-                         recovery_shape=recovery_shape, recovery_exponent=recovery_exponent,
-                         max_recovery_s=max_recovery_s)
+    model = FailureModel(mtbi_s=mtbi_per_chip_s / chips_per_learner, chips_per_slice=1,
+                         recovery_scale_s=recovery_scale_s, recovery_shape=recovery_shape,
+                         recovery_exponent=recovery_exponent, max_recovery_s=max_recovery_s)
     limit = num_learners - 1 if max_down_at_once is None else max_down_at_once
     kinds = list(weights)
     probabilities = np.array([weights[k] for k in kinds]) / total_weight

@@ -40,29 +40,30 @@ from typing import Any
 
 import torch
 
-from ddiloco.goodput import EventLog, Work, goodput, ledger_work, merged_work_fraction, uptime, work_breakdown
+from ddiloco.goodput import EventLog, Work, booked_work, goodput, merged_work_fraction, uptime, work_breakdown
 
 HARNESS_CATEGORIES = ("merged", "overwritten", "crashed", "rejected", "unfinished", "rolled_back")
 """The `ddiloco.goodput` work categories the harness books, in the order its breakdown lists them."""
 
 
-class WorkLedger:
-    """Seconds of inner-step work per learner and category."""
+class WorkSeconds:
+    """Seconds of inner-step work per learner and category, as the harness books them (a learner's on-disk
+    record of a real run is another thing: `ddiloco.work_ledger.WorkLedger`)."""
 
     def __init__(self, num_learners: int) -> None:
-        self.seconds = [dict.fromkeys(HARNESS_CATEGORIES, 0.0) for _ in range(num_learners)]
+        self.per_learner = [dict.fromkeys(HARNESS_CATEGORIES, 0.0) for _ in range(num_learners)]
 
     def add(self, learner_id: int, category: str, seconds: float) -> None:
         if category not in HARNESS_CATEGORIES:
             raise ValueError(f"unknown work category {category!r}")
-        self.seconds[learner_id][category] += seconds
+        self.per_learner[learner_id][category] += seconds
 
     def total(self, category: str) -> float:
-        return sum(per[category] for per in self.seconds)
+        return sum(per[category] for per in self.per_learner)
 
     def records(self) -> tuple[Work, ...]:
-        """The ledger as `ddiloco.goodput.Work` records, learner by learner."""
-        return ledger_work(self.seconds)
+        """The booked seconds as `ddiloco.goodput.Work` records, learner by learner."""
+        return booked_work(self.per_learner)
 
 
 class FragmentWork:
@@ -77,7 +78,7 @@ class FragmentWork:
 
     def __init__(self, shares: list[float], num_learners: int) -> None:
         self.shares = shares
-        self.ledger = WorkLedger(num_learners)
+        self.seconds = WorkSeconds(num_learners)
         self.open = [[0.0] * len(shares) for _ in range(num_learners)]
         self._in_flight: dict[tuple[int, int, int, int], float] = {}
         self._accepted: dict[tuple[int, int], float] = {}
@@ -91,12 +92,12 @@ class FragmentWork:
         self.open[learner_id][fragment] = 0.0
 
     def overwritten(self, learner_id: int, fragment: int) -> None:
-        self.ledger.add(learner_id, "overwritten", self.open[learner_id][fragment])
+        self.seconds.add(learner_id, "overwritten", self.open[learner_id][fragment])
         self.open[learner_id][fragment] = 0.0
 
     def crashed(self, learner_id: int) -> None:
         for p in range(len(self.shares)):
-            self.ledger.add(learner_id, "crashed", self.open[learner_id][p])
+            self.seconds.add(learner_id, "crashed", self.open[learner_id][p])
             self.open[learner_id][p] = 0.0
 
     def arrived(self, learner_id: int, incarnation: int, fragment: int, inner_step: int, *,
@@ -109,21 +110,21 @@ class FragmentWork:
             key = (learner_id, fragment)
             self._accepted[key] = self._accepted.get(key, 0.0) + seconds
         else:
-            self.ledger.add(learner_id, outcome, seconds)
+            self.seconds.add(learner_id, outcome, seconds)
 
     def merged(self, learner_id: int, fragment: int) -> None:
-        self.ledger.add(learner_id, "merged", self._accepted.pop((learner_id, fragment)))
+        self.seconds.add(learner_id, "merged", self._accepted.pop((learner_id, fragment)))
 
     def finish(self) -> None:
         """The run is over: whatever was not published or merged is unfinished."""
         for learner_id, per_fragment in enumerate(self.open):
             for p, seconds in enumerate(per_fragment):
-                self.ledger.add(learner_id, "unfinished", seconds)
+                self.seconds.add(learner_id, "unfinished", seconds)
                 per_fragment[p] = 0.0
         # After the drain nothing should be in flight or waiting in an open round; counted anyway,
-        # so the ledger always adds up to the work done.
+        # so the booked work always adds up to the work done.
         for (learner_id, *_), seconds in list(self._in_flight.items()) + list(self._accepted.items()):
-            self.ledger.add(learner_id, "unfinished", seconds)
+            self.seconds.add(learner_id, "unfinished", seconds)
         self._in_flight.clear()
         self._accepted.clear()
 
@@ -156,12 +157,12 @@ class PeakMeter:
                     if start_s <= window * self.window_s and (window + 1) * self.window_s <= end_s), default=0)
 
 
-def event_log(ledger: WorkLedger, *, num_learners: int, start_s: float, end_s: float, uptime_bin_s: float,
+def event_log(work: WorkSeconds, *, num_learners: int, start_s: float, end_s: float, uptime_bin_s: float,
               advances: Iterable = (), faults: Iterable = ()) -> EventLog:
-    """The run as `ddiloco.goodput` reads it: the window, the ledger's work, the global model's advances and
+    """The run as `ddiloco.goodput` reads it: the window, the booked work, the global model's advances and
     the outages."""
     return EventLog(num_learners=num_learners, start_s=start_s, end_s=end_s, uptime_bin_s=uptime_bin_s,
-                    work=ledger.records(), advances=tuple(advances), faults=tuple(faults),
+                    work=work.records(), advances=tuple(advances), faults=tuple(faults),
                     categories=HARNESS_CATEGORIES)
 
 

@@ -42,7 +42,7 @@ import torch
 from ddiloco.config import DilocoConfig
 from ddiloco.data import Batch, load_corpus, shard_stream
 from ddiloco.goodput import Advance, EventLog
-from ddiloco.sim.accounting import CurvePoint, SimResult, WorkLedger, core_metrics, event_log
+from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
 from ddiloco.sim.faults import FaultPlan, outage_faults
@@ -131,7 +131,7 @@ class DataParallelSim:
         self.timers = [StepTimer(cluster, learner_id=i, seed=config.seed) for i in range(num)]
         self.evaluator = Evaluator(workload, corpus=corpus)
         self.model_bytes = sum(p.numel() for p in self.model.parameters()) * GRADIENT_BYTES_PER_VALUE
-        self.ledger = WorkLedger(num)
+        self.work = WorkSeconds(num)
         self.budget_tokens = workload.token_budget(num)
         self._eval_marks = eval_schedule(self.budget_tokens, workload.eval_points)
         self.curve: list[CurvePoint] = []
@@ -163,7 +163,7 @@ class DataParallelSim:
         final_loss = self.evaluator.loss(dict(self.model.named_parameters()))
         self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, final_loss))
         self.loop.record("final", val_loss=final_loss, global_steps=self.global_step)
-        events = event_log(self.ledger, num_learners=self.config.cluster.num_learners, start_s=0.0,
+        events = event_log(self.work, num_learners=self.config.cluster.num_learners, start_s=0.0,
                            end_s=self.loop.now, uptime_bin_s=self.uptime_bin_s, advances=self.advances,
                            faults=outage_faults(self.faults))
         final_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -217,8 +217,8 @@ class DataParallelSim:
         loop.clock.advance_to(time_s + dp.restart_s)
         self.restarts += 1
         for replica, seconds in self._since_checkpoint:
-            self.ledger.add(replica, "merged", -seconds)
-            self.ledger.add(replica, "rolled_back", seconds)
+            self.work.add(replica, "merged", -seconds)
+            self.work.add(replica, "rolled_back", seconds)
         lost_steps = self.global_step - self._checkpoint["global_step"]
         self._restore(self._checkpoint)
         loop.record("restart", rolled_back_steps=lost_steps, resume_step=self.global_step)
@@ -235,7 +235,7 @@ class DataParallelSim:
         if failure is not None:
             fail_s, replica = failure
             for i, duration in durations.items():
-                self.ledger.add(i, "crashed", min(duration, fail_s - start))
+                self.work.add(i, "crashed", min(duration, fail_s - start))
             self.failures += 1
             loop.clock.advance_to(fail_s)
             loop.record("fail", replica=replica, step=self.global_step)
@@ -253,7 +253,7 @@ class DataParallelSim:
         sent = allreduce_bytes(replicas=len(participants), nbytes=self.model_bytes)
         self.peak_bytes_per_step = max(self.peak_bytes_per_step, sent)
         for i, duration in durations.items():
-            self.ledger.add(i, "merged", duration)
+            self.work.add(i, "merged", duration)
             self.bytes_per_replica[i] += sent
             if not self.config.data_parallel.elastic:
                 self._since_checkpoint.append((i, duration))

@@ -507,7 +507,7 @@ class DecoupledSim:
 
     def _event_log(self) -> EventLog:
         """The run in the `ddiloco.goodput` schema; its uptime bin is one sync period of nominal steps."""
-        return event_log(self.work.ledger, num_learners=len(self.slots), start_s=self.start_s or 0.0,
+        return event_log(self.work.seconds, num_learners=len(self.slots), start_s=self.start_s or 0.0,
                          end_s=self.end_s, uptime_bin_s=self.config.diloco.sync_every * self.config.cluster.step_time_s,
                          advances=self.advances, faults=outage_faults(self.faults))
 

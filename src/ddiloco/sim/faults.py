@@ -5,27 +5,27 @@ Owns the failure side of a simulated run and nothing else: a `FaultPlan` is a so
 is the driver's business (`ddiloco.sim.decoupled`, `ddiloco.sim.data_parallel`). Every system of an
 experiment runs under the same plan, so they face exactly the same failures.
 
-The failure model is the one of the Decoupled DiLoCo chaos experiments (Douillard et al., arXiv
-2604.21428, section 4), scaled down to a handful of learners: each learner fails as a
-Poisson process with mean time between interruptions `mtbi_s` (counted while it is up), and comes back
-after a recovery time drawn from an exponentiated Weibull distribution,
-F(x) = (1 - exp(-(x / scale)^k))^alpha, sampled by inversion x = scale * (-log(1 - u^(1/alpha)))^(1/k).
-With k < 1 the tail is heavy (a few long repairs), with alpha > 1 very short recoveries are rare. The
-defaults are in units of the harness's nominal inner step of one virtual second: a learner fails about
-once per 400 inner steps and stays down for 15 s on average (scale 10 s, k = 0.8, alpha = 1.5: median
-about 10 s, 90th percentile about 34 s, capped at 300 s). With four learners that puts non-elastic
+The failure model is `ddiloco.failures.FailureModel`, the one of the Decoupled DiLoCo chaos experiments
+(Douillard et al., arXiv 2604.21428, section 4) that the planner uses too, scaled down to a handful of
+learners (`HARNESS_FAILURES`): each learner is one unit that fails as a Poisson process with mean time
+between interruptions `mtbi_s` (counted while it is up), and comes back after an exponentiated-Weibull
+recovery time. Its values are in units of the harness's nominal inner step of one virtual second: a
+learner fails about once per 400 inner steps and stays down for 15 s on average (scale 10 s, k = 0.8,
+alpha = 1.5: median about 10 s, 90th percentile about 34 s, capped at 300 s). With four learners that puts non-elastic
 data-parallel in the regime of the paper's 150 k - 300 k chip columns (goodput 57-72 %), which is where
 the paper's Decoupled DiLoCo keeps more than 90 %.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.failures import FailureModel
 from ddiloco.goodput import Fault
 
 
@@ -93,32 +93,15 @@ def outage_faults(plan: FaultPlan) -> tuple[Fault, ...]:
     return tuple(Fault(o.learner_id, o.start_s, o.end_s) for o in plan.outages)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FailureModel:
-    """Poisson failures per learner and exponentiated-Weibull recovery times (see the module docstring)."""
+HARNESS_FAILURES = FailureModel(mtbi_s=400.0, chips_per_slice=1, recovery_scale_s=10.0, recovery_shape=0.8,
+                                recovery_exponent=1.5, max_recovery_s=300.0)
+"""The harness's failure model (the module docstring): a learner is one unit that fails about once per
+400 nominal inner steps and stays down for about 15 s."""
 
-    mtbi_s: float = 400.0
-    """Mean time between interruptions of one learner, virtual seconds of uptime."""
-    recovery_scale_s: float = 10.0
-    """Scale of the exponentiated Weibull recovery time, virtual seconds."""
-    recovery_shape: float = 0.8
-    """Weibull shape k (< 1: heavy tail of long repairs)."""
-    recovery_exponent: float = 1.5
-    """Exponent alpha (> 1: few very short recoveries)."""
-    max_recovery_s: float = 300.0
-    """Recovery times are capped here, so one unlucky draw cannot take a learner away for a whole run."""
 
-    def __post_init__(self) -> None:
-        for name in ("mtbi_s", "recovery_scale_s", "recovery_shape", "recovery_exponent", "max_recovery_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} is invalid: expected a finite number > 0")
-
-    def sample_recovery_s(self, rng: np.random.Generator) -> float:
-        u = rng.random()
-        x = self.recovery_scale_s * (-math.log1p(-(u ** (1.0 / self.recovery_exponent)))) ** (
-            1.0 / self.recovery_shape)
-        return min(x, self.max_recovery_s)
+def harness_failures(**changes: float) -> FailureModel:
+    """`HARNESS_FAILURES` with some fields changed."""
+    return dataclasses.replace(HARNESS_FAILURES, **changes)
 
 
 def draw_fault_plan(model: FailureModel, *, num_learners: int, horizon_s: float, seed: int,
