@@ -26,8 +26,9 @@ schema:
   `kept`: work merged, overwritten by a newer version or unfinished at the end, which the files do not
   tell apart and which all count as useful. `work_s` holds every category in learner-seconds.
   The global model advances with every committed round in the window.
-- **data-parallel**: the steps of attempt a are kept up to the `from_step` of attempt a + 1 (the rest was
-  rolled back), all of the last attempt's; every rank books kept x nominal as `merged` and the rest as
+- **data-parallel**: rank 0's steps in the window, kept or rolled back by
+  `ddiloco.data_parallel.account_steps` (the steps of attempt a are kept up to the `from_step` of attempt
+  a + 1, all of the last attempt's); every rank books kept x nominal as `merged` and the rest as
   `rolled_back`. The global model advances with every step of rank 0 above every earlier step number.
 - **uptime bin**: `uptime_bin_s` of wall time (`--uptime-bin-s`, default 5 s).
 - per fault, **stall_s** and **rejoin_s** as `ddiloco.goodput` defines them; a learner contributes again
@@ -48,6 +49,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ddiloco.data_parallel import account_steps
 from ddiloco.goodput import Advance, EventLog, Fault, Work, goodput, rejoin_s, stall_s, uptime
 
 SYSTEMS = ("decoupled", "sync_diloco", "data_parallel")
@@ -343,9 +345,8 @@ def _data_parallel(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, lis
     events = read_jsonl(system_dir / "metrics.jsonl")
     attempt_starts = sorted((e for e in events if e.get("event") == "attempt_start"), key=lambda e: int(e["attempt"]))
     in_window = [m for m in rank0 if start <= float(m["time"]) <= end]
-    next_from = {int(a["attempt"]): int(b["from_step"]) for a, b in zip(attempt_starts, attempt_starts[1:],
-                                                                         strict=False)}
-    kept = sum(1 for m in in_window if int(m["step"]) <= next_from.get(int(m.get("attempt", 0)), math.inf))
+    kept = account_steps([(int(m.get("attempt", 0)), int(m["step"])) for m in in_window],
+                         {int(a["attempt"]): int(a["from_step"]) for a in attempt_starts}).kept
     advances, high = [], -math.inf
     for m in in_window:
         if int(m["step"]) > high:

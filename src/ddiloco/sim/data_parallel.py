@@ -41,12 +41,13 @@ import torch
 
 from ddiloco.config import DilocoConfig
 from ddiloco.data import Batch, load_corpus, shard_stream
+from ddiloco.data_parallel import ring_allreduce_bytes, ring_allreduce_s
 from ddiloco.goodput import Advance, EventLog
 from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
 from ddiloco.sim.faults import FaultPlan, outage_faults
-from ddiloco.sim.links import BITS_PER_BYTE, LinkConfig
+from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.training import inner_step, make_inner_optimizer
 
@@ -91,18 +92,13 @@ class DataParallelSimConfig:
 
 
 def allreduce_s(link: LinkConfig, *, replicas: int, nbytes: int) -> float:
-    """Ring all-reduce: 2 (k - 1) / k of the bytes through every link, 2 (k - 1) latency hops."""
-    if replicas <= 1:
-        return 0.0
-    share = 2 * (replicas - 1) / replicas
-    return share * nbytes * BITS_PER_BYTE / link.bandwidth_bps + 2 * (replicas - 1) * link.latency_s
+    """`ddiloco.data_parallel.ring_allreduce_s` over the job's interconnect."""
+    return ring_allreduce_s(replicas, nbytes, latency_s=link.latency_s, bandwidth_bps=link.bandwidth_bps)
 
 
 def allreduce_bytes(*, replicas: int, nbytes: int) -> int:
-    """Bytes each replica sends (and receives) in one ring all-reduce."""
-    if replicas <= 1:
-        return 0
-    return int(2 * (replicas - 1) / replicas * nbytes)
+    """Bytes each replica sends (and receives) in one ring all-reduce (`ddiloco.data_parallel`)."""
+    return int(ring_allreduce_bytes(replicas, nbytes))
 
 
 def _concat(batches: list[Batch]) -> Batch:
