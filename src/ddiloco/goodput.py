@@ -26,7 +26,7 @@ The schema (`EventLog`):
 - **advances** (`Advance`: time_s, learners, tokens): the global model advanced: a round committed
   (learners: its participants), or, data-parallel, a step above every earlier step number (a step done
   again after a rollback is not progress).
-- **faults** (`Fault`: target, start_s, end_s, kind, back_s): a failure and its recovery; target is a
+- **faults** (`FaultSpan`: target, start_s, end_s, kind, back_s): a failure and its recovery; target is a
   learner (or rank) index, or None for the syncer.
 
 The definitions:
@@ -87,7 +87,7 @@ class Advance:
 
 
 @dataclass(frozen=True)
-class Fault:
+class FaultSpan:
     """A failure on [start_s, end_s) of `target` (a learner or rank index; None: the syncer)."""
 
     target: int | None
@@ -109,7 +109,7 @@ class EventLog:
     uptime_bin_s: float
     work: tuple[Work, ...] = ()
     advances: tuple[Advance, ...] = ()
-    faults: tuple[Fault, ...] = ()
+    faults: tuple[FaultSpan, ...] = ()
     categories: tuple[str, ...] = WORK_CATEGORIES
     """The work categories the producer books, in the order its breakdown lists them."""
 
@@ -155,7 +155,7 @@ class EventLog:
             elif kind == "advance":
                 advances.append(Advance(**{**fields, "learners": tuple(fields.get("learners", ()))}))
             elif kind == "fault":
-                faults.append(Fault(**fields))
+                faults.append(FaultSpan(**fields))
             else:
                 raise ValueError(f"record={kind!r} is invalid: expected one of window, work, advance, fault")
         if window is None:
@@ -229,13 +229,13 @@ def _first_at_or_after(times: Iterable[float], after: float, end: float) -> floa
     return min((t for t in times if after <= t <= end), default=None)
 
 
-def stall_s(log: EventLog, fault: Fault) -> float | None:
+def stall_s(log: EventLog, fault: FaultSpan) -> float | None:
     """From the fault's start to the next advance of the global model (None: not within the window)."""
     next_advance = min((a.time_s for a in log.advances if fault.start_s < a.time_s <= log.end_s), default=None)
     return None if next_advance is None else next_advance - fault.start_s
 
 
-def rejoin_s(log: EventLog, fault: Fault) -> float | None:
+def rejoin_s(log: EventLog, fault: FaultSpan) -> float | None:
     """From the fault's end to when its target contributes again (None: not within the window)."""
     if fault.back_s is not None:
         return fault.back_s - fault.end_s if fault.back_s <= log.end_s else None

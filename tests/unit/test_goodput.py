@@ -12,7 +12,7 @@ from ddiloco.chaos.analysis import analyze_runtime, log_results, runtime_event_l
 from ddiloco.goodput import (
     Advance,
     EventLog,
-    Fault,
+    FaultSpan,
     Work,
     binned_uptime,
     goodput,
@@ -46,7 +46,8 @@ def hand_log() -> EventLog:
             Work(1, "merged", 6.0), Work(1, "unfinished", 1.0), Work(1, "rejected", 4.0), Work(1, "kept", 5.0))
     advances = (Advance(22.0, (0,)), Advance(11.0, (0, 1)), Advance(14.0, (0,)), Advance(29.5, (0, 1)),
                 Advance(31.0, (0, 1)))
-    faults = (Fault(1, 15.0, 20.0), Fault(None, 14.0, 14.0, "syncer_crash"), Fault(0, 28.0, 29.0, back_s=33.0))
+    faults = (FaultSpan(1, 15.0, 20.0), FaultSpan(None, 14.0, 14.0, "syncer_crash"),
+              FaultSpan(0, 28.0, 29.0, back_s=33.0))
     return EventLog(num_learners=2, start_s=10.0, end_s=30.0, uptime_bin_s=4.0, work=work, advances=advances,
                     faults=faults)
 
@@ -77,7 +78,7 @@ def test_stall_and_rejoin_match_the_hand_computation():
     assert (stall_s(log, learner), rejoin_s(log, learner)) == (7.0, 9.5)
     assert (stall_s(log, syncer), rejoin_s(log, syncer)) == (8.0, 0.0)
     assert (stall_s(log, observed), rejoin_s(log, observed)) == (1.5, None)
-    never = Fault(0, 20.0, 21.0, back_s=math.inf)
+    never = FaultSpan(0, 20.0, 21.0, back_s=math.inf)
     assert rejoin_s(log, never) is None
     assert summarize(log).recoveries == ((7.0, 9.5), (8.0, 0.0), (1.5, None))
 

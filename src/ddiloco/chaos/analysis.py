@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.data_parallel import account_steps
-from ddiloco.goodput import Advance, EventLog, Fault, Work, goodput, rejoin_s, stall_s, uptime
+from ddiloco.goodput import Advance, EventLog, FaultSpan, Work, goodput, rejoin_s, stall_s, uptime
 
 SYSTEMS = ("decoupled", "sync_diloco", "data_parallel")
 """The system directories of a chaos run, in report order."""
@@ -109,7 +109,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _faults(system_dir: Path, back=None) -> tuple[list[dict[str, Any]], list[Fault]]:
+def _faults(system_dir: Path, back=None) -> tuple[list[dict[str, Any]], list[FaultSpan]]:
     """The injector's log and its faults in the `ddiloco.goodput` schema; `back(fault, started, ended)` gives
     the time the target contributed again where the schema's rule from the advances does not apply."""
     records = read_jsonl(system_dir / "chaos" / "faults.jsonl")
@@ -118,7 +118,7 @@ def _faults(system_dir: Path, back=None) -> tuple[list[dict[str, Any]], list[Fau
         started = float(fault["started"])
         ended = float(fault.get("ended", started))
         observed = None if back is None else back(fault, started, ended)
-        faults.append(Fault(target_index(fault.get("target")), started, ended, str(fault.get("kind")),
+        faults.append(FaultSpan(target_index(fault.get("target")), started, ended, str(fault.get("kind")),
                             None if back is None else (math.inf if observed is None else observed)))
     return records, faults
 

@@ -46,7 +46,7 @@ from ddiloco.goodput import Advance, EventLog
 from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
-from ddiloco.sim.faults import FaultPlan, outage_faults
+from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
 from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.training import inner_step, make_inner_optimizer
@@ -114,7 +114,7 @@ class DataParallelSim:
         self.config = config
         self.uptime_bin_s = (DilocoConfig().sync_every * config.cluster.step_time_s if uptime_bin_s is None
                              else uptime_bin_s)
-        self.faults = faults or FaultPlan()
+        self.faults = harness_plan(faults, config.cluster.num_learners)
         dp = config.data_parallel
         self.name = name or ("elastic_data_parallel" if dp.elastic else "data_parallel")
         cluster, workload = config.cluster, config.workload
@@ -194,7 +194,7 @@ class DataParallelSim:
             return False
         if not self.members:
             # Everyone is down: wait for the first replica to come back.
-            ends = [o.end_s for o in self.faults.outages if o.start_s <= now < o.end_s]
+            ends = [o.end_s for o in self.faults.outages if o.at_s <= now < o.end_s]
             loop.record("all_down")
             loop.clock.advance_to(min(ends))
             return False
@@ -205,7 +205,7 @@ class DataParallelSim:
         loop, dp = self.loop, self.config.data_parallel
         time_s = loop.now
         while True:
-            ends = [o.end_s for o in self.faults.outages if o.start_s <= time_s < o.end_s]
+            ends = [o.end_s for o in self.faults.outages if o.at_s <= time_s < o.end_s]
             if not ends:
                 break
             time_s = max(ends)
@@ -226,8 +226,8 @@ class DataParallelSim:
         comm_s = allreduce_s(self.config.data_parallel.allreduce, replicas=len(participants),
                              nbytes=self.model_bytes)
         end = start + max(durations.values()) + comm_s
-        failure = min(((o.start_s, o.learner_id) for o in self.faults.outages
-                       if o.learner_id in participants and start < o.start_s < end), default=None)
+        failure = min(((o.at_s, o.target) for o in self.faults.outages
+                       if o.target in participants and start < o.at_s < end), default=None)
         if failure is not None:
             fail_s, replica = failure
             for i, duration in durations.items():
@@ -306,4 +306,4 @@ class DataParallelSim:
         return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
                 "data_parallel": dataclasses.asdict(config.data_parallel), "seed": config.seed,
                 "uptime_bin_s": self.uptime_bin_s,
-                "faults": self.faults.to_json()}
+                "faults": outages_json(self.faults)}

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import load_corpus, shard_stream
+from ddiloco.fault_plan import Fault
 from ddiloco.goodput import Advance, EventLog
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
@@ -71,7 +72,7 @@ from ddiloco.sim.accounting import (
 )
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
-from ddiloco.sim.faults import FaultPlan, Outage, outage_faults
+from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
 from ddiloco.sim.links import Link, describe_message, message_nbytes, payload_nbytes
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.syncer import Syncer
@@ -138,12 +139,10 @@ class DecoupledSim:
     def __init__(self, config: DecoupledSimConfig, *, faults: FaultPlan | None = None, name: str = "decoupled",
                  corpus: bytes | None = None, observers: Sequence[RoundObserver] = ()) -> None:
         self.config = config
-        self.faults = faults or FaultPlan()
+        self.faults = harness_plan(faults, config.cluster.num_learners)
         self.name = name
         self.observers = list(observers)
         cluster, workload = config.cluster, config.workload
-        if any(o.learner_id >= cluster.num_learners for o in self.faults.outages):
-            raise ValueError(f"fault plan names a learner beyond num_learners={cluster.num_learners}")
         corpus = load_corpus() if corpus is None else corpus
         self.loop = EventLoop()
         self.initial_params = {n: p.detach().clone()
@@ -330,11 +329,12 @@ class DecoupledSim:
 
     # ---- failures --------------------------------------------------------------------------------
 
-    def _schedule_outage(self, outage: Outage) -> None:
-        self.loop.schedule(outage.start_s, "fail", self._on_fail, outage=outage)
+    def _schedule_outage(self, outage: Fault) -> None:
+        self.loop.schedule(outage.at_s, "fail", self._on_fail, outage=outage)
 
-    def _on_fail(self, outage: Outage) -> None:
-        slot = self.slots[outage.learner_id]
+    def _on_fail(self, outage: Fault) -> None:
+        assert outage.target is not None
+        slot = self.slots[outage.target]
         if slot.state == "done":
             return
         self._unblock(slot)
@@ -350,19 +350,20 @@ class DecoupledSim:
         slot.inbox.clear()
         slot.uplink.reset(self.loop.now)
         slot.downlink.reset(self.loop.now)
-        self.loop.record("fail", learner=outage.learner_id, until_s=outage.end_s)
-        logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.learner_id, self.loop.now,
+        self.loop.record("fail", learner=outage.target, until_s=outage.end_s)
+        logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.target, self.loop.now,
                     outage.end_s)
         self.loop.schedule(outage.end_s, "recover", self._on_recover, outage=outage)
 
-    def _on_recover(self, outage: Outage) -> None:
-        slot = self.slots[outage.learner_id]
-        self.loop.record("recover", learner=outage.learner_id)
+    def _on_recover(self, outage: Fault) -> None:
+        assert outage.target is not None
+        slot = self.slots[outage.target]
+        self.loop.record("recover", learner=outage.target)
         if self.budget_spent:
             slot.state = "done"
             return
         self._start_incarnation(slot)
-        later = [o for o in self.faults.for_learner(outage.learner_id) if o.start_s >= outage.end_s]
+        later = [o for o in self.faults.for_learner(outage.target) if o.at_s >= outage.end_s]
         if later:
             self._schedule_outage(later[0])
 
@@ -555,4 +556,4 @@ class DecoupledSim:
         config = self.config
         return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
                 "diloco": config.diloco.to_dict(), "quorum": config.quorum.to_dict(),
-                "learner": config.learner.to_dict(), "seed": config.seed, "faults": self.faults.to_json()}
+                "learner": config.learner.to_dict(), "seed": config.seed, "faults": outages_json(self.faults)}

@@ -39,7 +39,7 @@ from ddiloco.sim.accounting import SimResult
 from ddiloco.sim.cluster import ClusterConfig
 from ddiloco.sim.data_parallel import DataParallelConfig, DataParallelSim, DataParallelSimConfig
 from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
-from ddiloco.sim.faults import HARNESS_FAILURES, FaultPlan, draw_fault_plan, harness_failures
+from ddiloco.sim.faults import HARNESS_FAILURES, FaultPlan, draw_fault_plan, harness_failures, outages_json
 from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.probes import MergeNormProbe, parameter_shapes
 from ddiloco.sim.workload import WorkloadConfig, seeded_model
@@ -229,7 +229,7 @@ def run_failures(r: _Runner) -> ExperimentResult:
     return ExperimentResult("failures", False, r.seed, systems,
                             ["goodput", "merged_work_fraction", "uptime", "virtual_time_s", "final_val_loss",
                              "tokens_processed", "tokens_merged"],
-                            checks=checks, settings={"faults": faults.to_json()})
+                            checks=checks, settings={"faults": outages_json(faults)})
 
 
 def run_heterogeneous(r: _Runner) -> ExperimentResult:

@@ -63,8 +63,11 @@ def _cluster(data: Mapping[str, Any]) -> ClusterConfig:
                          **{k: v for k, v in data.items() if k not in ("uplink", "downlink", "slowdowns")})
 
 
-def _faults(data: list[Mapping[str, Any]]) -> FaultPlan:
-    return FaultPlan.of((o["learner"], o["start_s"], o["end_s"]) for o in data)
+def _faults(data: Mapping[str, Any] | list[Mapping[str, Any]]) -> FaultPlan:
+    """The plan of a result's settings (results written before the plan type was shared list outages)."""
+    if isinstance(data, list):
+        return FaultPlan.of((o["learner"], o["start_s"], o["end_s"]) for o in data)
+    return FaultPlan.from_json(data)
 
 
 def rebuild(result: SimResult) -> DecoupledSim | DataParallelSim:
