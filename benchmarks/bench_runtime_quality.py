@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
+from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
 from ddiloco.run_config import RunConfig
 
 TOLERANCE = 0.02
@@ -60,7 +60,7 @@ def run_ddiloco(run_dir: Path, *, learners: int, steps: int, seed: int, extra: l
 
 
 def run_data_parallel(job_dir: Path, run_config: RunConfig, *, steps: int) -> dict:
-    job = DataParallelJob(DataParallelConfig(eval_every_s=5.0), run_config=run_config, job_dir=job_dir)
+    job = DataParallelJob(DataParallelAgentConfig(eval_every_s=5.0), run_config=run_config, job_dir=job_dir)
     start = time.monotonic()
     job.start()
     try:

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
+from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
 from ddiloco.chaos.dp_common import params_digest
 from ddiloco.checkpoint import load_latest_state
 from ddiloco.fault_control import ActiveFault, write_control
@@ -44,7 +44,7 @@ def make_job(tmp_path):
     jobs = []
 
     def make(**overrides):
-        job = DataParallelJob(DataParallelConfig(**{**FAST, **overrides}), run_config=tiny_run_config(),
+        job = DataParallelJob(DataParallelAgentConfig(**{**FAST, **overrides}), run_config=tiny_run_config(),
                               job_dir=tmp_path / f"job{len(jobs)}")
         jobs.append(job)
         return job

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from ddiloco.chaos.data_parallel import (
-    DataParallelConfig,
+    DataParallelAgentConfig,
     DataParallelJob,
-    StepAccount,
-    account_steps,
+    computed_steps,
     exit_cause,
-    last_steps_by_attempt,
+    job_account,
 )
 from ddiloco.chaos.dp_common import (
     EXIT_BAD_ARGS,
@@ -29,6 +28,7 @@ from ddiloco.chaos.dp_common import (
     params_digest,
 )
 from ddiloco.chaos.dp_worker import RankConfig, main
+from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes, ring_allreduce_s
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
 
@@ -45,6 +45,13 @@ def test_emulated_allreduce_is_the_ring_formula():
 
 def test_a_single_rank_has_no_all_reduce_to_slow_down():
     assert emulated_allreduce_s(1, 10**9, latency_s=1.0, bytes_per_s=1.0) == 0.0
+
+
+def test_one_ring_formula_for_the_emulation_the_harness_and_the_planner():
+    # 1 MB over 4 replicas at 8 Mbit/s (1 MB/s) and 1 ms: 1.5 MB through every link, 6 hops.
+    assert ring_allreduce_s(4, 10**6, latency_s=0.001, bandwidth_bps=8e6) == pytest.approx(1.5 + 0.006)
+    assert emulated_allreduce_s(4, 10**6, latency_s=0.001, bytes_per_s=1e6) == pytest.approx(1.5 + 0.006)
+    assert ring_allreduce_bytes(4, 1000) == 1500 and ring_allreduce_bytes(1, 1000) == 0
 
 
 # ---- the corrupt fault ----------------------------------------------------------------------------------------
@@ -84,35 +91,48 @@ def test_flip_byte_needs_a_flat_tensor():
 # ---- step accounting -------------------------------------------------------------------------------------------
 
 
+def steps_of(attempts: dict[int, range]) -> set[tuple[int, int]]:
+    return {(attempt, step) for attempt, steps in attempts.items() for step in steps}
+
+
 def test_rolled_back_steps_are_computed_twice_and_kept_once():
     # Attempt 1 trains 0 -> 50 and dies; the checkpoint was at 40. Attempt 2 dies before its first step.
     # Attempt 3 resumes at 40 and ends at 100 (its final checkpoint).
-    account = account_steps({1: 0, 2: 40, 3: 40}, {1: 50, 3: 100}, final_step=100)
+    account = job_account(steps_of({1: range(1, 51), 3: range(41, 101)}), {1: 0, 2: 40, 3: 40}, final_step=100)
     assert account == StepAccount(computed=50 + 60, kept=100)
     assert account.rolled_back == 10
 
 
 def test_a_job_killed_while_waiting_keeps_only_its_checkpoint():
-    account = account_steps({1: 0}, {1: 73}, final_step=60)
+    account = job_account(steps_of({1: range(1, 74)}), {1: 0}, final_step=60)
     assert (account.computed, account.kept, account.rolled_back) == (73, 60, 13)
+
+
+def test_the_analysis_and_the_summary_count_kept_steps_by_one_rule():
+    # The analysis of a run directory has rank 0's step lines and no final checkpoint (final_step None: the
+    # window's end cuts it); the same lines with the final step of the last attempt give the same account.
+    lines = [(1, s) for s in range(1, 11)] + [(2, s) for s in range(6, 21)]
+    assert account_steps(lines, {1: 0, 2: 5}) == StepAccount(computed=25, kept=20)
+    assert account_steps(lines, {1: 0, 2: 5}, final_step=20) == account_steps(lines, {1: 0, 2: 5})
+    assert account_steps(lines, {1: 0, 2: 5}, final_step=15) == StepAccount(computed=25, kept=15)
 
 
 def test_step_accounting_rejects_impossible_logs():
     with pytest.raises(ValueError, match="attempt\\(s\\) \\[2\\], which never started"):
-        account_steps({1: 0}, {1: 5, 2: 9}, final_step=5)
+        job_account(steps_of({1: range(1, 6), 2: range(6, 10)}), {1: 0}, final_step=5)
     with pytest.raises(ValueError, match="attempt 2 logged step 3, before the step 10"):
-        account_steps({1: 0, 2: 10}, {1: 12, 2: 3}, final_step=10)
+        job_account(steps_of({1: range(1, 13), 2: range(3, 4)}), {1: 0, 2: 10}, final_step=10)
     with pytest.raises(ValueError, match="ends at step 20 but computed only 12"):
-        account_steps({1: 0}, {1: 12}, final_step=20)
+        job_account(steps_of({1: range(1, 13)}), {1: 0}, final_step=20)
 
 
-def test_last_steps_by_attempt_reads_step_and_val_lines_and_skips_a_torn_line():
+def test_computed_steps_reads_step_lines_only_and_skips_a_torn_line():
     lines = [json.dumps({"step": 1, "time": 0.0, "dp/0/loss": 5.0, "attempt": 1}),
              json.dumps({"step": 0, "time": 0.0, "dp/val_loss": 5.5, "attempt": 1}),
              json.dumps({"step": 2, "time": 0.0, "dp/0/loss": 4.9, "attempt": 1}),
              json.dumps({"step": 1, "time": 0.0, "dp/0/loss": 5.0, "attempt": 2}),
              '{"step": 7, "ti']
-    assert last_steps_by_attempt(lines) == {1: 2, 2: 1}
+    assert computed_steps(lines) == {(1, 1), (1, 2), (2, 1)}
 
 
 def test_committed_steps_are_the_checkpoint_json_files(tmp_path):
@@ -166,7 +186,7 @@ def test_fault_seeds_repeat_per_run_and_differ_per_rank_attempt_and_stream():
                                               ("stop_timeout_s", math.inf), ("poll_s", "0.1")])
 def test_data_parallel_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
-        DataParallelConfig(**{field: value})
+        DataParallelAgentConfig(**{field: value})
 
 
 @pytest.mark.parametrize(("field", "value"), [("rank", -1), ("attempt", 0), ("master_port", 70000),
@@ -178,7 +198,7 @@ def test_rank_config_names_the_bad_field(tmp_path, field, value):
 
 
 def test_the_job_checks_ranks_and_hold_times(tmp_path):
-    job = DataParallelJob(DataParallelConfig(), run_config=RunConfig(num_learners=2), job_dir=tmp_path)
+    job = DataParallelJob(DataParallelAgentConfig(), run_config=RunConfig(num_learners=2), job_dir=tmp_path)
     with pytest.raises(ValueError, match="rank=2 is invalid: the job has ranks 0..1"):
         job.hold(2, 0.0)
     with pytest.raises(ValueError, match="until=inf is invalid"):

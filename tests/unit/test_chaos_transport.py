@@ -30,7 +30,7 @@ from ddiloco.transport.grpc_codec import (
     encode_update,
     flip_data_byte,
 )
-from ddiloco.transport.link import NO_FAULTS, EmulatedLink, LinkSpec, parse_link, unlimited_link
+from ddiloco.transport.link import NO_FAULTS, EmulatedLink, LinkConfig, parse_link, unlimited_link
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 from tests.helpers import TinyNet, make_system, params_of, train_step
@@ -149,7 +149,7 @@ def test_a_bandwidth_cap_serialises_each_direction_at_the_capped_rate(tmp_path):
 def test_a_bandwidth_cap_below_the_emulated_link_dominates_it(tmp_path):
     clock = VirtualClock(0.0)
     faults = _control(tmp_path, ActiveFault("bandwidth", NOW + 5, 1000.0))
-    link = EmulatedLink(LinkSpec(bandwidth_bps=8e6, latency_s=0.01), clock=clock, faults=faults)
+    link = EmulatedLink(LinkConfig(bandwidth_bps=8e6, latency_s=0.01), clock=clock, faults=faults)
     # The 1 MB/s link would take (100 kB - burst) / 1 MB/s; the 1 kB/s cap takes 100 s.
     assert link.send_at(100_000) == pytest.approx(100.0 + 0.01)
 

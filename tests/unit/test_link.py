@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ddiloco.clock import VirtualClock
-from ddiloco.transport.link import EmulatedLink, LinkDirection, LinkSpec, TokenBucket, parse_link, unlimited_link
+from ddiloco.transport.link import EmulatedLink, LinkConfig, LinkDirection, TokenBucket, parse_link, unlimited_link
 
 
 @pytest.mark.parametrize(("text", "bandwidth_bps", "latency_s"), [
@@ -34,11 +34,11 @@ def test_parse_link_rejects_nonsense_with_a_clear_message(text, needle):
         parse_link(text)
 
 
-def test_link_spec_validates_fields():
+def test_link_config_validates_fields():
     with pytest.raises(ValueError, match="bandwidth_bps"):
-        LinkSpec(bandwidth_bps=0, latency_s=0.0)
+        LinkConfig(bandwidth_bps=0, latency_s=0.0)
     with pytest.raises(ValueError, match="latency_s"):
-        LinkSpec(bandwidth_bps=1e6, latency_s=-1.0)
+        LinkConfig(bandwidth_bps=1e6, latency_s=-1.0)
 
 
 def test_token_bucket_queues_messages_at_the_rate():
@@ -53,14 +53,14 @@ def test_token_bucket_queues_messages_at_the_rate():
 
 
 def test_direction_adds_latency_after_serialisation():
-    direction = LinkDirection(LinkSpec(bandwidth_bps=8e6, latency_s=0.04))  # 1 MB/s
+    direction = LinkDirection(LinkConfig(bandwidth_bps=8e6, latency_s=0.04))  # 1 MB/s
     burst = direction.bucket.burst_bytes
     assert direction.deliver_at(1_000_000 + int(burst), now=2.0) == pytest.approx(2.0 + 1.0 + 0.04)
 
 
 def test_directions_are_independent_and_latencies_overlap():
     clock = VirtualClock()
-    link = EmulatedLink(LinkSpec(bandwidth_bps=8e9, latency_s=0.1), clock=clock)
+    link = EmulatedLink(LinkConfig(bandwidth_bps=8e9, latency_s=0.1), clock=clock)
     first = link.send_at(1000)
     second = link.send_at(1000)
     assert first == pytest.approx(0.1) and second == pytest.approx(0.1)  # not 0.2: propagation overlaps
@@ -83,3 +83,22 @@ def test_unlimited_link_is_the_identity():
     assert link.send_at(10**12) == 3.0
     assert link.receive_at(10**12) == 3.0
     assert math.isinf(link.spec.bandwidth_bps)
+
+
+def test_the_harness_and_the_runtime_queue_messages_by_one_model():
+    # ddiloco.link_model: a burst queues first in first out at the rate, then crosses the latency. The
+    # harness's link (virtual time) and the runtime's bandwidth cap (any clock) give the same deliveries.
+    from ddiloco.link_model import SerialPipe
+    from ddiloco.sim.links import Link
+
+    simulated = Link(LinkConfig(latency_s=0.05, bandwidth_bps=8000.0))  # 1000 bytes per second
+    emulated = LinkDirection(LinkConfig(bandwidth_bps=math.inf, latency_s=0.05))
+    sends = [(0.0, 100), (0.0, 300), (0.2, 100), (2.0, 500)]
+    harness = [simulated.send(now, nbytes) for now, nbytes in sends]
+    runtime = [emulated.deliver_at(nbytes, now, cap_bytes_per_s=1000.0) for now, nbytes in sends]
+    assert harness == pytest.approx([0.15, 0.45, 0.55, 2.55])
+    assert runtime == pytest.approx(harness)
+    pipe = SerialPipe()
+    assert [pipe.send(now, nbytes / 1000.0) for now, nbytes in sends] == pytest.approx([0.1, 0.4, 0.5, 2.5])
+    pipe.reset(1.0)
+    assert pipe.send(0.5, 0.1) == pytest.approx(1.1)  # what was queued is gone; idle from the reset

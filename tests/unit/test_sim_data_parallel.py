@@ -24,11 +24,11 @@ INSTANT = LinkConfig(latency_s=0.0, bandwidth_bps=1e18)
 """An interconnect so fast that a step lasts exactly its compute time (to a few 1e-12 s)."""
 
 
-def run(*, num=2, steps=10, faults=None, **dp):
+def run(*, num=2, steps=10, faults=None, uptime_bin_s=None, **dp):
     config = DataParallelSimConfig(workload=tiny_sim_workload(inner_steps=steps),
                                    cluster=ClusterConfig(num_learners=num),
                                    data_parallel=DataParallelConfig(allreduce=INSTANT, **dp))
-    sim = DataParallelSim(config, faults=faults)
+    sim = DataParallelSim(config, faults=faults, uptime_bin_s=uptime_bin_s)
     return sim, sim.run()
 
 
@@ -60,14 +60,17 @@ def test_non_elastic_failure_stalls_everyone_and_rolls_back_to_the_checkpoint():
     # 2 replicas, 1 s steps, checkpoint every 4 steps. Replica 1 fails at 5.5 s (during step 6) and is
     # back at 8 s; the job relaunches in 2 s and redoes step 5 from the checkpoint at step 4.
     faults = FaultPlan.of([(1, 5.5, 8.0)])
-    _, result = run(faults=faults, checkpoint_every_steps=4, restart_s=2.0)
+    _, result = run(faults=faults, checkpoint_every_steps=4, restart_s=2.0, uptime_bin_s=2.0)
     m = result.metrics
     assert m["restarts"] == 1 and m["failures"] == 1
     assert m["virtual_time_s"] == pytest.approx(16.0)  # 5.5 + wait to 8 + 2 + 6 steps
     assert m["goodput"] == pytest.approx(20 / 32)  # 10 kept steps x 2 replicas over 2 x 16 s
     assert m["work_breakdown"]["rolled_back"] == pytest.approx(2 / 32)
     assert m["work_breakdown"]["crashed"] == pytest.approx(1 / 32)
-    assert m["uptime"] == pytest.approx(11.5 / 16)
+    # The global model advances with steps 1-5 (t = 1..5) and 6-10 (t = 12..16; step 5 again at 11 is not
+    # progress): of the 2 s bins [0, 16), those from 0, 2, 4, 12 and 14 hold an advance.
+    assert m["uptime"] == pytest.approx(10 / 16)
+    assert [a.time_s for a in result.events.advances] == pytest.approx([1, 2, 3, 4, 5, 12, 13, 14, 15, 16])
     assert m["tokens_processed"] == m["tokens_merged"] + 2 * 2 * 16  # step 5 twice, 2 replicas x 2 x 16
     # Checkpoints restore model, optimizer and data cursors: the result equals a run without failures.
     _, clean = run(checkpoint_every_steps=4, restart_s=2.0)
@@ -76,7 +79,7 @@ def test_non_elastic_failure_stalls_everyone_and_rolls_back_to_the_checkpoint():
 
 def test_elastic_survivors_continue_and_the_returning_replica_is_readmitted():
     faults = FaultPlan.of([(1, 3.5, 6.0)])
-    _, result = run(faults=faults, elastic=True, downscale_s=1.0, upscale_s=1.0)
+    _, result = run(faults=faults, elastic=True, downscale_s=1.0, upscale_s=1.0, uptime_bin_s=1.0)
     m = result.metrics
     kinds = [e["kind"] for e in result.log]
     assert "downscale" in kinds and "upscale" in kinds and m["restarts"] == 0

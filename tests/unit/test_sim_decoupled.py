@@ -7,7 +7,7 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
-from ddiloco.sim.accounting import WORK_CATEGORIES, PeakMeter, union_length
+from ddiloco.sim.accounting import HARNESS_CATEGORIES, PeakMeter, union_length
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
 from ddiloco.sim.faults import FaultPlan
@@ -61,10 +61,10 @@ def test_work_categories_add_up_to_the_compute_time():
     faults = FaultPlan.of([(1, 5.5, 9.0)])
     sim, result = run(faults=faults, cluster=ClusterConfig(num_learners=3, jitter=0.2))
     computed = sum(entry["duration_s"] for entry in kinds(result, "step"))
-    booked = sum(sim.work.ledger.total(c) for c in WORK_CATEGORIES)
+    booked = sum(sim.work.seconds.total(c) for c in HARNESS_CATEGORIES)
     # The step cut short by the crash was never completed and holds no work.
     assert booked == pytest.approx(computed, rel=1e-12)
-    assert sim.work.ledger.total("crashed") > 0
+    assert sim.work.seconds.total("crashed") > 0
 
 
 def test_round_log_replays_to_the_final_global_parameters():
@@ -91,12 +91,26 @@ def test_a_failed_learner_loses_its_messages_and_rejoins_as_a_new_incarnation():
 
 
 def test_k1_keeps_training_whenever_a_learner_is_alive():
-    # Learners 0 and 1 fail in turn; learner 2 is never down. Uptime counts time with a learner computing.
+    # Learners 0 and 1 fail in turn; learner 2 is never down: a round commits in every sync period.
     faults = FaultPlan.of([(0, 3.5, 9.0), (1, 6.0, 14.0)])
     _, result = run(faults=faults, steps=24)
     assert result.metrics["uptime"] == pytest.approx(1.0)
     assert result.metrics["uptime_while_alive"] == pytest.approx(1.0)
     assert result.metrics["goodput"] < 1.0
+
+
+def test_uptime_is_the_share_of_sync_periods_in_which_a_round_commits():
+    # K = M: learner 1 is down from 4.5 s to 30 s and the others wait for it; rounds commit at 2 and 4 s,
+    # then none until it is back (31 s, the first round after its Welcome). Of the 8 s bins (H = 8 steps of
+    # 1 s) from the first step's start, the second and third hold no commit.
+    _, result = run(quorum=QuorumConfig(min_quorum=3, grace="none"), faults=FaultPlan.of([(1, 4.5, 30.0)]),
+                    steps=24)
+    events = result.events
+    commits = [e["t"] for e in kinds(result, "commit")]
+    assert [a.time_s for a in events.advances] == commits
+    assert not [t for t in commits if events.start_s + 8 <= t < events.start_s + 24]
+    assert result.metrics["uptime"] == pytest.approx(1 - 16 / events.window_s)
+    assert [(f.target, f.start_s, f.end_s) for f in events.faults] == [(1, 4.5, 30.0)]
 
 
 def test_quorum_of_all_learners_waits_for_the_slow_one_and_k1_does_not():

@@ -8,14 +8,14 @@ from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.sim.cluster import ClusterConfig
 from ddiloco.sim.data_parallel import DataParallelConfig, DataParallelSim, DataParallelSimConfig
 from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
-from ddiloco.sim.faults import FailureModel, draw_fault_plan
+from ddiloco.sim.faults import draw_fault_plan, harness_failures
 from ddiloco.sim.replay import compare, rebuild, replay
 from tests.helpers import tiny_sim_workload
 
 torch.set_num_threads(1)
 
 CLUSTER = ClusterConfig(num_learners=3, slowdowns=(0.0, 0.1, 0.3), jitter=0.1)
-FAULTS = draw_fault_plan(FailureModel(mtbi_s=15.0, recovery_scale_s=3.0), num_learners=3, horizon_s=60.0, seed=4)
+FAULTS = draw_fault_plan(harness_failures(mtbi_s=15.0, recovery_scale_s=3.0), num_learners=3, horizon_s=60.0, seed=4)
 
 
 def decoupled(seed=0, faults=FAULTS):

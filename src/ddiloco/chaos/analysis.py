@@ -2,15 +2,19 @@
 
 Reads one system directory of a chaos run (DIR/decoupled, DIR/sync_diloco: a `ddiloco run` directory
 with the learners' work ledgers; DIR/data_parallel; each with the runner's `chaos/run.json` and
-`chaos/faults.jsonl`) and returns plain data; plotting is `ddiloco.chaos.report`'s. The definitions
-follow the virtual-time harness (`ddiloco.sim.accounting`), so a real run and a simulated one compare:
+`chaos/faults.jsonl`), converts it into the `ddiloco.goodput` event log (`runtime_event_log`,
+`data_parallel_event_log`) and returns plain data; plotting is `ddiloco.chaos.report`'s. Goodput, uptime
+and the recovery times are `ddiloco.goodput`'s definitions, the same the virtual-time harness uses, so a
+real run and a simulated one compare. What this module decides is how a real run's files map onto the
+schema:
 
 - **window**: from the start of the first inner step of any learner (data-parallel: any rank) to
   the stop request (`run.json` "stop_requested": the end of the plan's duration); start-up is set-up
-  and shutting down is tear-down. T is its length. **allocated** learner-seconds = M x T.
+  and shutting down is tear-down.
 - **nominal step time**: the median interval between consecutive inner steps (step n, then n + 1) of
   a learner (data-parallel: of rank 0): a step at its normal pace, loop overhead included, the same
-  measure for every system. Slowed, waiting or hung steps count only this much.
+  measure for every system. Slowed, waiting or hung steps count only this much. Work is booked in
+  step-equivalents x nominal.
 - **Decoupled / synchronous DiLoCo**, per learner:
   computed = inner steps logged in the window; lost step-equivalents (each fragment weighted by its
   share of the parameters): `rejected` (new steps of publishes refused by the syncer), `dropped`
@@ -18,21 +22,19 @@ follow the virtual-time harness (`ddiloco.sim.accounting`), so a real run and a 
   incarnation trains again after resuming from its checkpoint, once, plus each fragment's work not yet
   published before that resume point, and its publishes without a fate), `resync` (what a
   re-join's Welcome replaced, from non-first welcomes) and `unmerged` (accepted, but in no committed
-  round: the syncer died or stopped with the round open). Work overwritten by a newer version and
-  work unfinished at the end count as useful, as in the harness (sim/accounting.py says why).
-  useful = (computed - lost) x nominal; **goodput** = sum of useful / allocated. `work_s` holds every
-  category in learner-seconds.
-- **data-parallel**: the steps of attempt a are kept up to the
-  `from_step` of attempt a + 1 (the rest was rolled back), all of the last attempt's;
-  goodput = kept x nominal / T (every rank computed each step: M x kept x nominal over M x T).
-- **uptime**: share of the window's `uptime_bin_s` bins in which the global model advanced (a
-  committed round; data-parallel: a step above every earlier step number, since re-done steps are
-  not progress). The last, partial bin counts by its length.
-- per fault, **stall_s**: from its start to the next advance of the global model beyond its
-  pre-fault progress; **rejoin_s**: from its end to when its target contributes again (a learner: the
-  first commit after the end that merges it; the syncer: the next commit; a data-parallel rank: its
-  first step after the end, in the next attempt if one started before that step). None when it did
-  not happen within the window.
+  round: the syncer died or stopped with the round open). The rest, computed - lost, is booked as
+  `kept`: work merged, overwritten by a newer version or unfinished at the end, which the files do not
+  tell apart and which all count as useful. `work_s` holds every category in learner-seconds.
+  The global model advances with every committed round in the window.
+- **data-parallel**: rank 0's steps in the window, kept or rolled back by
+  `ddiloco.data_parallel.account_steps` (the steps of attempt a are kept up to the `from_step` of attempt
+  a + 1, all of the last attempt's); every rank books kept x nominal as `merged` and the rest as
+  `rolled_back`. The global model advances with every step of rank 0 above every earlier step number.
+- **uptime bin**: `uptime_bin_s` of wall time (`--uptime-bin-s`, default 5 s).
+- per fault, **stall_s** and **rejoin_s** as `ddiloco.goodput` defines them; a learner contributes again
+  with the first commit after the fault's end that merges it, the syncer with the next commit, a
+  data-parallel rank with its first step after the end (in the next attempt if one started before that
+  step).
 - **rounds_per_min**: commits per minute (data-parallel: kept steps per minute, `progress_unit` says
   which); **bytes**: syncer payload bytes sent + received (data-parallel: all-reduce bytes computed
   from the model size, `bytes_label` says which).
@@ -44,9 +46,11 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ddiloco.data_parallel import account_steps
+from ddiloco.goodput import Advance, EventLog, FaultSpan, Work, goodput, rejoin_s, stall_s, uptime
 
 SYSTEMS = ("decoupled", "sync_diloco", "data_parallel")
 """The system directories of a chaos run, in report order."""
@@ -55,6 +59,9 @@ DEFAULT_UPTIME_BIN_S = 5.0
 """Coarse enough that a healthy system commits in every bin (rounds come every second or so), fine
 enough that a 10 s outage shows."""
 LOST_CATEGORIES = ("rejected", "dropped", "crashed", "resync", "unmerged")
+"""The `ddiloco.goodput` lost categories a DiLoCo run's files show."""
+RUNTIME_CATEGORIES = ("kept", *LOST_CATEGORIES)
+DATA_PARALLEL_CATEGORIES = ("merged", "rolled_back")
 _TARGET = re.compile(r"^(?:learner|rank)-([0-9]+)$")
 
 
@@ -98,38 +105,37 @@ def target_index(target: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def uptime(advances: Iterable[float], start: float, end: float, bin_s: float) -> float:
-    """Share of [start, end) covered by `bin_s` bins holding at least one advance (see the docstring)."""
-    if end <= start:
-        return 0.0
-    covered = 0.0
-    bins = {int((t - start) // bin_s) for t in advances if start <= t <= end}
-    for index in bins:
-        low = start + index * bin_s
-        covered += max(0.0, min(low + bin_s, end) - low)
-    return min(1.0, covered / (end - start))
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _first(times: Iterable[float], after: float, end: float) -> float | None:
-    return min((t for t in times if after <= t <= end), default=None)
-
-
-def _fault_rows(system_dir: Path, start: float, end: float, stall, rejoin) -> list[dict[str, Any]]:
-    rows = []
-    for fault in read_jsonl(system_dir / "chaos" / "faults.jsonl"):
+def _faults(system_dir: Path, back=None) -> tuple[list[dict[str, Any]], list[FaultSpan]]:
+    """The injector's log and its faults in the `ddiloco.goodput` schema; `back(fault, started, ended)` gives
+    the time the target contributed again where the schema's rule from the advances does not apply."""
+    records = read_jsonl(system_dir / "chaos" / "faults.jsonl")
+    faults = []
+    for fault in records:
         started = float(fault["started"])
         ended = float(fault.get("ended", started))
-        next_advance = stall(started)
-        back = rejoin(fault, started, ended)
-        rows.append({"index": fault.get("index"), "kind": fault.get("kind"), "target": fault.get("target"),
-                     "start_s": started - start, "end_s": ended - start, "duration_s": ended - started,
-                     "stall_s": None if next_advance is None else next_advance - started,
-                     "rejoin_s": None if back is None else back - ended})
-    return rows
+        observed = None if back is None else back(fault, started, ended)
+        faults.append(FaultSpan(target_index(fault.get("target")), started, ended, str(fault.get("kind")),
+                            None if back is None else (math.inf if observed is None else observed)))
+    return records, faults
+
+
+def log_results(log: EventLog, fault_records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Goodput, uptime and the per-fault recovery rows of an event log, by `ddiloco.goodput`'s definitions
+    (times relative to the window's start)."""
+    records = fault_records if fault_records is not None else [{} for _ in log.faults]
+    rows = []
+    for record, fault in zip(records, log.faults, strict=True):
+        rows.append({"index": record.get("index"), "kind": record.get("kind", fault.kind),
+                     "target": record.get("target", fault.target), "start_s": fault.start_s - log.start_s,
+                     "end_s": fault.end_s - log.start_s, "duration_s": fault.end_s - fault.start_s,
+                     "stall_s": stall_s(log, fault), "rejoin_s": rejoin_s(log, fault)})
+    return {"goodput": goodput(log), "uptime": uptime(log), "uptime_bin_s": log.uptime_bin_s,
+            "allocated_learner_s": log.allocated_s, "window_s": log.window_s, "window_start": log.start_s,
+            "faults": rows, "faults_injected": len(rows)}
 
 
 def _step_gaps(steps: list[dict[str, Any]]) -> list[float]:
@@ -241,20 +247,21 @@ def window_end(info: dict[str, Any]) -> float:
     return float(info.get("stop_requested", info["ended"]))
 
 
-def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
-    """Results of a Decoupled or synchronous DiLoCo system directory (definitions in the module docstring)."""
-    system_dir = Path(system_dir)
+def _runtime(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, list[dict[str, Any]], dict[str, Any]]:
+    """A Decoupled or synchronous DiLoCo directory as an event log, its fault records, and what only the
+    report needs (work in learner-seconds, per-learner detail, loss, rounds, bytes, restarts)."""
     info = run_info(system_dir)
     num_learners = int(info["num_learners"])
     logs = [_LearnerLog(system_dir / "learners" / str(i), i) for i in range(num_learners)]
     end = window_end(info)
     start = min((t for log in logs if (t := log.first_step_start()) is not None), default=float(info["started"]))
-    window_s = max(0.0, end - start)
+    end = max(start, end)
 
     rounds = read_jsonl(system_dir / "rounds.jsonl")
     merged = {(int(p["learner_id"]), int(r["fragment"]), int(p.get("inner_step", -1)))
               for r in rounds for p in r.get("participants", [])}
     work_s = dict.fromkeys(("computed", *LOST_CATEGORIES, "useful"), 0.0)
+    work: list[Work] = []
     per_learner = {}
     for learner_id, log in enumerate(logs):
         nominal = log.nominal_step_s()
@@ -264,43 +271,55 @@ def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPT
         per_learner[learner_id] = {"nominal_step_s": nominal, "computed_steps": computed,
                                    "lost_steps": lost, "useful_s": useful_steps * nominal,
                                    "incarnations": len(log.incarnations)}
+        work.append(Work(learner_id, "kept", useful_steps * nominal))
+        work += [Work(learner_id, category, steps * nominal) for category, steps in lost.items()]
         work_s["computed"] += computed * nominal
         for category, steps in lost.items():
             work_s[category] += steps * nominal
         work_s["useful"] += useful_steps * nominal
-    allocated = num_learners * window_s
 
     syncer_events = read_jsonl(system_dir / "syncer" / "metrics.jsonl")
     commits = sorted((e for e in syncer_events if e.get("event") == "commit"), key=lambda e: float(e["time"]))
-    commit_times = [float(e["time"]) for e in commits if start <= float(e["time"]) <= end]
+    advances = [Advance(float(e["time"]), tuple(int(i) for i in e.get("learners", [])))
+                for e in commits if start <= float(e["time"]) <= end]
+    fault_records, faults = _faults(system_dir)
+    events = EventLog(num_learners=num_learners, start_s=start, end_s=end, uptime_bin_s=uptime_bin_s,
+                      work=tuple(work), advances=tuple(advances), faults=tuple(faults),
+                      categories=RUNTIME_CATEGORIES)
+
     syncer_starts = sum(1 for e in syncer_events if e.get("event") == "start")
     learner_restarts = sum(max(0, len(log.incarnations) - 1) for log in logs)
-
-    def rejoin(fault: dict[str, Any], started: float, ended: float) -> float | None:
-        learner = target_index(fault.get("target"))
-        times = [float(e["time"]) for e in commits
-                 if learner is None or learner in [int(i) for i in e.get("learners", [])]]
-        return _first(times, ended, end)
-
     val_loss = [[float(m["time"]) - start, float(m["eval/val_loss"])]
                 for m in read_jsonl(system_dir / "evaluator" / "metrics.jsonl") if m.get("eval/val_loss") is not None]
     status = read_json(system_dir / "syncer_status.json") or {}
-    faults = _fault_rows(system_dir, start, end, lambda t: _first(commit_times, t, end), rejoin)
-    return {
+    extra = {
         "system": info.get("system", system_dir.name), "num_learners": num_learners,
-        "goodput": work_s["useful"] / allocated if allocated > 0 else 0.0,
-        "uptime": uptime(commit_times, start, end, uptime_bin_s), "uptime_bin_s": uptime_bin_s,
-        "work_s": work_s, "allocated_learner_s": allocated, "useful_learner_s": work_s["useful"],
-        "window_s": window_s, "window_start": start, "per_learner": per_learner,
+        "work_s": work_s, "useful_learner_s": work_s["useful"], "per_learner": per_learner,
         "val_loss": val_loss, "final_val_loss": val_loss[-1][1] if val_loss else None,
-        "rounds_per_min": _per_minute(len(commit_times), window_s), "progress_unit": "rounds",
-        "progress": [[t - start, i + 1] for i, t in enumerate(commit_times)],
+        "rounds_per_min": _per_minute(len(advances), events.window_s), "progress_unit": "rounds",
+        "progress": [[a.time_s - start, i + 1] for i, a in enumerate(advances)],
         "bytes": int(status.get("bytes_sent", 0)) + int(status.get("bytes_received", 0)),
         "bytes_label": "syncer payload bytes sent + received",
-        "faults": faults, "faults_injected": len(faults),
         "restarts": learner_restarts + max(0, syncer_starts - 1),
         "restart_detail": {"learners": learner_restarts, "syncer": max(0, syncer_starts - 1)},
     }
+    return events, fault_records, extra
+
+
+def runtime_event_log(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> EventLog:
+    """A Decoupled or synchronous DiLoCo system directory in the `ddiloco.goodput` schema."""
+    return _runtime(Path(system_dir), uptime_bin_s)[0]
+
+
+def analyze_runtime(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
+    """Results of a Decoupled or synchronous DiLoCo system directory (definitions in the module docstring)."""
+    events, fault_records, extra = _runtime(Path(system_dir), uptime_bin_s)
+    return _results(events, fault_records, extra)
+
+
+def _results(events: EventLog, fault_records: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    results = log_results(events, fault_records)
+    return {"system": extra.pop("system"), "num_learners": extra.pop("num_learners"), **results, **extra}
 
 
 # ---- data-parallel ------------------------------------------------------------------------------------
@@ -311,10 +330,8 @@ def _rank_steps(system_dir: Path, rank: int) -> list[dict[str, Any]]:
     return sorted(lines, key=lambda m: float(m["time"]))
 
 
-def analyze_data_parallel(system_dir: str | Path, *,
-                          uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
-    """Results of the data-parallel baseline's directory (definitions in the module docstring)."""
-    system_dir = Path(system_dir)
+def _data_parallel(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, list[dict[str, Any]], dict[str, Any]]:
+    """The data-parallel directory as an event log, its fault records, and what only the report needs."""
     info = run_info(system_dir)
     num_ranks = int(info["num_learners"])
     ranks = {r: _rank_steps(system_dir, r) for r in range(num_ranks)}
@@ -322,59 +339,66 @@ def analyze_data_parallel(system_dir: str | Path, *,
     end = window_end(info)
     starts = [float(lines[0]["time"]) - float(lines[0][f"dp/{r}/step_s"]) for r, lines in ranks.items() if lines]
     start = min(starts, default=float(info["started"]))
-    window_s = max(0.0, end - start)
+    end = max(start, end)
     nominal = _median(_step_gaps(rank0)) if len(rank0) > 1 else _median([float(m["dp/0/step_s"]) for m in rank0])
 
     events = read_jsonl(system_dir / "metrics.jsonl")
     attempt_starts = sorted((e for e in events if e.get("event") == "attempt_start"), key=lambda e: int(e["attempt"]))
-    next_from = {int(a["attempt"]): int(b["from_step"]) for a, b in zip(attempt_starts, attempt_starts[1:],
-                                                                         strict=False)}
     in_window = [m for m in rank0 if start <= float(m["time"]) <= end]
-    kept = sum(1 for m in in_window if int(m["step"]) <= next_from.get(int(m.get("attempt", 0)), math.inf))
+    kept = account_steps([(int(m.get("attempt", 0)), int(m["step"])) for m in in_window],
+                         {int(a["attempt"]): int(a["from_step"]) for a in attempt_starts}).kept
     advances, high = [], -math.inf
     for m in in_window:
         if int(m["step"]) > high:
             high = int(m["step"])
-            advances.append(float(m["time"]))
-    allocated = num_ranks * window_s
-    useful = num_ranks * kept * nominal
-    work_s = {"computed": num_ranks * len(in_window) * nominal,
-              "rolled_back": num_ranks * (len(in_window) - kept) * nominal, "useful": useful}
+            advances.append(Advance(float(m["time"]), tuple(range(num_ranks))))
+    work = [Work(rank, category, steps * nominal) for rank in range(num_ranks)
+            for category, steps in (("merged", kept), ("rolled_back", len(in_window) - kept))]
 
-    def stall(started: float) -> float | None:
-        before = max((int(m["step"]) for m in rank0 if float(m["time"]) <= started), default=-1)
-        return _first((float(m["time"]) for m in rank0 if int(m["step"]) > before), started, end)
-
-    def rejoin(fault: dict[str, Any], started: float, ended: float) -> float | None:
+    def back(fault: dict[str, Any], started: float, ended: float) -> float | None:
+        """A rank contributes again with its first step after the fault's end, in the next attempt if the
+        fault ended the one it hit."""
         rank = target_index(fault.get("target"))
         lines = ranks.get(rank, rank0) if rank is not None else rank0
-        back = next((m for m in lines if float(m["time"]) >= ended), None)
+        step = next((m for m in lines if float(m["time"]) >= ended), None)
         restarted = next((a for a in attempt_starts if float(a["time"]) >= started), None)
-        if restarted is not None and (back is None or float(restarted["time"]) <= float(back["time"])):
-            # The fault ended the attempt: the rank is back once the next attempt steps.
-            back = next((m for m in lines if float(m["time"]) >= ended
+        if restarted is not None and (step is None or float(restarted["time"]) <= float(step["time"])):
+            step = next((m for m in lines if float(m["time"]) >= ended
                          and int(m.get("attempt", 0)) >= int(restarted["attempt"])), None)
-        return None if back is None or float(back["time"]) > end else float(back["time"])
+        return None if step is None else float(step["time"])
 
+    fault_records, faults = _faults(system_dir, back)
+    log = EventLog(num_learners=num_ranks, start_s=start, end_s=end, uptime_bin_s=uptime_bin_s, work=tuple(work),
+                   advances=tuple(advances), faults=tuple(faults), categories=DATA_PARALLEL_CATEGORIES)
+
+    useful = num_ranks * kept * nominal
     val_loss = [[float(m["time"]) - start, float(m["dp/val_loss"])]
                 for m in read_jsonl(system_dir / "ranks" / "0" / "metrics.jsonl") if m.get("dp/val_loss") is not None]
     summary = read_json(system_dir / "summary.json") or {}
     attempts = int(summary.get("attempts", len(attempt_starts)) or 0)
-    faults = _fault_rows(system_dir, start, end, stall, rejoin)
-    return {
+    extra = {
         "system": info.get("system", DATA_PARALLEL), "num_learners": num_ranks,
-        "goodput": useful / allocated if allocated > 0 else 0.0,
-        "uptime": uptime(advances, start, end, uptime_bin_s), "uptime_bin_s": uptime_bin_s,
-        "work_s": work_s, "allocated_learner_s": allocated, "useful_learner_s": useful,
-        "window_s": window_s, "window_start": start, "nominal_step_s": nominal,
-        "kept_steps": kept, "computed_steps": len(in_window),
+        "work_s": {"computed": num_ranks * len(in_window) * nominal,
+                   "rolled_back": num_ranks * (len(in_window) - kept) * nominal, "useful": useful},
+        "useful_learner_s": useful, "nominal_step_s": nominal, "kept_steps": kept, "computed_steps": len(in_window),
         "val_loss": val_loss, "final_val_loss": val_loss[-1][1] if val_loss else summary.get("final_val_loss"),
-        "rounds_per_min": _per_minute(kept, window_s), "progress_unit": "kept steps",
+        "rounds_per_min": _per_minute(kept, log.window_s), "progress_unit": "kept steps",
         "progress": [[float(m["time"]) - start, int(m["step"])] for m in in_window],
         "bytes": int(summary.get("allreduce_bytes", 0) or 0), "bytes_label": "all-reduce bytes (computed)",
-        "faults": faults, "faults_injected": len(faults),
         "restarts": max(0, attempts - 1), "attempts": attempts,
     }
+    return log, fault_records, extra
+
+
+def data_parallel_event_log(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> EventLog:
+    """The data-parallel system directory in the `ddiloco.goodput` schema."""
+    return _data_parallel(Path(system_dir), uptime_bin_s)[0]
+
+
+def analyze_data_parallel(system_dir: str | Path, *,
+                          uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:
+    """Results of the data-parallel baseline's directory (definitions in the module docstring)."""
+    return _results(*_data_parallel(Path(system_dir), uptime_bin_s))
 
 
 def analyze_system(system_dir: str | Path, *, uptime_bin_s: float = DEFAULT_UPTIME_BIN_S) -> dict[str, Any]:

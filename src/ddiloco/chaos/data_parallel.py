@@ -38,10 +38,11 @@ Files in the job directory DIR (`dp_common.JobPaths`):
 - `logs/rank-R-attempt-A.log`: each rank's output, per attempt.
 - `summary.json` (written by `stop()`): attempts, failures, final_step (the step of the last durable
   checkpoint: the model the job ends with), steps_computed (global steps computed over all attempts,
-  including those rolled back), steps_kept, steps_rolled_back, grad_bytes (one rank's gradient),
-  allreduce_bytes (computed, not measured: steps_computed x M x 2 (M - 1) / M x grad_bytes, what the ranks
-  of a ring all-reduce send in total), final_val_loss (rank 0's last), start_s (per attempt: launch to every
-  rank's first step), gave_up (the reason, or null), wall_time_s (start() to the end of stop()).
+  including those rolled back), steps_kept, steps_rolled_back (`ddiloco.data_parallel.account_steps`),
+  grad_bytes (one rank's gradient), allreduce_bytes (computed, not measured: steps_computed x M x
+  `ddiloco.data_parallel.ring_allreduce_bytes` of grad_bytes, what the ranks of a ring all-reduce send in
+  total), final_val_loss (rank 0's last), start_s (per attempt: launch to every rank's first step),
+  gave_up (the reason, or null), wall_time_s (start() to the end of stop()).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from typing import Any
 from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
 from ddiloco.checks import require_int
+from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes
 from ddiloco.metrics import JsonlSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
@@ -82,8 +84,9 @@ KILL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataParallelConfig:
-    """How the agent runs and watches the job (what is trained is in the RunConfig)."""
+class DataParallelAgentConfig:
+    """How the agent runs and watches the job (what is trained is in the RunConfig). Not to be confused with
+    `ddiloco.sim.data_parallel.DataParallelConfig`, what a failure costs a simulated job."""
 
     threads: int = 1
     """torch threads per rank."""
@@ -138,51 +141,37 @@ def exit_cause(returncode: int) -> str:
     return f"exit code {returncode}" + (f" ({meaning})" if meaning else "")
 
 
-@dataclass(frozen=True)
-class StepAccount:
-    """Global steps of a job over all its attempts."""
-
-    computed: int
-    """Steps computed, counting a step computed again after a rollback each time."""
-    kept: int
-    """Steps in the model the job ends with."""
-
-    @property
-    def rolled_back(self) -> int:
-        return self.computed - self.kept
-
-
-def account_steps(from_steps: Mapping[int, int], last_steps: Mapping[int, int], *, final_step: int) -> StepAccount:
-    """`from_steps`: attempt -> the step it resumed from; `last_steps`: attempt -> the last step any of its
-    ranks logged (absent: it computed none); `final_step`: the step of the model the job ends with."""
-    unknown = sorted(set(last_steps) - set(from_steps))
-    if unknown:
-        raise ValueError(f"steps logged by attempt(s) {unknown}, which never started")
-    computed = 0
-    for attempt, from_step in from_steps.items():
-        last = last_steps.get(attempt, from_step)
-        if last < from_step:
-            raise ValueError(f"attempt {attempt} logged step {last}, before the step {from_step} it resumed from")
-        computed += last - from_step
-    first = from_steps[min(from_steps)] if from_steps else 0
-    kept = max(0, final_step - first)
-    if kept > computed:
-        raise ValueError(f"the job ends at step {final_step} but computed only {computed} steps from step {first}")
-    return StepAccount(computed=computed, kept=kept)
-
-
-def last_steps_by_attempt(lines: Iterable[str]) -> dict[int, int]:
-    """attempt -> highest global step in a rank's metrics lines (a torn last line is skipped)."""
-    last: dict[int, int] = {}
+def computed_steps(lines: Iterable[str]) -> set[tuple[int, int]]:
+    """(attempt, global step) of every step line ({"step", "attempt", "dp/R/loss"}) in a rank's metrics lines;
+    evaluation lines and a torn last line are skipped."""
+    steps = set()
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "attempt" in record and "step" in record:
-            attempt = int(record["attempt"])
-            last[attempt] = max(last.get(attempt, int(record["step"])), int(record["step"]))
-    return last
+        if (isinstance(record, dict) and "attempt" in record and "step" in record
+                and any(k.startswith("dp/") and k.endswith("/loss") for k in record)):
+            steps.add((int(record["attempt"]), int(record["step"])))
+    return steps
+
+
+def job_account(steps: set[tuple[int, int]], from_steps: Mapping[int, int], *, final_step: int) -> StepAccount:
+    """`ddiloco.data_parallel.account_steps` of the job's own record, which must be consistent: every attempt
+    that logged steps started, after the step it resumed from, and every step of the final model was computed."""
+    unknown = sorted({attempt for attempt, _ in steps} - set(from_steps))
+    if unknown:
+        raise ValueError(f"steps logged by attempt(s) {unknown}, which never started")
+    for attempt, step in sorted(steps):
+        if step <= from_steps[attempt]:
+            raise ValueError(f"attempt {attempt} logged step {step}, before the step {from_steps[attempt]} it "
+                             "resumed from")
+    account = account_steps(steps, from_steps, final_step=final_step)
+    first = from_steps[min(from_steps)] if from_steps else 0
+    if account.kept < final_step - first:
+        raise ValueError(f"the job ends at step {final_step} but computed only {account.kept} of its steps from "
+                         f"step {first}")
+    return account
 
 
 def free_port() -> int:
@@ -215,7 +204,7 @@ class DataParallelJob:
     The chaos runner's API while it runs: `pids()`, `hold(rank, until)`, `control_file(rank)`, `running`,
     `finished`, `training_started_at`, `step`."""
 
-    def __init__(self, config: DataParallelConfig, *, run_config: RunConfig, job_dir: str | Path) -> None:
+    def __init__(self, config: DataParallelAgentConfig, *, run_config: RunConfig, job_dir: str | Path) -> None:
         self.config = config
         self.run_config = run_config
         self.world_size = run_config.num_learners
@@ -492,22 +481,21 @@ class DataParallelJob:
     # ---- summary ----
 
     def _summary(self, final_step: int) -> dict[str, Any]:
-        last_steps: dict[int, int] = {}
+        steps: set[tuple[int, int]] = set()
         val_loss = None
         for rank in range(self.world_size):
             path = self.paths.rank_metrics(rank)
             lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-            for attempt, step in last_steps_by_attempt(lines).items():
-                last_steps[attempt] = max(step, last_steps.get(attempt, step))
+            steps |= computed_steps(lines)  # every rank logs every step; a rank that died early logs fewer
             if rank == 0:
                 val_loss = _last_value(lines, "dp/val_loss")
-        account = account_steps({a.number: a.from_step for a in self._attempts}, last_steps, final_step=final_step)
-        share = 2 * (self.world_size - 1) / self.world_size
+        account = job_account(steps, {a.number: a.from_step for a in self._attempts}, final_step=final_step)
         assert self._started_at is not None
         return {"attempts": len(self._attempts), "failures": self.failures, "final_step": final_step,
                 "steps_computed": account.computed, "steps_kept": account.kept,
                 "steps_rolled_back": account.rolled_back, "grad_bytes": self._grad_bytes,
-                "allreduce_bytes": int(account.computed * self.world_size * share * self._grad_bytes),
+                "allreduce_bytes": int(account.computed * self.world_size
+                                       * ring_allreduce_bytes(self.world_size, self._grad_bytes)),
                 "final_val_loss": val_loss, "start_s": [a.start_s for a in self._attempts], "gave_up": self.failure,
                 "wall_time_s": time.monotonic() - self._started_at}
 

@@ -6,12 +6,14 @@ byte flip of a corrupt fault, seeds, parameter digests).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ddiloco.data_parallel import BITS_PER_BYTE, ring_allreduce_s
 from ddiloco.fault_control import control_path
 
 EXIT_OK = 0
@@ -94,16 +96,11 @@ def committed_steps(checkpoint_dir: Path) -> list[int]:
 
 def emulated_allreduce_s(world_size: int, gradient_bytes: int, *, latency_s: float,
                          bytes_per_s: float | None) -> float:
-    """Extra seconds a ring all-reduce takes when one link has `latency_s` more latency and (if given) only
-    `bytes_per_s` bandwidth: 2 (M - 1) hops each pay the latency, and 2 (M - 1) / M of the gradient crosses
-    every link."""
-    if world_size <= 1:
-        return 0.0
-    hops = 2 * (world_size - 1)
-    extra = hops * latency_s
-    if bytes_per_s is not None:
-        extra += hops / world_size * gradient_bytes / bytes_per_s
-    return extra
+    """Extra seconds a ring all-reduce (`ddiloco.data_parallel.ring_allreduce_s`) takes when one link has
+    `latency_s` more latency and (if given) only `bytes_per_s` bandwidth: a ring moves at the pace of its
+    slowest link."""
+    bandwidth_bps = math.inf if bytes_per_s is None else bytes_per_s * BITS_PER_BYTE
+    return ring_allreduce_s(world_size, gradient_bytes, latency_s=latency_s, bandwidth_bps=bandwidth_bps)
 
 
 def flip_byte(flat: torch.Tensor, *, element: int, byte: int) -> None:

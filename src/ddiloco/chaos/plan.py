@@ -1,6 +1,7 @@
 """Fault plans of a chaos run: which fault hits which process, when, for how long.
 
-Owns the plan and nothing else: carrying a fault out (signals, control files) is the runner's
+Owns the user format and the drawn plans; the types (`Fault`, `FaultPlan`, shared with the virtual-time
+harness) are `ddiloco.fault_plan`'s. Carrying a fault out (signals, control files) is the runner's
 business, judging what it cost is `ddiloco.chaos.analysis`. Every system of a chaos run (Decoupled
 DiLoCo, synchronous DiLoCo, data-parallel) runs under the same plan, so they face the same faults.
 
@@ -29,151 +30,22 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
-from ddiloco.fault_control import VALUE_EXPECTED, value_valid
-from ddiloco.sim.faults import FailureModel
+from ddiloco.failures import FailureModel
+from ddiloco.fault_control import VALUE_EXPECTED
+from ddiloco.fault_plan import KINDS, SYNCER, TIMED_KINDS, VALUE_KEYS, Fault, FaultPlan, check_fits
 from ddiloco.transport.link import parse_link
 
-KINDS = ("crash", "hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt", "syncer_crash")
-TIMED_KINDS = ("hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt")
-"""Kinds that last a while and need duration_s > 0 (a crash needs one only with restart False)."""
-VALUE_KEYS = {"straggler": "factor", "latency": "latency", "bandwidth": "bandwidth", "drop": "probability",
-              "corrupt": "probability"}
-"""The user-format key of the one parameter each kind takes (stored as Fault.value)."""
-SYNCER = "syncer"
 _TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "min": 60.0}
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
 _LEARNER = re.compile(r"^learner-([0-9]+)$")
 _FAULT_KEYS = {"at", "kind", "target", "duration", "restart", *VALUE_KEYS.values()}
 _PLAN_KEYS = {"duration", "faults", "seed"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fault:
-    """One fault. Learner faults target a learner index; `syncer_crash` targets the syncer (None)."""
-
-    at_s: float
-    """Seconds after the system's launch at which the fault is injected."""
-    kind: str
-    target: int | None = None
-    """Learner index (data-parallel: rank), or None for the syncer."""
-    duration_s: float = 0.0
-    """How long the fault lasts; 0 for an instantaneous one (a crash the supervisor restarts)."""
-    restart: bool = True
-    """crash only: True = the supervisor brings the learner back as usual; False = it stays down for
-    duration_s (a machine being replaced), then comes back."""
-    value: float | None = None
-    """straggler factor >= 1, latency seconds >= 0, bandwidth bytes/s > 0, drop/corrupt probability."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind {self.kind!r} is unknown: expected one of {', '.join(KINDS)}")
-        if not (isinstance(self.at_s, int | float) and math.isfinite(self.at_s) and self.at_s >= 0):
-            raise ValueError(f"at={self.at_s!r} is invalid: expected a time >= 0")
-        if not (isinstance(self.duration_s, int | float) and math.isfinite(self.duration_s)
-                and self.duration_s >= 0):
-            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time >= 0")
-        if self.kind == "syncer_crash":
-            if self.target is not None:
-                raise ValueError(f"target={self.target!r} is invalid for syncer_crash: it targets the syncer only")
-        elif not (isinstance(self.target, int) and not isinstance(self.target, bool) and self.target >= 0):
-            raise ValueError(f"target={self.target!r} is invalid for {self.kind}: expected a learner "
-                             "(learner-N or N)")
-        if not self.restart and self.kind != "crash":
-            raise ValueError(f"restart=false is invalid for {self.kind}: only a crash can keep a process down")
-        timed = self.kind in TIMED_KINDS or (self.kind == "crash" and not self.restart)
-        if timed and self.duration_s <= 0:
-            what = "crash with restart false" if self.kind == "crash" else self.kind
-            raise ValueError(f"duration is missing for {what}: expected a time > 0")
-        if not timed and self.duration_s != 0:
-            raise ValueError(f"duration={self.duration_s!r} is invalid for an instantaneous {self.kind}: "
-                             "expected none (a crash held down needs restart: false)")
-        if self.kind in VALUE_KEYS:
-            _check_value(self.kind, self.value)
-        elif self.value is not None:
-            raise ValueError(f"a value ({self.value!r}) is invalid for {self.kind}: it takes no parameter")
-
-    @property
-    def end_s(self) -> float:
-        return self.at_s + self.duration_s
-
-    @property
-    def target_name(self) -> str:
-        return SYNCER if self.target is None else f"learner-{self.target}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"at_s": self.at_s, "kind": self.kind, "target": self.target, "duration_s": self.duration_s,
-                "restart": self.restart, "value": self.value}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Fault:
-        value = data.get("value")
-        target = data.get("target")
-        return cls(at_s=float(data["at_s"]), kind=str(data["kind"]), target=None if target is None else int(target),
-                   duration_s=float(data.get("duration_s", 0.0)), restart=bool(data.get("restart", True)),
-                   value=None if value is None else float(value))
-
-
-def _check_value(kind: str, value: float | None) -> None:
-    if not value_valid(kind, value):
-        missing = " is missing" if value is None else f"={value!r} is invalid"
-        raise ValueError(f"{VALUE_KEYS[kind]}{missing} for {kind}: expected {VALUE_EXPECTED[kind]}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FaultPlan:
-    """Every fault of a chaos run, sorted by start time (ties keep their given order)."""
-
-    duration_s: float
-    """How long each system runs, seconds from its launch."""
-    num_learners: int
-    faults: tuple[Fault, ...] = ()
-    seed: int = 0
-    """Seeds the processes' drop and corrupt draws (and, for a drawn plan, the draw itself)."""
-    source: str = ""
-    """Where the plan came from: a file path, "quick", or "model"."""
-    model: dict[str, Any] | None = field(default=None, compare=False)
-    """Arguments of `model_plan` when the plan was drawn."""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.duration_s, int | float) and math.isfinite(self.duration_s) and self.duration_s > 0):
-            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time > 0")
-        if not (isinstance(self.num_learners, int) and self.num_learners >= 1):
-            raise ValueError(f"num_learners={self.num_learners!r} is invalid: expected an integer >= 1")
-        for index, fault in enumerate(self.faults):
-            _check_fits(fault, self.num_learners, self.duration_s, f"fault {index}")
-        object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"duration_s": self.duration_s, "num_learners": self.num_learners, "seed": self.seed,
-                "source": self.source, "model": self.model, "faults": [f.to_json() for f in self.faults]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FaultPlan:
-        return cls(duration_s=float(data["duration_s"]), num_learners=int(data["num_learners"]),
-                   faults=tuple(Fault.from_json(f) for f in data["faults"]), seed=int(data.get("seed", 0)),
-                   source=str(data.get("source", "")), model=data.get("model"))
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return path
-
-
-def _check_fits(fault: Fault, num_learners: int, duration_s: float, where: str) -> None:
-    if fault.target is not None and fault.target >= num_learners:
-        raise ValueError(f"{where}: target learner-{fault.target} is beyond the run's {num_learners} learners: "
-                         f"expected learner-0 .. learner-{num_learners - 1}")
-    if fault.at_s >= duration_s:
-        raise ValueError(f"{where}: at={fault.at_s:g}s is not before the plan's duration of {duration_s:g}s: "
-                         "expected a fault that starts while the system runs")
 
 
 # ---- the user format ----------------------------------------------------------------------------------
@@ -299,7 +171,7 @@ def load_plan(path: str | Path, num_learners: int) -> FaultPlan:
             fault = fault_from_user(entry)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        _check_fits(fault, num_learners, duration_s, where)
+        check_fits(fault, num_learners, duration_s, where)
         faults.append(fault)
     return FaultPlan(duration_s=duration_s, num_learners=num_learners, faults=tuple(faults), seed=seed,
                      source=str(path))
@@ -384,9 +256,9 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
     total_weight = sum(weights.values())
     if total_weight <= 0:
         raise ValueError("kind_weights is invalid: expected at least one weight > 0")
-    model = FailureModel(mtbi_s=mtbi_per_chip_s / chips_per_learner, recovery_scale_s=recovery_scale_s,
-                         recovery_shape=recovery_shape, recovery_exponent=recovery_exponent,
-                         max_recovery_s=max_recovery_s)
+    model = FailureModel(mtbi_s=mtbi_per_chip_s / chips_per_learner, chips_per_slice=1,
+                         recovery_scale_s=recovery_scale_s, recovery_shape=recovery_shape,
+                         recovery_exponent=recovery_exponent, max_recovery_s=max_recovery_s)
     limit = num_learners - 1 if max_down_at_once is None else max_down_at_once
     kinds = list(weights)
     probabilities = np.array([weights[k] for k in kinds]) / total_weight
@@ -446,3 +318,7 @@ def soak_plan(duration_s: float, num_learners: int, *, kill_every_s: float, seed
                  "seed": seed, "start_after_s": start_after_s, "margin_s": margin_s}
     return FaultPlan(duration_s=duration_s, num_learners=num_learners, faults=tuple(faults), seed=seed,
                      source="soak", model=arguments)
+
+
+__all__ = ["KINDS", "SYNCER", "TIMED_KINDS", "VALUE_KEYS", "Fault", "FaultPlan", "load_plan", "model_plan",
+           "quick_plan", "soak_plan"]

@@ -29,7 +29,7 @@ DEFINITIONS = """\
   time. Nominal step time: the median interval between consecutive steps, so slowed, waiting or hung
   steps count only a normal step's worth.
 - **uptime**: share of the window's bins in which the global model advanced (a committed round; DP: a
-  step above every earlier one).
+  step above every earlier one); the definitions are `ddiloco.goodput`'s.
 - **stall**: from a fault's start to the next advance of the global model; **rejoin**: from its end to
   the target's next contribution (a round merging the learner; the next round for the syncer; the
   rank's next step for DP). "-" when it did not happen before the stop.

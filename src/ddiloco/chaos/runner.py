@@ -440,11 +440,11 @@ class DataParallelTargets:
 def run_data_parallel_system(system_dir: Path, run_config: RunConfig, plan: FaultPlan, settings: ChaosSettings,
                              *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the DDP baseline under `plan`; returns the run.json record."""
-    from ddiloco.chaos.data_parallel import DataParallelConfig, DataParallelJob
+    from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
 
     system_dir.mkdir(parents=True, exist_ok=False)
     standby_ranks = STANDBY_RESTARTS * run_config.num_learners if settings.warm_restarts else 0
-    job = DataParallelJob(DataParallelConfig(threads=settings.threads, eval_every_s=settings.eval_every_s,
+    job = DataParallelJob(DataParallelAgentConfig(threads=settings.threads, eval_every_s=settings.eval_every_s,
                                              checkpoint_every_s=settings.dp_checkpoint_every_s,
                                              hang_timeout_s=settings.dp_hang_timeout_s,
                                              standby_ranks=standby_ranks),

@@ -17,6 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ddiloco.data_parallel import ring_allreduce_bytes
+
 BITS_PER_BYTE = 8
 GBPS = 1e9
 """Bandwidth is reported in Gbit/s (10^9 bits per second), the unit links are sold in."""
@@ -234,7 +236,7 @@ def data_parallel(config: BandwidthConfig) -> SystemBandwidth:
     """Ring all-reduce of the gradients across sites within every inner step."""
     sites = len(config.region_learners())
     gradient = encoded_nbytes(config.gradient_codec, math.ceil(config.params))
-    per_step = 2 * (sites - 1) / sites * gradient
+    per_step = ring_allreduce_bytes(sites, gradient)
     rate = per_step * BITS_PER_BYTE / config.step_time_s
     site = LinkDemand("region (one replica)", rate, rate, rate)
     links = tuple(LinkDemand(f"WAN {name}", rate, rate, rate) for name in config.region_learners())

@@ -7,7 +7,8 @@ Weibull recovery (`ddiloco.plan.failures`), each system a few timelines measured
 of 8 k failures takes milliseconds.
 
 Goodput = useful chip-seconds / allocated chip-seconds; uptime = share of wall time in which the
-global model advances; both with 95 % Student-t intervals over independent, seeded replicas. This
+global model advances (the definitions of `ddiloco.goodput`, measured here exactly on the timelines
+rather than in bins of discrete rounds); both with 95 % Student-t intervals over independent, seeded replicas. This
 module owns the estimates and the entry point `simulate`; the configs are in `ddiloco.plan.scenario`,
 the calibrated grid in `ddiloco.plan.paper_grid`.
 """

@@ -1,28 +1,23 @@
 """Where learner time and bytes went, and the result record of a simulated run.
 
-Owns the definitions of the harness's metrics, shared by every system:
+The definitions of goodput, merged work, uptime and the work categories are `ddiloco.goodput`'s, the
+same for the harness and for a real chaos run: each driver books its work here (`WorkSeconds`,
+`FragmentWork`), records the global model's advances and the outages, and hands the resulting
+`ddiloco.goodput.EventLog` to `core_metrics`. What is the harness's own:
 
-- **allocated learner time** = M x the run's virtual duration, from the start of the first inner step
-  (Decoupled learners first load the initial global state, which is set-up, not training) to the end
-  of the last one. A learner that is down, joining, or blocked on the syncer is allocated but not
-  useful.
+- **the window**: from the start of the first inner step (Decoupled learners first load the initial
+  global state, which is set-up, not training) to the end of the last one; allocated learner time =
+  M x its virtual duration. A learner that is down, joining, or blocked on the syncer is allocated but
+  not useful.
 - **work categories**: each inner step's virtual duration is split across the fragments by their share
-  of the parameters, and each share ends in exactly one category:
-  `merged` (it reached the global model through a committed round), `overwritten` (a newer version of
-  the fragment arrived before the learner published it: the tau-step overlap of streaming sync, or a
-  straggler overtaken by a round it did not join), `crashed` (the learner failed before publishing, or
-  its update was lost in flight), `rejected` (the syncer refused the update, e.g. stale), `unfinished`
-  (still unpublished when the token budget ran out), and, for data-parallel, `rolled_back` (undone by
-  a restart from a checkpoint).
-- **goodput** = (merged + overwritten + unfinished) / allocated: time spent computing inner steps
-  that the system did not throw away (lost to a failure, a rejection or a rollback), over allocated
-  time. Overwritten work counts because it steered the learner's other fragments, and the paper's
-  goodput (100 % at K = 1) counts it; unfinished work counts because the run ends at a token budget,
-  an artefact of the harness, not a cost of the system (a longer run would merge it). The strict
-  **merged_work_fraction** = merged / allocated is reported beside it, and `work_breakdown` gives
-  every category.
-- **uptime** = share of the run's virtual duration in which at least one learner (or the
-  data-parallel job) is computing an inner step: the global model is being trained.
+  of the parameters, and each share ends in exactly one category of `HARNESS_CATEGORIES` (their
+  meanings are `ddiloco.goodput`'s): `merged`, `overwritten` (the tau-step overlap of streaming sync,
+  or a straggler overtaken by a round it did not join), `crashed` (the learner failed before
+  publishing, or its update was lost in flight), `rejected`, `unfinished` (still unpublished when the
+  token budget ran out) and, for data-parallel, `rolled_back`.
+- **the uptime bin**: one sync period, H nominal inner steps (`uptime_bin_s`); data-parallel uses the
+  H of the experiment it runs in, so every system of an experiment is measured with the same bin.
+- **uptime_while_alive** (Decoupled): share of the time some learner is up in which a learner computes.
 - **tokens processed** = target tokens of every completed inner step; **tokens merged** = sum over
   committed rounds of each participant's tokens x its fragment's share of the parameters (the
   protocol's own counters: tokens since the learner last received that fragment).
@@ -45,32 +40,30 @@ from typing import Any
 
 import torch
 
-WORK_CATEGORIES = ("merged", "overwritten", "crashed", "rejected", "unfinished", "rolled_back")
-USEFUL_CATEGORIES = ("merged", "overwritten", "unfinished")
+from ddiloco.goodput import EventLog, Work, booked_work, goodput, merged_work_fraction, uptime, work_breakdown
+
+HARNESS_CATEGORIES = ("merged", "overwritten", "crashed", "rejected", "unfinished", "rolled_back")
+"""The `ddiloco.goodput` work categories the harness books, in the order its breakdown lists them."""
 
 
-class WorkLedger:
-    """Seconds of inner-step work per learner and category."""
+class WorkSeconds:
+    """Seconds of inner-step work per learner and category, as the harness books them (a learner's on-disk
+    record of a real run is another thing: `ddiloco.work_ledger.WorkLedger`)."""
 
     def __init__(self, num_learners: int) -> None:
-        self.seconds = [dict.fromkeys(WORK_CATEGORIES, 0.0) for _ in range(num_learners)]
+        self.per_learner = [dict.fromkeys(HARNESS_CATEGORIES, 0.0) for _ in range(num_learners)]
 
     def add(self, learner_id: int, category: str, seconds: float) -> None:
-        if category not in WORK_CATEGORIES:
+        if category not in HARNESS_CATEGORIES:
             raise ValueError(f"unknown work category {category!r}")
-        self.seconds[learner_id][category] += seconds
+        self.per_learner[learner_id][category] += seconds
 
     def total(self, category: str) -> float:
-        return sum(per[category] for per in self.seconds)
+        return sum(per[category] for per in self.per_learner)
 
-    def useful(self) -> float:
-        return sum(self.total(c) for c in USEFUL_CATEGORIES)
-
-    def breakdown(self, allocated_s: float) -> dict[str, float]:
-        """Share of allocated time per category."""
-        if allocated_s <= 0:
-            return dict.fromkeys(WORK_CATEGORIES, 0.0)
-        return {c: self.total(c) / allocated_s for c in WORK_CATEGORIES}
+    def records(self) -> tuple[Work, ...]:
+        """The booked seconds as `ddiloco.goodput.Work` records, learner by learner."""
+        return booked_work(self.per_learner)
 
 
 class FragmentWork:
@@ -85,7 +78,7 @@ class FragmentWork:
 
     def __init__(self, shares: list[float], num_learners: int) -> None:
         self.shares = shares
-        self.ledger = WorkLedger(num_learners)
+        self.seconds = WorkSeconds(num_learners)
         self.open = [[0.0] * len(shares) for _ in range(num_learners)]
         self._in_flight: dict[tuple[int, int, int, int], float] = {}
         self._accepted: dict[tuple[int, int], float] = {}
@@ -99,12 +92,12 @@ class FragmentWork:
         self.open[learner_id][fragment] = 0.0
 
     def overwritten(self, learner_id: int, fragment: int) -> None:
-        self.ledger.add(learner_id, "overwritten", self.open[learner_id][fragment])
+        self.seconds.add(learner_id, "overwritten", self.open[learner_id][fragment])
         self.open[learner_id][fragment] = 0.0
 
     def crashed(self, learner_id: int) -> None:
         for p in range(len(self.shares)):
-            self.ledger.add(learner_id, "crashed", self.open[learner_id][p])
+            self.seconds.add(learner_id, "crashed", self.open[learner_id][p])
             self.open[learner_id][p] = 0.0
 
     def arrived(self, learner_id: int, incarnation: int, fragment: int, inner_step: int, *,
@@ -117,21 +110,21 @@ class FragmentWork:
             key = (learner_id, fragment)
             self._accepted[key] = self._accepted.get(key, 0.0) + seconds
         else:
-            self.ledger.add(learner_id, outcome, seconds)
+            self.seconds.add(learner_id, outcome, seconds)
 
     def merged(self, learner_id: int, fragment: int) -> None:
-        self.ledger.add(learner_id, "merged", self._accepted.pop((learner_id, fragment)))
+        self.seconds.add(learner_id, "merged", self._accepted.pop((learner_id, fragment)))
 
     def finish(self) -> None:
         """The run is over: whatever was not published or merged is unfinished."""
         for learner_id, per_fragment in enumerate(self.open):
             for p, seconds in enumerate(per_fragment):
-                self.ledger.add(learner_id, "unfinished", seconds)
+                self.seconds.add(learner_id, "unfinished", seconds)
                 per_fragment[p] = 0.0
         # After the drain nothing should be in flight or waiting in an open round; counted anyway,
-        # so the ledger always adds up to the work done.
+        # so the booked work always adds up to the work done.
         for (learner_id, *_), seconds in list(self._in_flight.items()) + list(self._accepted.items()):
-            self.ledger.add(learner_id, "unfinished", seconds)
+            self.seconds.add(learner_id, "unfinished", seconds)
         self._in_flight.clear()
         self._accepted.clear()
 
@@ -164,23 +157,26 @@ class PeakMeter:
                     if start_s <= window * self.window_s and (window + 1) * self.window_s <= end_s), default=0)
 
 
-def core_metrics(ledger: WorkLedger, *, num_learners: int, start_s: float, end_s: float,
-                 busy: Iterable[tuple[float, float]], final_loss: float, tokens_processed: float,
-                 tokens_merged: float) -> dict[str, Any]:
-    """The metrics every system reports, by the definitions in the module docstring. `busy` holds the
-    intervals in which a learner (or the data-parallel job) computed."""
-    duration_s = end_s - start_s
-    allocated_s = num_learners * duration_s
-    busy_s = union_length(busy, end_s=end_s)
+def event_log(work: WorkSeconds, *, num_learners: int, start_s: float, end_s: float, uptime_bin_s: float,
+              advances: Iterable = (), faults: Iterable = ()) -> EventLog:
+    """The run as `ddiloco.goodput` reads it: the window, the booked work, the global model's advances and
+    the outages."""
+    return EventLog(num_learners=num_learners, start_s=start_s, end_s=end_s, uptime_bin_s=uptime_bin_s,
+                    work=work.records(), advances=tuple(advances), faults=tuple(faults),
+                    categories=HARNESS_CATEGORIES)
+
+
+def core_metrics(log: EventLog, *, final_loss: float, tokens_processed: float, tokens_merged: float) -> dict[str, Any]:
+    """The metrics every system reports, by the definitions of `ddiloco.goodput`."""
     return {
-        "goodput": ledger.useful() / allocated_s if allocated_s else 0.0,
-        "merged_work_fraction": ledger.total("merged") / allocated_s if allocated_s else 0.0,
-        "uptime": busy_s / duration_s if duration_s else 0.0,
+        "goodput": goodput(log),
+        "merged_work_fraction": merged_work_fraction(log),
+        "uptime": uptime(log),
         "final_val_loss": final_loss,
-        "virtual_time_s": duration_s,
+        "virtual_time_s": log.window_s,
         "tokens_processed": tokens_processed,
         "tokens_merged": tokens_merged,
-        "work_breakdown": ledger.breakdown(allocated_s),
+        "work_breakdown": work_breakdown(log),
     }
 
 
@@ -208,6 +204,8 @@ class SimResult:
     round_log: list = field(default_factory=list, repr=False)
     """RoundRecords of a Decoupled run (empty for data-parallel)."""
     settings: dict[str, Any] = field(default_factory=dict)
+    events: EventLog | None = field(default=None, repr=False)
+    """The run in the `ddiloco.goodput` schema: what its goodput, uptime and recoveries are computed from."""
 
     def to_json(self) -> dict[str, Any]:
         return {"system": self.system, "metrics": self.metrics,

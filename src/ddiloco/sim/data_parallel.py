@@ -22,9 +22,11 @@ Failures (same `FaultPlan` as the other systems; arXiv 2604.21428, section 4):
   global batch; the step in progress is lost. A returning replica is re-admitted at the next step
   boundary after an `upscale_s` pause for everyone.
 
-Metrics follow `ddiloco.sim.accounting`: goodput counts each participating replica's compute time of
-steps that stay in the model; uptime is the share of time the job computes (including steps that are
-later rolled back or cut by a failure).
+Metrics are `ddiloco.goodput`'s (what the harness books: `ddiloco.sim.accounting`): goodput counts each
+participating replica's compute time of steps that stay in the model; the global model advances with
+every step above every earlier step number (a step done again after a rollback is not progress), and
+uptime is measured in bins of `uptime_bin_s` (default one sync period of the default H, so that it
+compares with the DiLoCo systems of an experiment; `ddiloco.sim.experiments` passes its own H).
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ from typing import Any
 
 import torch
 
+from ddiloco.config import DilocoConfig
 from ddiloco.data import Batch, load_corpus, shard_stream
-from ddiloco.sim.accounting import CurvePoint, SimResult, WorkLedger, core_metrics
+from ddiloco.data_parallel import ring_allreduce_bytes, ring_allreduce_s
+from ddiloco.goodput import Advance, EventLog
+from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
-from ddiloco.sim.faults import FaultPlan
-from ddiloco.sim.links import BITS_PER_BYTE, LinkConfig
+from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
+from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.training import inner_step, make_inner_optimizer
 
@@ -87,18 +92,13 @@ class DataParallelSimConfig:
 
 
 def allreduce_s(link: LinkConfig, *, replicas: int, nbytes: int) -> float:
-    """Ring all-reduce: 2 (k - 1) / k of the bytes through every link, 2 (k - 1) latency hops."""
-    if replicas <= 1:
-        return 0.0
-    share = 2 * (replicas - 1) / replicas
-    return share * nbytes * BITS_PER_BYTE / link.bandwidth_bps + 2 * (replicas - 1) * link.latency_s
+    """`ddiloco.data_parallel.ring_allreduce_s` over the job's interconnect."""
+    return ring_allreduce_s(replicas, nbytes, latency_s=link.latency_s, bandwidth_bps=link.bandwidth_bps)
 
 
 def allreduce_bytes(*, replicas: int, nbytes: int) -> int:
-    """Bytes each replica sends (and receives) in one ring all-reduce."""
-    if replicas <= 1:
-        return 0
-    return int(2 * (replicas - 1) / replicas * nbytes)
+    """Bytes each replica sends (and receives) in one ring all-reduce (`ddiloco.data_parallel`)."""
+    return int(ring_allreduce_bytes(replicas, nbytes))
 
 
 def _concat(batches: list[Batch]) -> Batch:
@@ -110,9 +110,11 @@ class DataParallelSim:
     """Runs one data-parallel configuration under a fault plan; `run()` returns a `SimResult`."""
 
     def __init__(self, config: DataParallelSimConfig, *, faults: FaultPlan | None = None,
-                 name: str | None = None, corpus: bytes | None = None) -> None:
+                 name: str | None = None, corpus: bytes | None = None, uptime_bin_s: float | None = None) -> None:
         self.config = config
-        self.faults = faults or FaultPlan()
+        self.uptime_bin_s = (DilocoConfig().sync_every * config.cluster.step_time_s if uptime_bin_s is None
+                             else uptime_bin_s)
+        self.faults = harness_plan(faults, config.cluster.num_learners)
         dp = config.data_parallel
         self.name = name or ("elastic_data_parallel" if dp.elastic else "data_parallel")
         cluster, workload = config.cluster, config.workload
@@ -125,7 +127,7 @@ class DataParallelSim:
         self.timers = [StepTimer(cluster, learner_id=i, seed=config.seed) for i in range(num)]
         self.evaluator = Evaluator(workload, corpus=corpus)
         self.model_bytes = sum(p.numel() for p in self.model.parameters()) * GRADIENT_BYTES_PER_VALUE
-        self.ledger = WorkLedger(num)
+        self.work = WorkSeconds(num)
         self.budget_tokens = workload.token_budget(num)
         self._eval_marks = eval_schedule(self.budget_tokens, workload.eval_points)
         self.curve: list[CurvePoint] = []
@@ -133,7 +135,9 @@ class DataParallelSim:
         self.tokens_processed = 0
         self.global_step = 0
         self.members = set(range(num))
-        self.busy: list[tuple[float, float]] = []
+        self.advances: list[Advance] = []
+        self._high_step = 0
+        """The highest global step ever reached: only a step above it advances the global model."""
         self._since_checkpoint: list[tuple[int, float]] = []  # (replica, seconds) of steps after it
         self._checkpoint = self._snapshot()
         self.failures = 0
@@ -155,9 +159,12 @@ class DataParallelSim:
         final_loss = self.evaluator.loss(dict(self.model.named_parameters()))
         self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, final_loss))
         self.loop.record("final", val_loss=final_loss, global_steps=self.global_step)
-        return SimResult(system=self.name, metrics=self._metrics(final_loss), curve=self.curve, log=self.loop.log,
-                         final_params={n: p.detach().clone() for n, p in self.model.named_parameters()},
-                         settings=self._settings())
+        events = event_log(self.work, num_learners=self.config.cluster.num_learners, start_s=0.0,
+                           end_s=self.loop.now, uptime_bin_s=self.uptime_bin_s, advances=self.advances,
+                           faults=outage_faults(self.faults))
+        final_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return SimResult(system=self.name, metrics=self._metrics(events, final_loss), curve=self.curve,
+                         log=self.loop.log, final_params=final_params, settings=self._settings(), events=events)
 
     def _down(self, replica: int, time_s: float) -> bool:
         return self.faults.is_down(replica, time_s)
@@ -187,7 +194,7 @@ class DataParallelSim:
             return False
         if not self.members:
             # Everyone is down: wait for the first replica to come back.
-            ends = [o.end_s for o in self.faults.outages if o.start_s <= now < o.end_s]
+            ends = [o.end_s for o in self.faults.outages if o.at_s <= now < o.end_s]
             loop.record("all_down")
             loop.clock.advance_to(min(ends))
             return False
@@ -198,7 +205,7 @@ class DataParallelSim:
         loop, dp = self.loop, self.config.data_parallel
         time_s = loop.now
         while True:
-            ends = [o.end_s for o in self.faults.outages if o.start_s <= time_s < o.end_s]
+            ends = [o.end_s for o in self.faults.outages if o.at_s <= time_s < o.end_s]
             if not ends:
                 break
             time_s = max(ends)
@@ -206,8 +213,8 @@ class DataParallelSim:
         loop.clock.advance_to(time_s + dp.restart_s)
         self.restarts += 1
         for replica, seconds in self._since_checkpoint:
-            self.ledger.add(replica, "merged", -seconds)
-            self.ledger.add(replica, "rolled_back", seconds)
+            self.work.add(replica, "merged", -seconds)
+            self.work.add(replica, "rolled_back", seconds)
         lost_steps = self.global_step - self._checkpoint["global_step"]
         self._restore(self._checkpoint)
         loop.record("restart", rolled_back_steps=lost_steps, resume_step=self.global_step)
@@ -219,13 +226,12 @@ class DataParallelSim:
         comm_s = allreduce_s(self.config.data_parallel.allreduce, replicas=len(participants),
                              nbytes=self.model_bytes)
         end = start + max(durations.values()) + comm_s
-        failure = min(((o.start_s, o.learner_id) for o in self.faults.outages
-                       if o.learner_id in participants and start < o.start_s < end), default=None)
+        failure = min(((o.at_s, o.target) for o in self.faults.outages
+                       if o.target in participants and start < o.at_s < end), default=None)
         if failure is not None:
             fail_s, replica = failure
             for i, duration in durations.items():
-                self.ledger.add(i, "crashed", min(duration, fail_s - start))
-            self.busy.append((start, fail_s))
+                self.work.add(i, "crashed", min(duration, fail_s - start))
             self.failures += 1
             loop.clock.advance_to(fail_s)
             loop.record("fail", replica=replica, step=self.global_step)
@@ -234,14 +240,16 @@ class DataParallelSim:
         batch = _concat(batches)
         loss = inner_step(self.model, self.optimizer, batch, grad_clip=self.config.workload.inner.grad_clip)
         loop.clock.advance_to(end)
-        self.busy.append((start, end))
         self.global_step += 1
+        if self.global_step > self._high_step:
+            self._high_step = self.global_step
+            self.advances.append(Advance(end, tuple(participants), float(batch.tokens)))
         self.kept_tokens += batch.tokens
         self.tokens_processed += batch.tokens
         sent = allreduce_bytes(replicas=len(participants), nbytes=self.model_bytes)
         self.peak_bytes_per_step = max(self.peak_bytes_per_step, sent)
         for i, duration in durations.items():
-            self.ledger.add(i, "merged", duration)
+            self.work.add(i, "merged", duration)
             self.bytes_per_replica[i] += sent
             if not self.config.data_parallel.elastic:
                 self._since_checkpoint.append((i, duration))
@@ -279,10 +287,9 @@ class DataParallelSim:
         self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, loss))
         self.loop.record("eval", tokens=self.kept_tokens, val_loss=loss)
 
-    def _metrics(self, final_loss: float) -> dict[str, Any]:
-        metrics = core_metrics(self.ledger, num_learners=self.config.cluster.num_learners, start_s=0.0,
-                               end_s=self.loop.now, busy=self.busy, final_loss=final_loss,
-                               tokens_processed=self.tokens_processed, tokens_merged=self.kept_tokens)
+    def _metrics(self, events: EventLog, final_loss: float) -> dict[str, Any]:
+        metrics = core_metrics(events, final_loss=final_loss, tokens_processed=self.tokens_processed,
+                               tokens_merged=self.kept_tokens)
         metrics.update({
             "bytes_up": sum(self.bytes_per_replica),
             "bytes_down": sum(self.bytes_per_replica),
@@ -298,4 +305,5 @@ class DataParallelSim:
         config = self.config
         return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
                 "data_parallel": dataclasses.asdict(config.data_parallel), "seed": config.seed,
-                "faults": self.faults.to_json()}
+                "uptime_bin_s": self.uptime_bin_s,
+                "faults": outages_json(self.faults)}

@@ -30,7 +30,8 @@ Rules the driver keeps (they mirror the real runtime):
   `Leave`, and the driver lets every message in flight arrive, so the last rounds commit; the final
   global model is evaluated after that.
 
-Paper: Decoupled DiLoCo, arXiv 2604.21428. Metric definitions: `ddiloco.sim.accounting`.
+Paper: Decoupled DiLoCo, arXiv 2604.21428. Metric definitions: `ddiloco.goodput` (what the harness books:
+`ddiloco.sim.accounting`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from typing import Any, Protocol
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import load_corpus, shard_stream
+from ddiloco.fault_plan import Fault
+from ddiloco.goodput import Advance, EventLog
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.messages import (
@@ -58,10 +61,18 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
-from ddiloco.sim.accounting import CurvePoint, FragmentWork, PeakMeter, SimResult, core_metrics, union_length
+from ddiloco.sim.accounting import (
+    CurvePoint,
+    FragmentWork,
+    PeakMeter,
+    SimResult,
+    core_metrics,
+    event_log,
+    union_length,
+)
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
-from ddiloco.sim.faults import FaultPlan, Outage
+from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
 from ddiloco.sim.links import Link, describe_message, message_nbytes, payload_nbytes
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.syncer import Syncer
@@ -128,12 +139,10 @@ class DecoupledSim:
     def __init__(self, config: DecoupledSimConfig, *, faults: FaultPlan | None = None, name: str = "decoupled",
                  corpus: bytes | None = None, observers: Sequence[RoundObserver] = ()) -> None:
         self.config = config
-        self.faults = faults or FaultPlan()
+        self.faults = harness_plan(faults, config.cluster.num_learners)
         self.name = name
         self.observers = list(observers)
         cluster, workload = config.cluster, config.workload
-        if any(o.learner_id >= cluster.num_learners for o in self.faults.outages):
-            raise ValueError(f"fault plan names a learner beyond num_learners={cluster.num_learners}")
         corpus = load_corpus() if corpus is None else corpus
         self.loop = EventLoop()
         self.initial_params = {n: p.detach().clone()
@@ -155,6 +164,7 @@ class DecoupledSim:
         self.claimed_tokens = 0
         self.tokens_processed = 0
         self.tokens_merged = 0.0
+        self.advances: list[Advance] = []
         self._deadline: float | None = None
         self._eval_marks = eval_schedule(self.budget_tokens, workload.eval_points)
         self.curve: list[CurvePoint] = []
@@ -182,9 +192,10 @@ class DecoupledSim:
         final_loss = self.evaluator.loss(self.syncer.global_params())
         self.curve.append(CurvePoint(self.tokens_processed, self.end_s, final_loss))
         loop.record("final", val_loss=final_loss, rounds=self.syncer.rounds_committed)
-        return SimResult(system=self.name, metrics=self._metrics(final_loss), curve=self.curve, log=loop.log,
+        events = self._event_log()
+        return SimResult(system=self.name, metrics=self._metrics(events, final_loss), curve=self.curve, log=loop.log,
                          final_params=self.syncer.global_params(), round_log=self.round_log,
-                         settings=self._settings())
+                         settings=self._settings(), events=events)
 
     @property
     def budget_spent(self) -> bool:
@@ -318,11 +329,12 @@ class DecoupledSim:
 
     # ---- failures --------------------------------------------------------------------------------
 
-    def _schedule_outage(self, outage: Outage) -> None:
-        self.loop.schedule(outage.start_s, "fail", self._on_fail, outage=outage)
+    def _schedule_outage(self, outage: Fault) -> None:
+        self.loop.schedule(outage.at_s, "fail", self._on_fail, outage=outage)
 
-    def _on_fail(self, outage: Outage) -> None:
-        slot = self.slots[outage.learner_id]
+    def _on_fail(self, outage: Fault) -> None:
+        assert outage.target is not None
+        slot = self.slots[outage.target]
         if slot.state == "done":
             return
         self._unblock(slot)
@@ -338,19 +350,20 @@ class DecoupledSim:
         slot.inbox.clear()
         slot.uplink.reset(self.loop.now)
         slot.downlink.reset(self.loop.now)
-        self.loop.record("fail", learner=outage.learner_id, until_s=outage.end_s)
-        logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.learner_id, self.loop.now,
+        self.loop.record("fail", learner=outage.target, until_s=outage.end_s)
+        logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.target, self.loop.now,
                     outage.end_s)
         self.loop.schedule(outage.end_s, "recover", self._on_recover, outage=outage)
 
-    def _on_recover(self, outage: Outage) -> None:
-        slot = self.slots[outage.learner_id]
-        self.loop.record("recover", learner=outage.learner_id)
+    def _on_recover(self, outage: Fault) -> None:
+        assert outage.target is not None
+        slot = self.slots[outage.target]
+        self.loop.record("recover", learner=outage.target)
         if self.budget_spent:
             slot.state = "done"
             return
         self._start_incarnation(slot)
-        later = [o for o in self.faults.for_learner(outage.learner_id) if o.start_s >= outage.end_s]
+        later = [o for o in self.faults.for_learner(outage.target) if o.at_s >= outage.end_s]
         if later:
             self._schedule_outage(later[0])
 
@@ -411,6 +424,8 @@ class DecoupledSim:
         for participant in record.participants:
             self.work.merged(participant.learner_id, record.fragment)
             self.tokens_merged += participant.tokens * share
+        self.advances.append(Advance(self.loop.now, tuple(p.learner_id for p in record.participants),
+                                     sum(p.tokens for p in record.participants) * share))
         self.loop.record("commit", round=record.round_index, fragment=record.fragment, version=record.version,
                          learners=[p.learner_id for p in record.participants],
                          staleness=[p.staleness for p in record.participants], grace_s=record.grace_s)
@@ -491,11 +506,16 @@ class DecoupledSim:
         self.curve.append(CurvePoint(self.tokens_processed, self.loop.now, loss))
         self.loop.record("eval", tokens=self.tokens_processed, val_loss=loss)
 
-    def _metrics(self, final_loss: float) -> dict[str, Any]:
-        start_s, end_s = self.start_s or 0.0, self.end_s
+    def _event_log(self) -> EventLog:
+        """The run in the `ddiloco.goodput` schema; its uptime bin is one sync period of nominal steps."""
+        return event_log(self.work.seconds, num_learners=len(self.slots), start_s=self.start_s or 0.0,
+                         end_s=self.end_s, uptime_bin_s=self.config.diloco.sync_every * self.config.cluster.step_time_s,
+                         advances=self.advances, faults=outage_faults(self.faults))
+
+    def _metrics(self, events: EventLog, final_loss: float) -> dict[str, Any]:
+        start_s, end_s = events.start_s, events.end_s
         busy = [iv for slot in self.slots for iv in slot.step_intervals]
-        metrics = core_metrics(self.work.ledger, num_learners=len(self.slots), start_s=start_s, end_s=end_s, busy=busy,
-                               final_loss=final_loss, tokens_processed=self.tokens_processed,
+        metrics = core_metrics(events, final_loss=final_loss, tokens_processed=self.tokens_processed,
                                tokens_merged=self.tokens_merged)
         alive_s = union_length([(max(a, start_s), b) for slot in self.slots for a, b in slot.up_intervals],
                                end_s=end_s)
@@ -536,4 +556,4 @@ class DecoupledSim:
         config = self.config
         return {"workload": config.workload.to_dict(), "cluster": dataclasses.asdict(config.cluster),
                 "diloco": config.diloco.to_dict(), "quorum": config.quorum.to_dict(),
-                "learner": config.learner.to_dict(), "seed": config.seed, "faults": self.faults.to_json()}
+                "learner": config.learner.to_dict(), "seed": config.seed, "faults": outages_json(self.faults)}

@@ -33,12 +33,13 @@ from typing import Any
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import DataConfig, load_corpus
+from ddiloco.failures import FailureModel
 from ddiloco.model import ModelConfig
 from ddiloco.sim.accounting import SimResult
 from ddiloco.sim.cluster import ClusterConfig
 from ddiloco.sim.data_parallel import DataParallelConfig, DataParallelSim, DataParallelSimConfig
 from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
-from ddiloco.sim.faults import FailureModel, FaultPlan, draw_fault_plan
+from ddiloco.sim.faults import HARNESS_FAILURES, FaultPlan, draw_fault_plan, harness_failures, outages_json
 from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.probes import MergeNormProbe, parameter_shapes
 from ddiloco.sim.workload import WorkloadConfig, seeded_model
@@ -74,7 +75,7 @@ class Scale:
     val_batches: int
     link: LinkConfig = field(default_factory=lambda: LinkConfig(latency_s=0.05, bandwidth_bps=1e9))
     """Learner <-> syncer link, per direction (a cross-region link: 50 ms, 1 Gbit/s)."""
-    failure_model: FailureModel = field(default_factory=FailureModel)
+    failure_model: FailureModel = HARNESS_FAILURES
 
     def workload(self, experiment: str) -> WorkloadConfig:
         return WorkloadConfig(model=self.model,
@@ -101,7 +102,7 @@ def quick_scale() -> Scale:
                  inner_lr=3e-3, sync_every=8, eval_points=2, val_batches=2,
                  inner_steps={"quality": 48, "failures": 48, "heterogeneous": 32, "merge": 16,
                               "compression": 16, "fragments": 24},
-                 failure_model=FailureModel(mtbi_s=60.0, recovery_scale_s=5.0))
+                 failure_model=harness_failures(mtbi_s=60.0, recovery_scale_s=5.0))
 
 
 @dataclass
@@ -160,8 +161,9 @@ class _Runner:
                       faults: FaultPlan | None = None) -> SimResult:
         config = DataParallelSimConfig(workload=self.workload, cluster=cluster,
                                        data_parallel=DataParallelConfig(elastic=elastic), seed=self.seed)
-        return self._timed(system, lambda: DataParallelSim(config, faults=faults, name=system,
-                                                           corpus=self.corpus).run())
+        bin_s = self.scale.sync_every * cluster.step_time_s  # the DiLoCo systems' sync period: one uptime bin
+        return self._timed(system, lambda: DataParallelSim(config, faults=faults, name=system, corpus=self.corpus,
+                                                           uptime_bin_s=bin_s).run())
 
     def _timed(self, system: str, run: Callable[[], SimResult]) -> SimResult:
         self.progress(f"[{self.name}] running {system} ...")
@@ -227,7 +229,7 @@ def run_failures(r: _Runner) -> ExperimentResult:
     return ExperimentResult("failures", False, r.seed, systems,
                             ["goodput", "merged_work_fraction", "uptime", "virtual_time_s", "final_val_loss",
                              "tokens_processed", "tokens_merged"],
-                            checks=checks, settings={"faults": faults.to_json()})
+                            checks=checks, settings={"faults": outages_json(faults)})
 
 
 def run_heterogeneous(r: _Runner) -> ExperimentResult:

@@ -1,11 +1,12 @@
 """Simulated network links: latency plus bytes / bandwidth, one first-in-first-out pipe per direction.
 
-Owns how long a message takes to cross a link in virtual time and how many bytes it counts for. A
-link sends one message at a time: a message starts when the previous one on the same link has left
-(so a burst of fragments queues, and peak bandwidth matters), takes nbytes * 8 / bandwidth_bps to
-leave, and arrives latency_s later. Messages on one link therefore arrive in the order they were sent,
-as on a TCP or gRPC stream. Each learner has its own uplink (learner -> syncer) and downlink (syncer ->
-learner); the syncer's side is not a bottleneck (the paper's syncer is a CPU service with a fat pipe).
+Owns how many bytes a message counts for; how long it takes to cross is `ddiloco.link_model`'s, the model
+the runtime's link emulation shares, here on the virtual clock. A link sends one message at a time: a
+message starts when the previous one on the same link has left (so a burst of fragments queues, and peak
+bandwidth matters), takes nbytes * 8 / bandwidth_bps to leave, and arrives latency_s later. Messages on one
+link therefore arrive in the order they were sent, as on a TCP or gRPC stream. Each learner has its own
+uplink (learner -> syncer) and downlink (syncer -> learner); the syncer's side is not a bottleneck (the
+paper's syncer is a CPU service with a fat pipe).
 
 Sizes: tensor payloads count their exact bytes (`Update.payload_bytes`: the codec's bytes;
 `FragmentState.payload_bytes`: float32; `FragmentDelta.payload_bytes`: the downlink codec's bytes); every
@@ -15,38 +16,13 @@ and joins are not free but are small.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
+from ddiloco.link_model import BITS_PER_BYTE, LinkConfig, SerialPipe
 from ddiloco.messages import FragmentDelta, FragmentState, Rejected, Update, Welcome
 
 MESSAGE_HEADER_BYTES = 256
 """Envelope of every message: ids, versions, counters and the tensor names of a small model."""
-
-BITS_PER_BYTE = 8
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkConfig:
-    """One direction of a learner's link to the syncer."""
-
-    latency_s: float = 0.01
-    """One-way propagation delay, seconds."""
-    bandwidth_bps: float = 1e9
-    """Bits per second the link carries."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(f"latency_s={self.latency_s!r} is invalid: expected a finite number >= 0 (seconds)")
-        if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
-            raise ValueError(f"bandwidth_bps={self.bandwidth_bps!r} is invalid: expected a finite number > 0 "
-                             "(bits per second)")
-
-    def transfer_s(self, nbytes: int) -> float:
-        """Time to push `nbytes` onto an idle link (without the latency)."""
-        return nbytes * BITS_PER_BYTE / self.bandwidth_bps
-
 
 def payload_nbytes(message: object) -> int:
     """Tensor bytes a message carries (0 for control messages)."""
@@ -80,22 +56,26 @@ def describe_message(message: object) -> dict[str, Any]:
 
 
 class Link:
-    """A FIFO pipe in virtual time; counts the bytes and messages it carried."""
+    """A `ddiloco.link_model.SerialPipe` then the latency, in virtual time; counts the bytes and messages it
+    carried."""
 
     def __init__(self, config: LinkConfig) -> None:
         self.config = config
-        self._free_at = 0.0
+        self._pipe = SerialPipe()
         self.bytes_sent = 0
         self.messages_sent = 0
 
     def send(self, now: float, nbytes: int) -> float:
         """Start sending `nbytes` at `now` (or when the link is free); returns the arrival time."""
-        start = max(now, self._free_at)
-        self._free_at = start + self.config.transfer_s(nbytes)
+        left_at = self._pipe.send(now, self.config.transfer_s(nbytes))
         self.bytes_sent += nbytes
         self.messages_sent += 1
-        return self._free_at + self.config.latency_s
+        return left_at + self.config.latency_s
 
     def reset(self, now: float) -> None:
         """The endpoint died: whatever was queued is gone, the link is idle from `now`."""
-        self._free_at = now
+        self._pipe.reset(now)
+
+
+__all__ = ["BITS_PER_BYTE", "MESSAGE_HEADER_BYTES", "Link", "LinkConfig", "describe_message", "message_nbytes",
+           "payload_nbytes"]

@@ -63,8 +63,11 @@ def _cluster(data: Mapping[str, Any]) -> ClusterConfig:
                          **{k: v for k, v in data.items() if k not in ("uplink", "downlink", "slowdowns")})
 
 
-def _faults(data: list[Mapping[str, Any]]) -> FaultPlan:
-    return FaultPlan.of((o["learner"], o["start_s"], o["end_s"]) for o in data)
+def _faults(data: Mapping[str, Any] | list[Mapping[str, Any]]) -> FaultPlan:
+    """The plan of a result's settings (results written before the plan type was shared list outages)."""
+    if isinstance(data, list):
+        return FaultPlan.of((o["learner"], o["start_s"], o["end_s"]) for o in data)
+    return FaultPlan.from_json(data)
 
 
 def rebuild(result: SimResult) -> DecoupledSim | DataParallelSim:
@@ -81,7 +84,7 @@ def rebuild(result: SimResult) -> DecoupledSim | DataParallelSim:
     dp["allreduce"] = LinkConfig(**dp["allreduce"])
     config = DataParallelSimConfig(workload=_workload(settings["workload"]), cluster=_cluster(settings["cluster"]),
                                    data_parallel=DataParallelConfig(**dp), seed=settings["seed"])
-    return DataParallelSim(config, faults=faults, name=result.system)
+    return DataParallelSim(config, faults=faults, name=result.system, uptime_bin_s=settings.get("uptime_bin_s"))
 
 
 def params_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

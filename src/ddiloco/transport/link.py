@@ -10,7 +10,9 @@ allowance) followed by a fixed one-way latency:
 
 Messages queue behind each other in the bucket, as on a real link, while latencies overlap (a
 message does not wait for the previous one's propagation). `parse_link("2.5gbit,40ms")` reads the
-command-line form. This module owns the arithmetic only; the gRPC client applies it.
+command-line form. The link's config and its first-in-first-out queueing are `ddiloco.link_model`'s,
+shared with the virtual-time harness; this module adds the burst allowance, the faults and the clock,
+and the gRPC client applies it.
 
 Faults switched on while a process runs (a chaos run's control file, `ddiloco.fault_control`) reach
 the link through a `LinkFaults` object, queried per message: extra latency is added to the one-way
@@ -28,10 +30,10 @@ from __future__ import annotations
 import math
 import re
 import threading
-from dataclasses import dataclass
 from typing import Protocol
 
 from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.link_model import BITS_PER_BYTE, LinkConfig, SerialPipe
 
 BURST_S = 0.001
 """A bucket holds this many seconds of bandwidth (as tc's tbf burst): small messages (heartbeats)
@@ -49,26 +51,6 @@ _LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LinkSpec:
-    """One direction-symmetric link: both directions get this bandwidth and latency."""
-
-    bandwidth_bps: float
-    """Bits per second in each direction; math.inf for no limit."""
-    latency_s: float
-    """One-way latency in seconds."""
-
-    def __post_init__(self) -> None:
-        if not (self.bandwidth_bps > 0):
-            raise ValueError(f"bandwidth_bps={self.bandwidth_bps!r} is invalid: expected a number > 0")
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(f"latency_s={self.latency_s!r} is invalid: expected a finite number >= 0")
-
-    def transfer_time_s(self, nbytes: int) -> float:
-        """Time for `nbytes` to cross an idle link: serialisation plus latency."""
-        return nbytes * 8 / self.bandwidth_bps + self.latency_s
-
-
 def _parse_quantity(text: str, units: dict[str, float], what: str, example: str) -> float:
     match = _QUANTITY.match(text.lower())
     if match is None or match.group(2) not in units:
@@ -77,7 +59,7 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, example: str)
     return float(match.group(1)) * units[match.group(2)]
 
 
-def parse_link(text: str) -> LinkSpec:
+def parse_link(text: str) -> LinkConfig:
     """`BANDWIDTH,LATENCY`, e.g. `2.5gbit,40ms`, `100mbit,5ms`, `1gb,0ms` (gb = gigabytes/s)."""
     parts = text.split(",")
     if len(parts) != 2:
@@ -86,7 +68,7 @@ def parse_link(text: str) -> LinkSpec:
     latency = _parse_quantity(parts[1], _LATENCY_UNITS, "link latency", "40ms")
     if bandwidth <= 0:
         raise ValueError(f"link bandwidth {parts[0]!r} is invalid: expected more than 0")
-    return LinkSpec(bandwidth_bps=bandwidth, latency_s=latency)
+    return LinkConfig(bandwidth_bps=bandwidth, latency_s=latency)
 
 
 class LinkFaults(Protocol):
@@ -167,13 +149,12 @@ class LinkDirection:
     """One direction of a link: a token bucket, then a fixed latency; and, while a fault says so, a
     bandwidth cap and extra latency (see the module docstring)."""
 
-    def __init__(self, spec: LinkSpec) -> None:
+    def __init__(self, spec: LinkConfig) -> None:
         self.spec = spec
-        rate = spec.bandwidth_bps / 8
+        rate = spec.bandwidth_bps / BITS_PER_BYTE
         burst = max(MIN_BURST_BYTES, rate * BURST_S) if math.isfinite(rate) else math.inf
         self.bucket = TokenBucket(rate, burst)
-        self._capped_until = -math.inf
-        self._lock = threading.Lock()
+        self._capped = SerialPipe()
 
     def deliver_at(self, nbytes: int, now: float, *, cap_bytes_per_s: float | None = None,
                    extra_latency_s: float = 0.0) -> float:
@@ -182,10 +163,8 @@ class LinkDirection:
         if cap_bytes_per_s is not None:
             if not cap_bytes_per_s > 0:
                 raise ValueError(f"cap_bytes_per_s={cap_bytes_per_s!r} is invalid: expected > 0")
-            with self._lock:
-                # No burst allowance: under a cap every byte pays, so n bytes take n / cap seconds.
-                self._capped_until = max(now, self._capped_until) + nbytes / cap_bytes_per_s
-                ready = max(ready, self._capped_until)
+            # No burst allowance: under a cap every byte pays, so n bytes take n / cap seconds.
+            ready = max(ready, self._capped.send(now, nbytes / cap_bytes_per_s))
         return ready + self.spec.latency_s + extra_latency_s
 
 
@@ -193,7 +172,7 @@ class EmulatedLink:
     """Both directions of one learner's link to the syncer (they do not share bandwidth), and the
     faults active on it."""
 
-    def __init__(self, spec: LinkSpec, *, clock: Clock | None = None, faults: LinkFaults = NO_FAULTS) -> None:
+    def __init__(self, spec: LinkConfig, *, clock: Clock | None = None, faults: LinkFaults = NO_FAULTS) -> None:
         self.spec = spec
         self.clock = clock or MonotonicClock()
         self.faults = faults
@@ -216,4 +195,4 @@ class EmulatedLink:
 
 def unlimited_link(clock: Clock | None = None, *, faults: LinkFaults = NO_FAULTS) -> EmulatedLink:
     """No shaping: infinite bandwidth, zero latency (the identity link, so callers need no `if`)."""
-    return EmulatedLink(LinkSpec(bandwidth_bps=math.inf, latency_s=0.0), clock=clock, faults=faults)
+    return EmulatedLink(LinkConfig(bandwidth_bps=math.inf, latency_s=0.0), clock=clock, faults=faults)

@@ -1,0 +1,198 @@
+"""The one fault plan: which fault hits which process, when, for how long; shared by chaos runs and the harness.
+
+A `FaultPlan` is a sorted tuple of `Fault`s. A chaos run (`ddiloco.chaos`) carries out every kind on real
+processes; its plans come from a user file, a failure model or the fixed `--quick` plan
+(`ddiloco.chaos.plan`). The virtual-time harness (`ddiloco.sim`) runs the same type, restricted to the
+kind it simulates: a learner down for a while (`crash` with `restart` False, "an outage": `outages`,
+`FaultPlan.of`), drawn by `ddiloco.sim.faults.draw_fault_plan`. Every system of a chaos run or an
+experiment runs under one plan, so they face exactly the same faults. Plain data: what a fault costs is
+the drivers' business, what it does to a process the chaos runner's. A plan may leave `duration_s` and
+`num_learners` unset (the harness's plans: the run's length is set by its token budget).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddiloco.fault_control import VALUE_EXPECTED, value_valid
+
+KINDS = ("crash", "hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt", "syncer_crash")
+TIMED_KINDS = ("hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt")
+"""Kinds that last a while and need duration_s > 0 (a crash needs one only with restart False)."""
+VALUE_KEYS = {"straggler": "factor", "latency": "latency", "bandwidth": "bandwidth", "drop": "probability",
+              "corrupt": "probability"}
+"""The user-format key of the one parameter each kind takes (stored as Fault.value)."""
+SYNCER = "syncer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault. Learner faults target a learner index; `syncer_crash` targets the syncer (None)."""
+
+    at_s: float
+    """Seconds after the system's launch at which the fault is injected."""
+    kind: str
+    target: int | None = None
+    """Learner index (data-parallel: rank), or None for the syncer."""
+    duration_s: float = 0.0
+    """How long the fault lasts; 0 for an instantaneous one (a crash the supervisor restarts)."""
+    restart: bool = True
+    """crash only: True = the supervisor brings the learner back as usual; False = it stays down for
+    duration_s (a machine being replaced), then comes back."""
+    value: float | None = None
+    """straggler factor >= 1, latency seconds >= 0, bandwidth bytes/s > 0, drop/corrupt probability."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind {self.kind!r} is unknown: expected one of {', '.join(KINDS)}")
+        if not (isinstance(self.at_s, int | float) and math.isfinite(self.at_s) and self.at_s >= 0):
+            raise ValueError(f"at={self.at_s!r} is invalid: expected a time >= 0")
+        if not (isinstance(self.duration_s, int | float) and math.isfinite(self.duration_s)
+                and self.duration_s >= 0):
+            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time >= 0")
+        if self.kind == "syncer_crash":
+            if self.target is not None:
+                raise ValueError(f"target={self.target!r} is invalid for syncer_crash: it targets the syncer only")
+        elif not (isinstance(self.target, int) and not isinstance(self.target, bool) and self.target >= 0):
+            raise ValueError(f"target={self.target!r} is invalid for {self.kind}: expected a learner "
+                             "(learner-N or N)")
+        if not self.restart and self.kind != "crash":
+            raise ValueError(f"restart=false is invalid for {self.kind}: only a crash can keep a process down")
+        timed = self.kind in TIMED_KINDS or (self.kind == "crash" and not self.restart)
+        if timed and self.duration_s <= 0:
+            what = "crash with restart false" if self.kind == "crash" else self.kind
+            raise ValueError(f"duration is missing for {what}: expected a time > 0")
+        if not timed and self.duration_s != 0:
+            raise ValueError(f"duration={self.duration_s!r} is invalid for an instantaneous {self.kind}: "
+                             "expected none (a crash held down needs restart: false)")
+        if self.kind in VALUE_KEYS:
+            _check_value(self.kind, self.value)
+        elif self.value is not None:
+            raise ValueError(f"a value ({self.value!r}) is invalid for {self.kind}: it takes no parameter")
+
+    @property
+    def end_s(self) -> float:
+        return self.at_s + self.duration_s
+
+    @property
+    def is_outage(self) -> bool:
+        """A learner down for a while (a machine being replaced): the one kind the harness simulates."""
+        return self.kind == "crash" and not self.restart
+
+    @property
+    def target_name(self) -> str:
+        return SYNCER if self.target is None else f"learner-{self.target}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at_s": self.at_s, "kind": self.kind, "target": self.target, "duration_s": self.duration_s,
+                "restart": self.restart, "value": self.value}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Fault:
+        value = data.get("value")
+        target = data.get("target")
+        return cls(at_s=float(data["at_s"]), kind=str(data["kind"]), target=None if target is None else int(target),
+                   duration_s=float(data.get("duration_s", 0.0)), restart=bool(data.get("restart", True)),
+                   value=None if value is None else float(value))
+
+
+def _check_value(kind: str, value: float | None) -> None:
+    if not value_valid(kind, value):
+        missing = " is missing" if value is None else f"={value!r} is invalid"
+        raise ValueError(f"{VALUE_KEYS[kind]}{missing} for {kind}: expected {VALUE_EXPECTED[kind]}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultPlan:
+    """Every fault of a chaos run, sorted by start time (ties keep their given order)."""
+
+    duration_s: float | None = None
+    """How long each system runs, seconds from its launch (None: not bounded by the plan)."""
+    num_learners: int | None = None
+    """Learners (ranks) the targets must lie within (None: not bounded by the plan)."""
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+    """Seeds the processes' drop and corrupt draws (and, for a drawn plan, the draw itself)."""
+    source: str = ""
+    """Where the plan came from: a file path, "quick", or "model"."""
+    model: dict[str, Any] | None = field(default=None, compare=False)
+    """Arguments of `model_plan` when the plan was drawn."""
+
+    def __post_init__(self) -> None:
+        if self.duration_s is not None and not (isinstance(self.duration_s, int | float)
+                                                and math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time > 0")
+        if self.num_learners is not None and not (isinstance(self.num_learners, int) and self.num_learners >= 1):
+            raise ValueError(f"num_learners={self.num_learners!r} is invalid: expected an integer >= 1")
+        for index, fault in enumerate(self.faults):
+            check_fits(fault, self.num_learners, self.duration_s, f"fault {index}")
+        object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
+        down_until: dict[int, float] = {}
+        for fault in self.outages:
+            assert fault.target is not None
+            if fault.at_s < down_until.get(fault.target, -math.inf):
+                raise ValueError(f"outages of learner {fault.target} overlap at {fault.at_s} s: merge them into one")
+            down_until[fault.target] = fault.end_s
+
+    # ---- the harness's view: outages ----
+
+    @classmethod
+    def of(cls, outages: Iterable[tuple[int, float, float]]) -> FaultPlan:
+        """A plan of outages from (learner, start_s, end_s) triples: each a crash held down until end_s."""
+        return cls(faults=tuple(outage(learner, start, end) for learner, start, end in outages))
+
+    @property
+    def outages(self) -> tuple[Fault, ...]:
+        """The faults that keep a learner down for a while (crash with restart False), by start time."""
+        return tuple(f for f in self.faults if f.is_outage)
+
+    def for_learner(self, learner_id: int) -> list[Fault]:
+        """Outages of learner `learner_id`, by start time."""
+        return [f for f in self.outages if f.target == learner_id]
+
+    def is_down(self, learner_id: int, time_s: float) -> bool:
+        return any(f.at_s <= time_s < f.end_s for f in self.for_learner(learner_id))
+
+    def down_s(self, learner_id: int, until_s: float) -> float:
+        """Seconds learner `learner_id` is down within [0, until_s)."""
+        return sum(max(0.0, min(f.end_s, until_s) - f.at_s) for f in self.for_learner(learner_id))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"duration_s": self.duration_s, "num_learners": self.num_learners, "seed": self.seed,
+                "source": self.source, "model": self.model, "faults": [f.to_json() for f in self.faults]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FaultPlan:
+        duration, learners = data.get("duration_s"), data.get("num_learners")
+        return cls(duration_s=None if duration is None else float(duration),
+                   num_learners=None if learners is None else int(learners),
+                   faults=tuple(Fault.from_json(f) for f in data["faults"]), seed=int(data.get("seed", 0)),
+                   source=str(data.get("source", "")), model=data.get("model"))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return path
+
+
+def check_fits(fault: Fault, num_learners: int | None, duration_s: float | None, where: str) -> None:
+    """A fault must target one of the plan's learners and start while the system runs (where they are set)."""
+    if num_learners is not None and fault.target is not None and fault.target >= num_learners:
+        raise ValueError(f"{where}: target learner-{fault.target} is beyond the run's {num_learners} learners: "
+                         f"expected learner-0 .. learner-{num_learners - 1}")
+    if duration_s is not None and fault.at_s >= duration_s:
+        raise ValueError(f"{where}: at={fault.at_s:g}s is not before the plan's duration of {duration_s:g}s: "
+                         "expected a fault that starts while the system runs")
+
+
+def outage(learner_id: int, start_s: float, end_s: float) -> Fault:
+    """Learner `learner_id` down on [start_s, end_s): a crash held down for the difference."""
+    if not (isinstance(end_s, int | float) and math.isfinite(end_s) and end_s > start_s):
+        raise ValueError(f"end_s={end_s!r} is invalid: expected a finite number > start_s={start_s!r}")
+    return Fault(at_s=start_s, kind="crash", target=learner_id, duration_s=end_s - start_s, restart=False)
