@@ -106,16 +106,6 @@ def wait_until(condition, what: str, *, timeout_s: float = PROCESS_WAIT_S, alive
         time.sleep(POLL_INTERVAL_S)
 
 
-def read_json_or_none(path):
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as file:
-            return json.load(file)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def flip_bit_in_tensor_data(path, *, byte: int = 0, mask: int = 0x01) -> None:
     """Flip one bit of a safetensors file's tensor data (not its header), as a failing disk would. By default
     the lowest mantissa bit of the first value: a change no check of shapes or finiteness can see."""

@@ -185,6 +185,31 @@ def read_json(path: str | Path) -> Any | None:
         return None
 
 
+def read_json_object(path: str | Path) -> dict[str, Any] | None:
+    """The JSON object in `path` (a status file another process rewrites atomically), or None when it does not
+    exist, is not valid JSON, or holds something other than an object."""
+    value = read_json(path)
+    return value if isinstance(value, dict) else None
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, [] when it does not exist; a torn line (its writer killed mid-line) and
+    anything that is not an object are skipped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
+
+
 # ---- checksums -------------------------------------------------------------------------------------
 
 def bytes_checksum(*parts: bytes | memoryview) -> str:

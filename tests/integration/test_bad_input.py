@@ -21,6 +21,7 @@ import grpc
 import pytest
 import torch
 
+from ddiloco.checkpoint import read_json
 from ddiloco.compression import get_codec
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
@@ -38,7 +39,7 @@ from ddiloco.transport.grpc_codec import (
 )
 from ddiloco.transport.grpc_common import SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +102,7 @@ def syncer(tmp_path_factory):
         popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *TINY_MODEL_FLAGS, "--learners", "2",
                             "--num-fragments", "2", "--grace", "none", "--token-file", str(token_file),
                             "--init", str(init))
-        info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
+        info = wait_until(lambda: read_json(run_dir / "syncer.json"), "syncer.json", alive=[popen])
         config = RunConfig.load(run_dir / "config.json")
         learner = Learner(config.diloco, learner_id=0, model=build_model(config.model))
         wire = WireModel(learner.spec, learner.plan, config.diloco.codec)
@@ -333,7 +334,7 @@ def test_bytes_that_are_no_protobuf_message_are_refused_as_malformed(syncer):
     join = encode_join(syncer.learner.join_message(), syncer.config.diloco).SerializeToString()
     bad_utf8 = join + b"\x22\x02\xff\xfe"  # diloco_config_json once more, as two bytes that are not UTF-8
     cut = b"\x12\x05ab"  # a 5-byte field that ends after 2
-    with grpc.insecure_channel(read_json_or_none(syncer.run_dir / "syncer.json")["address"]) as channel:
+    with grpc.insecure_channel(read_json(syncer.run_dir / "syncer.json")["address"]) as channel:
         def raw(kind: str, name: str):  # a call that sends the bytes as they are
             return getattr(channel, kind)(f"/ddiloco.wire.Syncer/{name}", request_serializer=bytes,
                                           response_deserializer=bytes)

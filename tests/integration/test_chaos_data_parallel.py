@@ -19,12 +19,12 @@ import torch
 
 from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
 from ddiloco.chaos.dp_common import params_digest
-from ddiloco.checkpoint import load_latest_state
+from ddiloco.checkpoint import load_latest_state, read_json
 from ddiloco.fault_control import ActiveFault, write_control
 from ddiloco.model import build_model
 from ddiloco.run_config import add_run_config_flags, run_config_from_args
 from ddiloco.runtime.launcher import process_group_alive
-from tests.helpers import TINY_MODEL_FLAGS, read_json_or_none, wait_until
+from tests.helpers import TINY_MODEL_FLAGS, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +99,7 @@ def test_clean_run_trains_with_identical_replicas(make_job):
     assert val[-1][1] < val[0][1] - 0.5 and summary["final_val_loss"] == val[-1][1]
 
     # Both replicas end bitwise-equal, and equal to the final checkpoint.
-    status = [read_json_or_none(job.paths.rank_status(rank)) for rank in (0, 1)]
+    status = [read_json(job.paths.rank_status(rank)) for rank in (0, 1)]
     assert status[0]["phase"] == status[1]["phase"] == "stopped"
     assert status[0]["params_step"] == status[1]["params_step"] == final
     assert status[0]["params_sha256"] == status[1]["params_sha256"]
@@ -225,7 +225,7 @@ def test_corrupted_gradients_reach_every_replica_alike(make_job):
     # Whatever a flip did, DDP applied the same averaged gradient on both ranks: the replicas stay equal, and a
     # non-finite result made every rank exit and the job restart.
     assert all(e["cause"] == "exit code 4 (non-finite loss or gradient)" for e in events(job, "failure"))
-    status = [read_json_or_none(job.paths.rank_status(rank)) for rank in (0, 1)]
+    status = [read_json(job.paths.rank_status(rank)) for rank in (0, 1)]
     assert status[0]["params_sha256"] == status[1]["params_sha256"]
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state
+from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
@@ -48,7 +48,7 @@ from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
 from ddiloco.transport.learner_io import LearnerIO
 from ddiloco.transport.link import NO_FAULTS, unlimited_link
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, read_json_or_none, wait_until
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, Processes, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ class Run:
         return [e for e in self.ledger() if e["event"] == "fate" and e["time"] >= since]
 
     def syncer_status(self) -> dict:
-        return read_json_or_none(self.run_dir / "syncer_status.json") or {}
+        return read_json(self.run_dir / "syncer_status.json") or {}
 
     def fault(self, fault: ActiveFault) -> tuple[float, float]:
         """Switch `fault` on now; returns (start, until) in wall time."""
@@ -108,7 +108,7 @@ def run(tmp_path_factory):
     procs = Processes(base / "logs")
     try:
         syncer = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS)
-        info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[syncer])
+        info = wait_until(lambda: read_json(run_dir / "syncer.json"), "syncer.json", alive=[syncer])
         address = info["address"]
         control = control_path(base / "control")
         learner = procs.start("learner", "learner", "--syncer", address, "--learner-id", "0", "--run-dir", str(run_dir),
@@ -229,7 +229,7 @@ def test_a_partition_drops_updates_times_the_learner_out_and_it_rejoins_afterwar
                alive=[run.syncer, run.learner])
     _accepted_after(run, until)
     # status.json is rewritten periodically (every 0.2 s here): wait for the write after the re-join.
-    status = lambda: read_json_or_none(run.learner_dir / "status.json") or {}
+    status = lambda: read_json(run.learner_dir / "status.json") or {}
     wait_until(lambda: status().get("joins", 0) >= 2, "the learner's status to count the re-join",
                alive=[run.syncer, run.learner])
     assert status()["updates_dropped"] >= len(in_window)

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state
+from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
@@ -36,7 +36,7 @@ from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
 from ddiloco.transport.learner_io import LearnerIO
 from ddiloco.transport.link import EmulatedLink, parse_link
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, read_json_or_none, wait_until
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def token_file(tmp_path):
 def start_syncer(procs, run_dir, token_file, *extra):
     popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
                         "--token-file", str(token_file), *extra)
-    info = wait_until(lambda: read_json_or_none(run_dir / "syncer.json"), "syncer.json", alive=[popen])
+    info = wait_until(lambda: read_json(run_dir / "syncer.json"), "syncer.json", alive=[popen])
     return popen, info["address"]
 
 
@@ -67,11 +67,11 @@ def start_learner(procs, run_dir, address, learner_id, *extra, name=None):
 
 
 def learner_status(run_dir, learner_id) -> dict:
-    return read_json_or_none(run_dir / "learners" / str(learner_id) / "status.json") or {}
+    return read_json(run_dir / "learners" / str(learner_id) / "status.json") or {}
 
 
 def accepted(run_dir, learner_id) -> int:
-    status = read_json_or_none(run_dir / "syncer_status.json") or {}
+    status = read_json(run_dir / "syncer_status.json") or {}
     return status.get("learners", {}).get(str(learner_id), {}).get("accepted", 0)
 
 
@@ -139,7 +139,7 @@ def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_pa
         assert "refused by the syncer" in procs.log(name) and needle in procs.log(name)
     assert bad_link.wait(timeout=PROCESS_WAIT_S) == 2 and "BANDWIDTH,LATENCY" in procs.log("bad-link")
     assert syncer.poll() is None  # and the syncer serves on, having counted each refusal
-    wait_until(lambda: (r := (read_json_or_none(run_dir / "syncer_status.json") or {}).get("rejections", {}))
+    wait_until(lambda: (r := (read_json(run_dir / "syncer_status.json") or {}).get("rejections", {}))
                and r.get("refused", 0) >= 2 and r.get("unauthenticated", 0) >= 1, "refusals counted", alive=[syncer])
 
 

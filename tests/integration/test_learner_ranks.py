@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import RoundLog, load_latest_state
-from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.checkpoint import RoundLog, load_latest_state, read_json_object
+from ddiloco.runtime.launcher import RunPaths
 from tests.helpers import assert_global_state_is_the_replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -80,7 +80,7 @@ def assert_ranks_agree(run_dir: Path, learner_id: int) -> None:
 
 
 def assert_completed(run_dir: Path, *, restarts: list[int]) -> None:
-    summary = read_json(RunPaths(run_dir).summary)
+    summary = read_json_object(RunPaths(run_dir).summary)
     learners = [summary["learners"][str(i)] for i in range(len(restarts))]
     assert summary["outcome"] == "completed"
     assert [learner["state"] for learner in learners] == ["done"] * len(restarts)
@@ -96,13 +96,13 @@ def kill_a_follower(run_dir: Path, popen: subprocess.Popen) -> tuple[int, int]:
     checkpoint_dir = paths.learner_dir(0) / "checkpoint"
     wait_for(lambda: (s := load_latest_state(checkpoint_dir)) is not None and s[2] > 0
              and participations(run_dir, 0) >= 2, "learner 0 checkpointed and merged", popen)
-    group = read_json(ranks_file)
+    group = read_json_object(ranks_file)
     os.kill(group["ranks"][1], signal.SIGKILL)
     _, _, checkpoint_step = load_latest_state(checkpoint_dir)
     merged_before = participations(run_dir, 0)
-    wait_for(lambda: (g := read_json(ranks_file)) is not None and g["pid"] != group["pid"], "learner 0 restarted",
-             popen)
-    restarted = read_json(ranks_file)
+    wait_for(lambda: (g := read_json_object(ranks_file)) is not None and g["pid"] != group["pid"],
+             "learner 0 restarted", popen)
+    restarted = read_json_object(ranks_file)
     assert restarted["master_port"] and restarted["ranks"] != group["ranks"]
     return checkpoint_step, merged_before
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import RoundLog
-from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.checkpoint import RoundLog, read_json_object
+from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
 
 pytest.importorskip("ray")
@@ -83,7 +83,7 @@ class RunWatch:
 
 
 def learner_status(run_dir: Path, learner_id: int) -> dict:
-    return read_json(RunPaths(run_dir).learner_status(learner_id)) or {}
+    return read_json_object(RunPaths(run_dir).learner_status(learner_id)) or {}
 
 
 def work(run_dir: Path, learner_id: int) -> list[dict]:
@@ -99,7 +99,7 @@ def contributions(run_dir: Path, learner_id: int) -> list[int]:
 
 
 def actor_state(run_dir: Path, name: str) -> dict:
-    return read_json(RunPaths(run_dir).root / "launcher" / "ray" / f"{name}.json") or {}
+    return read_json_object(RunPaths(run_dir).root / "launcher" / "ray" / f"{name}.json") or {}
 
 
 @pytest.mark.timeout(600)
@@ -129,7 +129,7 @@ def test_a_kill9_learner_is_restarted_by_ray_contributes_again_and_nothing_is_le
     finally:
         out = run.finish()
     assert run.popen.returncode == 128 + signal.SIGINT, out
-    summary = read_json(RunPaths(run_dir).summary)
+    summary = read_json_object(RunPaths(run_dir).summary)
     assert summary["outcome"] == "interrupted"
     assert summary["learners"]["1"]["restarts"] == 1 and summary["learners"]["0"]["restarts"] == 0
     assert summary["syncer"]["restarts"] == 0

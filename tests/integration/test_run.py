@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.runtime.launcher import RunPaths, process_group_alive, read_json
+from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.launcher import RunPaths, process_group_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,16 +51,16 @@ def wait_for(condition, what: str, popen: subprocess.Popen) -> None:
 
 
 def learner_status(run_dir: Path, learner_id: int) -> dict:
-    return read_json(RunPaths(run_dir).learner_status(learner_id)) or {}
+    return read_json_object(RunPaths(run_dir).learner_status(learner_id)) or {}
 
 
 def accepted(run_dir: Path, learner_id: int) -> int:
-    learners = (read_json(RunPaths(run_dir).syncer_status) or {}).get("learners") or {}
+    learners = (read_json_object(RunPaths(run_dir).syncer_status) or {}).get("learners") or {}
     return int((learners.get(str(learner_id)) or {}).get("accepted", 0))
 
 
 def started_pids(run_dir: Path) -> list[int]:
-    processes = read_json(RunPaths(run_dir).processes) or {"children": {}}
+    processes = read_json_object(RunPaths(run_dir).processes) or {"children": {}}
     return [pid for pids in processes["children"].values() for pid in pids]
 
 
@@ -120,7 +121,7 @@ def test_ctrl_c_leaves_no_process_behind_and_resume_continues_the_run(tmp_path):
     assert popen.returncode == 128 + signal.SIGINT, out
     assert len(pids) == 4  # syncer, 2 learners, the built-in evaluator
     assert_all_gone(pids)
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json_object(run_dir / "summary.json")
     assert summary["outcome"] == "interrupted"
     assert f"--resume {run_dir}" in out
 
@@ -156,7 +157,7 @@ def test_a_sigkilled_learner_is_restarted_and_contributes_again(tmp_path):
     finally:
         out = finish(popen, interrupt=True)
     assert popen.returncode == 128 + signal.SIGINT, out
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json_object(run_dir / "summary.json")
     assert summary["learners"]["1"]["restarts"] == 1
     assert summary["learners"]["0"]["restarts"] == summary["learners"]["2"]["restarts"] == 0
     assert_all_gone(started_pids(run_dir))

@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state
+from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer import replay_rounds
 from ddiloco.train_tinygpt import initial_params
@@ -25,7 +25,6 @@ from tests.helpers import (
     TINY_MODEL_FLAGS,
     Processes,
     flip_bit_in_tensor_data,
-    read_json_or_none,
     wait_until,
 )
 
@@ -41,7 +40,7 @@ train on while the syncer is away, and a heartbeat timeout of 3 s."""
 def start_syncer(procs: Processes, run_dir, *extra: str, name: str = "syncer"):
     popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
                         "--full-state-every", "25", *extra)
-    info = wait_until(lambda: (i := read_json_or_none(run_dir / "syncer.json")) and i["pid"] == popen.pid and i,
+    info = wait_until(lambda: (i := read_json(run_dir / "syncer.json")) and i["pid"] == popen.pid and i,
                       "syncer.json", alive=[popen])
     return popen, info["address"]
 
@@ -52,11 +51,11 @@ def start_learner(procs: Processes, run_dir, address: str, learner_id: int, *ext
 
 
 def syncer_status(run_dir) -> dict:
-    return read_json_or_none(run_dir / "syncer_status.json") or {}
+    return read_json(run_dir / "syncer_status.json") or {}
 
 
 def learner_status(run_dir, learner_id: int) -> dict:
-    return read_json_or_none(run_dir / "learners" / str(learner_id) / "status.json") or {}
+    return read_json(run_dir / "learners" / str(learner_id) / "status.json") or {}
 
 
 def stop(popen, what: str) -> None:
@@ -178,7 +177,7 @@ def test_a_restarted_syncer_refuses_a_round_damaged_on_disk_and_names_it(tmp_pat
     flip_bit_in_tensor_data(RoundLog(run_dir).tensors_path(last))
 
     restarted = procs.start("syncer-restarted", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--bind", address)
-    serving = lambda: (read_json_or_none(run_dir / "syncer.json") or {}).get("pid") == restarted.pid  # noqa: E731
+    serving = lambda: (read_json(run_dir / "syncer.json") or {}).get("pid") == restarted.pid  # noqa: E731
     wait_until(lambda: restarted.poll() is not None or serving(), "the restarted syncer to exit or serve")
     assert not serving() and restarted.wait() == 2  # EXIT_USAGE: one message, no traceback
     log = procs.log("syncer-restarted")

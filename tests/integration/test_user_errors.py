@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.checkpoint import read_json_object
 from ddiloco.data import DataConfig
 from ddiloco.model import ModelConfig
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.launcher import RunPaths, process_group_alive, read_json
+from ddiloco.runtime.launcher import RunPaths, process_group_alive
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, wait_until
 
 pytestmark = pytest.mark.integration
@@ -171,7 +172,7 @@ def test_a_learner_that_cannot_reach_its_syncer_says_so_and_gives_up(tmp_path):
                  "--connect-timeout-s")
     warnings = [line for line in out.splitlines() if re.search(r" W .*cannot reach the syncer at", line)]
     assert len(warnings) == 1 and address in warnings[0] and "UNAVAILABLE" in warnings[0], out
-    status = read_json(RunPaths(run_dir).learner_status(0)) or {}
+    status = read_json_object(RunPaths(run_dir).learner_status(0)) or {}
     assert status.get("state") == "unreachable"
 
 
@@ -202,7 +203,7 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback(tmp_path):
 
 
 def started_pids(run_dir: Path) -> dict[str, list[int]]:
-    return (read_json(RunPaths(run_dir).processes) or {}).get("children", {})
+    return (read_json_object(RunPaths(run_dir).processes) or {}).get("children", {})
 
 
 @pytest.mark.timeout(300)

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state
-from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.checkpoint import RoundLog, load_latest_state, read_json_object
+from ddiloco.runtime.launcher import RunPaths
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -77,7 +77,7 @@ def run_with_a_kill(tmp_path: Path, example: str, inner_steps: int, *, command: 
         checkpoint_dir = paths.learner_dir(0) / "checkpoint"
         wait_for(lambda: (s := load_latest_state(checkpoint_dir)) is not None and s[2] > 0
                  and participations(run_dir, 0) >= 2, "learner 0 checkpointed and merged", popen)
-        status = read_json(paths.learner_status(0)) or {}
+        status = read_json_object(paths.learner_status(0)) or {}
         os.kill(status["pid"], signal.SIGKILL)
         _, _, checkpoint_step = load_latest_state(checkpoint_dir)
         merged_before = participations(run_dir, 0)
@@ -94,7 +94,7 @@ def run_with_a_kill(tmp_path: Path, example: str, inner_steps: int, *, command: 
     assert starts[1]["inner_step"] >= checkpoint_step > 0  # resumed from its own checkpoint, not inner step 0
     # The killed process had at most one update in flight per fragment (2): the rest came after the restart.
     assert participations(run_dir, 0) > merged_before + 2
-    summary = read_json(paths.summary)
+    summary = read_json_object(paths.summary)
     assert summary["outcome"] == "completed"
     assert [summary["learners"][i]["state"] for i in ("0", "1")] == ["done", "done"]
     assert summary["learners"]["0"]["restarts"] == 1

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from ddiloco.backoff import Backoff
-from ddiloco.runtime.launcher import RunPaths, write_json_atomic
+from ddiloco.checkpoint import atomic_write_json, read_jsonl
+from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
-from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, read_jsonl, write_report
+from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, write_report
 from ddiloco.runtime.supervisor import ChildState, Slot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,13 +49,13 @@ def fake_run(tmp_path: Path) -> RunPaths:
         {"round": 1, "fragment": 1, "version": 1, "participants": [participant(0)]},
         {"round": 2, "fragment": 0, "version": 2, "participants": [participant(0), participant(1, staleness=1)]},
     ])
-    write_json_atomic(paths.syncer_status, {
+    atomic_write_json(paths.syncer_status, {
         "time": 104.0, "rounds_committed": 3, "versions": [2, 1], "bytes_received": 3_000, "bytes_sent": 9_000,
         "rejections": {"stale": 1}, "val_loss": 4.25,
         "learners": {"0": {"accepted": 3, "rejected": 0, "tokens_merged": 49_152, "joins": 1},
                      "1": {"accepted": 2, "rejected": 1, "tokens_merged": 32_768, "joins": 2}}})
     for learner_id, step in ((0, 40), (1, 40)):
-        write_json_atomic(paths.learner_status(learner_id), {
+        atomic_write_json(paths.learner_status(learner_id), {
             "pid": 10 + learner_id, "state": "done", "inner_step": step, "inner_steps": 40, "loss": 4.4,
             "tokens": 81_920, "updates_accepted": 1, "bytes_sent": 1_500, "bytes_received": 4_500})
     return paths

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco.backoff import Backoff
-from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive, read_json
+from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive
 from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
 
 WAIT_S = 30.0
@@ -206,7 +207,7 @@ def test_crashed_learner_is_restarted_after_backoff_and_resumes(tmp_path, fake_c
     crashed = supervisor.learners[1]
     assert crashed.state == ChildState.DONE
     assert crashed.restarts == 1 and crashed.exit_codes == [1, 0]
-    checkpoint = read_json(launcher.paths.learner_dir(1) / "fake_checkpoint.json")
+    checkpoint = read_json_object(launcher.paths.learner_dir(1) / "fake_checkpoint.json")
     assert checkpoint == {"inner_step": 20, "starts": 2}  # resumed at step 5, not from scratch
     scheduled = [e for e in events if e.kind == "restart_scheduled"]
     assert [(e.name, e.fields["delay_s"]) for e in scheduled] == [("learner-1", FAST.backoff_initial_s)]
@@ -218,7 +219,7 @@ def test_sigkilled_learner_is_restarted(tmp_path, fake_command):
     supervisor = Supervisor(FAST, launcher=launcher)
     supervisor.start()
     try:
-        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        status = lambda: read_json_object(launcher.paths.learner_status(0)) or {}
         poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
         victim = supervisor.learners[0].pid
         os.kill(victim, signal.SIGKILL)
@@ -242,7 +243,7 @@ def test_a_sigkilled_learner_is_replaced_by_a_warm_standby(tmp_path, fake_comman
     supervisor = Supervisor(config, launcher=launcher, on_event=events.append)
     supervisor.start()
     try:
-        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        status = lambda: read_json_object(launcher.paths.learner_status(0)) or {}
         poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
         [standby] = supervisor.standby.pids
         assert standby not in supervisor.learners[0].pids  # first starts are cold
@@ -269,7 +270,7 @@ def test_a_held_learner_is_not_restarted_before_its_hold_ends(tmp_path, fake_com
     supervisor = Supervisor(FAST, launcher=launcher)
     supervisor.start()
     try:
-        status = lambda: read_json(launcher.paths.learner_status(0)) or {}
+        status = lambda: read_json_object(launcher.paths.learner_status(0)) or {}
         poll_until(supervisor, lambda: status().get("inner_step", 0) >= 3, "learner 0 to train")
         victim, slot = supervisor.learners[0].pid, supervisor.learners[0]
         hold_s = 1.0
@@ -331,7 +332,8 @@ def test_dead_syncer_is_restarted_on_the_same_port(tmp_path, fake_command):
 def test_shutdown_kills_what_ignores_sigterm_and_everything_it_spawned(tmp_path, fake_command):
     plan = {"learners": {"0": {"ignore_sigterm": True, "grandchild": True}}}
     launcher = make_run(tmp_path, fake_command, inner_steps=100_000, plan=plan)
-    config = dataclasses.replace(FAST, learner_stop_timeout_s=0.5)
+    # Long enough for the polite learner to exit on SIGTERM on a loaded machine (0.5 s was not, at load 5).
+    config = dataclasses.replace(FAST, learner_stop_timeout_s=3.0)
     supervisor = Supervisor(config, launcher=launcher)
     supervisor.start()
     grandchild_file = launcher.paths.learner_dir(0) / "grandchild.json"
@@ -341,7 +343,7 @@ def test_shutdown_kills_what_ignores_sigterm_and_everything_it_spawned(tmp_path,
         supervisor.request_stop("test")
     finally:
         supervisor.shutdown()
-    grandchild = read_json(grandchild_file)["pid"]
+    grandchild = read_json_object(grandchild_file)["pid"]
     stubborn, polite = supervisor.learners
     assert stubborn.exit_codes == [] and stubborn.process.returncode == -signal.SIGKILL
     assert polite.process.returncode == 0
@@ -420,7 +422,7 @@ def wait_for_learners(run_dir: Path, popen: subprocess.Popen, count: int) -> lis
     deadline = time.monotonic() + WAIT_S
     paths = RunPaths(run_dir)
     while True:
-        statuses = [read_json(paths.learner_status(i)) for i in range(count)]
+        statuses = [read_json_object(paths.learner_status(i)) for i in range(count)]
         if all(s and s.get("inner_step", 0) > 0 for s in statuses):
             return [s["pid"] for s in statuses]
         assert popen.poll() is None, popen.communicate()[0]
@@ -439,11 +441,11 @@ def test_a_signal_to_run_stops_every_child_and_writes_the_summary(tmp_path, fake
         if popen.poll() is None:
             os.killpg(popen.pid, signal.SIGKILL)
     assert popen.returncode == 128 + signum, out
-    processes = read_json(run_dir / "launcher" / "processes.json")
+    processes = read_json_object(run_dir / "launcher" / "processes.json")
     pids = [pid for started in processes["children"].values() for pid in started]
     assert len(pids) == 5  # syncer, 3 learners, evaluator
     assert_all_gone(pids)
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json_object(run_dir / "summary.json")
     assert summary["outcome"] == "interrupted"
     assert f"--resume {run_dir}" in out
 
@@ -453,7 +455,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path, fake_command):
     learner_pids, syncer_pid = [], popen.pid
     try:
         learner_pids = wait_for_learners(run_dir, popen, 3)
-        syncer_pid = read_json(run_dir / "syncer.json")["pid"]
+        syncer_pid = read_json_object(run_dir / "syncer.json")["pid"]
         popen.kill()
         popen.communicate(timeout=WAIT_S)
         deadline = time.monotonic() + WAIT_S

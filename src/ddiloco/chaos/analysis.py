@@ -42,13 +42,13 @@ schema:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checkpoint import read_json, read_jsonl
 from ddiloco.data_parallel import account_steps
 from ddiloco.goodput import Advance, EventLog, FaultSpan, Work, goodput, rejoin_s, stall_s, uptime
 
@@ -63,32 +63,6 @@ LOST_CATEGORIES = ("rejected", "dropped", "crashed", "resync", "unmerged")
 RUNTIME_CATEGORIES = ("kept", *LOST_CATEGORIES)
 DATA_PARALLEL_CATEGORIES = ("merged", "rolled_back")
 _TARGET = re.compile(r"^(?:learner|rank)-([0-9]+)$")
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every readable line of a JSONL file (a torn last line of a killed process is skipped)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
-
-
-def read_json(path: str | Path) -> Any:
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
 
 
 def run_info(system_dir: Path) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.invariants import check_invariants
     from ddiloco.chaos.report import SETTINGS, summarize_invariants, write_report
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
-    from ddiloco.runtime.launcher import write_json_atomic
+    from ddiloco.checkpoint import atomic_write_json
 
     systems = _parse_systems(args.systems)
     config = _run_config(args)
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
-    write_json_atomic(run_dir / SETTINGS, dataclasses.asdict(settings))
+    atomic_write_json(run_dir / SETTINGS, dataclasses.asdict(settings))
     say = lambda line: print(line, flush=True)  # noqa: E731
     say(f"ddiloco chaos: {len(plan.faults)} faults over {plan.duration_s:g} s per system, systems "
         f"{', '.join(systems)}, {config.num_learners} learners, run directory {run_dir}")

@@ -12,8 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.analysis import DATA_PARALLEL, SYSTEMS, read_json
+from ddiloco.chaos.analysis import DATA_PARALLEL, SYSTEMS
 from ddiloco.chaos.invariants import check_invariants
+from ddiloco.checkpoint import read_json
 
 REPORT = "report.md"
 RESULTS = "results.json"

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ddiloco.chaos.plan import Fault, FaultPlan
+from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.fault_control import IN_PROCESS_KINDS, ActiveFault, control_path, write_control
-from ddiloco.runtime.launcher import RunPaths, process_group_alive, read_json, write_json_atomic
+from ddiloco.runtime.launcher import RunPaths, process_group_alive
 
 if TYPE_CHECKING:
     from ddiloco.chaos.data_parallel import DataParallelJob
@@ -271,7 +272,7 @@ def runtime_config(run_config: RunConfig, system: str) -> RunConfig:
 
 def _runtime_ready(paths: RunPaths, num_learners: int) -> bool:
     for learner_id in range(num_learners):
-        status = read_json(paths.learner_status(learner_id)) or {}
+        status = read_json_object(paths.learner_status(learner_id)) or {}
         if int(status.get("inner_step") or 0) < 1:
             return False
     return True
@@ -356,8 +357,8 @@ class CommitWatchdog:
 
 
 def _runtime_status(paths: RunPaths) -> str:
-    status = read_json(paths.syncer_status) or {}
-    loss = (read_json(paths.evaluator_status) or {}).get("val_loss")
+    status = read_json_object(paths.syncer_status) or {}
+    loss = (read_json_object(paths.evaluator_status) or {}).get("val_loss")
     return (f"rounds {status.get('rounds_committed', 0)}, alive learners {status.get('alive_learners', '?')}, "
             f"val loss {loss:.3f}" if isinstance(loss, int | float) else
             f"rounds {status.get('rounds_committed', 0)}, alive learners {status.get('alive_learners', '?')}")
@@ -405,7 +406,7 @@ def _write_run_record(system_dir: Path, system: str, num_learners: int, started:
     record = {"system": system, "num_learners": num_learners, "started": started,
               "stop_requested": stop_requested, "ended": ended, "plan_started": t0, "pids": pids,
               "left_behind": left_behind, "failure": failure, "longest_commit_gap_s": longest_commit_gap_s}
-    write_json_atomic(system_dir / "chaos" / "run.json", record)
+    atomic_write_json(system_dir / "chaos" / "run.json", record)
     return record
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checkpoint import read_json_object
 from ddiloco.fault_control import control_path
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
@@ -128,27 +128,6 @@ class RunPaths:
     def settings(self, name: str) -> Path:
         """Child `name`'s settings file (`ddiloco syncer|learner|evaluator --settings FILE`)."""
         return self.root / "settings" / f"{name}.json"
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object written atomically by another process, or None when absent or unreadable."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Temp file, fsync, rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as file:
-        json.dump(data, file, indent=2, sort_keys=True, default=str)
-        file.write("\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
 
 
 def connect_address(bound: str) -> str:
@@ -442,7 +421,7 @@ class Launcher:
 
     def syncer_address(self, pid: int) -> str | None:
         """The address the syncer with this pid serves on, once it has written syncer.json."""
-        info = read_json(self.paths.syncer_json)
+        info = read_json_object(self.paths.syncer_json)
         if info is None or info.get("pid") != pid or not isinstance(info.get("address"), str):
             return None
         return info["address"]

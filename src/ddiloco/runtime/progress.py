@@ -20,7 +20,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.runtime.launcher import RunPaths, read_json
+from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.supervisor import ChildState, Event, Slot, Supervisor
 
 REFRESH_INTERVAL_S = 0.5
@@ -170,11 +171,11 @@ class ProgressView:
 
     def snapshot(self) -> tuple[dict[str, Any] | None, list[LearnerRow]]:
         now = time.monotonic()
-        syncer_status = read_json(self.paths.syncer_status)
-        evaluator = read_json(self.paths.evaluator_status) or {}
+        syncer_status = read_json_object(self.paths.syncer_status)
+        evaluator = read_json_object(self.paths.evaluator_status) or {}
         if syncer_status is not None:  # the validation loss comes from the evaluator (ddiloco.watch)
             syncer_status = {**syncer_status, "val_loss": evaluator.get("val_loss")}
-        rows = [learner_row(slot, read_json(self.paths.learner_status(slot.learner_id)), syncer_status, now)
+        rows = [learner_row(slot, read_json_object(self.paths.learner_status(slot.learner_id)), syncer_status, now)
                 for slot in self.supervisor.learners if slot.learner_id is not None]
         return syncer_status, rows
 

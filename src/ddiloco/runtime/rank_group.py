@@ -29,7 +29,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddiloco.runtime.launcher import LOOPBACK, _die_with_parent, write_json_atomic
+from ddiloco.checkpoint import atomic_write_json
+from ddiloco.runtime.launcher import LOOPBACK, _die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), p
             ranks.append(subprocess.Popen(list(argv), env={**os.environ, **rank_env(rank, nproc, port, device)},
                                           preexec_fn=_die_with_parent))
         if pids_file is not None:
-            write_json_atomic(pids_file, {"pid": os.getpid(), "master_port": port, "ranks": [r.pid for r in ranks]})
+            atomic_write_json(pids_file, {"pid": os.getpid(), "master_port": port, "ranks": [r.pid for r in ranks]})
         return _wait(ranks)
     finally:
         _stop(ranks)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.runtime.launcher import (
     DEFAULT_COMMAND,
     WILDCARD_HOSTS,
@@ -38,10 +39,8 @@ from ddiloco.runtime.launcher import (
     Launcher,
     RunPaths,
     process_group_alive,
-    read_json,
     stop_processes,
     with_port,
-    write_json_atomic,
 )
 from ddiloco.runtime.supervisor import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
 
@@ -111,7 +110,7 @@ class RoleActor:
         self.paths = RunPaths(Path(spec.launch.run_dir))
         self.state_path = self.paths.root / "launcher" / "ray" / f"{spec.name}.json"
         self.node = ray.util.get_node_ip_address()
-        previous = read_json(self.state_path) or {}
+        previous = read_json_object(self.state_path) or {}
         if previous.get("session") != spec.session:
             previous = {}
         self.previous = previous
@@ -180,7 +179,7 @@ class RoleActor:
         return launcher.start(spec.name, argv, launcher.config.threads, env_extra=env)
 
     def _write_state(self, **extra: Any) -> None:
-        write_json_atomic(self.state_path, {"session": self.spec.session, "incarnation": self.incarnation,
+        atomic_write_json(self.state_path, {"session": self.spec.session, "incarnation": self.incarnation,
                                             "pid": self.child.pid, "node": self.node, "address": self._address,
                                             "worker_pid": os.getpid(), **extra})
 

@@ -19,14 +19,15 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.runtime.launcher import RunPaths, read_json, write_json_atomic
+from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl
+from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -36,23 +37,6 @@ VAL_LOSS = "eval/val_loss"
 PLOT_DPI = 110
 PLOT_SIZE_IN = (7.0, 4.0)
 _LEARNER_LOSS = re.compile(r"^learner/(\d+)/loss$")
-
-
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file; a torn last line (a writer killed mid-line) is skipped."""
-    try:
-        file = path.open(encoding="utf-8")
-    except FileNotFoundError:
-        return
-    with file:
-        for line in file:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                logger.debug("skipping a torn line in %s", path)
-                continue
-            if isinstance(record, dict):
-                yield record
 
 
 def learner_ids(paths: RunPaths) -> list[int]:
@@ -98,7 +82,7 @@ def final_val_loss(paths: RunPaths) -> tuple[float | None, float | None]:
         if isinstance(record.get(VAL_LOSS), int | float):
             latest = (float(record[VAL_LOSS]), record.get("time"))
     if latest[0] is None:
-        status = read_json(paths.evaluator_status) or {}
+        status = read_json_object(paths.evaluator_status) or {}
         if isinstance(status.get("val_loss"), int | float):
             latest = (float(status["val_loss"]), status.get("time"))
     return latest
@@ -121,11 +105,11 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
     for record in rounds:
         for participant in record.get("participants", []):
             contributed[int(participant["learner_id"])] += 1
-    syncer_status = read_json(paths.syncer_status) or {}
+    syncer_status = read_json_object(paths.syncer_status) or {}
     per_learner_syncer = syncer_status.get("learners") or {}
     learners = {}
     for learner_id in sorted(set(range(num_learners)) | set(learner_ids(paths))):
-        status = read_json(paths.learner_status(learner_id)) or {}
+        status = read_json_object(paths.learner_status(learner_id)) or {}
         from_syncer = per_learner_syncer.get(str(learner_id)) or {}
         state, reason = final_states.get(learner_id, (str(status.get("state", "unknown")), ""))
         learners[str(learner_id)] = {
@@ -168,7 +152,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
 
 
 def write_summary(paths: RunPaths, summary: Mapping[str, Any]) -> None:
-    write_json_atomic(paths.summary, summary)
+    atomic_write_json(paths.summary, summary)
 
 
 # ---- plots -----------------------------------------------------------------------------------------

@@ -140,8 +140,9 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
     from rich.console import Console
 
+    from ddiloco.checkpoint import atomic_write_json
     from ddiloco.metrics import JsonlSink
-    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths, write_json_atomic
+    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.ray_options import ray_options_from_args
     from ddiloco.runtime.report import print_summary, write_report
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         if event.kind == "started":
             # Every pid this session started (each also its process group id), for the operator and tests.
             started.setdefault(event.name, []).append(event.fields["pid"])
-            write_json_atomic(paths.processes, {"launcher_pid": os.getpid(), "children": started})
+            atomic_write_json(paths.processes, {"launcher_pid": os.getpid(), "children": started})
         if progress_holder:
             progress_holder[0].on_event(event)
 
