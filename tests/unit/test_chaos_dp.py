@@ -20,6 +20,7 @@ from ddiloco.chaos.data_parallel import (
 )
 from ddiloco.chaos.dp_common import (
     EXIT_BAD_ARGS,
+    RankConfig,
     committed_steps,
     emulated_allreduce_s,
     fault_seed,
@@ -27,7 +28,7 @@ from ddiloco.chaos.dp_common import (
     gradient_bytes,
     params_digest,
 )
-from ddiloco.chaos.dp_worker import RankConfig, main
+from ddiloco.chaos.dp_worker import main
 from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes, ring_allreduce_s
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
@@ -213,14 +214,28 @@ def test_the_job_checks_ranks_and_hold_times(tmp_path):
     assert job.pids() == {} and not job.running and not job.finished
 
 
+def _settings(tmp_path, rank: int) -> list[str]:
+    path = RankConfig(job_dir=tmp_path, rank=rank, attempt=1, master_port=29500).save(tmp_path / "rank.json")
+    return ["--settings", str(path)]
+
+
 def test_worker_rejects_a_rank_outside_the_run(tmp_path, capsys):
     RunConfig(num_learners=2).save(tmp_path / "config.json")
-    code = main(["--job-dir", str(tmp_path), "--rank", "2", "--attempt", "1", "--master-port", "29500"])
+    code = main(_settings(tmp_path, 2))
     assert code == EXIT_BAD_ARGS
     assert "rank=2 is invalid: the run has 2 ranks (num_learners), so expected 0..1" in capsys.readouterr().err
 
 
 def test_worker_names_a_missing_config(tmp_path, capsys):
-    code = main(["--job-dir", str(tmp_path), "--rank", "0", "--attempt", "1", "--master-port", "29500"])
+    code = main(_settings(tmp_path, 0))
     assert code == EXIT_BAD_ARGS
     assert f"run config {tmp_path / 'config.json'} does not exist" in capsys.readouterr().err
+
+
+def test_rank_settings_go_through_their_file_unchanged_and_a_bad_file_is_named(tmp_path, capsys):
+    settings = RankConfig(job_dir=tmp_path, rank=1, attempt=3, master_port=29501, eval_every_s=2.5, threads=2,
+                          chaos_control=tmp_path / "ranks" / "1" / "chaos.json")
+    assert RankConfig.load(settings.save(tmp_path / "settings" / "rank-1.json")) == settings
+    (tmp_path / "bad.json").write_text('{"rank": 0, "nonsense": 1}')
+    assert main(["--settings", str(tmp_path / "bad.json")]) == EXIT_BAD_ARGS
+    assert f"settings file {tmp_path / 'bad.json'} is invalid" in capsys.readouterr().err

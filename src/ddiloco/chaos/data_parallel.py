@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, committed_steps
+from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, RankConfig, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
 from ddiloco.checks import require_int
 from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes
@@ -372,17 +372,17 @@ class DataParallelJob:
         port = free_port()
         children = {}
         for rank in range(self.world_size):
-            argv = [sys.executable, "-m", WORKER_MODULE, "--job-dir", str(self.paths.root), "--rank", str(rank),
-                    "--attempt", str(number), "--master-port", str(port), "--threads", str(self.config.threads),
-                    "--eval-every-s", str(self.config.eval_every_s),
-                    "--checkpoint-every-s", str(self.config.checkpoint_every_s),
-                    "--collective-timeout-s", str(self.config.collective_timeout_s),
-                    "--start-timeout-s", str(self.config.start_timeout_s),
-                    "--eval-batches", str(self.config.eval_batches),
-                    "--chaos-control", str(self.paths.control(rank))]
+            name = f"rank-{rank}-attempt-{number}"
+            settings = RankConfig(job_dir=self.paths.root, rank=rank, attempt=number, master_port=port,
+                                  eval_every_s=self.config.eval_every_s,
+                                  checkpoint_every_s=self.config.checkpoint_every_s,
+                                  collective_timeout_s=self.config.collective_timeout_s,
+                                  start_timeout_s=self.config.start_timeout_s, eval_batches=self.config.eval_batches,
+                                  chaos_control=self.paths.control(rank), threads=self.config.threads)
+            path = settings.save(self.paths.root / "settings" / f"{name}.json")
+            argv = [sys.executable, "-m", WORKER_MODULE, "--settings", str(path)]
             # The Launcher is the one place that starts a child in its own group, with PR_SET_PDEATHSIG and
             # thread-limited OpenMP: reused rather than copied. A waiting standby is the same, imports done.
-            name = f"rank-{rank}-attempt-{number}"
             assert self._standby is not None
             children[rank] = (self._standby.hand_out(name, argv)
                               or self._launcher.start(name, argv, self.config.threads))

@@ -5,6 +5,7 @@ byte flip of a corrupt fault, seeds, parameter digests).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ddiloco.checkpoint import atomic_write_json, read_json
+from ddiloco.checks import require_int
 from ddiloco.data_parallel import BITS_PER_BYTE, ring_allreduce_s
 from ddiloco.fault_control import control_path
 
@@ -136,3 +139,68 @@ def params_digest(model: torch.nn.Module) -> str:
         digest.update(name.encode())
         digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankConfig:
+    """How one rank process runs (the training itself is in the job's RunConfig)."""
+
+    job_dir: Path
+    """The job directory (`JobPaths`)."""
+    rank: int
+    """torch.distributed rank, which is also its data shard."""
+    attempt: int
+    """The agent's attempt number (1, 2, ...), written into every metric line."""
+    master_port: int
+    """TCP port of the rendezvous store that rank 0 hosts on 127.0.0.1."""
+    eval_every_s: float = 5.0
+    """Rank 0 evaluates the validation loss this often (wall seconds of training) and at the end."""
+    checkpoint_every_s: float = 20.0
+    """Rank 0 asks for a checkpoint this often (wall seconds of training in this attempt)."""
+    collective_timeout_s: float = 15.0
+    """gloo's timeout on every collective: a peer silent this long fails the step."""
+    start_timeout_s: float = 120.0
+    """How long the rendezvous waits for every rank to arrive (torch import on a loaded machine is slow)."""
+    eval_batches: int = 4
+    """Validation batches per evaluation (the syncer's default, so both report the same loss)."""
+    chaos_control: Path | None = None
+    """The rank's control file, or None for no in-process faults."""
+    threads: int = 1
+    """torch threads of the rank process."""
+
+    def save(self, path: Path) -> Path:
+        """Write these settings for the rank process (`--settings FILE`), atomically."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        atomic_write_json(path, {k: str(v) if isinstance(v, Path) else v for k, v in values.items()})
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> RankConfig:
+        """The settings its agent wrote; ValueError naming the file when it is unreadable or not settings."""
+        values = read_json(path)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or not set(values) <= names:
+            raise ValueError(f"settings file {path} is invalid: expected a JSON object with keys among "
+                             + ", ".join(sorted(names)))
+        for key in ("job_dir", "chaos_control"):
+            if values.get(key) is not None:
+                values[key] = Path(values[key])
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a required key missing
+            raise ValueError(f"settings file {path} is invalid: {exc}") from None
+
+    def __post_init__(self) -> None:
+        require_int("threads", self.threads, minimum=1)
+        if self.rank < 0:
+            raise ValueError(f"rank={self.rank} is invalid: expected an integer >= 0")
+        if self.attempt < 1:
+            raise ValueError(f"attempt={self.attempt} is invalid: expected an integer >= 1")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} is invalid: expected a TCP port in 1..65535")
+        for name in ("eval_every_s", "checkpoint_every_s", "collective_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} is invalid: expected a finite number of seconds > 0")
+        if self.eval_batches < 1:
+            raise ValueError(f"eval_batches={self.eval_batches} is invalid: expected an integer >= 1")

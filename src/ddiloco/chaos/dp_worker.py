@@ -53,7 +53,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +70,7 @@ from ddiloco.chaos.dp_common import (
     LOOPBACK,
     PARTITION_POLL_S,
     JobPaths,
+    RankConfig,
     emulated_allreduce_s,
     fault_seed,
     flip_byte,
@@ -100,46 +100,6 @@ class RankFailure(Exception):
 
 
 # ---- one rank -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankConfig:
-    """How one rank process runs (the training itself is in the job's RunConfig)."""
-
-    job_dir: Path
-    """The job directory (`JobPaths`)."""
-    rank: int
-    """torch.distributed rank, which is also its data shard."""
-    attempt: int
-    """The agent's attempt number (1, 2, ...), written into every metric line."""
-    master_port: int
-    """TCP port of the rendezvous store that rank 0 hosts on 127.0.0.1."""
-    eval_every_s: float = 5.0
-    """Rank 0 evaluates the validation loss this often (wall seconds of training) and at the end."""
-    checkpoint_every_s: float = 20.0
-    """Rank 0 asks for a checkpoint this often (wall seconds of training in this attempt)."""
-    collective_timeout_s: float = 15.0
-    """gloo's timeout on every collective: a peer silent this long fails the step."""
-    start_timeout_s: float = 120.0
-    """How long the rendezvous waits for every rank to arrive (torch import on a loaded machine is slow)."""
-    eval_batches: int = 4
-    """Validation batches per evaluation (the syncer's default, so both report the same loss)."""
-    chaos_control: Path | None = None
-    """The rank's control file, or None for no in-process faults."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"rank={self.rank} is invalid: expected an integer >= 0")
-        if self.attempt < 1:
-            raise ValueError(f"attempt={self.attempt} is invalid: expected an integer >= 1")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port={self.master_port} is invalid: expected a TCP port in 1..65535")
-        for name in ("eval_every_s", "checkpoint_every_s", "collective_timeout_s", "start_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} is invalid: expected a finite number of seconds > 0")
-        if self.eval_batches < 1:
-            raise ValueError(f"eval_batches={self.eval_batches} is invalid: expected an integer >= 1")
 
 
 class _GradientHook:
@@ -397,17 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddiloco.chaos.dp_worker",
                                      description="One rank of ddiloco's synchronous data-parallel baseline "
                                                  "(started by DataParallelJob).")
-    parser.add_argument("--job-dir", type=Path, required=True, help="the job directory (holds config.json)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--attempt", type=int, required=True)
-    parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    parser.add_argument("--eval-every-s", type=float, default=5.0)
-    parser.add_argument("--checkpoint-every-s", type=float, default=20.0)
-    parser.add_argument("--collective-timeout-s", type=float, default=15.0)
-    parser.add_argument("--start-timeout-s", type=float, default=120.0)
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--chaos-control", type=Path, default=None, help="control file of in-process faults")
+    parser.add_argument("--settings", type=Path, required=True, metavar="FILE",
+                        help="the rank's settings (RankConfig as JSON), written by its agent")
     return parser
 
 
@@ -416,22 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} is invalid: expected an integer >= 1")
-        config = RankConfig(job_dir=args.job_dir, rank=args.rank, attempt=args.attempt, master_port=args.master_port,
-                            eval_every_s=args.eval_every_s, checkpoint_every_s=args.checkpoint_every_s,
-                            collective_timeout_s=args.collective_timeout_s, start_timeout_s=args.start_timeout_s,
-                            eval_batches=args.eval_batches, chaos_control=args.chaos_control)
-        run_config = RunConfig.load(JobPaths(args.job_dir).config)
+        config = RankConfig.load(args.settings)
+        run_config = RunConfig.load(JobPaths(config.job_dir).config)
         control = None
-        if args.chaos_control is not None:
-            control = ChaosControl(args.chaos_control, seed=fault_seed(run_config.seed, args.rank, args.attempt,
-                                                                       stream=0))
+        if config.chaos_control is not None:
+            control = ChaosControl(config.chaos_control, seed=fault_seed(run_config.seed, config.rank, config.attempt,
+                                                                         stream=0))
         rank = DataParallelRank(config, run_config=run_config, control=control)
     except ValueError as exc:
         print(f"dp_worker: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(config.threads)
 
     def stop_on_signals() -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
