@@ -54,6 +54,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ddiloco.checks import invalid
+
 FLOAT32_LE = np.dtype("<f4")
 INT16_LE = np.dtype("<i2")
 SCALE_NBYTES = 4
@@ -145,7 +147,7 @@ def _shape_numel(shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
 
 def _check_numel(numel: int) -> int:
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel={numel!r} is invalid: expected an integer >= 0")
+        raise invalid("numel", numel, "an integer >= 0")
     return numel
 
 
@@ -291,7 +293,7 @@ def _check_block_size(block_size: int, *, values_per_byte: int, requirement: str
     # A block boundary may never fall inside a byte, so padded blocks pack into whole bytes.
     if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
             or block_size % values_per_byte):
-        raise ValueError(f"block_size={block_size!r} is invalid: expected {requirement}")
+        raise invalid("block_size", block_size, f"{requirement}")
 
 
 class _BlockCodec:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ddiloco.checkpoint import atomic_write_json
+from ddiloco.checks import invalid
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
@@ -78,7 +79,7 @@ class Watcher:
                  sink: MetricSink | None = None, tls_ca: bytes | None = None,
                  tls_server_name: str | None = None) -> None:
         if not (math.isfinite(every_s) and every_s >= 0):
-            raise ValueError(f"every_s={every_s!r} is invalid: expected seconds >= 0")
+            raise invalid("every_s", every_s, "seconds >= 0")
         from ddiloco.transport.grpc_client import SyncerClient
         from ddiloco.transport.grpc_codec import WireModel
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checks import invalid
+
 logger = logging.getLogger(__name__)
 
 CONTROL_FILE = "chaos.json"
@@ -54,7 +56,7 @@ class ActiveFault:
             raise ValueError(f"fault kind {self.kind!r} is not carried out in-process: expected one of "
                              f"{', '.join(IN_PROCESS_KINDS)}")
         if not math.isfinite(self.until):
-            raise ValueError(f"until={self.until!r} is invalid: expected a finite wall time")
+            raise invalid("until", self.until, "a finite wall time")
         if self.kind in PARAMS and not value_valid(self.kind, self.value):
             raise ValueError(f"{self.kind} fault with {PARAMS[self.kind]}={self.value!r} is invalid: expected "
                              f"{VALUE_EXPECTED[self.kind]}")

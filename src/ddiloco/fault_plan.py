@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checks import invalid
 from ddiloco.fault_control import VALUE_EXPECTED, value_valid
 
 KINDS = ("crash", "hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt", "syncer_crash")
@@ -51,10 +52,10 @@ class Fault:
         if self.kind not in KINDS:
             raise ValueError(f"kind {self.kind!r} is unknown: expected one of {', '.join(KINDS)}")
         if not (isinstance(self.at_s, int | float) and math.isfinite(self.at_s) and self.at_s >= 0):
-            raise ValueError(f"at={self.at_s!r} is invalid: expected a time >= 0")
+            raise invalid("at", self.at_s, "a time >= 0")
         if not (isinstance(self.duration_s, int | float) and math.isfinite(self.duration_s)
                 and self.duration_s >= 0):
-            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time >= 0")
+            raise invalid("duration", self.duration_s, "a time >= 0")
         if self.kind == "syncer_crash":
             if self.target is not None:
                 raise ValueError(f"target={self.target!r} is invalid for syncer_crash: it targets the syncer only")
@@ -126,9 +127,9 @@ class FaultPlan:
     def __post_init__(self) -> None:
         if self.duration_s is not None and not (isinstance(self.duration_s, int | float)
                                                 and math.isfinite(self.duration_s) and self.duration_s > 0):
-            raise ValueError(f"duration={self.duration_s!r} is invalid: expected a time > 0")
+            raise invalid("duration", self.duration_s, "a time > 0")
         if self.num_learners is not None and not (isinstance(self.num_learners, int) and self.num_learners >= 1):
-            raise ValueError(f"num_learners={self.num_learners!r} is invalid: expected an integer >= 1")
+            raise invalid("num_learners", self.num_learners, "an integer >= 1")
         for index, fault in enumerate(self.faults):
             check_fits(fault, self.num_learners, self.duration_s, f"fault {index}")
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
@@ -194,5 +195,5 @@ def check_fits(fault: Fault, num_learners: int | None, duration_s: float | None,
 def outage(learner_id: int, start_s: float, end_s: float) -> Fault:
     """Learner `learner_id` down on [start_s, end_s): a crash held down for the difference."""
     if not (isinstance(end_s, int | float) and math.isfinite(end_s) and end_s > start_s):
-        raise ValueError(f"end_s={end_s!r} is invalid: expected a finite number > start_s={start_s!r}")
+        raise invalid("end_s", end_s, f"a finite number > start_s={start_s!r}")
     return Fault(at_s=start_s, kind="crash", target=learner_id, duration_s=end_s - start_s, restart=False)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddiloco.checks import invalid
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
@@ -88,7 +89,7 @@ class FollowerSession:
         if not self._entered or self._closed:
             raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
+            raise invalid("tokens", tokens, "an int >= 0 (tokens or samples in this step)")
         self._serve(tokens=tokens)
 
     def close(self, *, failed: bool = False) -> None:

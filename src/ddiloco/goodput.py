@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.checks import require, require_choice, require_int, require_positive
+from ddiloco.checks import invalid, require, require_choice, require_int, require_positive
 
 USEFUL_CATEGORIES = ("merged", "overwritten", "unfinished", "kept")
 LOST_CATEGORIES = ("crashed", "rejected", "dropped", "resync", "unmerged", "rolled_back")
@@ -157,7 +157,7 @@ class EventLog:
             elif kind == "fault":
                 faults.append(FaultSpan(**fields))
             else:
-                raise ValueError(f"record={kind!r} is invalid: expected one of window, work, advance, fault")
+                raise invalid("record", kind, "one of window, work, advance, fault")
         if window is None:
             raise ValueError("the event log has no window record: expected one line {\"record\": \"window\", ...}")
         return cls(**{**window, "categories": tuple(window.get("categories", WORK_CATEGORIES))},

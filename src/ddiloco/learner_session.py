@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_state, save_state
+from ddiloco.checks import invalid
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
@@ -303,7 +304,7 @@ class Session:
         if not self._entered or self._closed:
             raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens={tokens!r} is invalid: expected an int >= 0 (tokens or samples in this step)")
+            raise invalid("tokens", tokens, "an int >= 0 (tokens or samples in this step)")
         started = self._step_started or time.monotonic()
         if self.group is not None:
             tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch

@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
+from ddiloco.checks import invalid
 from ddiloco.messages import DecodedTensor
 from ddiloco.round_sum import MERGE_METHODS, RoundSum
 from ddiloco.update_values import l2_norm
@@ -40,7 +41,7 @@ def cap_weights(weights: Sequence[float], max_ratio: float) -> list[float]:
     when no weight is over the cap, when fewer than two are positive (one participant has share 1 by
     definition) and when all are zero. k = 1 makes every positive weight equal."""
     if not max_ratio >= 1:
-        raise ValueError(f"max_ratio={max_ratio!r} is invalid: expected a number >= 1")
+        raise invalid("max_ratio", max_ratio, "a number >= 1")
     positive = sorted((float(w) for w in weights if w > 0), reverse=True)
     n = len(positive)
     # rests[j]: the sum of the j-th heaviest and all lighter ones, summed from the lightest (a total minus the
@@ -93,7 +94,7 @@ def merge_round(updates: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     updates are summed in list order, with exactly the arithmetic of the syncer's streaming merge
     (`ddiloco.round_sum.RoundSum`), so this is its batch reference, bit for bit."""
     if method not in MERGE_METHODS:
-        raise ValueError(f"method={method!r} is invalid: expected 'rda' or 'mean'")
+        raise invalid("method", method, "'rda' or 'mean'")
     if not updates:
         raise ValueError("cannot merge a round with no updates")
     names = list(updates[0])

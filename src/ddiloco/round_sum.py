@@ -28,6 +28,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import torch
 
+from ddiloco.checks import invalid
 from ddiloco.messages import DecodedTensor
 from ddiloco.update_values import l2_norm
 
@@ -41,7 +42,7 @@ class RoundSum:
 
     def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = ()) -> None:
         if method not in MERGE_METHODS:
-            raise ValueError(f"method={method!r} is invalid: expected 'rda' or 'mean'")
+            raise invalid("method", method, "'rda' or 'mean'")
         self.names = list(names)
         self._rda = {name: method == "rda" and name not in embeddings for name in self.names}
         self._sums: dict[str, torch.Tensor] | None = {}
@@ -54,7 +55,7 @@ class RoundSum:
     def add(self, key: Hashable, tensors: Mapping[str, DecodedTensor], weight: float) -> None:
         """Add one update (its tensors decoded and checked) with `weight` (>= 0), after those added before."""
         if not weight >= 0:
-            raise ValueError(f"weight={weight!r} is invalid: expected a number >= 0")
+            raise invalid("weight", weight, "a number >= 0")
         self.keys.append(key)
         self.weights.append(weight)
         if self._sums is None:

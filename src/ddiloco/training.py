@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ddiloco.checks import invalid
 from ddiloco.data import Batch
 
 
@@ -33,15 +34,15 @@ class InnerConfig:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr={self.lr!r} is invalid: expected a finite number > 0")
+            raise invalid("lr", self.lr, "a finite number > 0")
         if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r} is invalid: expected >= 0")
+            raise invalid("weight_decay", self.weight_decay, ">= 0")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: expected 0 <= value < 1")
         if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip!r} is invalid: expected >= 0 (0 disables)")
+            raise invalid("grad_clip", self.grad_clip, ">= 0 (0 disables)")
 
 
 def make_inner_optimizer(model: nn.Module, config: InnerConfig) -> torch.optim.Optimizer:

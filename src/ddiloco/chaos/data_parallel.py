@@ -61,7 +61,7 @@ from typing import Any
 
 from ddiloco.chaos.dp_common import EXIT_MEANINGS, JobPaths, RankConfig, committed_steps
 from ddiloco.checkpoint import atomic_write_json, read_json
-from ddiloco.checks import require_int
+from ddiloco.checks import invalid, require_int
 from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes
 from ddiloco.metrics import JsonlSink
 from ddiloco.run_config import RunConfig
@@ -113,9 +113,9 @@ class DataParallelAgentConfig:
     def __post_init__(self) -> None:
         require_int("standby_ranks", self.standby_ranks, minimum=0)
         if not isinstance(self.threads, int) or self.threads < 1:
-            raise ValueError(f"threads={self.threads!r} is invalid: expected an integer >= 1")
+            raise invalid("threads", self.threads, "an integer >= 1")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
-            raise ValueError(f"eval_batches={self.eval_batches!r} is invalid: expected an integer >= 1")
+            raise invalid("eval_batches", self.eval_batches, "an integer >= 1")
         for name in ("eval_every_s", "checkpoint_every_s", "hang_timeout_s", "start_timeout_s", "stop_timeout_s",
                      "poll_s"):
             value = getattr(self, name)
@@ -259,7 +259,7 @@ class DataParallelJob:
         A hold does not fail a running attempt by itself (a partition fails it through its timeout)."""
         self._check_rank(rank)
         if not math.isfinite(until):
-            raise ValueError(f"until={until!r} is invalid: expected a finite wall time")
+            raise invalid("until", until, "a finite wall time")
         self._holds[rank] = max(until, self._holds.get(rank, -math.inf))
         self._event("held", rank=rank, until=self._holds[rank])
         logger.info("[dp agent] rank %d held until %.1f", rank, self._holds[rank])
@@ -346,7 +346,7 @@ class DataParallelJob:
         """Start, train for `duration_s` wall seconds counted from the first step, stop; returns the summary.
         Blocking: for tests and scripts (the chaos runner drives `poll()` itself)."""
         if not (math.isfinite(duration_s) and duration_s > 0):
-            raise ValueError(f"duration_s={duration_s!r} is invalid: expected a finite number of seconds > 0")
+            raise invalid("duration_s", duration_s, "a finite number of seconds > 0")
         self.start()
         try:
             while self.training_started_at is None or time.time() < self.training_started_at + duration_s:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ddiloco.checks import invalid
 from ddiloco.failures import FailureModel
 from ddiloco.fault_control import VALUE_EXPECTED
 from ddiloco.fault_plan import KINDS, SYNCER, TIMED_KINDS, VALUE_KEYS, Fault, FaultPlan, check_fits
@@ -238,11 +239,11 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
     the recovery time is whatever the real restart takes (the drawn time is not used).
     """
     if not (isinstance(chips_per_learner, int) and chips_per_learner >= 1):
-        raise ValueError(f"chips_per_learner={chips_per_learner!r} is invalid: expected an integer >= 1")
+        raise invalid("chips_per_learner", chips_per_learner, "an integer >= 1")
     if not (isinstance(num_learners, int) and num_learners >= 1):
-        raise ValueError(f"num_learners={num_learners!r} is invalid: expected an integer >= 1")
+        raise invalid("num_learners", num_learners, "an integer >= 1")
     if not (math.isfinite(start_after_s) and start_after_s >= 0):
-        raise ValueError(f"start_after_s={start_after_s!r} is invalid: expected a time >= 0")
+        raise invalid("start_after_s", start_after_s, "a time >= 0")
     if not (math.isfinite(margin_s) and margin_s >= 0 and duration_s - margin_s > start_after_s):
         raise ValueError(f"margin_s={margin_s!r} is invalid with duration_s={duration_s!r} and start_after_s="
                          f"{start_after_s!r}: expected start_after_s < duration_s - margin_s")
@@ -301,9 +302,9 @@ def soak_plan(duration_s: float, num_learners: int, *, kill_every_s: float, seed
     once by the supervisor) or of the syncer (`syncer_crash`), the target uniform over the M learners and the
     syncer. One seeded generator: the same arguments give the same plan."""
     if not (math.isfinite(kill_every_s) and kill_every_s > 0):
-        raise ValueError(f"kill_every_s={kill_every_s!r} is invalid: expected seconds > 0")
+        raise invalid("kill_every_s", kill_every_s, "seconds > 0")
     if not (isinstance(num_learners, int) and num_learners >= 1):
-        raise ValueError(f"num_learners={num_learners!r} is invalid: expected an integer >= 1")
+        raise invalid("num_learners", num_learners, "an integer >= 1")
     if not duration_s - margin_s > start_after_s:
         raise ValueError(f"duration_s={duration_s!r} is invalid: expected more than {start_after_s + margin_s:g} s "
                          "(start-up and the final margin)")

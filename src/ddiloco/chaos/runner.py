@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ddiloco.chaos.plan import Fault, FaultPlan
 from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.checks import invalid
 from ddiloco.fault_control import IN_PROCESS_KINDS, ActiveFault, control_path, write_control
 from ddiloco.runtime.launcher import RunPaths, process_group_alive
 
@@ -252,7 +253,7 @@ class ChaosSettings:
 
     def __post_init__(self) -> None:
         if self.watchdog_s is not None and not self.watchdog_s > 0:
-            raise ValueError(f"watchdog_s={self.watchdog_s!r} is invalid: expected seconds > 0")
+            raise invalid("watchdog_s", self.watchdog_s, "seconds > 0")
         for name in ("eval_every_s", "ready_timeout_s", "dp_checkpoint_every_s", "dp_hang_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected a number > 0 (seconds)")

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ddiloco.checks import invalid
 from ddiloco.data_parallel import ring_allreduce_bytes
 
 BITS_PER_BYTE = 8
@@ -60,7 +61,7 @@ WIRE_FORMATS = {
 def encoded_nbytes(codec: str, numel: int) -> int:
     """Bytes of one encoded tensor of `numel` values, as ddiloco's codecs write it."""
     if codec not in WIRE_FORMATS:
-        raise ValueError(f"codec={codec!r} is invalid: expected one of {', '.join(WIRE_FORMATS)}")
+        raise invalid("codec", codec, f"one of {', '.join(WIRE_FORMATS)}")
     if numel < 0:
         raise ValueError(f"numel={numel} is invalid: expected >= 0")
     return WIRE_FORMATS[codec].nbytes(numel)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.checks import invalid
 from ddiloco.plan.scenario import Scenario, SimulationConfig
 from ddiloco.plan.systems import SIMULATORS
 
@@ -88,7 +89,7 @@ def horizon_for(scenario: Scenario, sim: SimulationConfig) -> float:
 def simulate(system: str, scenario: Scenario, sim: SimulationConfig) -> GoodputResult:
     """Goodput, uptime and tokens per hour of `system`, with 95 % intervals over replicas."""
     if system not in SIMULATORS:
-        raise ValueError(f"system={system!r} is invalid: expected one of {', '.join(SYSTEMS)}")
+        raise invalid("system", system, f"one of {', '.join(SYSTEMS)}")
     horizon_s = horizon_for(scenario, sim)
     layout = scenario.layout
     samples = []

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checkpoint import read_json_object
+from ddiloco.checks import invalid
 from ddiloco.fault_control import control_path
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
@@ -291,20 +292,20 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if isinstance(self.nproc_per_learner, bool) or not isinstance(self.nproc_per_learner, int) \
                 or self.nproc_per_learner < 1:
-            raise ValueError(f"nproc_per_learner={self.nproc_per_learner!r} is invalid: expected an integer >= 1")
+            raise invalid("nproc_per_learner", self.nproc_per_learner, "an integer >= 1")
         if self.nproc_per_learner > 1 and not self.script:
             raise ValueError(f"nproc_per_learner={self.nproc_per_learner} needs a learner script (-- python "
                              "train.py): the built-in learner is one process")
         if not self.devices or not all(self.devices):
-            raise ValueError(f"devices={self.devices!r} is invalid: expected one or more torch devices")
+            raise invalid("devices", self.devices, "one or more torch devices")
         if not self.eval_every_s >= 0:
-            raise ValueError(f"eval_every_s={self.eval_every_s!r} is invalid: expected seconds >= 0")
+            raise invalid("eval_every_s", self.eval_every_s, "seconds >= 0")
         if self.num_learners < 1:
             raise ValueError(f"num_learners={self.num_learners} is invalid: expected >= 1")
         if self.threads < 1:
             raise ValueError(f"threads={self.threads} is invalid: expected >= 1")
         if ":" not in self.bind:
-            raise ValueError(f"bind={self.bind!r} is invalid: expected HOST:PORT")
+            raise invalid("bind", self.bind, "HOST:PORT")
 
 
 class Launcher:

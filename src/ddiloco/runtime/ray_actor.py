@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.checks import invalid
 from ddiloco.runtime.launcher import (
     DEFAULT_COMMAND,
     WILDCARD_HOSTS,
@@ -84,7 +85,7 @@ class RoleSpec:
 
     def __post_init__(self) -> None:
         if self.role not in (SYNCER, LEARNER, EVALUATOR):
-            raise ValueError(f"role={self.role!r} is invalid: expected syncer, learner or evaluator")
+            raise invalid("role", self.role, "syncer, learner or evaluator")
         if not Path(self.launch.run_dir).is_absolute():
             raise ValueError(f"launch.run_dir={self.launch.run_dir} is invalid: every node needs an absolute path")
 

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 from types import ModuleType
 
+from ddiloco.checks import invalid
 from ddiloco.flags import add_config_flags, flag_fields, setting
 
 RAY_VERSION = "2.58.0"
@@ -45,7 +46,7 @@ class RayOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str):
-            raise ValueError(f"address={self.address!r} is invalid: expected a Ray address or '' (local)")
+            raise invalid("address", self.address, "a Ray address or '' (local)")
         for name in ("cpus_per_learner", "gpus_per_learner"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

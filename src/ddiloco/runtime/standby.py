@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ddiloco.checks import require_int
+from ddiloco.checks import invalid, require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, stop_processes
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class StandbyPool:
                  on_start: Callable[[ChildProcess], None] | None = None, nice: int = DEFAULT_NICE) -> None:
         require_int("size", size, minimum=0)
         if not refill_delay_s >= 0:
-            raise ValueError(f"refill_delay_s={refill_delay_s!r} is invalid: expected seconds >= 0")
+            raise invalid("refill_delay_s", refill_delay_s, "seconds >= 0")
         self.launcher = launcher
         self.size = size
         self.name = name

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddiloco.checks import invalid
 from ddiloco.sim.links import LinkConfig
 
 STEP_TIME_STREAM = 1
@@ -42,16 +43,16 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_learners, int) or self.num_learners < 1:
-            raise ValueError(f"num_learners={self.num_learners!r} is invalid: expected an integer >= 1")
+            raise invalid("num_learners", self.num_learners, "an integer >= 1")
         if not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
-            raise ValueError(f"step_time_s={self.step_time_s!r} is invalid: expected a finite number > 0")
+            raise invalid("step_time_s", self.step_time_s, "a finite number > 0")
         if self.slowdowns and len(self.slowdowns) != self.num_learners:
             raise ValueError(f"slowdowns has {len(self.slowdowns)} entries: expected none or num_learners="
                              f"{self.num_learners}")
         if any(not (math.isfinite(s) and s > -1) for s in self.slowdowns):
             raise ValueError(f"slowdowns={self.slowdowns!r} is invalid: every entry must be a finite number > -1")
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"jitter={self.jitter!r} is invalid: expected 0 <= jitter < 1")
+            raise invalid("jitter", self.jitter, "0 <= jitter < 1")
 
     def slowdown(self, learner_id: int) -> float:
         return self.slowdowns[learner_id] if self.slowdowns else 0.0

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ddiloco.checks import invalid
 from ddiloco.config import DilocoConfig
 from ddiloco.messages import SCHEMA_VERSION, Join, SyncerMessage, Update, Welcome
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
@@ -156,7 +157,7 @@ class ConnectWatch:
 
     def __init__(self, address: str, *, connect_timeout_s: float, started_at: float) -> None:
         if not connect_timeout_s >= 0:
-            raise ValueError(f"connect_timeout_s={connect_timeout_s!r} is invalid: expected seconds >= 0 (0: no bound)")
+            raise invalid("connect_timeout_s", connect_timeout_s, "seconds >= 0 (0: no bound)")
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.started_at = started_at

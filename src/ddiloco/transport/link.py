@@ -32,6 +32,7 @@ import re
 import threading
 from typing import Protocol
 
+from ddiloco.checks import invalid
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.link_model import BITS_PER_BYTE, LinkConfig, SerialPipe
 
@@ -118,9 +119,9 @@ class TokenBucket:
 
     def __init__(self, rate_bytes_per_s: float, burst_bytes: float) -> None:
         if not rate_bytes_per_s > 0:
-            raise ValueError(f"rate_bytes_per_s={rate_bytes_per_s!r} is invalid: expected > 0")
+            raise invalid("rate_bytes_per_s", rate_bytes_per_s, "> 0")
         if not burst_bytes >= 0:
-            raise ValueError(f"burst_bytes={burst_bytes!r} is invalid: expected >= 0")
+            raise invalid("burst_bytes", burst_bytes, ">= 0")
         self.rate_bytes_per_s = rate_bytes_per_s
         self.burst_bytes = burst_bytes
         self._tokens = burst_bytes
@@ -162,7 +163,7 @@ class LinkDirection:
         ready = self.bucket.reserve(nbytes, now)
         if cap_bytes_per_s is not None:
             if not cap_bytes_per_s > 0:
-                raise ValueError(f"cap_bytes_per_s={cap_bytes_per_s!r} is invalid: expected > 0")
+                raise invalid("cap_bytes_per_s", cap_bytes_per_s, "> 0")
             # No burst allowance: under a cap every byte pays, so n bytes take n / cap seconds.
             ready = max(ready, self._capped.send(now, nbytes / cap_bytes_per_s))
         return ready + self.spec.latency_s + extra_latency_s
