@@ -6,8 +6,9 @@
 The set-up of `ddiloco experiment heterogeneous` (4 learners, two of them 18 % slower, 10 % step-time jitter,
 320 inner steps each, the run defaults): K = M (`sync`) against K = 1 + adaptive grace with the learners'
 round pace on (`paced`, `DilocoConfig.pace_rounds`: a learner slower than the rounds publishes after fewer of its
-own inner steps) and off (`unpaced`, the default: only the reactive schedule move of a late learner). Prints final
-loss, goodput, participants per round and mean staleness per variant.
+own inner steps, and locks its phase to the rounds' closes, `Learner._lock_phase`) and off (`unpaced`, the
+default: only the reactive schedule move of a late learner). Prints final loss, goodput, participants per round,
+mean staleness and rounds per variant (more rounds than about 90 would mean the learners pulled the run forward).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def run(variant: str, runner: _Runner) -> dict:
     m = result.metrics
     return {"variant": variant, "loss": m["final_val_loss"], "goodput": m["goodput"],
             "participants": m["mean_participants_per_round"], "staleness": m["mean_staleness"],
-            "wall_s": time.perf_counter() - start}
+            "rounds": len(result.round_log), "wall_s": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -46,12 +47,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = _Runner("heterogeneous", default_scale(), args.seed, progress=lambda message: None)
-    print("| variant | final val loss | goodput | participants per round | mean staleness | wall |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | final val loss | goodput | participants per round | mean staleness | rounds | wall |")
+    print("|---|---|---|---|---|---|---|")
     for variant in args.only:
         r = run(variant, runner)
         print(f"| {r['variant']} | {r['loss']:.4f} | {100 * r['goodput']:.1f} % | {r['participants']:.2f} | "
-              f"{r['staleness']:.2f} | {r['wall_s']:.0f} s |", flush=True)
+              f"{r['staleness']:.2f} | {r['rounds']} | {r['wall_s']:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":
