@@ -166,7 +166,8 @@ class Learner:
         every learner anyway (K = M: `LearnerRules` turns it off), since each move adds publications."""
         self.phase = 0
         """Inner steps this learner's schedule runs ahead of its step count: raised each time a round closes
-        before it published its part (`_publish_before`), so its next rounds fall due in time for the others'."""
+        before it published its part (`_publish_before`), so its next rounds fall due in time for the others'; moved
+        both ways by a paced learner's phase lock (`_lock_phase`), which can leave it below 0 (behind its count)."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
@@ -334,8 +335,8 @@ class Learner:
         if lead == 0:
             self.phase += PHASE_LOCK_STEP
             self.stats.phase_moves_late += 1
-        elif lead >= EARLY_LEAD and self.phase >= PHASE_LOCK_STEP:
-            self.phase -= PHASE_LOCK_STEP
+        elif lead >= EARLY_LEAD:
+            self.phase -= PHASE_LOCK_STEP  # below 0 too: a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1
 
     @torch.no_grad()

@@ -159,14 +159,17 @@ def _step_until_update(learner: Learner, batches) -> tuple:
     raise AssertionError("no update")
 
 
-def _result_after(learner: Learner, extra_steps: int) -> tuple[float, float]:
-    """Publish the next update, train `extra_steps` more inner steps, then hand the learner that round's result;
-    returns its phase just before and just after the result (only the result can move it in between)."""
+def _result_after(learner: Learner, extra_steps: int, *, phase: float | None = None) -> tuple[float, float]:
+    """Publish the next update, train `extra_steps` more inner steps, then hand the learner that round's result
+    (its phase set to `phase` first, if given); returns its phase just before and just after the result (only the
+    result can move it in between)."""
     batches = iter(make_batches(40, seed=9))
     update, _ = _step_until_update(learner, batches)
     for _ in range(extra_steps):
         assert learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches))) == []
     p, global_ = update.fragment, params_of(learner.model)
+    if phase is not None:
+        learner.phase = phase
     before = learner.phase
     learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]}))
     return before, learner.phase
@@ -184,6 +187,13 @@ def test_a_slow_paced_learner_whose_update_went_out_early_moves_its_schedule_bac
     early = learner.stats.phase_moves_early
     before, after = _result_after(learner, 2)                      # two of its steps after the update
     assert after == before - 1.0 and learner.stats.phase_moves_early == early + 1
+
+
+def test_a_learner_that_reads_itself_slow_and_leads_the_rounds_publishes_later_than_its_step_count():
+    # Its phase may go below 0: a learner whose pace reads low while its updates open the rounds (one of the
+    # clock-setting learners, whose estimate fell when others closed rounds early) must not stay ahead of them.
+    learner = _slow_paced_learner()
+    assert _result_after(learner, 2, phase=0.0) == (0.0, -1.0)
 
 
 def test_a_slow_paced_learner_whose_update_was_in_time_keeps_its_phase():
