@@ -57,8 +57,9 @@ class DilocoConfig:
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
     pace_rounds: bool = False
     """Whether a learner slower than the rounds publishes after fewer of its own inner steps (`Learner.round_pace`,
-    Dynamic Local Updates). Off by default: in the harness it lowered the loss of 2 slow learners in 4 (2.4761 ->
-    2.3853), but on real processes of equal speed on a loaded machine it opened more rounds (docs/results.md)."""
+    Dynamic Local Updates) and locks its phase to the rounds' closes (`Learner._lock_phase`). Off by default: in the
+    harness it lowered the loss of 2 slow learners in 4 (2.4761 -> 2.3185; K = M 2.2726), but on real processes of
+    equal speed on a loaded machine the pace, before the lock, opened more rounds (docs/results.md)."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
     embedding_pattern: str = ""
@@ -138,6 +139,12 @@ class QuorumConfig:
     """Tokens (or samples) one inner step may count, at most: a learner declaring more at join is refused, and an
     update with more tokens than steps x this (or than the learner's own, smaller declaration) is rejected as
     bad_counters. The merge weight is tokens^2 / steps, so without a bound it is whatever a learner claims."""
+    staleness_discount: float = 0.0
+    """e: a participant s versions stale (a late update held for the next round) weighs its token weight divided by
+    (1 + s)^e; 0 (the default) weighs it as a fresh one. Its pseudo-gradient was measured from an older base, and
+    the outer momentum amplifies it. Harness, 2 of 4 learners 18 % slower (`benchmarks/bench_heterogeneous.py`):
+    e = 2 measured in docs/results.md ("Defaults and rounds", item 4); not measured on learners of equal speed,
+    hence off by default."""
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
     """The most one learner's merge weight may be, as a multiple of the mean weight of the round's other
     participants (`merge.cap_weights`); a heavier one is lowered to it. 1 makes every round an equal average."""
@@ -156,6 +163,9 @@ class QuorumConfig:
         require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
                  "a number > 0 (seconds)")
         require_int("max_tokens_per_step", self.max_tokens_per_step, minimum=1)
+        require(isinstance(self.staleness_discount, int | float) and math.isfinite(self.staleness_discount)
+                and self.staleness_discount >= 0, "staleness_discount", self.staleness_discount,
+                "a finite number >= 0")
         require(isinstance(self.max_weight_ratio, int | float) and math.isfinite(self.max_weight_ratio)
                  and self.max_weight_ratio >= 1, "max_weight_ratio", self.max_weight_ratio, "a finite number >= 1")
 

@@ -403,7 +403,7 @@ class Syncer:
             open_round.summed = RoundSum(self.plan.fragments[update.fragment], method=self.config.merge,
                                          embeddings=self.plan.embeddings)
         if held is None:
-            open_round.summed.add(update.learner_id, decoded, token_weight(update.tokens, update.steps))
+            open_round.summed.add(update.learner_id, decoded, self._merge_weight(update.fragment, pending))
         else:
             folded = (*held.folded, (held.base_version, held.inner_step))
             if held.base_version < update.base_version:
@@ -483,10 +483,20 @@ class Syncer:
         open_round.summed = None
         return summed.result(self._shapes)
 
+    def _merge_weight(self, p: int, pending: _Pending) -> float:
+        """A participant's weight before the cap: tokens^2 / steps, divided by (1 + staleness)^e for a late update
+        (`QuorumConfig.staleness_discount`). The fragment's version does not change while its round is open, so
+        the weight an update gets on arrival is the one its round closes with."""
+        weight = token_weight(pending.tokens, pending.steps)
+        staleness = self.versions[p] - pending.base_version
+        if staleness > 0 and self.quorum.staleness_discount:
+            weight /= (1.0 + staleness) ** self.quorum.staleness_discount
+        return weight
+
     def _close(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
         summed_ids = list(open_round.updates)  # arrival order: the order of the round's sums
-        raw = [token_weight(u.tokens, u.steps) for u in open_round.updates.values()]
+        raw = [self._merge_weight(p, u) for u in open_round.updates.values()]
         capped = dict(zip(summed_ids, cap_weights(raw, self.quorum.max_weight_ratio), strict=True))
         merged = self._merged(p, summed_ids, [capped[i] for i in summed_ids])
         learner_ids = sorted(open_round.updates)

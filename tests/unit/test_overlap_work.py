@@ -138,3 +138,81 @@ def test_a_learner_that_waited_for_the_syncer_does_not_count_the_wait_as_its_pac
             learner.receive(FragmentState(p, learner.versions[p] + 1, state))
     assert learner.stats.updates_sent >= 20
     assert learner.round_pace == 1.0
+
+
+# ---- the paced learner's phase (`Learner._lock_phase`) -----------------------------------------------------
+
+def _slow_paced_learner() -> Learner:
+    learner = _paced_learner()
+    _results_every(learner, 3, 40)                                 # measured slower: pace 0.75 < 0.95
+    assert learner.round_pace < 0.9
+    return learner
+
+
+def _step_until_update(learner: Learner, batches) -> tuple:
+    """Train until the learner publishes; returns that update and the inner steps it took."""
+    for n, batch in enumerate(batches, start=1):
+        updates = learner.after_inner_step(train_step(learner.model, learner.optimizer, batch))
+        if updates:
+            (update,) = updates
+            return update, n
+    raise AssertionError("no update")
+
+
+def _result_after(learner: Learner, extra_steps: int, *, phase: float | None = None) -> tuple[float, float]:
+    """Publish the next update, train `extra_steps` more inner steps, then hand the learner that round's result
+    (its phase set to `phase` first, if given); returns its phase just before and just after the result (only the
+    result can move it in between)."""
+    batches = iter(make_batches(40, seed=9))
+    update, _ = _step_until_update(learner, batches)
+    for _ in range(extra_steps):
+        assert learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches))) == []
+    p, global_ = update.fragment, params_of(learner.model)
+    if phase is not None:
+        learner.phase = phase
+    before = learner.phase
+    learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]}))
+    return before, learner.phase
+
+
+def test_a_slow_paced_learner_whose_update_missed_its_round_moves_its_schedule_forward_a_step():
+    learner = _slow_paced_learner()
+    late = learner.stats.phase_moves_late
+    before, after = _result_after(learner, 0)                      # the result came before its next inner step
+    assert after == before + 1.0 and learner.stats.phase_moves_late == late + 1
+
+
+def test_a_slow_paced_learner_whose_update_went_out_early_moves_its_schedule_back_a_step():
+    learner = _slow_paced_learner()
+    early = learner.stats.phase_moves_early
+    before, after = _result_after(learner, 2)                      # two of its steps after the update
+    assert after == before - 1.0 and learner.stats.phase_moves_early == early + 1
+
+
+def test_a_learner_that_reads_itself_slow_and_leads_the_rounds_publishes_later_than_its_step_count():
+    # Its phase may go below 0: a learner whose pace reads low while its updates open the rounds (one of the
+    # clock-setting learners, whose estimate fell when others closed rounds early) must not stay ahead of them.
+    learner = _slow_paced_learner()
+    assert _result_after(learner, 2, phase=0.0) == (0.0, -1.0)
+
+
+def test_a_slow_paced_learner_whose_update_was_in_time_keeps_its_phase():
+    learner = _slow_paced_learner()
+    before, after = _result_after(learner, 1)
+    assert after == before
+
+
+def test_a_learner_in_pace_never_locks_its_phase():
+    # The learners that set the rounds' clock must not move: one moving forward would close rounds earlier.
+    learner = _paced_learner()
+    _results_every(learner, 4, 40)
+    assert _result_after(learner, 0) == (0.0, 0.0)
+    assert _result_after(learner, 3) == (0.0, 0.0)
+    assert learner.stats.phase_moves_late == learner.stats.phase_moves_early == 0
+
+
+def test_without_pace_rounds_a_slow_learner_does_not_lock_its_phase():
+    learner = _slow_paced_learner()
+    learner.config = dataclasses.replace(PACED, pace_rounds=False)
+    before, after = _result_after(learner, 0)
+    assert after == before

@@ -138,6 +138,38 @@ def test_late_update_rides_in_the_next_round_without_making_one():
     assert [(q.learner_id, q.staleness) for q in record.participants] == [(0, 0), (1, 1)]
 
 
+def _fresh_and_late_round(**quorum_fields):
+    """The round above: the fast learner's update from version 1 and the slow one's, held, from version 0."""
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0, **quorum_fields)
+    syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
+    in_flight = []
+    for batch in make_batches(2, seed=9):
+        in_flight += slow.after_inner_step(train_step(slow.model, slow.optimizer, batch))
+    (late,) = in_flight
+    for t in (0.0, 0.1):
+        _publish(hub, fast, clock, t)
+    syncer.receive(late, now=0.2)
+    for t in (0.3, 0.4):
+        _publish(hub, fast, clock, t)
+    record = hub.round_log[-1]
+    assert [(q.learner_id, q.staleness, q.steps) for q in record.participants] == [(0, 0, 2), (1, 1, 2)]
+    assert record.participants[0].tokens == record.participants[1].tokens
+    return record
+
+
+def test_a_late_update_weighs_less_with_the_staleness_discount():
+    fresh, late = _fresh_and_late_round(staleness_discount=2.0).participants
+    assert late.weight == pytest.approx(fresh.weight / 4)       # (1 + 1)^2
+    fresh, late = _fresh_and_late_round().participants           # off by default: as a fresh update
+    assert late.weight == fresh.weight
+
+
+def test_the_staleness_discount_must_be_a_finite_number_of_at_least_zero():
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="staleness_discount=.* is invalid: expected a finite number >= 0"):
+            QuorumConfig(staleness_discount=bad)
+
+
 def test_a_late_update_waits_for_the_next_due_update_or_for_the_end():
     quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
     syncer, hub, clock, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
