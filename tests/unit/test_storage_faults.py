@@ -236,3 +236,38 @@ def test_the_update_that_closes_a_round_is_logged_right_after_the_round_is_durab
     service.close()
     kinds = [(e["kind"], e.get("accepted")) for e in sink.events if e["kind"] in ("durable", "update", "commit")]
     assert kinds == [("durable", None), ("update", True), ("commit", None), ("update", False)]
+
+
+class ReentrantSink(MemorySink):
+    """Runs `then` once, inside the first round's commit event: another update arriving the moment the first one's
+    round is done, before that first update's handler has finished (what a second gRPC handler thread does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.then = None
+
+    def event(self, kind: str, **fields) -> None:
+        super().event(kind, **fields)
+        if kind == "commit" and self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+
+def test_an_update_arriving_while_another_finishes_does_not_make_it_logged_twice(tmp_path):
+    # Before: whether the closing update had been logged was read from the service after its lock was released,
+    # so an update handled in between reset it and the first update got a second "accepted" line (the chaos
+    # invariant then counted it accepted twice but merged once).
+    run_config = RunConfig(diloco=CONFIG, quorum=QUORUM, num_learners=1)
+    sink = ReentrantSink()
+    syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)))
+    service = SyncerService(run_config, syncer, SyncerStore(tmp_path), sink=sink, clock=VirtualClock())
+    assert not isinstance(service.join(Join(0, syncer.spec, CONFIG.fingerprint()), CONFIG.to_dict(), "test"), str)
+    second = _update(syncer, 0, 1, inner_step=8)
+    second = Update(0, 1, 7, 8, 8, 80, "fp32", second.payload)  # on a version fragment 1 never had: rejected
+    verdicts = []
+    sink.then = lambda: verdicts.append(service.update(second))
+    assert service.update(_update(syncer, 0, 0, inner_step=4))[0]
+    service.close()
+    assert [accepted for accepted, _, _ in verdicts] == [False]
+    lines = [(e["fragment"], e["inner_step"], e["accepted"]) for e in sink.events if e["kind"] == "update"]
+    assert sorted(lines) == [(0, 4, True), (1, 8, False)]

@@ -334,6 +334,7 @@ class SyncerService:
                 actions = self.syncer.receive(update, self.clock.now())
             finally:
                 self._arriving = None
+            logged = self._arrival_logged  # read under the lock: another update may start as soon as it is free
             rest: list[SyncerAction] = []
             for action in actions:
                 message = action.message if isinstance(action, Send) else None
@@ -344,7 +345,7 @@ class SyncerService:
             self._carry_out(rest)
             self._cond.notify_all()
         accepted, reason, detail = verdict
-        if not self._arrival_logged:
+        if not logged:
             self._log_update(update, accepted=accepted, reason=reason)
         if not accepted:
             self._record(update.learner_id, reason, detail, fragment=update.fragment, inner_step=update.inner_step)
