@@ -10,13 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ddiloco.checks import require
+from ddiloco.checks import require, require_at_least
 from ddiloco.plan.failures import FailureModel
-
-
-def _finite_at_least(field_name: str, value: float, low: float, unit: str) -> None:
-    require(isinstance(value, int | float) and math.isfinite(value) and value >= low, field_name, value,
-             f"a finite number >= {low:g} ({unit})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +34,7 @@ class ReconfigurationCosts:
 
     def __post_init__(self) -> None:
         for name in ("downscale_s", "upscale_s", "restart_s", "checkpoint_interval_s", "join_s"):
-            _finite_at_least(name, getattr(self, name), 0.0, "seconds")
+            require_at_least(name, getattr(self, name), 0.0, "seconds")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +66,8 @@ class LayoutConfig:
                  self.min_quorum, f"an integer between 1 and learners={self.learners}")
         require(0.0 <= self.slow_learner_fraction <= 1.0, "slow_learner_fraction", self.slow_learner_fraction,
                  "a share between 0 and 1")
-        _finite_at_least("slow_learner_slowdown", self.slow_learner_slowdown, 0.0, "relative extra step time")
-        _finite_at_least("step_time_spread", self.step_time_spread, 0.0, "relative standard deviation")
+        require_at_least("slow_learner_slowdown", self.slow_learner_slowdown, 0.0, "relative extra step time")
+        require_at_least("step_time_spread", self.step_time_spread, 0.0, "relative standard deviation")
         require(math.isfinite(self.tokens_per_chip_s) and self.tokens_per_chip_s > 0, "tokens_per_chip_s",
                  self.tokens_per_chip_s, "a finite number > 0 (tokens per chip-second)")
 
