@@ -6,8 +6,8 @@
 The set-up of `ddiloco experiment heterogeneous` (4 learners, two of them 18 % slower, 10 % step-time jitter,
 320 inner steps each, the run defaults): K = M (`sync`) against K = 1 + adaptive grace with the learners'
 round pace on (`paced`, `DilocoConfig.pace_rounds`: a learner slower than the rounds publishes after fewer of its
-own inner steps, and locks its phase to the rounds' closes, `Learner._lock_phase`) and off (`unpaced`, the
-default: only the reactive schedule move of a late learner), and paced with late updates weighed less
+own inner steps, and moves back when it leads the rounds, `Learner._follow_close`) and off (`unpaced`, the
+default: only the schedule moves of a late learner), and paced with late updates weighed less
 (`discounted`, `QuorumConfig.staleness_discount` = 2). Prints final loss, goodput, participants per round,
 mean staleness and rounds per variant (more rounds than about 90 would mean the learners pulled the run forward).
 """

@@ -57,9 +57,10 @@ class DilocoConfig:
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
     pace_rounds: bool = False
     """Whether a learner slower than the rounds publishes after fewer of its own inner steps (`Learner.round_pace`,
-    Dynamic Local Updates) and locks its phase to the rounds' closes (`Learner._lock_phase`). Off by default: in the
-    harness it lowered the loss of 2 slow learners in 4 (2.4761 -> 2.3185; K = M 2.2726), but on real processes of
-    equal speed on a loaded machine the pace, before the lock, opened more rounds (docs/results.md)."""
+    Dynamic Local Updates) and moves back when it leads the rounds (`Learner._follow_close`). Off by default: since
+    every learner follows the rounds' close exactly it no longer beats the default in the harness (2 slow learners in
+    4: 2.3433 paced, 2.3466 not; K = M 2.2726), and on real processes of equal speed on a loaded machine the pace
+    opened more rounds (docs/results.md)."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
     embedding_pattern: str = ""

@@ -69,9 +69,10 @@ their own noise (publishing earlier would close rounds earlier, and the next est
 MIN_ROUND_PACE = 0.5
 """The fastest a schedule runs: twice the learner's step count."""
 PHASE_LOCK_STEP = 1.0
-"""Inner steps a paced learner's schedule moves, forward or back, when a round's result shows its update was late
-or early (`Learner._lock_phase`): about the adaptive grace window (at most one step), so a move lands the update
-inside the window rather than past it. Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
+"""Inner steps a learner's schedule moves forward when a round's result shows its update was late (and a paced
+learner's back, when it was early; `Learner._follow_close`): about the adaptive grace window (at most one step), so a
+move lands the update inside the window rather than past it. Measured against 0.5 and 2 (docs/results.md, "Defaults
+and rounds")."""
 EARLY_LEAD = 2
 """A round's result that reaches a learner this many of its inner steps after its update for that round or later:
 the update went out before the clock-setting learners' (theirs reach them about tau steps after theirs), so it
@@ -92,7 +93,7 @@ class LearnerStats:
     updates_published_early: int = 0
     """Updates sent because the round they belonged to closed first (`Learner._publish_before`)."""
     phase_moves_late: int = 0
-    """Schedule moves forward of a paced learner whose update reached its round after the close (`_lock_phase`)."""
+    """Schedule moves forward of a learner whose update reached its round after the close (`_follow_close`)."""
     phase_moves_early: int = 0
     """Schedule moves back of a paced learner whose update went out before the clock-setting learners'."""
     fragments_applied: int = 0
@@ -166,8 +167,9 @@ class Learner:
         every learner anyway (K = M: `LearnerRules` turns it off), since each move adds publications."""
         self.phase = 0
         """Inner steps this learner's schedule runs ahead of its step count: raised each time a round closes
-        before it published its part (`_publish_before`), so its next rounds fall due in time for the others'; moved
-        both ways by a paced learner's phase lock (`_lock_phase`), which can leave it below 0 (behind its count)."""
+        before it published its part (`_publish_before`) or a round's result shows its update came after the close
+        (`_follow_close`), so its next rounds fall due in time for the others'; a paced learner that leads the rounds
+        moves it back, which can leave it below 0 (behind its count)."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
@@ -229,7 +231,7 @@ class Learner:
         if isinstance(message, FragmentState):
             early = self._publish_before(message)
             if early is None:
-                self._lock_phase(message)
+                self._follow_close(message)
             self._apply(message)
             return [early] if early is not None else []
         if isinstance(message, FragmentDelta):
@@ -312,30 +314,30 @@ class Learner:
         self.stats.updates_published_early += 1
         return update
 
-    def _lock_phase(self, state: FragmentState) -> None:
-        """Lock a paced learner's phase to the rounds (with `pace_rounds`): the pace matches the rounds' rate, not
-        their phase, and a learner that only moves forward when a round closes before it published
-        (`_publish_before`) settles just after the close, one version late (docs/protocol.md, "Rounds"). The
-        result of the round its last update was for tells which side of the close that update fell, in its own
-        inner steps (`lead`): the same step (0) means the round had closed before the update arrived, so the
-        schedule moves forward a step; two steps or more means the update went out before the clock-setting
-        learners' and probably opened the round itself, so it moves back a step, and a slow learner never sets
-        the rounds' clock (publishing ever earlier would close rounds earlier, and every learner's pace would
-        read lower: the ratchet). Only a learner measured clearly slower than the rounds; after a fragment's
-        first round (no grace window yet, see `_publish_before`)."""
+    def _follow_close(self, state: FragmentState) -> None:
+        """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
+        last update was for names the learners the round merged on time (`state.on_time`): not named, the update
+        reached the syncer after the close, so the rounds run to other learners' clocks (it came back from a
+        failure later than they did, it started later, or its steps are slower) and its schedule moves a step
+        forward: about the adaptive grace window (at most one step), so the next update lands inside it; repeated
+        while it is late. A learner that paces itself (`pace_rounds`, measured clearly slower than the rounds) also
+        moves back a step when the result reaches it two or more of its own inner steps after its update: that
+        update went out before the clock-setting learners' and probably opened the round itself, and a slow learner
+        must never set the rounds' clock (publishing ever earlier would close rounds earlier, and every learner's
+        pace would read lower: the ratchet). Not where rounds wait for everyone (K = M), and not after a
+        fragment's first round (no grace window yet, see `_publish_before`)."""
         p = state.fragment
-        if (not self.config.pace_rounds or not self.follows_rounds or not self.joined
-                or self.round_pace >= 1.0 - ROUND_PACE_DEADBAND or not 0 <= p < self.plan.num_fragments
+        if (not self.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):
             return
         outstanding = self._outstanding.get(p)
         if outstanding is None or outstanding.base_version != self.versions[p]:
-            return
-        lead = self.inner_step - outstanding.published_at_step
-        if lead == 0:
+            return  # nothing published for this round (or that update was refused)
+        if state.on_time is not None and self.learner_id not in state.on_time:
             self.phase += PHASE_LOCK_STEP
             self.stats.phase_moves_late += 1
-        elif lead >= EARLY_LEAD:
+        elif (self.config.pace_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND
+              and self.inner_step - outstanding.published_at_step >= EARLY_LEAD):
             self.phase -= PHASE_LOCK_STEP  # below 0 too: a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1
 
@@ -355,10 +357,10 @@ class Learner:
             rebuilt = rebuild(delta, self._base[p], self.plan.fragments[p],
                               {name: tuple(self._params[name].shape) for name in self.plan.fragments[p]})
             if not isinstance(rebuilt, str):
-                state = FragmentState(p, delta.version, rebuilt)
+                state = FragmentState(p, delta.version, rebuilt, delta.on_time)
                 early = self._publish_before(state)
                 if early is None:
-                    self._lock_phase(state)
+                    self._follow_close(state)
                 self._apply(state, payload_bytes=delta.payload_bytes)
                 return [early] if early is not None else []
             problem = rebuilt

@@ -175,6 +175,9 @@ class FragmentState:
     fragment: int
     version: int
     tensors: Mapping[str, torch.Tensor]
+    on_time: tuple[int, ...] | None = None
+    """A round broadcast's: the learners whose update from `version - 1` the round merged (see
+    `FragmentDelta.on_time`); None in a join's or a catch-up's state."""
 
     @property
     def payload_bytes(self) -> int:
@@ -197,6 +200,10 @@ class FragmentDelta:
     """Tensor name -> the encoded change."""
     checksum: int
     """zlib.crc32 of the new global value's float32 bytes, tensor by tensor in the fragment plan's order."""
+    on_time: tuple[int, ...] | None = None
+    """The learners, ascending, whose update published from `base_version` the round merged: a learner that
+    published for this round and is not named reached it after the close, so its clock runs behind the round's
+    (`Learner._follow_close`). None: not known."""
 
     @property
     def payload_bytes(self) -> int:

@@ -527,7 +527,8 @@ class Syncer:
         if unwritten is not None:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
         # Durable (or kept in memory): from here on the round changes the syncer's state.
-        broadcast = self._outer_step(p, merged, record.version)
+        on_time = tuple(i for i, u in zip(learner_ids, pending, strict=True) if u.base_version == version_before)
+        broadcast = dataclasses.replace(self._outer_step(p, merged, record.version), on_time=on_time)
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
             info.merged_base[p] = u.base_version

@@ -140,12 +140,19 @@ def test_a_learner_that_waited_for_the_syncer_does_not_count_the_wait_as_its_pac
     assert learner.round_pace == 1.0
 
 
-# ---- the paced learner's phase (`Learner._lock_phase`) -----------------------------------------------------
+# ---- following the rounds' close (`Learner._follow_close`) ------------------------------------------------
 
 def _slow_paced_learner() -> Learner:
     learner = _paced_learner()
     _results_every(learner, 3, 40)                                 # measured slower: pace 0.75 < 0.95
     assert learner.round_pace < 0.9
+    return learner
+
+
+def _unpaced_learner() -> Learner:
+    learner = _paced_learner()
+    learner.config = dataclasses.replace(PACED, pace_rounds=False)
+    _results_every(learner, 4, 8)                                  # past every fragment's first round
     return learner
 
 
@@ -159,10 +166,11 @@ def _step_until_update(learner: Learner, batches) -> tuple:
     raise AssertionError("no update")
 
 
-def _result_after(learner: Learner, extra_steps: int, *, phase: float | None = None) -> tuple[float, float]:
+def _result_after(learner: Learner, extra_steps: int, *, on_time=(0,), phase: float | None = None
+                  ) -> tuple[float, float]:
     """Publish the next update, train `extra_steps` more inner steps, then hand the learner that round's result
-    (its phase set to `phase` first, if given); returns its phase just before and just after the result (only the
-    result can move it in between)."""
+    naming `on_time` (its phase set to `phase` first, if given); returns its phase just before and just after the
+    result (only the result can move it in between)."""
     batches = iter(make_batches(40, seed=9))
     update, _ = _step_until_update(learner, batches)
     for _ in range(extra_steps):
@@ -171,15 +179,39 @@ def _result_after(learner: Learner, extra_steps: int, *, phase: float | None = N
     if phase is not None:
         learner.phase = phase
     before = learner.phase
-    learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]}))
+    learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]},
+                                  on_time))
     return before, learner.phase
 
 
-def test_a_slow_paced_learner_whose_update_missed_its_round_moves_its_schedule_forward_a_step():
-    learner = _slow_paced_learner()
+@pytest.mark.parametrize("make", [_unpaced_learner, _slow_paced_learner])
+@pytest.mark.parametrize("extra_steps", [0, 1, 2])
+def test_a_learner_whose_update_missed_its_round_moves_its_schedule_forward_a_step(make, extra_steps):
+    # The result names the learners merged on time; not named, its update reached the round after the close
+    # (e.g. another learner came back from a failure ahead of it in phase and closed the round with K = 1).
+    learner = make()
     late = learner.stats.phase_moves_late
-    before, after = _result_after(learner, 0)                      # the result came before its next inner step
+    before, after = _result_after(learner, extra_steps, on_time=(3, 5))
     assert after == before + 1.0 and learner.stats.phase_moves_late == late + 1
+
+
+@pytest.mark.parametrize("make", [_unpaced_learner, _slow_paced_learner])
+def test_a_learner_named_on_time_keeps_its_phase_even_when_the_result_comes_in_the_same_step(make):
+    learner = make()
+    before, after = _result_after(learner, 0, on_time=(0, 3))
+    assert after == before and learner.stats.phase_moves_late == 0
+
+
+def test_a_result_that_does_not_say_who_was_on_time_moves_nothing():
+    learner = _unpaced_learner()
+    assert _result_after(learner, 0, on_time=None) == (0.0, 0.0)
+    assert _result_after(learner, 0, on_time=()) == (0.0, 1.0)      # known, and nobody was on time
+
+
+def test_where_rounds_wait_for_every_learner_nobody_moves():
+    learner = _unpaced_learner()
+    learner.follows_rounds = False                                  # K = M (`LearnerRules`)
+    assert _result_after(learner, 0, on_time=(3,)) == (0.0, 0.0)
 
 
 def test_a_slow_paced_learner_whose_update_went_out_early_moves_its_schedule_back_a_step():
@@ -202,17 +234,12 @@ def test_a_slow_paced_learner_whose_update_was_in_time_keeps_its_phase():
     assert after == before
 
 
-def test_a_learner_in_pace_never_locks_its_phase():
-    # The learners that set the rounds' clock must not move: one moving forward would close rounds earlier.
+@pytest.mark.parametrize("pace_rounds", [True, False])
+def test_a_learner_in_pace_or_unpaced_never_moves_back(pace_rounds):
+    # The learners that set the rounds' clock must not move: one moving back would leave the rounds to others.
     learner = _paced_learner()
+    learner.config = dataclasses.replace(PACED, pace_rounds=pace_rounds)
     _results_every(learner, 4, 40)
-    assert _result_after(learner, 0) == (0.0, 0.0)
-    assert _result_after(learner, 3) == (0.0, 0.0)
-    assert learner.stats.phase_moves_late == learner.stats.phase_moves_early == 0
-
-
-def test_without_pace_rounds_a_slow_learner_does_not_lock_its_phase():
-    learner = _slow_paced_learner()
-    learner.config = dataclasses.replace(PACED, pace_rounds=False)
-    before, after = _result_after(learner, 0)
+    before, after = _result_after(learner, 3)
     assert after == before
+    assert learner.stats.phase_moves_late == learner.stats.phase_moves_early == 0

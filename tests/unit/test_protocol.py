@@ -138,6 +138,33 @@ def test_late_update_rides_in_the_next_round_without_making_one():
     assert [(q.learner_id, q.staleness) for q in record.participants] == [(0, 0), (1, 1)]
 
 
+def test_a_round_result_names_the_learners_it_merged_on_time():
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, _, _, (fast, slow) = make_system(2, _single_fragment(sync_every=2), quorum)
+
+    def publish(learner, seed):
+        updates = []
+        for batch in make_batches(2, seed=seed):
+            updates += learner.after_inner_step(train_step(learner.model, learner.optimizer, batch))
+        return updates
+
+    def broadcasts(actions):
+        return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, FragmentState)]
+
+    (late,) = publish(slow, 9)                                   # from version 0, still on its way
+    (first,) = publish(fast, 8)
+    sent = broadcasts(syncer.receive(first, now=0.1))            # K = 1: closes version 1 alone
+    assert [(m.version, m.on_time) for m in sent] == [(1, (0,)), (1, (0,))]
+    fast.receive(sent[0])
+    syncer.receive(late, now=0.2)                                # after the close: held for the next round
+    (second,) = publish(fast, 7)
+    actions = syncer.receive(second, now=0.3)
+    # Both merged into version 2, but only the fast learner's update was from version 1: the slow one was late.
+    (commit,) = [a for a in actions if isinstance(a, Commit)]
+    assert [(q.learner_id, q.staleness) for q in commit.record.participants] == [(0, 0), (1, 1)]
+    assert [(m.version, m.on_time) for m in broadcasts(actions)] == [(2, (0,)), (2, (0,))]
+
+
 def _fresh_and_late_round(**quorum_fields):
     """The round above: the fast learner's update from version 1 and the slow one's, held, from version 0."""
     quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0, **quorum_fields)

@@ -195,3 +195,15 @@ def test_union_length_merges_overlapping_intervals():
 def test_cluster_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         ClusterConfig(**{field: value})
+
+
+def test_a_learner_back_from_a_failure_out_of_phase_with_the_rounds_is_brought_into_them():
+    # Learner 2 comes back between two rounds' due steps: its schedule position (one step before the next round)
+    # puts it ahead of the others, and with K = 1 it closes that round alone. Without the others moving their
+    # schedules forward on a result that does not name them (`Learner._follow_close`), their updates reached
+    # every later round after its close and were merged one version late (17 of the 20 rounds below).
+    sim, result = run(faults=FaultPlan.of([(2, 10.5, 14.5)]), steps=64)
+    later = [c for c in kinds(result, "commit") if c["t"] > 14.5 + 20]
+    assert len(later) >= 16
+    assert all(c["learners"] == [0, 1, 2] and c["staleness"] == [0, 0, 0] for c in later)
+    assert sum(slot.learner.stats.phase_moves_late for slot in sim.slots) >= 1

@@ -1,5 +1,6 @@
 """The wire schema: messages <-> protobuf chunks, and every check made before a message is accepted."""
 
+import dataclasses
 import math
 
 import grpc
@@ -302,6 +303,15 @@ def test_a_fragment_change_round_trips_between_other_messages(model, params):
     back = _decode_all(SyncerStreamDecoder(model), chunks)
     assert [type(m) for m in back] == [FragmentDelta, Rejected, FragmentState]
     assert back[0] == delta  # payload bytes, counters, codec and checksum all came through
+
+
+@pytest.mark.parametrize("on_time", [None, (), (0, 3, 17)])
+def test_a_round_result_says_who_was_on_time_and_an_unknown_stays_unknown(model, params, on_time):
+    delta = dataclasses.replace(_delta(model, params), on_time=on_time)
+    state = dataclasses.replace(_state(model, params), on_time=on_time)
+    chunks = [c for m in (delta, state) for c in encode_syncer_message(m, chunk_bytes=SMALL_CHUNK)]
+    back = _decode_all(SyncerStreamDecoder(model), chunks)
+    assert [m.on_time for m in back] == [on_time, on_time]
 
 
 def _bad_delta_chunks(model, params, edit):
