@@ -317,8 +317,8 @@ class Learner:
     def _follow_close(self, state: FragmentState) -> None:
         """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
         last update was for names the learners the round merged on time (`state.on_time`): not named, the update
-        reached the syncer after the close, so the rounds run to other learners' clocks (it came back from a
-        failure later than they did, it started later, or its steps are slower) and its schedule moves a step
+        reached the syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure
+        leads it in phase, it started later, or its steps are slower) and its schedule moves a step
         forward: about the adaptive grace window (at most one step), so the next update lands inside it; repeated
         while it is late. A learner that paces itself (`pace_rounds`, measured clearly slower than the rounds) also
         moves back a step when the result reaches it two or more of its own inner steps after its update: that
