@@ -51,7 +51,18 @@ def test_quick_chaos_run_keeps_every_invariant_and_reports_each_system(tmp_path)
     assert set(result["systems"]) == {"decoupled", "data_parallel", "sync_diloco"}
     assert result["invariants"] and all(result["invariants"].values()), result["invariants"]
     for name, system in result["systems"].items():
-        assert 0.0 < system["goodput"] <= 1.0, (name, system["goodput"])
+        if name == "data_parallel":
+            # Non-elastic DP may keep nothing in this fault-dense plan: it checkpoints every 20 s and the faults come
+            # every few seconds, so when its last attempt has not stepped by the stop (its ranks start slowly on a
+            # loaded machine) every step it computed was rolled back, and 0 is the right goodput. Its account must
+            # still add up.
+            work = system["work_s"]
+            assert 0.0 <= system["goodput"] <= 1.0, system["goodput"]
+            assert system["goodput"] == pytest.approx(system["useful_learner_s"] / system["allocated_learner_s"])
+            assert work["computed"] == pytest.approx(work["useful"] + work["rolled_back"])
+            assert system["computed_steps"] > 0 and (system["kept_steps"] == 0) == (system["goodput"] == 0.0)
+        else:
+            assert 0.0 < system["goodput"] <= 1.0, (name, system["goodput"])
         assert 0.0 < system["uptime"] <= 1.0, (name, system["uptime"])
         assert system["val_loss"], f"{name} logged no validation loss"
         faults = [json.loads(line) for line in (run_dir / name / "chaos" / "faults.jsonl").read_text().splitlines()]
