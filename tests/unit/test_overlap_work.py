@@ -234,12 +234,18 @@ def test_a_slow_paced_learner_whose_update_was_in_time_keeps_its_phase():
     assert after == before
 
 
-@pytest.mark.parametrize("pace_rounds", [True, False])
-def test_a_learner_in_pace_or_unpaced_never_moves_back(pace_rounds):
+def test_a_learner_in_pace_never_moves_back():
     # The learners that set the rounds' clock must not move: one moving back would leave the rounds to others.
     learner = _paced_learner()
-    learner.config = dataclasses.replace(PACED, pace_rounds=pace_rounds)
     _results_every(learner, 4, 40)
     before, after = _result_after(learner, 3)
     assert after == before
     assert learner.stats.phase_moves_late == learner.stats.phase_moves_early == 0
+
+
+def test_without_pace_rounds_a_learner_measured_slow_never_moves_back():
+    learner = _slow_paced_learner()
+    learner.config = dataclasses.replace(PACED, pace_rounds=False)
+    assert learner.round_pace < 0.9
+    before, after = _result_after(learner, 2)                      # what moves a paced one back (above)
+    assert after == before and learner.stats.phase_moves_early == 0
