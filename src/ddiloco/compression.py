@@ -293,7 +293,7 @@ def _check_block_size(block_size: int, *, values_per_byte: int, requirement: str
     # A block boundary may never fall inside a byte, so padded blocks pack into whole bytes.
     if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
             or block_size % values_per_byte):
-        raise invalid("block_size", block_size, f"{requirement}")
+        raise invalid("block_size", block_size, requirement)
 
 
 class _BlockCodec:
