@@ -50,13 +50,21 @@ class RunWatch:
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def note(self) -> None:
+        """Every descendant now, and its latest command line.
+
+        A name is read again at each poll: a process first seen between its fork and its exec still shows its
+        parent's command line, and one seen as it exits (a zombie) shows an empty one (CI once saw Ray's GCS
+        server only that way).
+        """
         for pid, started in descendants(self.popen.pid).items():
-            if pid not in self.seen:
-                self.seen[pid] = started
-                try:
-                    self.names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-                except OSError:
-                    self.names[pid] = "?"
+            if self.seen.setdefault(pid, started) != started:
+                continue  # the pid was reused by a process this run never started
+            try:
+                name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            except OSError:
+                name = ""
+            if name or pid not in self.names:
+                self.names[pid] = name or "?"
 
     def wait_for(self, condition, what: str):
         deadline = time.monotonic() + WAIT_S
