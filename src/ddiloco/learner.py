@@ -69,10 +69,11 @@ their own noise (publishing earlier would close rounds earlier, and the next est
 MIN_ROUND_PACE = 0.5
 """The fastest a schedule runs: twice the learner's step count."""
 PHASE_LOCK_STEP = 1.0
-"""Inner steps a learner's schedule moves forward when a round's result shows its update was late (and a paced
-learner's back, when it was early; `Learner._follow_close`): about the adaptive grace window (at most one step), so a
-move lands the update inside the window rather than past it. Measured against 0.5 and 2 (docs/results.md, "Defaults
-and rounds")."""
+"""Inner steps a learner's schedule moves forward when a round's result shows its update was late, for each late
+result in a row (the n-th moves n steps, at most a round's spacing), and a paced learner's back, when it was early
+(`Learner._follow_close`): about the adaptive grace window (at most one step), so a first move lands the update
+inside the window rather than past it, and a learner whose deficit per round is larger than one step catches up.
+Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
 EARLY_LEAD = 2
 """A round's result that reaches a learner this many of its inner steps after its update for that round or later:
 the update went out before the clock-setting learners' (theirs reach them about tau steps after theirs), so it
@@ -170,6 +171,9 @@ class Learner:
         before it published its part (`_publish_before`) or a round's result shows its update came after the close
         (`_follow_close`), so its next rounds fall due in time for the others'; a paced learner that leads the rounds
         moves it back, which can leave it below 0 (behind its count)."""
+        self._late_in_a_row = 0
+        """Results in a row that left this learner's update out (`_follow_close`): the next such moves it one
+        step more."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
@@ -318,14 +322,16 @@ class Learner:
         """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
         last update was for names the learners the round merged on time (`state.on_time`): not named, the update
         reached the syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure
-        leads it in phase, it started later, or its steps are slower) and its schedule moves a step
-        forward: about the adaptive grace window (at most one step), so the next update lands inside it; repeated
-        while it is late. A learner that paces itself (`pace_rounds`, measured clearly slower than the rounds) also
-        moves back a step when the result reaches it two or more of its own inner steps after its update: that
-        update went out before the clock-setting learners' and probably opened the round itself, and a slow learner
-        must never set the rounds' clock (publishing ever earlier would close rounds earlier, and every learner's
-        pace would read lower: the ratchet). Not where rounds wait for everyone (K = M), and not after a
-        fragment's first round (no grace window yet, see `_publish_before`)."""
+        leads it in phase, it started later, or its steps are slower) and its schedule moves a step forward: about
+        the adaptive grace window (at most one step), so the next update lands inside it; repeated while it is late,
+        one step more for each late result in a row (at most a round's spacing), so a learner that falls behind by
+        more than a step per round catches up instead of settling at the close. A learner that paces itself
+        (`pace_rounds`, measured clearly slower than the rounds) also moves back a step when the result reaches it
+        two or more of its own inner steps after its update: that update went out before the clock-setting learners'
+        and probably opened the round itself, and a slow learner must never set the rounds' clock (publishing ever
+        earlier would close rounds earlier, and every learner's pace would read lower: the ratchet). Not where rounds
+        wait for everyone (K = M), and not after a fragment's first round (no grace window yet, see
+        `_publish_before`)."""
         p = state.fragment
         if (not self.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):
@@ -334,10 +340,14 @@ class Learner:
         if outstanding is None or outstanding.base_version != self.versions[p]:
             return  # nothing published for this round (or that update was refused)
         if state.on_time is not None and self.learner_id not in state.on_time:
-            self.phase += PHASE_LOCK_STEP
+            self._late_in_a_row += 1
+            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self.config.sync_every // self.plan.num_fragments)
             self.stats.phase_moves_late += 1
-        elif (self.config.pace_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND
-              and self.inner_step - outstanding.published_at_step >= EARLY_LEAD):
+            return
+        if state.on_time is not None:
+            self._late_in_a_row = 0
+        if (self.config.pace_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND
+                and self.inner_step - outstanding.published_at_step >= EARLY_LEAD):
             self.phase -= PHASE_LOCK_STEP  # below 0 too: a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1
 
@@ -444,6 +454,7 @@ class Learner:
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self._published_early.clear()
         self.phase = 0
+        self._late_in_a_row = 0
         self._last_result = None
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.next_round)

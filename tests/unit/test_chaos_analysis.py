@@ -179,6 +179,19 @@ def test_runtime_goodput_uptime_and_recovery_match_the_hand_computation(tmp_path
     assert r["progress"] == [[17.0, 1], [46.0, 2], [70.0, 3]]
 
 
+def test_a_late_update_merged_folded_into_the_learners_next_one_is_useful_work(tmp_path):
+    # The syncer holds a late update in the next round and, when the same learner's next update arrives, merges
+    # the two as one participant, recording the earlier one in `folded`. Its work was merged: it must not be
+    # booked as accepted-but-unmerged (real straggler runs read 9-14 % goodput lost that way).
+    d = make_runtime_dir(tmp_path)
+    rounds = [json.loads(line) for line in (d / "rounds.jsonl").read_text().splitlines()]
+    folded = dict(participant(0, 1, 56), folded=[[0, 32]])            # learner 0's accepted f1 update at 32
+    rounds.append({"round": 3, "fragment": 1, "version": 2, "participants": [folded]})
+    write_jsonl(d / "rounds.jsonl", rounds)
+    r = analyze_runtime(d)
+    assert r["work_s"]["unmerged"] == 0.0 and r["work_s"]["useful"] == pytest.approx(78.0 + 8.0)
+
+
 def test_data_parallel_counts_rolled_back_steps_and_only_new_high_water_marks(tmp_path):
     r = analyze_data_parallel(make_data_parallel_dir(tmp_path))
     assert r["window_s"] == 35.0 and r["kept_steps"] == 20 and r["computed_steps"] == 25

@@ -22,9 +22,10 @@ schema:
   incarnation trains again after resuming from its checkpoint, once, plus each fragment's work not yet
   published before that resume point, and its publishes without a fate), `resync` (what a
   re-join's Welcome replaced, from non-first welcomes) and `unmerged` (accepted, but in no committed
-  round: the syncer died or stopped with the round open). The rest, computed - lost, is booked as
-  `kept`: work merged, overwritten by a newer version or unfinished at the end, which the files do not
-  tell apart and which all count as useful. `work_s` holds every category in learner-seconds.
+  round, neither as a participant nor folded into one: the syncer died or stopped with the round open).
+  The rest, computed - lost, is booked as `kept`: work merged, overwritten by a newer version or unfinished at
+  the end, which the files do not tell apart and which all count as useful. `work_s` holds every category in
+  learner-seconds.
   The global model advances with every committed round in the window.
 - **data-parallel**: rank 0's steps in the window, kept or rolled back by
   `ddiloco.data_parallel.account_steps` (the steps of attempt a are kept up to the `from_step` of attempt
@@ -232,8 +233,11 @@ def _runtime(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, list[dict
     end = max(start, end)
 
     rounds = read_jsonl(system_dir / "rounds.jsonl")
-    merged = {(int(p["learner_id"]), int(r["fragment"]), int(p.get("inner_step", -1)))
-              for r in rounds for p in r.get("participants", [])}
+    # A participant names its update, and the learner's earlier ones it includes (`Participant.folded`: a late
+    # update held and merged with the next, or replaced by the same work continued): all of them were merged.
+    merged = {(int(p["learner_id"]), int(r["fragment"]), int(inner_step))
+              for r in rounds for p in r.get("participants", [])
+              for inner_step in (p.get("inner_step", -1), *(step for _, step in p.get("folded", [])))}
     work_s = dict.fromkeys(("computed", *LOST_CATEGORIES, "useful"), 0.0)
     work: list[Work] = []
     per_learner = {}
