@@ -70,7 +70,7 @@ MIN_ROUND_PACE = 0.5
 """The fastest a schedule runs: twice the learner's step count."""
 PHASE_LOCK_STEP = 1.0
 """Inner steps a learner's schedule moves forward when a round's result shows its update was late, for each late
-result in a row (the n-th moves n steps, at most a round's spacing), and a paced learner's back, when it was early
+result in a row (the n-th moves n steps, at most half a round's spacing), and a paced learner's back, when it was early
 (`Learner._follow_close`): about the adaptive grace window (at most one step), so a first move lands the update
 inside the window rather than past it, and a learner whose deficit per round is larger than one step catches up.
 Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
@@ -173,7 +173,13 @@ class Learner:
         moves it back, which can leave it below 0 (behind its count)."""
         self._late_in_a_row = 0
         """Results in a row that left this learner's update out (`_follow_close`): the next such moves it one
-        step more."""
+        step more, up to `_late_move_limit`."""
+        self._late_move_limit = max(1, self.config.sync_every // self.plan.num_fragments // 2)
+        """The largest late move, in inner steps: half a round's spacing (2 at H = 16, P = 4). A straggler's deficit
+        per round is below it (1.1-1.4 steps for one 30-36 % slower); where rounds close on the first update (K = 1
+        without grace) every other learner is late in every round, and larger moves only pull the rounds forward
+        faster (harness, the `heterogeneous` set-up without grace: 2.6871 with one-step moves, 2.8514 with this
+        limit, 2.9753 with a whole spacing; docs/results.md)."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
@@ -324,7 +330,7 @@ class Learner:
         reached the syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure
         leads it in phase, it started later, or its steps are slower) and its schedule moves a step forward: about
         the adaptive grace window (at most one step), so the next update lands inside it; repeated while it is late,
-        one step more for each late result in a row (at most a round's spacing), so a learner that falls behind by
+        one step more for each late result in a row (at most half a round's spacing), so a learner that falls behind by
         more than a step per round catches up instead of settling at the close. A learner that paces itself
         (`pace_rounds`, measured clearly slower than the rounds) also moves back a step when the result reaches it
         two or more of its own inner steps after its update: that update went out before the clock-setting learners'
@@ -341,7 +347,7 @@ class Learner:
             return  # nothing published for this round (or that update was refused)
         if state.on_time is not None and self.learner_id not in state.on_time:
             self._late_in_a_row += 1
-            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self.config.sync_every // self.plan.num_fragments)
+            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self._late_move_limit)
             self.stats.phase_moves_late += 1
             return
         if state.on_time is not None:
