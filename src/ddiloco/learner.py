@@ -173,13 +173,7 @@ class Learner:
         moves it back, which can leave it below 0 (behind its count)."""
         self._late_in_a_row = 0
         """Results in a row that left this learner's update out (`_follow_close`): the next such moves it one
-        step more, up to `_late_move_limit`."""
-        self._late_move_limit = max(1, self.config.sync_every // self.plan.num_fragments // 2)
-        """The largest late move, in inner steps: half a round's spacing (2 at H = 16, P = 4). A straggler's deficit
-        per round is below it (1.1-1.4 steps for one 30-36 % slower); where rounds close on the first update (K = 1
-        without grace) every other learner is late in every round, and larger moves only pull the rounds forward
-        faster (harness, the `heterogeneous` set-up without grace: 2.6871 with one-step moves, 2.8514 with this
-        limit, 2.9753 with a whole spacing; docs/results.md)."""
+        step more, up to `late_move_limit`."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
@@ -324,6 +318,15 @@ class Learner:
         self.stats.updates_published_early += 1
         return update
 
+    @property
+    def late_move_limit(self) -> int:
+        """The largest late move, in inner steps: half a round's spacing (2 at H = 16, P = 4). A straggler's deficit
+        per round is below it (1.1-1.4 steps for one 30-36 % slower); where rounds close on the first update (K = 1
+        without grace) every other learner is late in every round, and larger moves only pull the rounds forward
+        faster (harness, the `heterogeneous` set-up without grace: 2.6871 with one-step moves, 2.8514 with this
+        limit, 2.9753 with a whole spacing; docs/results.md)."""
+        return max(1, self.config.sync_every // self.plan.num_fragments // 2)
+
     def _follow_close(self, state: FragmentState) -> None:
         """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
         last update was for names the learners the round merged on time (`state.on_time`): not named, the update
@@ -347,7 +350,7 @@ class Learner:
             return  # nothing published for this round (or that update was refused)
         if state.on_time is not None and self.learner_id not in state.on_time:
             self._late_in_a_row += 1
-            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self._late_move_limit)
+            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self.late_move_limit)
             self.stats.phase_moves_late += 1
             return
         if state.on_time is not None:
