@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from ddiloco.compression import NonFiniteError, get_codec
+from ddiloco.compression import NonFiniteError, encode_decoded, get_codec
 from ddiloco.fragments import FragmentPlan
 from ddiloco.messages import FragmentDelta, FragmentState
 from ddiloco.update_values import DecodeBuffers
@@ -146,8 +146,10 @@ class DeltaDownlink:
         changes = {name: torch.sub(tensors[name], previous[name],
                                    out=self._buffer(name)[:tensors[name].numel()].view(self._shapes[name]))
                    .add_(self._residual[name]) for name in names}
+        outs = {name: self._buffer(name, self._codec.buffer_numel(tensors[name].numel())) for name in names}
         try:
-            payload = {name: self._codec.encode(changes[name]) for name in names}
+            # What every learner's decode of the payload gives, computed while encoding (the same bits).
+            encoded = {name: encode_decoded(self._codec, changes[name], out=outs[name]) for name in names}
         except NonFiniteError as exc:
             # A change beyond float32 (values near 3e38 that moved by as much again): send the exact value
             # and start the error feedback afresh. Deterministic, so a replay takes the same branch.
@@ -155,17 +157,15 @@ class DeltaDownlink:
                            fragment, version, exc)
             for name in names:
                 self._residual[name].zero_()
-            self._give_back(previous, changes)
+            self._give_back(previous, changes, outs)
             return ExactDownlink().after_step(fragment, version, None, tensors)
         for name in names:
-            numel = tensors[name].numel()
-            out = self._buffer(name, self._codec.buffer_numel(numel))
-            decoded = self._codec.decode(payload[name], self._shapes[name], out=out)
+            decoded = encoded[name][1]
             # rebuild_tensor's arithmetic (torch.add of the same operands), written into the global tensor itself.
             torch.add(previous[name], decoded, out=tensors[name])
             torch.sub(changes[name], decoded, out=self._residual[name])
-            self._buffers.give([out])
-        self._give_back(previous, changes)
+        payload = {name: encoded[name][0] for name in names}
+        self._give_back(previous, changes, outs)
         return FragmentDelta(fragment, version, version - 1, self._codec.name, payload,
                              fragment_checksum(tensors, names))
 

@@ -11,6 +11,7 @@ from ddiloco.compression import (
     Int4Config,
     Int8Config,
     NonFiniteError,
+    encode_decoded,
     get_codec,
     zero_nonfinite,
 )
@@ -284,3 +285,45 @@ def test_codec_options_are_validated():
         get_codec("fp32", block_size=64)
     with pytest.raises(ValueError, match="numel"):
         get_codec("int4").encoded_nbytes(-1)
+
+
+@pytest.mark.parametrize("name, block_size", [("int8", 256), ("int8", 33), ("int4", 64), ("int4", 32), ("int2", 64)])
+@pytest.mark.parametrize("numel", [1, 2, 3, 63, 64, 65, 1000])
+def test_encode_decoded_gives_the_payload_and_the_bits_decode_gives(name, block_size, numel):
+    # The syncer's downlink takes the values every learner rebuilds from encode_decoded, without decoding: they
+    # must be the very bits decode(payload) gives, tails, zero blocks and subnormal scales included.
+    generator = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=generator) * torch.exp(3 * torch.randn(numel, generator=generator))
+    x[: min(numel, block_size)] *= 1e-39  # a block with a subnormal scale
+    x[block_size:2 * block_size] = 0.0  # a whole zero block (where there is one)
+    x[2 * block_size:3 * block_size] = -0.0  # and one of negative zeros
+    x[3 * block_size:4 * block_size] = -1e-30  # tiny negative values in a block of larger ones: levels -0.0
+    x[3 * block_size:3 * block_size + 1] = 1.0
+    codec = get_codec(name, block_size=block_size)
+    out = torch.full((codec.buffer_numel(numel) + 5,), 3.0)
+    payload, values = encode_decoded(codec, x.view(1, -1), out=out)
+    assert payload == codec.encode(x)
+    assert values.shape == (1, numel) and values.data_ptr() == out.data_ptr()
+    decoded = codec.decode(payload, (numel,), out=torch.full((codec.buffer_numel(numel),), 5.0))
+    assert torch.equal(values.view(-1), decoded)
+    assert torch.equal(values.view(-1).view(torch.int32), decoded.view(torch.int32))  # -0.0 and +0.0 apart
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp8"])
+def test_encode_decoded_of_other_codecs_decodes_their_payload(name):
+    x = torch.randn(100, generator=torch.Generator().manual_seed(4))
+    codec = get_codec(name)
+    payload, values = encode_decoded(codec, x, out=torch.empty(codec.buffer_numel(100)))
+    assert payload == codec.encode(x) and torch.equal(values, codec.decode(payload, (100,)))
+
+
+def test_int4_levels_agree_with_the_byte_order_free_unpacking():
+    # int4 unpacks both nibbles of a byte through one 16-bit word (little-endian hosts); the generic unpacking
+    # (every field on its own, used on other hosts and by int2) must give the same levels for every byte value.
+    codec = get_codec("int4")
+    every_byte = torch.arange(256, dtype=torch.uint8).repeat(3)
+    fast = codec._levels(every_byte.clone())
+    generic = super(type(codec), codec)._levels(every_byte.clone())
+    assert torch.equal(fast, generic)
+    assert fast.dtype == torch.int8 and fast.numel() == 2 * every_byte.numel()
+    assert fast[:4].tolist() == [-8, -8, -7, -8] and fast[2 * 0xF1:2 * 0xF1 + 2].tolist() == [-7, 7]
