@@ -56,11 +56,11 @@ class DilocoConfig:
     fragment's work. Harness, 4 learners x 896 inner steps (`ddiloco experiment quality`'s run): 1.8202 -> 1.8069
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
     pace_rounds: bool = False
-    """Whether a learner slower than the rounds publishes after fewer of its own inner steps (`Learner.round_pace`,
-    Dynamic Local Updates) and moves back when it leads the rounds (`Learner._follow_close`). Off by default: since
-    every learner follows the rounds' close exactly it no longer beats the default in the harness (2 slow learners in
-    4: 2.3433 paced, 2.3466 not; K = M 2.2605), and on real processes of equal speed on a loaded machine the pace
-    opened more rounds (docs/results.md)."""
+    """Whether a learner slower than the rounds publishes after fewer of its own inner steps
+    (`RoundSchedule.round_pace`, Dynamic Local Updates) and moves back when it leads the rounds
+    (`Learner._follow_close`). Off by default: since every learner follows the rounds' close exactly it no longer
+    beats the default in the harness (2 slow learners in 4: 2.3433 paced, 2.3466 not; K = M 2.2605), and on real
+    processes of equal speed on a loaded machine the pace opened more rounds (docs/results.md)."""
     fragment_strategy: str = "balanced"
     """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
     embedding_pattern: str = ""

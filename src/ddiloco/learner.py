@@ -12,10 +12,10 @@ threads or wall time. A driver runs the inner steps and moves messages; the core
 - `receive(FragmentState)`: overwrites that fragment's parameters in place (so the inner optimizer
   state survives) and resets its counters; with `keep_overlap_work`, the steps trained since the fragment was
   published are kept on top of the new value, with their counters (docs/protocol.md). Each result also
-  measures the learner's pace against the rounds (`round_pace`): with `pace_rounds`, a learner slower than the
-  others publishes after fewer of its own inner steps. `receive(FragmentDelta)`: the same with the value rebuilt from
-  the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another version,
-  or the checksum disagrees) makes it join again, for the Welcome's full float32 fragments.
+  measures the learner's pace against the rounds (`RoundSchedule.round_pace`): with `pace_rounds`, a learner slower
+  than the others publishes after fewer of its own inner steps. `receive(FragmentDelta)`: the same with the value
+  rebuilt from the change (`ddiloco.downlink.rebuild`); a change this learner cannot rebuild (it holds another
+  version, or the checksum disagrees) makes it join again, for the Welcome's full float32 fragments.
 - `can_step`: the waiting rule. After publishing fragment p at inner step s, the learner may train
   through inner step s + tau (tau = `overlap_steps`) without news; before going further it must hold
   a version of p newer than the one it published from. Any newer version satisfies the wait, even one
@@ -40,7 +40,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragment_access import FragmentAccess, LocalParameters
-from ddiloco.fragments import FragmentPlan, due_step, embedding_names
+from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -56,28 +56,10 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.publisher import DeferredPayload
+from ddiloco.round_schedule import EARLY_LEAD, RoundSchedule
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
-
-ROUND_PACE_SMOOTHING = 0.1
-"""Weight of each new round in `Learner.round_pace`: about ten rounds (2.5 periods at P = 4) of memory, which
-averages out step-time jitter and the grace window's variation."""
-ROUND_PACE_DEADBAND = 0.05
-"""A learner within 5 % of the rounds' pace keeps its schedule: the learners that set the clock must not chase
-their own noise (publishing earlier would close rounds earlier, and the next estimate would be lower still)."""
-MIN_ROUND_PACE = 0.5
-"""The fastest a schedule runs: twice the learner's step count."""
-PHASE_LOCK_STEP = 1.0
-"""Inner steps a learner's schedule moves forward when a round's result shows its update was late, for each late
-result in a row (the n-th moves n steps, at most half a round's spacing), and a paced learner's back, when it was early
-(`Learner._follow_close`): about the adaptive grace window (at most one step), so a first move lands the update
-inside the window rather than past it, and a learner whose deficit per round is larger than one step catches up.
-Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
-EARLY_LEAD = 2
-"""A round's result that reaches a learner this many of its inner steps after its update for that round or later:
-the update went out before the clock-setting learners' (theirs reach them about tau steps after theirs), so it
-probably opened the round itself."""
 
 DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
@@ -160,30 +142,13 @@ class Learner:
         """Per fragment, the inner step at which it was last published or received: the steps after it are
         this learner's unpublished work on that fragment."""
         self.inner_step = 0
-        self.next_round = 0
-        self._published_early: set[int] = set()
-        """Rounds whose update went out before they fell due (`_publish_before`): skipped when they do."""
-        self.follows_rounds = True
-        """Whether a late learner moves its schedule forward (`_publish_before`); off where rounds wait for
-        every learner anyway (K = M: `LearnerRules` turns it off), since each move adds publications."""
-        self.phase = 0
-        """Inner steps this learner's schedule runs ahead of its step count: raised each time a round closes
-        before it published its part (`_publish_before`) or a round's result shows its update came after the close
-        (`_follow_close`), so its next rounds fall due in time for the others'; a paced learner that leads the rounds
-        moves it back, which can leave it below 0 (behind its count)."""
-        self._late_in_a_row = 0
-        """Results in a row that left this learner's update out (`_follow_close`): the next such moves it one
-        step more, up to `late_move_limit`."""
+        self.schedule = RoundSchedule(config.sync_every, num, pace_rounds=config.pace_rounds)
+        """When this learner publishes: the round clock, its phase and pace (`ddiloco.round_schedule`)."""
         self._published_from: list[int | None] = [None] * num
         """Per fragment, the base version of the last update published (None: none yet)."""
         self.deferred = False
         """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
         then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
-        self.round_pace = 1.0
-        """Moving average of (own inner steps between two rounds' results) / (H / P): below 1, this learner
-        is slower than the learners whose rounds set the clock (`_track_round_clock`)."""
-        self._last_result: tuple[int, int] | None = None
-        """(round index, own inner step) of the newest round result received."""
         self._blocked_since_result = False
         self._at_publish: list[_AtPublish | None] = [None] * num
         """Per fragment, its local value and counters when it was last published, until a newer version
@@ -301,31 +266,9 @@ class Learner:
         update = self._publish(p)
         if update is None:
             return None
-        num, period = self.plan.num_fragments, self.config.sync_every
-        scheduled = self.next_round + (p - self.next_round) % num
-        if scheduled <= num * (state.version - 1) + p:
-            self._published_early.add(scheduled)
-            # It was `short` steps from publishing when the round closed: its clock runs behind the others'
-            # by that and the close's grace and latency. Move its schedule forward by one step more than
-            # the shortfall (at most a round's spacing, so no rounds fall due at once); repeated while it is
-            # late, this brings its updates into the others' rounds instead of one version after them. Not
-            # after a fragment's first round: the syncer has no step-time estimate yet, so that round closes
-            # without a grace window on the first update, before learners in phase report; moving them
-            # would split the learners into two groups that alternate.
-            if self.follows_rounds and state.version >= 2:
-                short = due_step(scheduled, period, num) - (self.inner_step + self.phase)
-                self.phase += max(1, min(short + 1, period // num))
+        self.schedule.closed_before_publish(p, state.version, self.inner_step)
         self.stats.updates_published_early += 1
         return update
-
-    @property
-    def late_move_limit(self) -> int:
-        """The largest late move, in inner steps: half a round's spacing (2 at H = 16, P = 4). A straggler's deficit
-        per round is below it (1.1-1.4 steps for one 30-36 % slower); where rounds close on the first update (K = 1
-        without grace) every other learner is late in every round, and larger moves only pull the rounds forward
-        faster (harness, the `heterogeneous` set-up without grace: 2.6871 with one-step moves, 2.8514 with this
-        limit, 2.9753 with a whole spacing; docs/results.md)."""
-        return max(1, self.config.sync_every // self.plan.num_fragments // 2)
 
     def _follow_close(self, state: FragmentState) -> None:
         """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
@@ -342,22 +285,20 @@ class Learner:
         wait for everyone (K = M), and not after a fragment's first round (no grace window yet, see
         `_publish_before`)."""
         p = state.fragment
-        if (not self.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
+        if (not self.schedule.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):
             return
         outstanding = self._outstanding.get(p)
         if outstanding is None or outstanding.base_version != self.versions[p]:
             return  # nothing published for this round (or that update was refused)
         if state.on_time is not None and self.learner_id not in state.on_time:
-            self._late_in_a_row += 1
-            self.phase += PHASE_LOCK_STEP * min(self._late_in_a_row, self.late_move_limit)
+            self.schedule.late()
             self.stats.phase_moves_late += 1
             return
         if state.on_time is not None:
-            self._late_in_a_row = 0
-        if (self.config.pace_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND
-                and self.inner_step - outstanding.published_at_step >= EARLY_LEAD):
-            self.phase -= PHASE_LOCK_STEP  # below 0 too: a learner that read itself slow and leads publishes later
+            self.schedule.on_time()
+        if self.schedule.reads_slow and self.inner_step - outstanding.published_at_step >= EARLY_LEAD:
+            self.schedule.early()  # a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1
 
     @torch.no_grad()
@@ -435,19 +376,10 @@ class Learner:
             del self._outstanding[p]
 
     def _track_round_clock(self, round_index: int) -> None:
-        """Measure this learner's pace against the rounds' clock: the rounds close when the others publish,
-        so a learner that needs fewer of its own inner steps than H / P between two rounds' results is slower
-        than them. Its schedule then runs faster than its step count (`after_inner_step` adds the difference
-        to `phase`): it publishes after fewer inner steps, in time for the others' rounds, instead of one
-        version late in every round (Dynamic Local Updates; docs/protocol.md, "Rounds")."""
-        last, self._last_result = self._last_result, (round_index, self.inner_step)
+        """A round's result arrived: the schedule measures this learner's pace against the rounds' clock
+        (`RoundSchedule.observe_result`), unless it waited for the syncer since the last result."""
         blocked, self._blocked_since_result = self._blocked_since_result or bool(self._blocking()), False
-        if last is None or round_index <= last[0] or not self.follows_rounds or blocked:
-            return  # a learner that waited for the syncer measured the syncer, not its own pace
-        spacing = self.config.sync_every / self.plan.num_fragments
-        sample = (self.inner_step - last[1]) / ((round_index - last[0]) * spacing)
-        # Capped above only far from 1: a cap at 1 would bias the average of a learner in pace downwards.
-        self.round_pace += ROUND_PACE_SMOOTHING * (min(sample, 2.0) - self.round_pace)
+        self.schedule.observe_result(round_index, self.inner_step, blocked=blocked)
 
     def take_schedule_position(self, welcome: Welcome) -> None:
         """Move to the global schedule position that `welcome` implies.
@@ -458,15 +390,10 @@ class Learner:
         publishes that round next. A learner back from a crash otherwise publishes its fragments out of
         phase with the others, and the waiting rule deadlocks the round that needs its update until the
         driver's wait bound breaks it. K = 1 does not depend on the phase."""
-        self.next_round = next_uncommitted_round(welcome)
-        self.inner_step = due_step(self.next_round, self.config.sync_every, self.plan.num_fragments) - 1
+        self.inner_step = self.schedule.take_position(next_uncommitted_round(welcome))
         self.synced_at = [self.inner_step] * self.plan.num_fragments
-        self._published_early.clear()
-        self.phase = 0
-        self._late_in_a_row = 0
-        self._last_result = None
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
-                    self.learner_id, self.inner_step, self.next_round)
+                    self.learner_id, self.inner_step, self.schedule.next_round)
 
     # ---- inner steps -----------------------------------------------------------------------------
 
@@ -481,22 +408,14 @@ class Learner:
             raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
                              "learner declared: declare the largest batch it trains on")
         self.inner_step += 1
-        if self.config.pace_rounds and self.follows_rounds and self.round_pace < 1.0 - ROUND_PACE_DEADBAND:
-            # Clamped: a learner that blocks (a slow syncer) must not be driven to publish every step.
-            self.phase += 1.0 / max(self.round_pace, MIN_ROUND_PACE) - 1.0
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
         updates = []
-        num = self.plan.num_fragments
-        while due_step(self.next_round, self.config.sync_every, num) <= self.inner_step + self.phase:
-            if self.next_round in self._published_early:
-                self._published_early.discard(self.next_round)
-            else:
-                update = self._publish(self.next_round % num)
-                if update is not None:
-                    updates.append(update)
-            self.next_round += 1
+        for round_index in self.schedule.due_rounds(self.inner_step):
+            update = self._publish(round_index % self.plan.num_fragments)
+            if update is not None:
+                updates.append(update)
         return updates
 
     @torch.no_grad()
@@ -571,9 +490,7 @@ class Learner:
         return {
             "learner_id": self.learner_id,
             "inner_step": self.inner_step,
-            "next_round": self.next_round,
-            "phase": self.phase,
-            "round_pace": self.round_pace,
+            **self.schedule.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }
 
@@ -581,10 +498,7 @@ class Learner:
         if state["learner_id"] != self.learner_id:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
-        self.next_round = int(state["next_round"])
-        self.phase = float(state.get("phase", 0))
-        self.round_pace = float(state.get("round_pace", 1.0))
-        self._published_early.clear()
+        self.schedule.load_state_dict(state)
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
 

@@ -98,7 +98,7 @@ class LearnerRules:
         self.learner = learner
         self.config = config
         self.synchronous = synchronous
-        learner.follows_rounds = not synchronous
+        learner.schedule.follows_rounds = not synchronous
         self.resumed = False
         """Set by the driver when the learner's progress came from its checkpoint (it keeps that position
         unless the run is synchronous)."""
@@ -118,9 +118,9 @@ class LearnerRules:
             self.refusal = message.reason
         if isinstance(message, Welcome):
             if ((self.synchronous or not self.resumed) and self.welcomes == 0
-                    and next_uncommitted_round(message) != learner.next_round):
+                    and next_uncommitted_round(message) != learner.schedule.next_round):
                 learner.take_schedule_position(message)
-                self.events.position(inner_step=learner.inner_step, next_round=learner.next_round)
+                self.events.position(inner_step=learner.inner_step, next_round=learner.schedule.next_round)
             self.welcomes += 1
         applied = learner.stats.fragments_applied
         before = list(learner.versions)

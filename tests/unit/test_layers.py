@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                   "ddiloco.follower_session", "ddiloco.learner_group", "ddiloco.evaluator", "ddiloco.train_tinygpt",
                   "ddiloco.environment", "ddiloco.work_ledger", "ddiloco.inprocess")),),
     (("learner rules", ("ddiloco.learner_rules",)),),
-    (("learner core", ("ddiloco.learner", "ddiloco.publisher", "ddiloco.fragment_access")),
+    (("learner core", ("ddiloco.learner", "ddiloco.publisher", "ddiloco.fragment_access", "ddiloco.round_schedule")),
      ("syncer core", ("ddiloco.syncer", "ddiloco.merge", "ddiloco.outer", "ddiloco.round_sum")),
      ("transport", ("ddiloco.transport", "ddiloco.transport.*"))),
     (("building blocks", ("ddiloco.downlink", "ddiloco.update_values", "ddiloco.compression", "ddiloco.fragments",

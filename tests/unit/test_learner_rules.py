@@ -83,18 +83,18 @@ def test_a_fresh_incarnation_takes_the_global_position_a_resumed_one_keeps_its_o
     # Versions (3, 2) with P = 2: rounds 0..5 committed once each; round 6 is next, due at inner step 14.
     fresh = rules_for(events=(events := Recorder()))
     fresh.receive(welcome_at([3, 3]), 0.0)
-    assert (fresh.learner.inner_step, fresh.learner.next_round) == (13, 6)
+    assert (fresh.learner.inner_step, fresh.learner.schedule.next_round) == (13, 6)
     assert ("position", 13, 6) in events.events
     resumed = rules_for()
     resumed.resumed = True
-    resumed.learner.inner_step, resumed.learner.next_round = 5, 2
+    resumed.learner.inner_step, resumed.learner.schedule.next_round = 5, 2
     resumed.receive(welcome_at([3, 3]), 0.0)
-    assert (resumed.learner.inner_step, resumed.learner.next_round) == (5, 2)  # K < M: its checkpoint's
+    assert (resumed.learner.inner_step, resumed.learner.schedule.next_round) == (5, 2)  # K < M: its checkpoint's
     synchronous = rules_for(synchronous=True)
     synchronous.resumed = True
-    synchronous.learner.inner_step, synchronous.learner.next_round = 5, 2
+    synchronous.learner.inner_step, synchronous.learner.schedule.next_round = 5, 2
     synchronous.receive(welcome_at([3, 3]), 0.0)
-    assert (synchronous.learner.inner_step, synchronous.learner.next_round) == (13, 6)  # K = M: in phase
+    assert (synchronous.learner.inner_step, synchronous.learner.schedule.next_round) == (13, 6)  # K = M: in phase
     again = welcome_at([4, 4])
     synchronous.receive(again, 1.0)  # only the first Welcome of an incarnation moves it
     assert synchronous.learner.inner_step == 13

@@ -110,7 +110,7 @@ def _paced_learner() -> Learner:
 def test_a_learner_slower_than_the_rounds_publishes_after_fewer_of_its_own_steps():
     learner = _paced_learner()
     _results_every(learner, 3, 40)                                 # rounds every 3 of its steps, H / P = 4
-    assert learner.round_pace == pytest.approx(0.75, abs=0.03)
+    assert learner.schedule.round_pace == pytest.approx(0.75, abs=0.03)
     steps_at = [u.inner_step for u in _results_every(learner, 3, 12)]
     assert set(b - a for a, b in zip(steps_at, steps_at[1:], strict=False)) <= {2, 3, 4}
     assert (steps_at[-1] - steps_at[0]) / (len(steps_at) - 1) == pytest.approx(3.0, abs=0.35)
@@ -119,7 +119,7 @@ def test_a_learner_slower_than_the_rounds_publishes_after_fewer_of_its_own_steps
 def test_a_learner_in_pace_with_the_rounds_keeps_its_schedule():
     learner = _paced_learner()
     updates = _results_every(learner, 4, 40)
-    assert learner.round_pace == pytest.approx(1.0, abs=0.01) and learner.phase == 0
+    assert learner.schedule.round_pace == pytest.approx(1.0, abs=0.01) and learner.schedule.phase == 0
     assert [u.inner_step for u in updates] == [4 * (r + 1) for r in range(40)]
 
 
@@ -137,7 +137,7 @@ def test_a_learner_that_waited_for_the_syncer_does_not_count_the_wait_as_its_pac
             state = {n: global_[n] for n in learner.plan.fragments[p]}
             learner.receive(FragmentState(p, learner.versions[p] + 1, state))
     assert learner.stats.updates_sent >= 20
-    assert learner.round_pace == 1.0
+    assert learner.schedule.round_pace == 1.0
 
 
 # ---- following the rounds' close (`Learner._follow_close`) ------------------------------------------------
@@ -145,13 +145,13 @@ def test_a_learner_that_waited_for_the_syncer_does_not_count_the_wait_as_its_pac
 def _slow_paced_learner() -> Learner:
     learner = _paced_learner()
     _results_every(learner, 3, 40)                                 # measured slower: pace 0.75 < 0.95
-    assert learner.round_pace < 0.9
+    assert learner.schedule.round_pace < 0.9
     return learner
 
 
 def _unpaced_learner() -> Learner:
     learner = _paced_learner()
-    learner.config = dataclasses.replace(PACED, pace_rounds=False)
+    learner.schedule.pace_rounds = False                            # as if made with pace_rounds off
     _results_every(learner, 4, 8)                                  # past every fragment's first round
     return learner
 
@@ -177,11 +177,11 @@ def _result_after(learner: Learner, extra_steps: int, *, on_time=(0,), phase: fl
         assert learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches))) == []
     p, global_ = update.fragment, params_of(learner.model)
     if phase is not None:
-        learner.phase = phase
-    before = learner.phase
+        learner.schedule.phase = phase
+    before = learner.schedule.phase
     learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]},
                                   on_time))
-    return before, learner.phase
+    return before, learner.schedule.phase
 
 
 @pytest.mark.parametrize("make", [_unpaced_learner, _slow_paced_learner])
@@ -228,7 +228,7 @@ def test_a_result_that_does_not_say_who_was_on_time_moves_nothing():
 
 def test_where_rounds_wait_for_every_learner_nobody_moves():
     learner = _unpaced_learner()
-    learner.follows_rounds = False                                  # K = M (`LearnerRules`)
+    learner.schedule.follows_rounds = False                                  # K = M (`LearnerRules`)
     assert _result_after(learner, 0, on_time=(3,)) == (0.0, 0.0)
 
 
@@ -263,7 +263,7 @@ def test_a_learner_in_pace_never_moves_back():
 
 def test_without_pace_rounds_a_learner_measured_slow_never_moves_back():
     learner = _slow_paced_learner()
-    learner.config = dataclasses.replace(PACED, pace_rounds=False)
-    assert learner.round_pace < 0.9
+    learner.schedule.pace_rounds = False                            # as if made with pace_rounds off
+    assert learner.schedule.round_pace < 0.9
     before, after = _result_after(learner, 2)                      # what moves a paced one back (above)
     assert after == before and learner.stats.phase_moves_early == 0

@@ -465,11 +465,11 @@ class DecoupledSim:
         learner, rules = slot.learner, slot.rules
         assert learner is not None and rules is not None
         before = list(learner.versions)
-        position = (learner.inner_step, learner.next_round)
+        position = (learner.inner_step, learner.schedule.next_round)
         replies = rules.receive(message, self.loop.now)
-        if isinstance(message, Welcome) and (learner.inner_step, learner.next_round) != position:
+        if isinstance(message, Welcome) and (learner.inner_step, learner.schedule.next_round) != position:
             self.loop.record("schedule_position", learner=learner.learner_id, inner_step=learner.inner_step,
-                             next_round=learner.next_round)
+                             next_round=learner.schedule.next_round)
         for reply in replies:
             if isinstance(reply, Update):  # published before the state overwrote the fragment: it carries that work
                 self.work.published(slot.learner_id, slot.generation, reply.fragment, reply.inner_step)
