@@ -10,6 +10,10 @@
    shard r for rank r, global batch M x B), without faults, stopped once rank 0 has taken N steps (the job
    evaluates at its last step): the same tokens, model, data and seed.
 
+Also printed: the updates that missed their round (the round's result does not name them, so they were merged one
+version late in a later round) and when each was published against that round's close, and the learners' waits
+(docs/results.md, "Defaults and rounds", item 6, chose the grace window's cap from these).
+
 Acceptance (issue 12): ddiloco within 2 % of data-parallel in final validation loss, and never a validation
 loss above the starting loss. Both run one after the other on this machine; wall times are printed but
 not compared (on 2 cores the DDP ranks and the learners compete for the same cores).
@@ -56,7 +60,35 @@ def run_ddiloco(run_dir: Path, *, learners: int, steps: int, seed: int, extra: l
     participants = [len(r["participants"]) for r in rounds]
     return {"final": summary["final_val_loss"], "curve": [v for _, v in curve], "rounds": len(rounds),
             "participants": sum(participants) / max(1, len(participants)), "wall_s": time.monotonic() - start,
+            "missed": missed_rounds(run_dir),
             "config": json.loads((run_dir / "config.json").read_text(encoding="utf-8"))}
+
+
+def missed_rounds(run_dir: Path) -> dict:
+    """Which updates a round's result left out, and when each was published against that round's close: from the
+    learners' work ledgers (wall time) and the round log (the syncer's monotonic clock, the same on this machine
+    as the offset between the two clocks read now). An update for version v of fragment p was meant for the round
+    that made v + 1; missed when that round's participants do not name it (it was folded into a later one).
+    Also the learners' waits for a round's result (their `wait_s` metrics)."""
+    offset = time.time() - time.monotonic()
+    rounds = {(r["fragment"], r["version"]): r for r in jsonl(run_dir / "rounds.jsonl")}
+    published, late_s = 0, []
+    for ledger in sorted((run_dir / "learners").glob("*/work.jsonl")):
+        learner = int(ledger.parent.name)
+        for line in jsonl(ledger):
+            meant = rounds.get((line.get("fragment"), line.get("base_version", -2) + 1))
+            if line.get("event") != "publish" or meant is None:
+                continue
+            published += 1
+            if not any(p["learner_id"] == learner and p["base_version"] == line["base_version"]
+                       for p in meant["participants"]):
+                late_s.append(line["time"] - offset - meant["closed_at"])
+    waits = [v for m in sorted((run_dir / "learners").glob("*/metrics.jsonl")) for r in jsonl(m)
+             for k, v in r.items() if k.endswith("/wait_s")]
+    late_s.sort()
+    return {"published": published, "missed": len(late_s), "waits": len(waits), "wait_s": sum(waits),
+            "late_s": [late_s[min(len(late_s) - 1, int(q * len(late_s)))] for q in (0.5, 0.9)] + late_s[-1:]
+            if late_s else []}
 
 
 def run_data_parallel(job_dir: Path, run_config: RunConfig, *, steps: int) -> dict:
@@ -98,6 +130,12 @@ def main() -> None:
               f"max after start {max(dd['curve'][1:]):.3f} vs start {dd['curve'][0]:.3f}, {dd['rounds']} rounds, "
               f"{dd['participants']:.2f} participants per round, {dd['wall_s']:.0f} s", flush=True)
         print(f"  curve {' '.join(f'{v:.3f}' for v in dd['curve'])}")
+        m = dd["missed"]
+        late = (f", published median / p90 / max {' / '.join(f'{v:+.3f}' for v in m['late_s'])} s after the close"
+                if m["late_s"] else "")
+        print(f"  updates that missed their round: {m['missed']} of {m['published']} "
+              f"({m['missed'] / max(1, m['published']):.1%}){late}; learners waited {m['waits']} times, "
+              f"{m['wait_s']:.2f} s in all", flush=True)
         if args.skip_dp:
             return
         run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed)

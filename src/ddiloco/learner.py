@@ -271,19 +271,18 @@ class Learner:
         return update
 
     def _follow_close(self, state: FragmentState) -> None:
-        """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its
-        last update was for names the learners the round merged on time (`state.on_time`): not named, the update
-        reached the syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure
-        leads it in phase, it started later, or its steps are slower) and its schedule moves a step forward: about
-        the adaptive grace window (at most one step), so the next update lands inside it; repeated while it is late,
+        """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its last
+        update was for names the learners the round merged on time (`state.on_time`): not named, the update reached the
+        syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure leads it in
+        phase, it started later, or its steps are slower) and its schedule moves a step forward: within the adaptive
+        grace window (at most two steps at the defaults), so the next update lands inside it; repeated while it is late,
         one step more for each late result in a row (at most half a round's spacing), so a learner that falls behind by
         more than a step per round catches up instead of settling at the close. A learner that paces itself
-        (`pace_rounds`, measured clearly slower than the rounds) also moves back a step when the result reaches it
-        two or more of its own inner steps after its update: that update went out before the clock-setting learners'
-        and probably opened the round itself, and a slow learner must never set the rounds' clock (publishing ever
-        earlier would close rounds earlier, and every learner's pace would read lower: the ratchet). Not where rounds
-        wait for everyone (K = M), and not after a fragment's first round (no grace window yet, see
-        `_publish_before`)."""
+        (`pace_rounds`, measured clearly slower than the rounds) also moves back a step when the result reaches it two
+        or more of its own inner steps after its update: that update went out before the clock-setting learners' and
+        probably opened the round itself, and a slow learner must never set the rounds' clock (publishing ever earlier
+        would close rounds earlier, and every learner's pace would read lower: the ratchet). Not where rounds wait for
+        everyone (K = M), and not after a fragment's first round (no grace window yet, see `_publish_before`)."""
         p = state.fragment
         if (not self.schedule.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):

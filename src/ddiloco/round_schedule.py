@@ -27,9 +27,9 @@ MIN_ROUND_PACE = 0.5
 PHASE_LOCK_STEP = 1.0
 """Inner steps a learner's schedule moves forward when a round's result shows its update was late, for each late
 result in a row (the n-th moves n steps, at most half a round's spacing), and a paced learner's back, when it was early
-(`RoundSchedule.late`, `RoundSchedule.early`): about the adaptive grace window (at most one step), so a first move
-lands the update inside the window rather than past it, and a learner whose deficit per round is larger than one step
-catches up. Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
+(`RoundSchedule.late`, `RoundSchedule.early`): within the adaptive grace window (at most two steps at the defaults),
+so a first move lands the update inside the window rather than past it, and a learner whose deficit per round is
+larger than one step catches up. Measured against 0.5 and 2 (docs/results.md, "Defaults and rounds")."""
 EARLY_LEAD = 2
 """A round's result that reaches a learner this many of its inner steps after its update for that round or later:
 the update went out before the clock-setting learners' (theirs reach them about tau steps after theirs), so it

@@ -431,7 +431,9 @@ class Syncer:
     # ---- rounds ----------------------------------------------------------------------------------
 
     def grace_window(self) -> float:
-        """Seconds to wait for stragglers once the quorum is present."""
+        """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap
+        leaves, at most `grace_max_steps` step times and never more than tau - 1 of them (one step of the overlap is
+        the estimates' margin; at tau <= 2 the cap is one step, the paper's)."""
         if self.quorum.grace == "none":
             return 0.0
         if self.quorum.grace == "fixed":
@@ -441,7 +443,8 @@ class Syncer:
             return 0.0
         slack = (self.config.overlap_steps * step_time - (self.quorum_time.value or 0.0)
                  - (self.sync_time.value or 0.0))
-        return min(max(self.quorum.grace_gamma * slack, 0.0), step_time)
+        cap_steps = min(self.quorum.grace_max_steps, max(1, self.config.overlap_steps - 1))
+        return min(max(self.quorum.grace_gamma * slack, 0.0), cap_steps * step_time)
 
     def _schedule(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]

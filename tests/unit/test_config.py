@@ -18,7 +18,8 @@ def test_config_codec_choices_are_the_codecs_that_exist():
     (QuorumConfig, "min_quorum", 0), (QuorumConfig, "grace", "sometimes"), (QuorumConfig, "grace_s", -1.0),
     (QuorumConfig, "max_staleness", -1), (QuorumConfig, "heartbeat_timeout_s", 0.0),
     (QuorumConfig, "max_tokens_per_step", 0), (QuorumConfig, "max_weight_ratio", 0.5),
-    (QuorumConfig, "max_weight_ratio", float("inf")),
+    (QuorumConfig, "max_weight_ratio", float("inf")), (QuorumConfig, "grace_max_steps", -1.0),
+    (QuorumConfig, "grace_max_steps", float("nan")),
     (LearnerConfig, "max_wait_s", -1.0),
 ])
 def test_bad_values_name_the_field_and_value(cls, field, value):

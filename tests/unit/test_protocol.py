@@ -270,6 +270,22 @@ def test_adaptive_grace_follows_the_formula():
     assert syncer.grace_window() == 0.0
 
 
+def test_the_adaptive_grace_cap_is_grace_max_steps_and_at_most_tau_minus_one_steps():
+    def grace(tau, **quorum):
+        syncer = Syncer(_single_fragment(overlap_steps=tau), QuorumConfig(grace="adaptive", **quorum),
+                        initial_params=params_of(TinyNet()))
+        syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = 1.0, 0.3, 0.2
+        return syncer.grace_window()
+
+    assert QuorumConfig().grace_max_steps == 2.0 and DilocoConfig().overlap_steps == 3
+    assert grace(3) == pytest.approx(2.0)                             # the defaults: clip(3 - 0.5, 0, 2)
+    assert grace(3, grace_gamma=0.6) == pytest.approx(1.5)            # 0.6 x 2.5, under the cap
+    assert grace(8, grace_max_steps=4.5) == pytest.approx(4.5)
+    assert grace(3, grace_max_steps=5.0) == pytest.approx(2.0)        # never above tau - 1 steps
+    assert grace(2) == pytest.approx(1.0)                             # tau = 2: the paper's one step
+    assert grace(1) == pytest.approx(0.5)                             # the slack itself, 1 - 0.5
+
+
 def test_step_time_is_estimated_from_update_arrivals():
     quorum = QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=100.0)
     syncer, hub, clock, (learner,) = make_system(1, _single_fragment(), quorum)

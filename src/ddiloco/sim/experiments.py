@@ -17,7 +17,7 @@ there are failures, under the same fault plan.
 
 Hyper-parameters (`default_scale`): the run defaults (`DilocoConfig`, `InnerConfig`), which the sweep in
 docs/results.md ("Defaults and rounds", `benchmarks/bench_sim.py --sweep`) chose: inner AdamW learning rate 2e-3,
-H = 16, P = 4, tau = 2, int4 up and int8 down, K = 1 + adaptive grace, outer Nesterov (0.7, 0.5).
+H = 16, P = 4, tau = 3, int4 up and int8 down, K = 1 + adaptive grace (at most two steps), outer Nesterov (0.7, 0.5).
 `quick_scale` shrinks the model, batch and steps so each experiment runs in seconds (CI smoke test); its
 numbers show that the machinery works, not the paper's claims.
 """
@@ -87,7 +87,7 @@ class Scale:
         return ClusterConfig(num_learners=num_learners, uplink=self.link, downlink=self.link, **changes)
 
     def diloco(self, **changes: Any) -> DilocoConfig:
-        return DilocoConfig(num_fragments=4, sync_every=self.sync_every, overlap_steps=2, **changes)
+        return DilocoConfig(num_fragments=4, sync_every=self.sync_every, **changes)
 
 
 def default_scale() -> Scale:
