@@ -135,11 +135,11 @@ class QuorumConfig:
     grace_gamma: float = 1.0
     """gamma: safety factor on the slack of the adaptive grace window."""
     grace_max_steps: float = 2.0
-    """The adaptive grace window's cap, in step times, and never above tau - 1 (at least 1: a learner that set tau = 2
-    gets the paper's one step, since a window as long as the whole slack makes the first learner wait whenever the
+    """The adaptive grace window's cap, in step times, and never above tau - 1 (at least 1: a run with tau = 2 keeps
+    the paper's one step, since a window as long as the whole slack makes the first learner wait whenever the
     estimates are off: 98.2 % goodput in the harness's heterogeneous set-up). With the paper's one-step cap, on real
     processes of equal speed (4 learners on 2 cores), 20-26 % of the updates missed their round, by a median
-    0.06-0.09 s and at most 0.31 s (about one step) after the close. Two steps, with tau = 3 so that no learner
+    0.05-0.09 s and at most 0.31 s (about one step) after the close. Two steps, with tau = 3 so that no learner
     waits, merge more learners per round and train better (docs/results.md, "Defaults and rounds", item 6)."""
     estimate_decay: float = 0.8
     """Weight of the old value in the exponential moving averages of step, quorum and sync times."""
