@@ -58,6 +58,14 @@ class DilocoConfig:
     them, as the paper's learners do (alpha = 0 in Streaming DiLoCo), losing about tau / H of every
     fragment's work. Harness, 4 learners x 896 inner steps (`ddiloco experiment quality`'s run): 1.8202 -> 1.8069
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
+    round_margin_steps: float = 0.0
+    """Inner steps of the grace window an on-time learner keeps in hand: a round's result reports how much of the
+    window was left, in each on-time learner's own step time, when its update arrived (`FragmentDelta.margins`;
+    only where the window is at least this + 0.5 average steps long, `Syncer._margins`), and a learner with less
+    moves its schedule ahead by the difference, before it is late. 0 (the default, for now): off, the learner
+    moves only once late. 1.5 measured better (an 18 % straggler missed 29-35 % of its rounds on real processes
+    instead of 56-70 %; in the harness K = 1 + grace passed K = M) but has not had a full CI run as the default
+    yet (docs/results.md, "Defaults and rounds", item 7)."""
     pace_rounds: bool = False
     """Whether a learner slower than the rounds publishes after fewer of its own inner steps
     (`RoundSchedule.round_pace`, Dynamic Local Updates) and moves back when it leads the rounds
@@ -94,6 +102,9 @@ class DilocoConfig:
                  "overlap_steps", self.overlap_steps, "an integer >= 0 (inner steps)")
         require(isinstance(self.keep_overlap_work, bool), "keep_overlap_work", self.keep_overlap_work,
                  "true or false")
+        require(isinstance(self.round_margin_steps, int | float) and math.isfinite(self.round_margin_steps)
+                and self.round_margin_steps >= 0, "round_margin_steps", self.round_margin_steps,
+                "a finite number >= 0 (inner steps)")
         require(isinstance(self.pace_rounds, bool), "pace_rounds", self.pace_rounds, "true or false")
         require_choice("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
         require_choice("merge", self.merge, MERGE_METHODS)

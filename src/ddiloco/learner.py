@@ -77,6 +77,9 @@ class LearnerStats:
     """Updates sent because the round they belonged to closed first (`Learner._publish_before`)."""
     phase_moves_late: int = 0
     """Schedule moves forward of a learner whose update reached its round after the close (`_follow_close`)."""
+    phase_moves_margin: int = 0
+    """Schedule moves forward of a learner whose update was on time with less than `round_margin_steps` of the
+    grace window left."""
     phase_moves_early: int = 0
     """Schedule moves back of a paced learner whose update went out before the clock-setting learners'."""
     fragments_applied: int = 0
@@ -296,6 +299,11 @@ class Learner:
             return
         if state.on_time is not None:
             self.schedule.on_time()
+            margin = (state.margins[state.on_time.index(self.learner_id)]
+                      if state.margins is not None and len(state.margins) == len(state.on_time) else None)
+            if margin is not None and margin < self.config.round_margin_steps:
+                self.schedule.ahead(self.config.round_margin_steps - margin)
+                self.stats.phase_moves_margin += 1
         if self.schedule.reads_slow and self.inner_step - outstanding.published_at_step >= EARLY_LEAD:
             self.schedule.early()  # a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1
@@ -316,7 +324,7 @@ class Learner:
             rebuilt = rebuild(delta, self._base[p], self.plan.fragments[p],
                               {name: tuple(self._params[name].shape) for name in self.plan.fragments[p]})
             if not isinstance(rebuilt, str):
-                state = FragmentState(p, delta.version, rebuilt, delta.on_time)
+                state = FragmentState(p, delta.version, rebuilt, delta.on_time, delta.margins)
                 early = self._publish_before(state)
                 if early is None:
                     self._follow_close(state)

@@ -178,6 +178,8 @@ class FragmentState:
     on_time: tuple[int, ...] | None = None
     """A round broadcast's: the learners whose update from `version - 1` the round merged (see
     `FragmentDelta.on_time`); None in a join's or a catch-up's state."""
+    margins: tuple[float, ...] | None = None
+    """A round broadcast's: see `FragmentDelta.margins`."""
 
     @property
     def payload_bytes(self) -> int:
@@ -204,6 +206,11 @@ class FragmentDelta:
     """The learners, ascending, whose update published from `base_version` the round merged: a learner that
     published for this round and is not named reached it after the close, so its clock runs behind the round's
     (`Learner._follow_close`). None: not known."""
+    margins: tuple[float, ...] | None = None
+    """For each learner of `on_time`, in its order: the inner steps of its own (at its step time as the syncer
+    measures it) that were left of the round's grace window when its update arrived, 0 at or after its end: a
+    learner with little left moves its schedule ahead before it is late (`Learner._follow_close`). None: not
+    known (no window yet)."""
 
     @property
     def payload_bytes(self) -> int:

@@ -120,6 +120,11 @@ class RoundSchedule:
         """A round's result named this learner's update: the next late result moves one step again."""
         self.late_in_a_row = 0
 
+    def ahead(self, steps: float) -> None:
+        """An on-time update came near the grace window's end: move `steps` forward, so the next one has that
+        margin back (`Learner._follow_close`)."""
+        self.phase += steps
+
     def early(self) -> None:
         """A paced learner's update probably opened its round: move back a step (below 0 too)."""
         self.phase -= PHASE_LOCK_STEP

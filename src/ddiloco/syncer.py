@@ -104,6 +104,9 @@ class LearnerInfo:
     joins: int = 0
     declared_tokens_per_step: int = 0
     """The most tokens per inner step it declared at its last join (0: none, the run's limit applies)."""
+    step_time_s: float | None = None
+    """Moving average of this learner's own step time (seconds per inner step between two of its updates), for
+    the margins a round's result reports (`Syncer._margins`)."""
 
 
 @dataclass
@@ -118,6 +121,8 @@ class _Pending:
     final: bool = False
     folded: tuple[tuple[int, int], ...] = ()
     """(base_version, inner_step) of the same learner's earlier updates this one includes."""
+    arrived_at: float = 0.0
+    """When the newest of its updates reached the syncer."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,11 @@ class _Ema:
 
     def observe(self, sample: float) -> None:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+MARGIN_HEADROOM_STEPS = 0.5
+"""Average step times a grace window must hold beyond `DilocoConfig.round_margin_steps` for a round's result to
+report margins (`Syncer._margins`): at the defaults a two-step window for a 1.5-step margin."""
 
 
 class Syncer:
@@ -397,7 +407,7 @@ class Syncer:
             return self._reject(update, *decoded, now)
         open_round = self._open[update.fragment]
         pending = _Pending((update.payload,), update.base_version, update.steps, update.tokens, update.inner_step,
-                           update.final)
+                           update.final, arrived_at=now)
         held = open_round.updates.get(update.learner_id)
         if open_round.summed is None:
             open_round.summed = RoundSum(self.plan.fragments[update.fragment], method=self.config.merge,
@@ -410,7 +420,7 @@ class Syncer:
                 # A late update still held, and new work from the next version (which overwrote the learner's
                 # fragment, so the two cover different steps): the round counts both, as one.
                 pending = _Pending((*held.payloads, update.payload), update.base_version, held.steps + update.steps,
-                                   held.tokens + update.tokens, update.inner_step, update.final, folded)
+                                   held.tokens + update.tokens, update.inner_step, update.final, folded, now)
             else:
                 # The same base: the same work continued (a pseudo-gradient is measured from the base), so it
                 # replaces the held one. `_validate` refused every other overlap.
@@ -425,7 +435,11 @@ class Syncer:
         if info.last_update is not None:
             last_at, last_step = info.last_update
             if update.inner_step > last_step and now >= last_at:
-                self.step_time.observe((now - last_at) / (update.inner_step - last_step))
+                sample = (now - last_at) / (update.inner_step - last_step)
+                self.step_time.observe(sample)
+                decay = self.quorum.estimate_decay
+                info.step_time_s = (sample if info.step_time_s is None
+                                    else decay * info.step_time_s + (1 - decay) * sample)
         info.last_update = (now, update.inner_step)
 
     # ---- rounds ----------------------------------------------------------------------------------
@@ -531,7 +545,8 @@ class Syncer:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
         # Durable (or kept in memory): from here on the round changes the syncer's state.
         on_time = tuple(i for i, u in zip(learner_ids, pending, strict=True) if u.base_version == version_before)
-        broadcast = dataclasses.replace(self._outer_step(p, merged, record.version), on_time=on_time)
+        broadcast = dataclasses.replace(self._outer_step(p, merged, record.version), on_time=on_time,
+                                        margins=self._margins(open_round, on_time))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
             info.merged_base[p] = u.base_version
@@ -548,6 +563,29 @@ class Syncer:
         logger.debug("[syncer] round %d: fragment %d -> version %d from learners %s",
                      record.round_index, p, self.versions[p], learner_ids)
         return actions
+
+    def _margins(self, open_round: _OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
+        """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the grace
+        window when its update arrived, (quorum time + window - arrival) / its step time, 0 if it came at or after
+        the window's end. None where the round had no window (no estimate yet, grace "none") or a learner's step
+        time is not known yet, or the window is shorter than `DilocoConfig.round_margin_steps` plus
+        `MARGIN_HEADROOM_STEPS` average steps: the learners then move on lateness alone (`Learner._follow_close`).
+        In a window that short no learner but the first could keep that margin, and every other one would move ahead
+        in every round, pulling the rounds forward (a harness run with tau = 2, a one-step window: every learner
+        moved in nearly every round)."""
+        step_time = self.step_time.value
+        needed = None if step_time is None else (self.config.round_margin_steps + MARGIN_HEADROOM_STEPS) * step_time
+        if (open_round.quorum_at is None or open_round.grace_s <= 0 or needed is None
+                or open_round.grace_s < needed * (1 - 1e-9)):  # (1 - 1e-9): a window at its cap is long enough
+            return None
+        deadline = open_round.quorum_at + open_round.grace_s
+        margins = []
+        for learner_id in on_time:
+            step_time = self.learners[learner_id].step_time_s
+            if not step_time:
+                return None
+            margins.append(max(0.0, (deadline - open_round.updates[learner_id].arrived_at) / step_time))
+        return tuple(margins)
 
     def _make_durable(self, record: RoundRecord, now: float) -> str | None:
         """Hand `record` to the journal; why it could not be written, or None."""

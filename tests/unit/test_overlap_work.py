@@ -166,8 +166,8 @@ def _step_until_update(learner: Learner, batches) -> tuple:
     raise AssertionError("no update")
 
 
-def _result_after(learner: Learner, extra_steps: int, *, on_time=(0,), phase: float | None = None
-                  ) -> tuple[float, float]:
+def _result_after(learner: Learner, extra_steps: int, *, on_time=(0,), phase: float | None = None,
+                  margins=None) -> tuple[float, float]:
     """Publish the next update, train `extra_steps` more inner steps, then hand the learner that round's result
     naming `on_time` (its phase set to `phase` first, if given); returns its phase just before and just after the
     result (only the result can move it in between)."""
@@ -180,7 +180,7 @@ def _result_after(learner: Learner, extra_steps: int, *, on_time=(0,), phase: fl
         learner.schedule.phase = phase
     before = learner.schedule.phase
     learner.receive(FragmentState(p, update.base_version + 1, {n: global_[n] for n in learner.plan.fragments[p]},
-                                  on_time))
+                                  on_time, margins))
     return before, learner.schedule.phase
 
 
@@ -218,6 +218,26 @@ def test_a_learner_named_on_time_keeps_its_phase_even_when_the_result_comes_in_t
     learner = make()
     before, after = _result_after(learner, 0, on_time=(0, 3))
     assert after == before and learner.stats.phase_moves_late == 0
+
+
+def test_an_on_time_learner_with_little_of_the_grace_window_left_moves_ahead_by_what_it_lacks():
+    # A learner that falls behind the rounds by less than the window per round is on time a few rounds in a row,
+    # then late: the margin the result reports lets it move before that.
+    learner = _unpaced_learner()
+    learner.config = dataclasses.replace(learner.config, round_margin_steps=1.5)
+    before, after = _result_after(learner, 0, on_time=(0, 3), margins=(0.25, 2.0))
+    assert after == pytest.approx(before + 1.25) and learner.stats.phase_moves_margin == 1
+    before, after = _result_after(learner, 0, on_time=(3, 0), margins=(0.0, 1.5))     # its own: enough left
+    assert after == before and learner.stats.phase_moves_margin == 1
+    before, after = _result_after(learner, 0, on_time=(0, 3), margins=None)           # not known
+    assert after == before
+    assert learner.stats.phase_moves_late == 0
+
+
+def test_with_round_margin_steps_0_a_margin_moves_nothing():
+    learner = _unpaced_learner()
+    learner.config = dataclasses.replace(learner.config, round_margin_steps=0.0)
+    assert _result_after(learner, 0, on_time=(0,), margins=(0.0,)) == (0.0, 0.0)
 
 
 def test_a_result_that_does_not_say_who_was_on_time_moves_nothing():

@@ -305,13 +305,14 @@ def test_a_fragment_change_round_trips_between_other_messages(model, params):
     assert back[0] == delta  # payload bytes, counters, codec and checksum all came through
 
 
-@pytest.mark.parametrize("on_time", [None, (), (0, 3, 17)])
-def test_a_round_result_says_who_was_on_time_and_an_unknown_stays_unknown(model, params, on_time):
-    delta = dataclasses.replace(_delta(model, params), on_time=on_time)
-    state = dataclasses.replace(_state(model, params), on_time=on_time)
+@pytest.mark.parametrize(("on_time", "margins"), [(None, None), ((), None), ((0, 3, 17), None),
+                                                  ((0, 3, 17), (1.5, 0.25, 0.0))])
+def test_a_round_result_says_who_was_on_time_and_an_unknown_stays_unknown(model, params, on_time, margins):
+    delta = dataclasses.replace(_delta(model, params), on_time=on_time, margins=margins)
+    state = dataclasses.replace(_state(model, params), on_time=on_time, margins=margins)
     chunks = [c for m in (delta, state) for c in encode_syncer_message(m, chunk_bytes=SMALL_CHUNK)]
     back = _decode_all(SyncerStreamDecoder(model), chunks)
-    assert [m.on_time for m in back] == [on_time, on_time]
+    assert [(m.on_time, m.margins) for m in back] == [(on_time, margins), (on_time, margins)]
 
 
 def _bad_delta_chunks(model, params, edit):

@@ -35,19 +35,25 @@ from ddiloco.transport.grpc_codec import (
 FLOAT32_NBYTES = 4
 
 
-def _on_time(learner_ids: tuple[int, ...] | None) -> wire_pb2.OnTime | None:
-    return None if learner_ids is None else wire_pb2.OnTime(learner_ids=learner_ids)
+def _on_time(learner_ids: tuple[int, ...] | None, margins: tuple[float, ...] | None) -> wire_pb2.OnTime | None:
+    return None if learner_ids is None else wire_pb2.OnTime(learner_ids=learner_ids, margins=margins or ())
 
 
-def _read_on_time(header: wire_pb2.FragmentHeader | wire_pb2.FragmentDeltaHeader) -> tuple[int, ...] | None:
-    return tuple(int(i) for i in header.on_time.learner_ids) if header.HasField("on_time") else None
+def _read_on_time(header: wire_pb2.FragmentHeader | wire_pb2.FragmentDeltaHeader
+                  ) -> tuple[tuple[int, ...] | None, tuple[float, ...] | None]:
+    """The header's (on_time, margins); margins None unless there is one for each on-time learner."""
+    if not header.HasField("on_time"):
+        return None, None
+    learner_ids = tuple(int(i) for i in header.on_time.learner_ids)
+    margins = tuple(float(m) for m in header.on_time.margins)
+    return learner_ids, margins if margins and len(margins) == len(learner_ids) else None
 
 
 def _fragment_header(state: FragmentState) -> wire_pb2.FragmentHeader:
     return wire_pb2.FragmentHeader(fragment=state.fragment, version=state.version, tensors=[
         wire_pb2.TensorHeader(name=name, dtype=WIRE_DTYPE, shape=list(t.shape), nbytes=t.numel() * FLOAT32_NBYTES)
         for name, t in state.tensors.items()], crc32=crc32_of(tensor_bytes(t) for t in state.tensors.values()),
-        on_time=_on_time(state.on_time))
+        on_time=_on_time(state.on_time, state.margins))
 
 
 def _delta_header(delta: FragmentDelta) -> wire_pb2.FragmentDeltaHeader:
@@ -55,7 +61,8 @@ def _delta_header(delta: FragmentDelta) -> wire_pb2.FragmentDeltaHeader:
     return wire_pb2.FragmentDeltaHeader(
         fragment=delta.fragment, version=delta.version, base_version=delta.base_version, codec=delta.codec,
         tensors=[wire_pb2.TensorHeader(name=name, nbytes=len(data)) for name, data in delta.payload.items()],
-        crc32=crc32_of(delta.payload.values()), checksum=delta.checksum, on_time=_on_time(delta.on_time))
+        crc32=crc32_of(delta.payload.values()), checksum=delta.checksum,
+        on_time=_on_time(delta.on_time, delta.margins))
 
 
 def encode_syncer_message(message: SyncerMessage, chunk_bytes: int = CHUNK_BYTES) -> Iterator[wire_pb2.SyncerChunk]:
@@ -175,12 +182,12 @@ class SyncerStreamDecoder:
                 payload[t.name] = bytes(buffer[offset:offset + t.nbytes])
                 offset += t.nbytes
             return FragmentDelta(int(h.fragment), int(h.version), int(h.base_version), h.codec, payload,
-                                 int(h.checksum), _read_on_time(h))
+                                 int(h.checksum), *_read_on_time(h))
         if kind == "fragment_state":
             frag = header.fragment_state
             check_crc32(buffer, frag.crc32, f"fragment {frag.fragment} version {frag.version}")
             tensors, _ = _float32_tensors(frag.tensors, buffer, 0)
-            return FragmentState(int(frag.fragment), int(frag.version), tensors, _read_on_time(frag))
+            return FragmentState(int(frag.fragment), int(frag.version), tensors, *_read_on_time(frag))
         states, offset = [], 0
         for frag in header.welcome.fragments:
             end = offset + sum(t.nbytes for t in frag.tensors)
