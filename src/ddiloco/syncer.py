@@ -163,7 +163,12 @@ class _Ema:
         self.value: float | None = None
 
     def observe(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+        self.value = ema(self.value, sample, self.decay)
+
+
+def ema(value: float | None, sample: float, decay: float) -> float:
+    """One step of an exponential moving average; the first sample starts it."""
+    return sample if value is None else decay * value + (1 - decay) * sample
 
 
 MARGIN_HEADROOM_STEPS = 0.5
@@ -437,9 +442,7 @@ class Syncer:
             if update.inner_step > last_step and now >= last_at:
                 sample = (now - last_at) / (update.inner_step - last_step)
                 self.step_time.observe(sample)
-                decay = self.quorum.estimate_decay
-                info.step_time_s = (sample if info.step_time_s is None
-                                    else decay * info.step_time_s + (1 - decay) * sample)
+                info.step_time_s = ema(info.step_time_s, sample, self.quorum.estimate_decay)
         info.last_update = (now, update.inner_step)
 
     # ---- rounds ----------------------------------------------------------------------------------
