@@ -28,7 +28,8 @@ from ddiloco.train_tinygpt import initial_params
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.grpc_codec import WireModel, encode_join, encode_update
 from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, SCHEMA_KEY
-from ddiloco.transport.grpc_server import UPLOADS_PER_LEARNER, start_server
+from ddiloco.transport.grpc_server import start_server
+from ddiloco.transport.syncer_servicer import UPLOADS_PER_LEARNER
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
 from tests.integration.test_learner_process import TINY_RUN
 

@@ -195,7 +195,8 @@ def test_watch_sends_the_model_at_once_then_at_most_every_min_interval():
     from ddiloco.messages import FragmentState, ModelSpec, Welcome
     from ddiloco.transport.grpc_client import SyncerClient
     from ddiloco.transport.grpc_codec import WireModel
-    from ddiloco.transport.grpc_server import STOPPED, start_server
+    from ddiloco.transport.grpc_server import start_server
+    from ddiloco.transport.syncer_handler import STOPPED
     from tests.helpers import TinyNet, params_of
 
     config = DilocoConfig(num_fragments=2, codec="fp32")

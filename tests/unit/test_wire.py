@@ -34,8 +34,8 @@ from ddiloco.transport.grpc_codec import (
     encode_update,
     iter_data,
 )
-from ddiloco.transport.grpc_server import peer_host
 from ddiloco.transport.subscription import Subscription
+from ddiloco.transport.syncer_handler import peer_host
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder, encode_syncer_message
 from tests.helpers import TinyNet, params_of
 

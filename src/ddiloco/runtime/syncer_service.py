@@ -10,12 +10,13 @@ fsynced) before the core changes any state for it, so a `Commit` action is alrea
 it. When the disk is full, the core refuses updates as `unavailable` and retries (`Syncer.storage_error`,
 shown in the status); status, metrics and full states are written when they can be (`WriteTrouble`).
 
-The service knows the model only as named tensors. A new run has no Syncer core until its genesis:
-the first learner that joins either gets the parameters of the `--init` file (restricted to its own
-parameter names, checked against their shapes) or is asked for its own initial parameters
-(`no_genesis`, then `genesis`). The genesis is written durably once (`write_genesis`) before any
-Welcome; later and restarted learners are checked against it like any joiner. Evaluation is not done
-here: an evaluator is a read-only subscriber (`snapshot`, the Watch call) running the user's function.
+The service knows the model only as named tensors. A new run has no Syncer core until its genesis: the first
+learner that joins either gets the parameters of the `--init` file or is asked for its own (`no_genesis`, then
+`genesis`). The genesis is written durably once (`write_genesis`) before any Welcome; later and restarted learners
+are checked against it like any joiner. Evaluation is not done here: an evaluator is a read-only subscriber
+(`snapshot`, the Watch call) running the user's function. Which joins are refused before the core sees them, and
+the genesis an --init file gives, are `syncer_admission`'s rules; the counters, `syncer_status.json` and the round
+metrics are `syncer_tally`'s.
 
 A learner's subscription stream is its connection: when it ends (the learner died or left), the
 learner is treated as gone at once, without waiting for the heartbeat timeout; heartbeats still
@@ -25,9 +26,7 @@ catch half-open connections. A learner that comes back subscribes again, which i
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -53,29 +52,24 @@ from ddiloco.messages import (
 )
 from ddiloco.metrics import MetricSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, genesis_from_init, write_genesis
+from ddiloco.runtime.syncer_admission import duplicate_process, genesis_for_join, join_refusal
+from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, write_genesis
+from ddiloco.runtime.syncer_tally import SyncerTally, round_metrics
 from ddiloco.syncer import Syncer
-from ddiloco.throttle import Throttle
 from ddiloco.transport.genesis_codec import Genesis
-from ddiloco.transport.grpc_codec import WireModel, config_difference, shortened
+from ddiloco.transport.grpc_codec import WireModel, shortened
 from ddiloco.transport.grpc_common import NO_GENESIS
-from ddiloco.transport.grpc_server import STOP_GRACE_S, STOPPED, peer_host
+from ddiloco.transport.grpc_server import STOP_GRACE_S
 from ddiloco.transport.subscription import Subscription
+from ddiloco.transport.syncer_handler import STOPPED, peer_host
 
 logger = logging.getLogger(__name__)
 
 DISCARDED_AT_STOP = "syncer stopped with the round open"
 """Reason of the `discarded` event for each update held in an open round at a clean stop."""
-MIN_DUPLICATE_WINDOW_S = 3.0
-"""A learner's process heard from within two of its heartbeat periods (and at least this long) is alive: another
-process joining with its id is refused."""
 MIN_TIMER_WAIT_S = 1e-3
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
-MAX_REFUSING_PEERS = 1024
-"""(reason, peer host) pairs whose refusals are summed up separately in one period; the refusals of any more share
-one summary (`OTHER_REFUSALS`), so a flood from many addresses is bounded too."""
-OTHER_REFUSALS = ("various", "other peers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +96,7 @@ class SyncerServiceConfig:
 
 
 class SyncerService:
-    """Implements `ddiloco.transport.grpc_server.SyncerHandler` around one Syncer core."""
+    """Implements `ddiloco.transport.syncer_handler.SyncerHandler` around one Syncer core."""
 
     def __init__(self, run_config: RunConfig, syncer: Syncer | None, store: SyncerStore, *, sink: MetricSink,
                  config: SyncerServiceConfig | None = None, restored: Restored | None = None,
@@ -126,14 +120,9 @@ class SyncerService:
         self._closing = False
         self._subscriptions: dict[int, Subscription] = {}
         self._threads: list[threading.Thread] = []
-        meta = (restored or Restored()).meta
-        self.rejections: Counter[str] = Counter(meta.get("rejections", {}))
-        self._rejected = Counter({int(k): v for k, v in meta.get("rejected", {}).items()})
-        self._joins = Counter({int(k): v for k, v in meta.get("joins", {}).items()})
-        self._refusals = Throttle(self.config.refusal_log_period_s, max_keys=MAX_REFUSING_PEERS,
-                                  overflow_key=OTHER_REFUSALS)
-        self._bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
-        self._participation = store.participation()
+        self.tally = SyncerTally((restored or Restored()).meta, store.participation(),
+                                 num_learners=run_config.num_learners,
+                                 refusal_log_period_s=self.config.refusal_log_period_s)
         self._rounds_at_save = 0
         self._arriving: Update | None = None
         self._arrival_logged = False
@@ -195,22 +184,29 @@ class SyncerService:
     def rounds_committed(self) -> int:
         return self.syncer.rounds_committed if self.syncer is not None else 0
 
+    @property
+    def rejections(self) -> Counter[str]:
+        """Refusals by reason, since the run began (`syncer_status.json` `rejections`)."""
+        return self.tally.rejections
+
     def wire_model(self) -> WireModel | None:
         return self._wire
 
     def join(self, join: Join, diloco_config: dict, peer: str, session: str = "") -> Subscription | str | None:
         """`session`: which process joins (the client's host/pid/random), to refuse a second live process with the
         same learner id while the same process may join again."""
-        refusal = self._refusal(join, diloco_config)
+        refusal = join_refusal(self.run_config, self.syncer, join, diloco_config)
         if refusal is not None:
             self._record(join.learner_id, "refused", refusal, peer=peer)
             return refusal
         with self._cond:
             if self._closing:
                 return None
-            reason = self._duplicate(join.learner_id, session)
-            if reason is None and self.syncer is None:
-                reason = self._genesis_for(join)
+            reason = duplicate_process(self.run_config, self.syncer, join.learner_id, session,
+                                       old=self._subscriptions.get(join.learner_id), clock=self.clock)
+            if reason is None and self.syncer is None:  # a new run's first join
+                made = genesis_for_join(join, self._init, self._init_source)
+                reason = made if isinstance(made, str) else self._establish(made)
             if reason is NO_GENESIS:
                 return NO_GENESIS
             refused = reason is not None
@@ -226,57 +222,15 @@ class SyncerService:
                 self._subscriptions[join.learner_id] = subscription
                 if old is not None:
                     old.close()
-                self._joins[join.learner_id] += 1
+                self.tally.joins[join.learner_id] += 1
                 self._carry_out(actions)
                 self._cond.notify_all()
         if refused:
             self._record(join.learner_id, "refused", reason, peer=peer)
             return reason
         logger.info("[syncer] learner %d joined from %s", join.learner_id, peer)
-        self.sink.event("join", learner_id=join.learner_id, peer=peer, joins=self._joins[join.learner_id])
+        self.sink.event("join", learner_id=join.learner_id, peer=peer, joins=self.tally.joins[join.learner_id])
         return subscription
-
-    def _duplicate(self, learner_id: int, session: str) -> str | None:
-        """Why a join must be refused as a second live process of one learner (lock held), or None. The learner's
-        open subscription belongs to another process, and that process is alive: heard from (heartbeats,
-        updates) within two heartbeat periods. A process that died (its stream ended) or fell silent (a
-        crashed machine whose connection is half open) is replaced by the new one."""
-        old = self._subscriptions.get(learner_id)
-        info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
-        if old is None or not session or not old.session or old.session == session:
-            return None
-        window = max(MIN_DUPLICATE_WINDOW_S, 2 * self.run_config.learner.heartbeat_every_s)
-        if info is None or not info.alive or self.clock.now() - info.last_seen >= window:
-            return None
-        age = self.clock.now() - old.since
-        return (f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s "
-                f"ago; two processes were started with --learner-id {learner_id} (stop one)")
-
-    def _genesis_for(self, join: Join) -> str | None:
-        """A new run's first join (lock held): the genesis from the --init file, NO_GENESIS to ask the
-        learner for its own parameters, or why the file does not fit the learner's model."""
-        if self._init is None:
-            return NO_GENESIS
-        by_name = join.model_spec.by_name()
-        made = genesis_from_init(self._init, list(by_name), join.embeddings,
-                                 {name: spec.shape for name, spec in by_name.items()}, self._init_source,
-                                 join.aliases)
-        if isinstance(made, str):
-            return f"model differs from the run's --init file: {made}"
-        return self._establish(made)
-
-    def _refusal(self, join: Join, diloco_config: dict) -> str | None:
-        if join.learner_id >= self.run_config.num_learners:
-            return (f"learner_id {join.learner_id} is outside 0..{self.run_config.num_learners - 1}: the run has "
-                    f"{self.run_config.num_learners} learners (data shards)")
-        difference = config_difference(self.run_config.diloco, diloco_config)
-        if difference is not None:
-            return f"algorithm config differs: {difference}"
-        syncer = self.syncer
-        model = syncer.spec.difference(join.model_spec) if syncer is not None else None
-        if model is not None:
-            return f"model differs from the syncer's: {model}"
-        return None
 
     def genesis(self, genesis: Genesis, peer: str) -> tuple[bool, str]:
         """A learner's initial parameters, proposed after a `no_genesis` answer: the first one wins."""
@@ -412,10 +366,8 @@ class SyncerService:
         # publish to one); any other refusal can come from anyone who reaches the port, as fast as they can call.
         throttled, detail = fragment is None, shortened(detail)
         with self._cond:
-            self.rejections[reason] += 1
-            if learner_id is not None and 0 <= learner_id < self.run_config.num_learners:
-                self._rejected[learner_id] += 1  # not per claimed id outside the run: one entry each would pile up
-            if throttled and not self._refusals.admit((reason, peer_host(peer)), self.clock.now()):
+            self.tally.count_rejection(reason, learner_id)
+            if throttled and not self.tally.refusals.admit((reason, peer_host(peer)), self.clock.now()):
                 return  # counted; summed up by _summarise_refusals
         more = (f" (more from {peer_host(peer) or '-'} are summed up every {self.config.refusal_log_period_s:g} s)"
                 if throttled else "")
@@ -433,7 +385,7 @@ class SyncerService:
         """Once a period is over (and at the stop): one log line and one `rejections_suppressed` event per reason and
         peer host for the refusals `_record` counted without logging them."""
         with self._cond:
-            counted = self._refusals.drain(self.clock.now(), final=final)
+            counted = self.tally.refusals.drain(self.clock.now(), final=final)
         for (reason, peer), count in sorted(counted.items()):
             logger.warning("[syncer] rejected %s from %s %d more times this period (%g s)", reason, peer or "-",
                            count, self.config.refusal_log_period_s)
@@ -463,31 +415,14 @@ class SyncerService:
     def _save_state(self) -> None:
         """A full state (lock held). It only shortens a restart's replay, so a write that fails (a full disk)
         is logged and tried again after the next round; the round log alone restores every round."""
-        if self._state_writes.attempt(lambda: self.store.save(self.syncer, self._meta())):
+        if self._state_writes.attempt(lambda: self.store.save(self.syncer, self.tally.meta(self.syncer))):
             self._rounds_at_save = self.syncer.rounds_committed
 
     def _committed(self, record: RoundRecord) -> None:
-        for p in record.participants:
-            tally = self._participation.setdefault(p.learner_id, {"accepted": 0, "tokens_merged": 0})
-            tally["accepted"] += 1
-            tally["tokens_merged"] += p.tokens
-        staleness = max(p.staleness for p in record.participants)
-        self.sink.log({
-            "syncer/rounds_committed": record.round_index + 1,
-            f"syncer/fragment/{record.fragment}/version": record.version,
-            f"syncer/fragment/{record.fragment}/staleness": staleness,
-            "syncer/participants": len(record.participants),
-            "syncer/grace_s": record.grace_s,
-            "syncer/quorum_wait_s": record.quorum_at - record.opened_at,
-        }, step=record.round_index)
+        self.tally.count_commit(record)
+        self.sink.log(round_metrics(record), step=record.round_index)
         self.sink.event("commit", round=record.round_index, fragment=record.fragment, version=record.version,
                         learners=[p.learner_id for p in record.participants])
-
-    def _meta(self) -> dict[str, Any]:
-        received, sent = self._bytes_base
-        return {"rejections": dict(self.rejections), "rejected": {str(k): v for k, v in self._rejected.items()},
-                "joins": {str(k): v for k, v in self._joins.items()},
-                "bytes_received": received + self.syncer.bytes_received, "bytes_sent": sent + self.syncer.bytes_sent}
 
     # ---- threads ---------------------------------------------------------------------------------------------
 
@@ -512,33 +447,8 @@ class SyncerService:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            s = self.syncer
-            received, sent = self._bytes_base
-            if s is None:
-                return {"time": time.time(), "pid": os.getpid(), "address": self.address, "genesis": False,
-                        "rounds_committed": 0, "versions": [], "alive_learners": [],
-                        "min_quorum": self.run_config.quorum.min_quorum, "effective_quorum": 0, "grace_s": 0.0,
-                        "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
-                        "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
-                        "learners": {}, "sends_dropped": self.sends_dropped, "storage_error": None}
-            learners = {}
-            for learner_id in sorted(set(s.learners) | set(self._participation) | set(self._joins)):
-                tally = self._participation.get(learner_id, {})
-                info = s.learners.get(learner_id)
-                learners[str(learner_id)] = {
-                    "accepted": tally.get("accepted", 0), "rejected": self._rejected[learner_id],
-                    "tokens_merged": tally.get("tokens_merged", 0), "joins": self._joins[learner_id],
-                    "alive": bool(info is not None and info.alive)}
-            return {
-                "time": time.time(), "pid": os.getpid(), "address": self.address, "genesis": True,
-                "rounds_committed": s.rounds_committed, "versions": list(s.versions),
-                "alive_learners": s.alive_learners(), "min_quorum": s.quorum.min_quorum,
-                "effective_quorum": s.effective_quorum(), "grace_s": s.grace_window(),
-                "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
-                "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
-                "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
-                "learners": learners, "sends_dropped": self.sends_dropped, "storage_error": s.storage_error,
-            }
+            return self.tally.status(self.syncer, address=self.address, min_quorum=self.run_config.quorum.min_quorum,
+                                     sends_dropped=self.sends_dropped)
 
     def write_status(self) -> None:
         status = self.status()

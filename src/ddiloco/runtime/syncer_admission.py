@@ -1,0 +1,73 @@
+"""Which joins the syncer service refuses before its Syncer core sees them, and a new run's genesis from --init.
+
+Three rules over what the service knows, without I/O or locks of their own (the service holds its lock where they
+read the core or its subscriptions):
+
+- `join_refusal`: a learner id outside the run, an algorithm config or a model that differs from the run's;
+- `duplicate_process`: a second live process of one learner id; a process that died or fell silent is replaced;
+- `genesis_for_join`: a new run's first join gets the parameters of the `--init` file, restricted to the learner's
+  own parameter names and checked against their shapes, or is asked for its own (`NO_GENESIS`).
+
+What the core refuses on a join, and making a genesis durable, stay with the core and the service.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.clock import Clock
+from ddiloco.messages import Join
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.syncer_state import GenesisRecord, genesis_from_init
+from ddiloco.syncer import Syncer
+from ddiloco.transport.grpc_codec import config_difference
+from ddiloco.transport.grpc_common import NO_GENESIS
+from ddiloco.transport.subscription import Subscription
+
+MIN_DUPLICATE_WINDOW_S = 3.0
+"""A learner's process heard from within two of its heartbeat periods (and at least this long) is alive: another
+process joining with its id is refused."""
+
+
+def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloco_config: dict) -> str | None:
+    """Why `join` does not belong to this run, or None. `syncer`: None before the genesis (no model to differ)."""
+    if join.learner_id >= run_config.num_learners:
+        return (f"learner_id {join.learner_id} is outside 0..{run_config.num_learners - 1}: the run has "
+                f"{run_config.num_learners} learners (data shards)")
+    difference = config_difference(run_config.diloco, diloco_config)
+    if difference is not None:
+        return f"algorithm config differs: {difference}"
+    model = syncer.spec.difference(join.model_spec) if syncer is not None else None
+    if model is not None:
+        return f"model differs from the syncer's: {model}"
+    return None
+
+
+def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: int, session: str, *,
+                      old: Subscription | None, clock: Clock) -> str | None:
+    """Why a join must be refused as a second live process of one learner, or None. `old`: the learner's open
+    subscription. It belongs to another process, and that process is alive: heard from (heartbeats, updates)
+    within two heartbeat periods. A process that died (its stream ended) or fell silent (a crashed machine whose
+    connection is half open) is replaced by the new one."""
+    info = syncer.learners.get(learner_id) if syncer is not None else None
+    if old is None or not session or not old.session or old.session == session:
+        return None
+    window = max(MIN_DUPLICATE_WINDOW_S, 2 * run_config.learner.heartbeat_every_s)
+    if info is None or not info.alive or clock.now() - info.last_seen >= window:
+        return None
+    age = clock.now() - old.since
+    return (f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s "
+            f"ago; two processes were started with --learner-id {learner_id} (stop one)")
+
+
+def genesis_for_join(join: Join, init: dict[str, torch.Tensor] | None, init_source: str) -> GenesisRecord | str:
+    """A new run's first join: the genesis from the --init file's tensors `init`, NO_GENESIS to ask the learner
+    for its own parameters, or why the file does not fit the learner's model."""
+    if init is None:
+        return NO_GENESIS
+    by_name = join.model_spec.by_name()
+    made = genesis_from_init(init, list(by_name), join.embeddings, {name: spec.shape for name, spec in by_name.items()},
+                             init_source, join.aliases)
+    if isinstance(made, str):
+        return f"model differs from the run's --init file: {made}"
+    return made

@@ -1,0 +1,102 @@
+"""What the syncer service counts and reports besides its Syncer core: counters, status document, round metrics.
+
+`SyncerTally` owns the counters that are saved with each full state (`meta`) and so survive a restart: refusals by
+reason, refusals and joins per learner, the bytes moved before this process; each learner's accepted updates and
+merged tokens, rebuilt from the round log (`SyncerStore.participation`); and the `Throttle` that decides which
+refused calls are logged in full. `SyncerTally.status` is the `syncer_status.json` document; `round_metrics` the
+metrics of a committed round. It does no I/O and takes no lock: the service (`syncer_service`) calls it with
+its lock held, and logs, writes events and writes the status file itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from ddiloco.messages import RoundRecord
+from ddiloco.syncer import Syncer
+from ddiloco.throttle import Throttle
+
+MAX_REFUSING_PEERS = 1024
+"""(reason, peer host) pairs whose refusals are summed up separately in one period; the refusals of any more share
+one summary (`OTHER_REFUSALS`), so a flood from many addresses is bounded too."""
+OTHER_REFUSALS = ("various", "other peers")
+
+
+def round_metrics(record: RoundRecord) -> dict[str, float]:
+    """The metrics the service logs for a committed round, at step `record.round_index`."""
+    staleness = max(p.staleness for p in record.participants)
+    return {
+        "syncer/rounds_committed": record.round_index + 1,
+        f"syncer/fragment/{record.fragment}/version": record.version,
+        f"syncer/fragment/{record.fragment}/staleness": staleness,
+        "syncer/participants": len(record.participants),
+        "syncer/grace_s": record.grace_s,
+        "syncer/quorum_wait_s": record.quorum_at - record.opened_at,
+    }
+
+
+class SyncerTally:
+    """The service's counters, restored from a full state's `meta` and the round log's participation."""
+
+    def __init__(self, meta: Mapping[str, Any], participation: dict[int, dict[str, int]], *, num_learners: int,
+                 refusal_log_period_s: float) -> None:
+        self.num_learners = num_learners
+        self.rejections: Counter[str] = Counter(meta.get("rejections", {}))
+        self.rejected = Counter({int(k): v for k, v in meta.get("rejected", {}).items()})
+        self.joins = Counter({int(k): v for k, v in meta.get("joins", {}).items()})
+        self.refusals = Throttle(refusal_log_period_s, max_keys=MAX_REFUSING_PEERS, overflow_key=OTHER_REFUSALS)
+        self.bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
+        self.participation = participation
+
+    def count_rejection(self, reason: str, learner_id: int | None) -> None:
+        self.rejections[reason] += 1
+        if learner_id is not None and 0 <= learner_id < self.num_learners:
+            self.rejected[learner_id] += 1  # not per claimed id outside the run: one entry each would pile up
+
+    def count_commit(self, record: RoundRecord) -> None:
+        for p in record.participants:
+            tally = self.participation.setdefault(p.learner_id, {"accepted": 0, "tokens_merged": 0})
+            tally["accepted"] += 1
+            tally["tokens_merged"] += p.tokens
+
+    def meta(self, syncer: Syncer) -> dict[str, Any]:
+        """The counters a full state keeps (`Restored.meta` when it is loaded)."""
+        received, sent = self.bytes_base
+        return {"rejections": dict(self.rejections), "rejected": {str(k): v for k, v in self.rejected.items()},
+                "joins": {str(k): v for k, v in self.joins.items()},
+                "bytes_received": received + syncer.bytes_received, "bytes_sent": sent + syncer.bytes_sent}
+
+    def status(self, syncer: Syncer | None, *, address: str, min_quorum: int, sends_dropped: int) -> dict[str, Any]:
+        """The `syncer_status.json` document. `syncer`: None before the run has its genesis, when the quorum shown
+        is the run config's `min_quorum`."""
+        s = syncer
+        received, sent = self.bytes_base
+        if s is None:
+            return {"time": time.time(), "pid": os.getpid(), "address": address, "genesis": False,
+                    "rounds_committed": 0, "versions": [], "alive_learners": [],
+                    "min_quorum": min_quorum, "effective_quorum": 0, "grace_s": 0.0,
+                    "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
+                    "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
+                    "learners": {}, "sends_dropped": sends_dropped, "storage_error": None}
+        learners = {}
+        for learner_id in sorted(set(s.learners) | set(self.participation) | set(self.joins)):
+            tally = self.participation.get(learner_id, {})
+            info = s.learners.get(learner_id)
+            learners[str(learner_id)] = {
+                "accepted": tally.get("accepted", 0), "rejected": self.rejected[learner_id],
+                "tokens_merged": tally.get("tokens_merged", 0), "joins": self.joins[learner_id],
+                "alive": bool(info is not None and info.alive)}
+        return {
+            "time": time.time(), "pid": os.getpid(), "address": address, "genesis": True,
+            "rounds_committed": s.rounds_committed, "versions": list(s.versions),
+            "alive_learners": s.alive_learners(), "min_quorum": s.quorum.min_quorum,
+            "effective_quorum": s.effective_quorum(), "grace_s": s.grace_window(),
+            "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
+            "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
+            "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
+            "learners": learners, "sends_dropped": sends_dropped, "storage_error": s.storage_error,
+        }
