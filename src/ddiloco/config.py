@@ -58,14 +58,13 @@ class DilocoConfig:
     them, as the paper's learners do (alpha = 0 in Streaming DiLoCo), losing about tau / H of every
     fragment's work. Harness, 4 learners x 896 inner steps (`ddiloco experiment quality`'s run): 1.8202 -> 1.8069
     (data-parallel 1.7799); at 400 steps 2.1013 -> 2.1099, inside that length's noise (docs/results.md)."""
-    round_margin_steps: float = 0.0
+    round_margin_steps: float = 1.5
     """Inner steps of the grace window an on-time learner keeps in hand: a round's result reports how much of the
     window was left, in each on-time learner's own step time, when its update arrived (`FragmentDelta.margins`;
-    only where the window is at least this + 0.5 average steps long, `Syncer._margins`), and a learner with less
-    moves its schedule ahead by the difference, before it is late. 0 (the default, for now): off, the learner
-    moves only once late. 1.5 measured better (an 18 % straggler missed 29-35 % of its rounds on real processes
-    instead of 56-70 %; in the harness K = 1 + grace passed K = M) but has not had a full CI run as the default
-    yet (docs/results.md, "Defaults and rounds", item 7)."""
+    a window shorter than this + 0.5 average steps counts as that long, `Syncer._margins`), and a learner with less
+    moves its schedule ahead by the difference, before it is late. 0: off, a learner moves only once late. With
+    1.5 (the default) K = 1 + grace passed K = M on the harness's 18 % straggler set-up, where it was 1.3 % behind
+    with 0 (docs/results.md, "Defaults and rounds", item 7)."""
     pace_rounds: bool = False
     """Whether a learner slower than the rounds publishes after fewer of its own inner steps
     (`RoundSchedule.round_pace`, Dynamic Local Updates) and moves back when it leads the rounds

@@ -172,8 +172,9 @@ def ema(value: float | None, sample: float, decay: float) -> float:
 
 
 MARGIN_HEADROOM_STEPS = 0.5
-"""Average step times a grace window must hold beyond `DilocoConfig.round_margin_steps` for a round's result to
-report margins (`Syncer._margins`): at the defaults a two-step window for a 1.5-step margin."""
+"""Average step times beyond `DilocoConfig.round_margin_steps` that margins are counted against at the least
+(`Syncer._margins`): in a shorter grace window the learner that made the quorum still keeps its margin, and one
+that arrived more than this after it moves ahead. At the defaults: a window of at least two steps."""
 
 
 class Syncer:
@@ -570,18 +571,17 @@ class Syncer:
     def _margins(self, open_round: _OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
         """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the grace
         window when its update arrived, (quorum time + window - arrival) / its step time, 0 if it came at or after
-        the window's end. None where the round had no window (no estimate yet, grace "none") or a learner's step
-        time is not known yet, or the window is shorter than `DilocoConfig.round_margin_steps` plus
-        `MARGIN_HEADROOM_STEPS` average steps: the learners then move on lateness alone (`Learner._follow_close`).
-        In a window that short no learner but the first could keep that margin, and every other one would move ahead
-        in every round, pulling the rounds forward (a harness run with tau = 2, a one-step window: every learner
-        moved in nearly every round)."""
+        the window's end; None where the round had no window (no estimate yet, grace "none") or a learner's step
+        time is not known yet: the learners then move on lateness alone (`Learner._follow_close`). The window counts
+        as at least `DilocoConfig.round_margin_steps` + `MARGIN_HEADROOM_STEPS` average steps long: in a shorter one
+        every learner but the first would fall short of the margin and move ahead in every round, pulling the rounds
+        forward (a harness run with tau = 2, a one-step window, did); counted this way the learner that made the
+        quorum keeps its margin and the others move by how much later than half a step after it they arrived."""
         step_time = self.step_time.value
         needed = None if step_time is None else (self.config.round_margin_steps + MARGIN_HEADROOM_STEPS) * step_time
-        if (open_round.quorum_at is None or open_round.grace_s <= 0 or needed is None
-                or open_round.grace_s < needed * (1 - 1e-9)):  # (1 - 1e-9): a window at its cap is long enough
+        if open_round.quorum_at is None or open_round.grace_s <= 0 or needed is None:
             return None
-        deadline = open_round.quorum_at + open_round.grace_s
+        deadline = open_round.quorum_at + max(open_round.grace_s, needed)
         margins = []
         for learner_id in on_time:
             step_time = self.learners[learner_id].step_time_s

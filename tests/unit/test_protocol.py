@@ -167,11 +167,12 @@ def test_a_round_result_names_the_learners_it_merged_on_time():
     assert [(m.version, m.on_time) for m in broadcasts(actions)] == [(2, (0,)), (2, (0,))]
 
 
-@pytest.mark.parametrize(("grace_s", "margins"), [(3.0, (3.0, 2.0)), (1.9, None)])
+@pytest.mark.parametrize(("grace_s", "margins"), [(3.0, (3.0, 2.0)), (1.9, (2.05, 1.3 / 1.125))])
 def test_a_round_result_says_how_much_of_the_grace_window_each_on_time_learner_had_left(grace_s, margins):
     # A fixed window from the quorum (K = 1: the first update). Margins are in each learner's own step time,
-    # measured between its updates, so the first round, with no step time yet, reports none; nor does a window
-    # shorter than round_margin_steps (1.5 here) + 0.5 average steps (about 1.06 s here).
+    # measured between its updates, so the first round, with no step time yet, reports none. A window shorter
+    # than round_margin_steps (1.5 here) + 0.5 average steps (1.025 s here: 2.05 s) counts as that long: the
+    # learner that made the quorum keeps 2.05 of its steps, the one 0.75 s behind it falls short of 1.5.
     quorum = QuorumConfig(min_quorum=1, grace="fixed", grace_s=grace_s, heartbeat_timeout_s=100.0)
     syncer, _, _, (fast, slow) = make_system(2, _single_fragment(sync_every=2, round_margin_steps=1.5), quorum)
 
