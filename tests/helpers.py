@@ -9,6 +9,7 @@ from ddiloco.clock import VirtualClock
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
+from ddiloco.messages import Update
 from ddiloco.syncer import Syncer
 
 
@@ -73,6 +74,38 @@ def make_system(num_learners: int, config: DilocoConfig, quorum: QuorumConfig | 
         hub.join(learner)
         learners.append(learner)
     return syncer, hub, clock, learners
+
+
+# ---- the protocol's tests (tests/unit/test_protocol*.py) ------------------------------------------------
+
+FP32 = dict(codec="fp32", downlink_codec="fp32")
+"""Exact both ways: for tests that compare with arithmetic written out by hand."""
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def single_fragment(**overrides) -> DilocoConfig:
+    """One fragment, a round every inner step, tau = 8, fp32 both ways; `overrides`: other `DilocoConfig` fields."""
+    fields = dict(num_fragments=1, fragment_strategy="single", sync_every=1, overlap_steps=8, **FP32)
+    return DilocoConfig(**(fields | overrides))
+
+
+def publish(hub: InProcessHub, learner: Learner, clock: VirtualClock, at: float) -> None:
+    """Advance the virtual clock to `at`, then train one inner step of `learner` and publish."""
+    clock.advance_to(at)
+    hub.advance()
+    batch = make_batches(1, seed=learner.learner_id * 100 + learner.inner_step)[0]
+    hub.after_inner_step(learner, train_step(learner.model, learner.optimizer, batch))
+
+
+def train_two_steps(learner: Learner, seed: int) -> list[Update]:
+    """Two inner steps of `learner` (sync_every = 2: one update); returns what it published."""
+    updates = []
+    for batch in make_batches(2, seed=seed):
+        updates += learner.after_inner_step(train_step(learner.model, learner.optimizer, batch))
+    return updates
 
 
 # ---- real processes, for the runtime's integration tests ----------------------------------------------

@@ -9,29 +9,28 @@ rank leaves it after the same inner step.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddiloco.checks import invalid
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
+from ddiloco.session_lifecycle import SessionLifecycle
 
 logger = logging.getLogger(__name__)
 
 
-class FollowerSession:
+class FollowerSession(SessionLifecycle):
     """Rank r > 0 of learner `learner_id`. Use `ddiloco.session()`, which makes it on those ranks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, diloco: DilocoConfig, learner_id: int,
                  group: LearnerGroup, state: Mapping[str, Any] | None = None, handle_sigterm: bool = True) -> None:
         if group.leader:
             raise ValueError("rank 0 of a learner runs a Session, not a FollowerSession")
+        super().__init__(handle_sigterm=handle_sigterm)
         self.model = model
         self.optimizer = optimizer
         self.group = group
@@ -41,12 +40,8 @@ class FollowerSession:
         # The same plan as rank 0's Learner: the fragments are named by index in the leader's commands.
         embeddings = embedding_names(model, diloco.embedding_pattern)
         group.fragments = FragmentPlan.for_tensors(params, diloco, embeddings=embeddings).fragments
-        self._handle_sigterm = handle_sigterm
-        self._previous_handler: Any = None
         self._inner_step = 0
         self._done = False
-        self._entered = False
-        self._closed = False
 
     @property
     def learner_id(self) -> int:
@@ -69,27 +64,12 @@ class FollowerSession:
         """Rank 0 hears of it at the next `step()` (summed over the ranks), and the whole learner stops."""
         self.group.stop_requested = True
 
-    def __enter__(self) -> FollowerSession:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(failed=exc_type is not None)
-
-    def start(self) -> None:
-        if self._entered:
-            raise RuntimeError("a session is started once")
-        self._entered = True
-        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
+    def _open(self) -> None:
         self._serve()
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """This rank's inner step is done: `tokens` are its own batch's (rank 0 sums every rank's)."""
-        if not self._entered or self._closed:
-            raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise invalid("tokens", tokens, "an int >= 0 (tokens or samples in this step)")
+        self._check_step(tokens)
         self._serve(tokens=tokens)
 
     def close(self, *, failed: bool = False) -> None:
@@ -100,9 +80,7 @@ class FollowerSession:
             if not failed:
                 self._serve()
         finally:
-            if self._previous_handler is not None:
-                signal.signal(signal.SIGTERM, self._previous_handler)
-                self._previous_handler = None
+            self._restore_sigterm()
 
     def _serve(self, *, tokens: int = 0) -> None:
         self._inner_step, self._done, exit_status = self.group.serve(tokens=tokens, save=self._own_state,

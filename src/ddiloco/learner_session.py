@@ -38,34 +38,35 @@ applies what the syncer sent; while the waiting rule blocks it waits, bounded by
 `LearnerConfig.max_wait_s`. Leaving the `with` block normally (or `done`) publishes every fragment's
 unpublished work once more, so the final global model includes it. Embedding tables are found by
 module type (`nn.Embedding`), or by `DilocoConfig.embedding_pattern` when it is set.
+
+This module owns the `Session` and how it ends (`RefusedError`, `UnreachableError`); its checkpoint is
+`ddiloco.learner_checkpoint`, its progress, counters and status file `ddiloco.learner_status`, and the `with`
+block and SIGTERM handling it shares with `FollowerSession` `ddiloco.session_lifecycle`.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from ddiloco.checkpoint import WriteTrouble, atomic_write_json, load_latest_state, save_state
-from ddiloco.checks import invalid
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
+from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_rules import Action, LearnerRules
+from ddiloco.learner_status import StatusReporter
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
+from ddiloco.session_lifecycle import SessionLifecycle
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
@@ -76,17 +77,8 @@ EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
 """Exit status of a learner process whose syncer never answered within `LearnerConfig.connect_timeout_s` (the
 supervisor restarts it like a crash: under `ddiloco run` its syncer is local, and on its way back)."""
-COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
-            "bytes_sent", "bytes_received", "joins", "waits_abandoned")
-"""Counters reported in status.json, carried across restarts by the checkpoint."""
 STOP_FLUSH_S = 1.0
 """After a stop request (SIGTERM), how long queued updates may take to go out before the learner leaves."""
-
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state: Any) -> Any: ...
 
 
 class RefusedError(SystemExit):
@@ -116,18 +108,7 @@ class UnreachableError(SystemExit):
 
 # ---- the session ------------------------------------------------------------------------------------------
 
-@dataclass
-class _Progress:
-    """What the status thread reads; replaced (not mutated) by the training thread."""
-
-    state: str = "joining"
-    inner_step: int = 0
-    loss: float | None = None
-    tokens: int = 0
-    versions: list[int] = field(default_factory=list)
-
-
-class Session:
+class Session(SessionLifecycle):
     """One learner's participation in a run, around the user's model and optimizer. Use `session()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, config: RunConfig, learner_id: int,
@@ -138,6 +119,7 @@ class Session:
                  status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
                  sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0,
                  group: LearnerGroup | None = None) -> None:
+        super().__init__(handle_sigterm=handle_sigterm and hub is None)
         for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
             if not value > 0:
                 raise ValueError(f"{name}={value!r} is invalid: expected seconds > 0")
@@ -205,22 +187,18 @@ class Session:
             self.learner.deferred = True
             self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
                                         on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
-        self._handle_sigterm = handle_sigterm and hub is None
-        self._previous_handler: Any = None
         self._stop = threading.Event()
-        self._status_stop = threading.Event()
-        self._status_thread: threading.Thread | None = None
-        self._saver: threading.Thread | None = None
-        self._checkpoint_writes = WriteTrouble(f"learner {learner_id}'s checkpoint")
-        self._status_writes = WriteTrouble(f"learner {learner_id}'s status file")
+        self.reporter = StatusReporter(self.learner, self.transport, inner_steps=config.inner_steps,
+                                       directory=self.directory, every_s=status_every_s, sink=self.sink,
+                                       prefix=self.prefix)
+        """The learner's progress, counters and status.json (`ddiloco.learner_status`)."""
+        self._checkpoint: LearnerCheckpoint | None = None
+        """learners/N/checkpoint/ (`ddiloco.learner_checkpoint`), or None without a run directory."""
+        if self.directory is not None:
+            self._checkpoint = LearnerCheckpoint(self.directory / "checkpoint", learner=self.learner, state=self.state,
+                                                 group=group, reporter=self.reporter)
         self._last_checkpoint = 0.0
         self._step_started: float | None = None
-        self._entered = False
-        self._closed = False
-        self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.progress = _Progress()
-        self._last_rate = (time.monotonic(), 0)
-        self.tokens_per_s = 0.0
         self.final_state: str | None = None
 
     # ---- what the loop reads -------------------------------------------------------------------------
@@ -254,26 +232,12 @@ class Session:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
-    def __enter__(self) -> Session:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(failed=exc_type is not None)
-
-    def start(self) -> None:
+    def _open(self) -> None:
         """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded."""
-        if self._entered:
-            raise RuntimeError("a session is started once")
-        self._entered = True
-        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
         self._restore()
         if self._ledger is not None:
             self._ledger.start(inner_step=self.learner.inner_step, shares=fragment_shares(self.learner))
-        if self.directory is not None:
-            self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
-            self._status_thread.start()
+        self.reporter.start()
         self._last_checkpoint = self.clock.now()
         self._gather_genesis()
         self.transport.start()
@@ -301,10 +265,7 @@ class Session:
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
         trained on (the syncer weights learners by it); `loss`, if given, is logged and shown."""
-        if not self._entered or self._closed:
-            raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise invalid("tokens", tokens, "an int >= 0 (tokens or samples in this step)")
+        self._check_step(tokens)
         started = self._step_started or time.monotonic()
         if self.group is not None:
             tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch
@@ -315,15 +276,15 @@ class Session:
         step_s = time.monotonic() - started
         for update in self.rules.after_inner_step(tokens):
             self._send(update)
-        total = self.progress.tokens + tokens
-        self._set(state="training" if self.transport.connected else "disconnected",
-                  loss=float(loss) if loss is not None else self.progress.loss, tokens=total)
+        total = self.reporter.progress.tokens + tokens
+        self.reporter.set(state="training" if self.transport.connected else "disconnected",
+                          loss=float(loss) if loss is not None else self.reporter.progress.loss, tokens=total)
         metrics = {f"{self.prefix}/tokens": total, f"{self.prefix}/step_s": step_s}
         if loss is not None:
             metrics[f"{self.prefix}/loss"] = float(loss)
         self.sink.log(metrics, step=self.learner.inner_step)
-        if self.directory is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
-            self._save(wait=False)
+        if self._checkpoint is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
+            self._checkpoint.save(wait=False)
             self._last_checkpoint = self.clock.now()
         if not self.done:
             self._settle()
@@ -378,10 +339,10 @@ class Session:
             if nxt.action is Action.JOIN:
                 if self.transport.unreachable is not None:
                     self._unreachable(self.transport.unreachable)
-                self._set(state="joining" if self.rules.welcomes == 0 else "disconnected")
+                self.reporter.set(state="joining" if self.rules.welcomes == 0 else "disconnected")
                 self.transport.wait(None)
             else:
-                self._set(state="waiting")
+                self.reporter.set(state="waiting")
                 self.transport.wait(max(0.0, (nxt.until or now) - now))
 
     def _apply_inbox(self) -> None:
@@ -427,109 +388,22 @@ class Session:
             self._ledger.close()
         # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks keeps
         # its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
-        if self.directory is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
-            self._save()
-        self._set(state=state)
-        if self._status_thread is not None:
-            self._status_stop.set()
-            self._status_thread.join()
-            self.write_status()
+        if self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
+            self._checkpoint.save()
+        self.reporter.set(state=state)
+        self.reporter.stop()
         self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
         self.sink.close()
         if state != "failed":
             # After a failure the group's collectives may be what failed: the followers end with this process.
             self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        self._restore_sigterm()
 
-    # ---- checkpoints and status ------------------------------------------------------------------------
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        assert self.directory is not None
-        return self.directory / "checkpoint"
-
-    def counters(self) -> dict[str, int]:
-        stats = self.learner.stats
-        current = {"updates_sent": stats.updates_sent, "fragments_applied": stats.fragments_applied,
-                   "waits_abandoned": stats.waits_abandoned, **self.transport.counters()}
-        return {name: self.base[name] + current[name] for name in COUNTERS}
-
-    def _save(self, *, wait: bool = True) -> None:
-        """Checkpoint. The snapshot is taken here, between inner steps (a deep copy: the optimizer updates its
-        tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
-        checkpoint costs the training loop only the copy."""
-        if self._saver is not None:
-            self._saver.join()  # one write at a time, in order
-        user = {name: obj.state_dict() for name, obj in self.state.items()}
-        learner = self.learner.state_dict()
-        ranks = self.group.checkpoint(learner) if self.group is not None else None
-        state = copy.deepcopy({"learner": learner, "state": user})
-        if ranks is not None:
-            state["ranks"] = ranks
-        meta = {"tokens": self.progress.tokens, "counters": self.counters()}
-        serial = self.learner.inner_step
-        # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
-        self._saver = threading.Thread(target=self._checkpoint_writes.attempt,
-                                       args=(lambda: save_state(self.checkpoint_dir, state, serial=serial, meta=meta),),
-                                       name="learner-checkpoint", daemon=True)
-        self._saver.start()
-        if wait:
-            self._saver.join()
+    # ---- checkpoints ------------------------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        if self.directory is None:
+        if self._checkpoint is None or not self._checkpoint.restore():
             return
-        latest = load_latest_state(self.checkpoint_dir)
-        if latest is None:
-            # (a damaged one is logged by load_latest_state, naming its files)
-            logger.info("[learner %d] no readable checkpoint in %s: fresh optimizer, data from the start",
-                        self.learner_id, self.checkpoint_dir)
-            return
-        state, meta, _ = latest
-        self.learner.load_state_dict(state["learner"])
-        if self.group is not None:
-            self.group.restore_checkpoint(state.get("ranks"), self.optimizer, learner_id=self.learner_id)
         self.rules.resumed = True
-        saved = state.get("state", {})
-        for name, obj in self.state.items():
-            if name in saved:
-                obj.load_state_dict(saved[name])
-            else:
-                logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", self.learner_id,
-                               name)
-        self.base.update({k: int(v) for k, v in meta.get("counters", {}).items() if k in self.base})
-        self._set(tokens=int(meta.get("tokens", 0)))
-        self._last_rate = (time.monotonic(), self.progress.tokens)
         logger.info("[learner %d | inner %d] resumed from its checkpoint", self.learner_id, self.learner.inner_step)
         self.sink.event("resume", learner_id=self.learner_id, inner_step=self.learner.inner_step)
-
-    def _set(self, **changes: Any) -> None:
-        values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
-                  "versions": list(self.learner.versions), **changes}
-        self.progress = _Progress(**values)
-
-    def status(self) -> dict[str, Any]:
-        progress = self.progress
-        now = time.monotonic()
-        last_time, last_tokens = self._last_rate
-        if now > last_time:
-            self.tokens_per_s = (progress.tokens - last_tokens) / (now - last_time)
-        self._last_rate = (now, progress.tokens)
-        return {"time": time.time(), "pid": os.getpid(), "learner_id": self.learner_id,
-                "state": progress.state, "inner_step": progress.inner_step,
-                "inner_steps": self.config.inner_steps, "loss": progress.loss,
-                "tokens_per_s": self.tokens_per_s, "tokens": progress.tokens, "versions": progress.versions,
-                "connected": self.transport.connected, **self.counters()}
-
-    def write_status(self) -> None:
-        assert self.directory is not None
-        status = self.status()
-        self._status_writes.attempt(lambda: atomic_write_json(self.directory / "status.json", status, durable=False))
-
-    def _status_loop(self) -> None:
-        self.write_status()
-        while not self._status_stop.wait(self.status_every_s):
-            self.write_status()
-            self.sink.log({f"{self.prefix}/tokens_per_s": self.tokens_per_s}, step=self.progress.inner_step)

@@ -18,8 +18,9 @@ from ddiloco.config import DilocoConfig, LearnerConfig
 from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.follower_session import FollowerSession
 from ddiloco.inprocess import InProcessHub
+from ddiloco.learner_checkpoint import Stateful
 from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
-from ddiloco.learner_session import Session, Stateful
+from ddiloco.learner_session import Session
 from ddiloco.run_config import RunConfig
 
 

@@ -5,14 +5,13 @@ a pure state machine: the driver passes the current time into `receive(message, 
 `advance(now)`, calls `advance` again at `next_deadline()`, and carries out the returned actions in
 order (`Commit` makes a round durable and must finish before the `Send`s that follow it).
 
-A round for fragment p collects updates until the minimum quorum K is present (K is capped at the
-learners that can still report: those alive and those gone whose update is in the round, so a quorum larger
-than the live learners never deadlocks). It then waits a grace
-window for stragglers: adaptive, clip(gamma * (tau * step_time - quorum_time - sync_time), 0,
-step_time) from moving averages; fixed; or none. A round also closes at once when every live learner
-has reported. Closing merges the updates (token-weighted RDA), takes the outer step, bumps the
-version and sends the new fragment to every live learner (with a lossy downlink codec, its change, from
-which the syncer's own global value is rebuilt the way learners rebuild it: `ddiloco.downlink`).
+A round for fragment p collects updates (`ddiloco.open_round`) until the minimum quorum K is present (K is capped
+at the learners that can still report: those alive and those gone whose update is in the round, so a quorum larger
+than the live learners never deadlocks). It then waits a grace window for stragglers (`ddiloco.round_timing`). A
+round also closes at once when every live learner has reported. Closing merges the updates (token-weighted RDA),
+takes the outer step, bumps the version and sends the new fragment to every live learner (with a lossy downlink
+codec, its change, from which the syncer's own global value is rebuilt the way learners rebuild it:
+`ddiloco.downlink`).
 
 Durability comes first: a syncer given a `Journal` (the runtime's round log) hands it each round before
 changing any state for it. When the journal cannot write (a full disk), nothing changes: the round's
@@ -20,11 +19,9 @@ updates are rejected as `unavailable` (their learners' work goes out again with 
 the same base), and so is every update that arrives until STORAGE_RETRY_S has passed; the next round
 that closes then tries again, and the first one that is written ends the outage (`storage_error`).
 
-The rule for late updates: an update that arrives after its round closed goes into the next round of
-that fragment, with staleness = current version - base version, as long as staleness <=
-max_staleness and its base is newer than the base of the same learner's last merged update for that
-fragment (a learner that missed a broadcast and publishes twice from the same base would otherwise be
-counted twice). Anything else is rejected with a recorded reason; every update is merged or rejected.
+An update that arrives after its round closed goes into the next round of that fragment, within the rules of
+`ddiloco.admission` (which also refuses joins that cannot take part); anything else is rejected with a recorded
+reason: every update is merged or rejected.
 
 Paper: Decoupled DiLoCo, arXiv 2604.21428.
 """
@@ -35,20 +32,18 @@ import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ddiloco.admission import Admission, LearnerInfo
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
-from ddiloco.merge import cap_weights, period_share, token_weight
 from ddiloco.messages import (
-    SCHEMA_VERSION,
     Commit,
-    DecodedTensor,
     FragmentDelta,
     FragmentState,
     Heartbeat,
@@ -56,7 +51,6 @@ from ddiloco.messages import (
     LearnerMessage,
     Leave,
     ModelSpec,
-    Participant,
     Refused,
     Rejected,
     RejectReason,
@@ -66,9 +60,9 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.open_round import FragmentMerge, OpenRound, PendingUpdate, merge_weight
 from ddiloco.outer import OuterOptimizer
-from ddiloco.round_sum import RoundSum
-from ddiloco.update_values import decode_payload, l2_norm
+from ddiloco.round_timing import Ema, ema, grace_window, round_margins
 
 logger = logging.getLogger(__name__)
 
@@ -87,44 +81,6 @@ class Journal(Protocol):
         """Make `record` durable, all or nothing; OSError when it cannot (the round then never happened)."""
 
 
-@dataclass
-class LearnerInfo:
-    """What the syncer knows of one learner."""
-
-    alive: bool
-    last_seen: float
-    merged_base: dict[int, int] = field(default_factory=dict)
-    """fragment -> base version of this learner's last merged update for it. A later update from
-    the same or an older base would count the same progress twice."""
-    last_update: tuple[float, int] | None = None
-    """(arrival time, inner step) of its previous update, for the step-time estimate."""
-    accepted: int = 0
-    rejected: int = 0
-    tokens_merged: int = 0
-    joins: int = 0
-    declared_tokens_per_step: int = 0
-    """The most tokens per inner step it declared at its last join (0: none, the run's limit applies)."""
-    step_time_s: float | None = None
-    """Moving average of this learner's own step time (seconds per inner step between two of its updates), for
-    the margins a round's result reports (`Syncer._margins`)."""
-
-
-@dataclass
-class _Pending:
-    payloads: tuple[Mapping[str, bytes], ...]
-    """The update's encoded tensors; with a late update folded in, the held one's first. Kept (at int4 an eighth of
-    the decoded float32 values) so that a round can be summed again (`Syncer._merged`)."""
-    base_version: int
-    steps: int
-    tokens: int
-    inner_step: int
-    final: bool = False
-    folded: tuple[tuple[int, int], ...] = ()
-    """(base_version, inner_step) of the same learner's earlier updates this one includes."""
-    arrived_at: float = 0.0
-    """When the newest of its updates reached the syncer."""
-
-
 @dataclass(frozen=True)
 class HeldUpdate:
     """An accepted update still waiting in an open round (lost if the syncer stops now)."""
@@ -135,18 +91,6 @@ class HeldUpdate:
     inner_step: int
 
 
-@dataclass
-class _OpenRound:
-    updates: dict[int, _Pending] = field(default_factory=dict)
-    first_at: float | None = None
-    quorum_at: float | None = None
-    close_at: float | None = None
-    grace_s: float = 0.0
-    rejections: list[tuple[int, str]] = field(default_factory=list)
-    summed: RoundSum | None = None
-    """The round's running sums (`ddiloco.round_sum`), from its first update on."""
-
-
 @dataclass(frozen=True)
 class RejectionRecord:
     time: float
@@ -155,26 +99,6 @@ class RejectionRecord:
     base_version: int
     reason: RejectReason
     detail: str
-
-
-class _Ema:
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.value: float | None = None
-
-    def observe(self, sample: float) -> None:
-        self.value = ema(self.value, sample, self.decay)
-
-
-def ema(value: float | None, sample: float, decay: float) -> float:
-    """One step of an exponential moving average; the first sample starts it."""
-    return sample if value is None else decay * value + (1 - decay) * sample
-
-
-MARGIN_HEADROOM_STEPS = 0.5
-"""Average step times beyond `DilocoConfig.round_margin_steps` that margins are counted against at the least
-(`Syncer._margins`): in a shorter grace window the learner that made the quorum still keeps its margin, and one
-that arrived more than this after it moves ahead. At the defaults: a window of at least two steps."""
 
 
 class Syncer:
@@ -190,22 +114,24 @@ class Syncer:
         self.quorum = quorum
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
         self.plan = FragmentPlan.for_tensors(initial_params, config, embeddings=embeddings)
-        self._codec = get_codec(config.codec)
+        self._admission = Admission(config, quorum, spec=self.spec, plan=self.plan)
         self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
                          for name in names} for names in self.plan.fragments]
-        self._shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
+        shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
+        codec = get_codec(config.codec)
+        self._merges = [FragmentMerge(names, shapes, codec, config.merge, self.plan.embeddings)
+                        for names in self.plan.fragments]
         self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
-        self._downlink = make_downlink(config.downlink_codec, self.plan, self._shapes)
-        num = self.plan.num_fragments
-        self.versions = [0] * num
+        self._downlink = make_downlink(config.downlink_codec, self.plan, shapes)
+        self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
-        self._open = [_OpenRound() for _ in range(num)]
+        self._open = [OpenRound(merge) for merge in self._merges]
         self.learners: dict[int, LearnerInfo] = {}
         self.rejections: deque[RejectionRecord] = deque(maxlen=MAX_REJECTION_RECORDS)
         self.rejection_counts: Counter[str] = Counter()
-        self.step_time = _Ema(quorum.estimate_decay)
-        self.quorum_time = _Ema(quorum.estimate_decay)
-        self.sync_time = _Ema(quorum.estimate_decay)
+        self.step_time = Ema(quorum.estimate_decay)
+        self.quorum_time = Ema(quorum.estimate_decay)
+        self.sync_time = Ema(quorum.estimate_decay)
         self.bytes_received = 0
         self.bytes_sent = 0
         self.journal = journal
@@ -279,22 +205,7 @@ class Syncer:
         return actions
 
     def _on_join(self, join: Join, now: float) -> list[SyncerAction]:
-        refusal = None
-        if join.schema_version != SCHEMA_VERSION:
-            refusal = f"schema version {join.schema_version}, but the syncer speaks {SCHEMA_VERSION}"
-        elif join.config_fingerprint != self.config.fingerprint():
-            refusal = (f"algorithm config differs (fingerprint {join.config_fingerprint}, syncer has "
-                       f"{self.config.fingerprint()}): start every learner with the syncer's config")
-        elif (diff := self.spec.difference(join.model_spec)) is not None:
-            refusal = f"model differs from the syncer's: {diff}"
-        elif join.learner_id < 0:
-            refusal = f"learner_id={join.learner_id} is invalid: expected an integer >= 0"
-        elif join.max_tokens_per_step < 0:
-            refusal = f"max_tokens_per_step={join.max_tokens_per_step} is invalid: expected an integer >= 0 (0: none)"
-        elif join.max_tokens_per_step > self.quorum.max_tokens_per_step:
-            refusal = (f"learner {join.learner_id} declares up to {join.max_tokens_per_step} tokens per inner step, "
-                       f"but the run allows at most {self.quorum.max_tokens_per_step} (max_tokens_per_step): "
-                       "declare the learner's real batch, or start the syncer with a larger --max-tokens-per-step")
+        refusal = self._admission.join_refusal(join)
         if refusal is not None:
             logger.warning("[syncer] refused learner %d: %s", join.learner_id, refusal)
             return [Send(join.learner_id, Refused(join.learner_id, refusal))]
@@ -342,97 +253,25 @@ class Syncer:
             actions.append(Send(update.learner_id, state))
         return actions
 
-    def _validate(self, update: Update, now: float) -> tuple[RejectReason, str] | None:
-        info = self.learners.get(update.learner_id)
-        if info is None or not info.alive:
-            return RejectReason.UNKNOWN_LEARNER, "join first"
-        if self.storage_error is not None and now < self._storage_retry_at:
-            return RejectReason.UNAVAILABLE, f"{self.storage_error}; retrying"
-        p = update.fragment
-        if not 0 <= p < self.plan.num_fragments:
-            return RejectReason.BAD_FRAGMENT, f"fragment {p} outside 0..{self.plan.num_fragments - 1}"
-        if update.codec != self.config.codec:
-            return RejectReason.WRONG_CODEC, f"codec {update.codec!r}, expected {self.config.codec!r}"
-        expected = self.plan.fragments[p]
-        if sorted(update.payload) != sorted(expected):
-            return RejectReason.WRONG_TENSORS, f"fragment {p} holds {len(expected)} tensors, got other names"
-        if update.steps < 1 or update.tokens < 0 or update.inner_step < update.steps:
-            return RejectReason.BAD_COUNTERS, (f"steps={update.steps} tokens={update.tokens} "
-                                               f"inner_step={update.inner_step}")
-        per_step = info.declared_tokens_per_step or self.quorum.max_tokens_per_step
-        if update.tokens > update.steps * per_step:
-            # The merge weight is tokens^2 / steps: a count nobody bounds is a weight nobody bounds.
-            whose = (f"learner {update.learner_id} declared" if info.declared_tokens_per_step
-                     else "the run allows (max_tokens_per_step)")
-            return RejectReason.BAD_COUNTERS, (f"tokens={update.tokens} in steps={update.steps} is more than the "
-                                               f"{per_step} tokens per inner step {whose}")
-        version = self.versions[p]
-        if not 0 <= update.base_version <= version:
-            return RejectReason.BAD_COUNTERS, f"base_version {update.base_version}, fragment is at {version}"
-        staleness = version - update.base_version
-        if staleness > self.quorum.max_staleness:
-            return RejectReason.STALE, f"{staleness} versions behind (max {self.quorum.max_staleness})"
-        merged_base = info.merged_base.get(p, -1)
-        if update.base_version <= merged_base:
-            return RejectReason.STALE, (f"base version {update.base_version} overlaps this learner's update "
-                                        f"from base version {merged_base}, already merged")
-        held = self._open[p].updates.get(update.learner_id)
-        if held is not None and (update.base_version < held.base_version
-                                 or (update.base_version == held.base_version and update.steps <= held.steps)):
-            return RejectReason.DUPLICATE, f"already holds an update of this learner for fragment {p}"
-        return None
-
-    def _decode(self, update: Update) -> Mapping[str, DecodedTensor] | tuple[RejectReason, str]:
-        """The update's tensors decoded and checked: by the wire layer already (`Update.decoded`), or here."""
-        if update.decoded is not None:
-            assert sorted(update.decoded) == sorted(update.payload), "the wire layer decodes every tensor it passes"
-            return update.decoded
-        return decode_payload(self._codec, update.payload, self.plan.fragments[update.fragment], self._shapes)
-
-    def _decode_chain(self, payloads: Sequence[Mapping[str, bytes]], p: int) -> dict[str, DecodedTensor]:
-        """A held update's values again from its payloads (each checked when it arrived), a folded one's summed."""
-        total: dict[str, torch.Tensor] = {}
-        for payload in payloads:
-            decoded = decode_payload(self._codec, payload, self.plan.fragments[p], self._shapes)
-            assert not isinstance(decoded, tuple), "payloads are held only once checked"
-            total = {name: total[name] + t.values if total else t.values for name, t in decoded.items()}
-        # A folded sum of finite values can still overflow: its norm is then inf, and the round does not commit.
-        return {name: DecodedTensor(values, l2_norm(values)) for name, values in total.items()}
-
     def _on_update(self, update: Update, now: float) -> list[SyncerAction]:
         self.bytes_received += update.payload_bytes
-        problem = self._validate(update, now)
         info = self.learners.get(update.learner_id)
+        refusing = self.storage_error if now < self._storage_retry_at else None
+        problem = self._admission.update_problem(update, info, storage_error=refusing, versions=self.versions,
+                                                 rounds=self._open)
         if info is not None and info.alive:
             info.last_seen = now
             self._observe_step_time(info, update, now)
         if problem is not None:
             return self._reject(update, *problem, now)
-        decoded = self._decode(update)
+        open_round = self._open[update.fragment]
+        decoded = open_round.merge.decode(update)
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
-        open_round = self._open[update.fragment]
-        pending = _Pending((update.payload,), update.base_version, update.steps, update.tokens, update.inner_step,
-                           update.final, arrived_at=now)
-        held = open_round.updates.get(update.learner_id)
-        if open_round.summed is None:
-            open_round.summed = RoundSum(self.plan.fragments[update.fragment], method=self.config.merge,
-                                         embeddings=self.plan.embeddings)
-        if held is None:
-            open_round.summed.add(update.learner_id, decoded, self._merge_weight(update.fragment, pending))
-        else:
-            folded = (*held.folded, (held.base_version, held.inner_step))
-            if held.base_version < update.base_version:
-                # A late update still held, and new work from the next version (which overwrote the learner's
-                # fragment, so the two cover different steps): the round counts both, as one.
-                pending = _Pending((*held.payloads, update.payload), update.base_version, held.steps + update.steps,
-                                   held.tokens + update.tokens, update.inner_step, update.final, folded, now)
-            else:
-                # The same base: the same work continued (a pseudo-gradient is measured from the base), so it
-                # replaces the held one. `_validate` refused every other overlap.
-                pending = dataclasses.replace(pending, folded=folded)
-            open_round.summed.invalidate()  # the sums hold the replaced update: the round is summed again at its close
-        open_round.updates[update.learner_id] = pending
+        pending = PendingUpdate((update.payload,), update.base_version, update.steps, update.tokens,
+                                update.inner_step, update.final, arrived_at=now)
+        weight = merge_weight(pending, self.versions[update.fragment], self.quorum.staleness_discount)
+        open_round.hold(update.learner_id, pending, decoded, weight)
         if open_round.first_at is None and update.base_version == self.versions[update.fragment] and not update.final:
             open_round.first_at = now  # the quorum time runs from the first update the round is due for
         return self._schedule(update.fragment, now)
@@ -449,20 +288,10 @@ class Syncer:
     # ---- rounds ----------------------------------------------------------------------------------
 
     def grace_window(self) -> float:
-        """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap
-        leaves, at most `grace_max_steps` step times and never more than tau - 1 of them (one step of the overlap is
-        the estimates' margin; at tau <= 2 the cap is one step, the paper's)."""
-        if self.quorum.grace == "none":
-            return 0.0
-        if self.quorum.grace == "fixed":
-            return self.quorum.grace_s
-        step_time = self.step_time.value
-        if step_time is None:
-            return 0.0
-        slack = (self.config.overlap_steps * step_time - (self.quorum_time.value or 0.0)
-                 - (self.sync_time.value or 0.0))
-        cap_steps = min(self.quorum.grace_max_steps, max(1, self.config.overlap_steps - 1))
-        return min(max(self.quorum.grace_gamma * slack, 0.0), cap_steps * step_time)
+        """Seconds to wait for stragglers once the quorum is present, from the current estimates
+        (`ddiloco.round_timing.grace_window`)."""
+        return grace_window(self.config, self.quorum, step_time_s=self.step_time.value,
+                            quorum_time_s=self.quorum_time.value, sync_time_s=self.sync_time.value)
 
     def _schedule(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
@@ -491,65 +320,24 @@ class Syncer:
             return self._close(p, now)
         return []
 
-    def _merged(self, p: int, summed_ids: list[int], weights: list[float]) -> dict[str, torch.Tensor]:
-        """The round's merge with these (capped) weights, summed in the order its updates arrived: its running sums
-        when they hold exactly that, else summed again from the held payloads (a held update was replaced or
-        folded, or the cap lowered a weight; the sums used the weights as they arrived)."""
-        open_round = self._open[p]
-        summed = open_round.summed
-        if summed is None or not summed.holds(summed_ids, weights):
-            summed = RoundSum(self.plan.fragments[p], method=self.config.merge, embeddings=self.plan.embeddings)
-            for learner_id, weight in zip(summed_ids, weights, strict=True):
-                summed.add(learner_id, self._decode_chain(open_round.updates[learner_id].payloads, p), weight)
-        open_round.summed = None
-        return summed.result(self._shapes)
-
-    def _merge_weight(self, p: int, pending: _Pending) -> float:
-        """A participant's weight before the cap: tokens^2 / steps, divided by (1 + staleness)^e for a late update
-        (`QuorumConfig.staleness_discount`). The fragment's version does not change while its round is open, so
-        the weight an update gets on arrival is the one its round closes with."""
-        weight = token_weight(pending.tokens, pending.steps)
-        staleness = self.versions[p] - pending.base_version
-        if staleness > 0 and self.quorum.staleness_discount:
-            weight /= (1.0 + staleness) ** self.quorum.staleness_discount
-        return weight
-
     def _close(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
-        summed_ids = list(open_round.updates)  # arrival order: the order of the round's sums
-        raw = [self._merge_weight(p, u) for u in open_round.updates.values()]
-        capped = dict(zip(summed_ids, cap_weights(raw, self.quorum.max_weight_ratio), strict=True))
-        merged = self._merged(p, summed_ids, [capped[i] for i in summed_ids])
-        learner_ids = sorted(open_round.updates)
+        version_before = self.versions[p]
+        record = open_round.record(fragment=p, version=version_before, round_index=self.rounds_committed, now=now,
+                                   quorum=self.quorum, sync_every=self.config.sync_every)
+        learner_ids = [q.learner_id for q in record.participants]
         pending = [open_round.updates[i] for i in learner_ids]
-        weights = [capped[i] for i in learner_ids]
-        share = period_share([(u.steps, u.tokens, u.final) for u in pending], self.config.sync_every)
-        if share < 1.0:
-            merged = {name: delta * share for name, delta in merged.items()}
-        overflow = self.outer.non_finite_result(p, merged)
+        overflow = self.outer.non_finite_result(p, record.merged)
         if overflow is not None:
             detail = f"the merged round of fragment {p} would make {overflow} non-finite: not committed"
             logger.error("[syncer] %s (learners %s)", detail, learner_ids)
             return self._discard(p, learner_ids, pending, RejectReason.NON_FINITE, detail, now)
-        version_before = self.versions[p]
-        participants = tuple(
-            Participant(i, u.base_version, version_before - u.base_version, u.steps, u.tokens, w, u.inner_step,
-                        u.folded)
-            for i, u, w in zip(learner_ids, pending, weights, strict=True))
-        assert open_round.quorum_at is not None
-        # A round closed by late updates alone (everyone alive had reported) opened when its quorum was met.
-        opened_at = open_round.quorum_at if open_round.first_at is None else open_round.first_at
-        record = RoundRecord(
-            round_index=self.rounds_committed, fragment=p, version=version_before + 1,
-            participants=participants, merged=merged, opened_at=opened_at,
-            quorum_at=open_round.quorum_at, closed_at=now, grace_s=open_round.grace_s,
-            rejections=tuple(open_round.rejections), summed=tuple(summed_ids))
         unwritten = self._make_durable(record, now)
         if unwritten is not None:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
         # Durable (or kept in memory): from here on the round changes the syncer's state.
         on_time = tuple(i for i, u in zip(learner_ids, pending, strict=True) if u.base_version == version_before)
-        broadcast = dataclasses.replace(self._outer_step(p, merged, record.version), on_time=on_time,
+        broadcast = dataclasses.replace(self._outer_step(p, record.merged, record.version), on_time=on_time,
                                         margins=self._margins(open_round, on_time))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
@@ -559,7 +347,7 @@ class Syncer:
         if open_round.first_at is not None:
             self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
         self.rounds_committed += 1
-        self._open[p] = _OpenRound()
+        self._open[p] = OpenRound(self._merges[p])
         actions: list[SyncerAction] = [Commit(record)]
         for learner_id in self.alive_learners():
             actions.append(Send(learner_id, broadcast))
@@ -568,27 +356,13 @@ class Syncer:
                      record.round_index, p, self.versions[p], learner_ids)
         return actions
 
-    def _margins(self, open_round: _OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
-        """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the grace
-        window when its update arrived, (quorum time + window - arrival) / its step time, 0 if it came at or after
-        the window's end; None where the round had no window (no estimate yet, grace "none") or a learner's step
-        time is not known yet: the learners then move on lateness alone (`Learner._follow_close`). The window counts
-        as at least `DilocoConfig.round_margin_steps` + `MARGIN_HEADROOM_STEPS` average steps long: in a shorter one
-        every learner but the first would fall short of the margin and move ahead in every round, pulling the rounds
-        forward (a harness run with tau = 2, a one-step window, did); counted this way the learner that made the
-        quorum keeps its margin and the others move by how much later than half a step after it they arrived."""
-        step_time = self.step_time.value
-        needed = None if step_time is None else (self.config.round_margin_steps + MARGIN_HEADROOM_STEPS) * step_time
-        if open_round.quorum_at is None or open_round.grace_s <= 0 or needed is None:
-            return None
-        deadline = open_round.quorum_at + max(open_round.grace_s, needed)
-        margins = []
-        for learner_id in on_time:
-            step_time = self.learners[learner_id].step_time_s
-            if not step_time:
-                return None
-            margins.append(max(0.0, (deadline - open_round.updates[learner_id].arrived_at) / step_time))
-        return tuple(margins)
+    def _margins(self, open_round: OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
+        """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the round's
+        grace window when its update arrived (`ddiloco.round_timing.round_margins`); None: the learners move on
+        lateness alone."""
+        arrivals = [(open_round.updates[i].arrived_at, self.learners[i].step_time_s) for i in on_time]
+        return round_margins(self.config, step_time_s=self.step_time.value, quorum_at=open_round.quorum_at,
+                             grace_s=open_round.grace_s, arrivals=arrivals)
 
     def _make_durable(self, record: RoundRecord, now: float) -> str | None:
         """Hand `record` to the journal; why it could not be written, or None."""
@@ -616,12 +390,12 @@ class Syncer:
         self.versions[p] = version
         return self._downlink.after_step(p, version, previous, self._global[p])
 
-    def _discard(self, p: int, learner_ids: list[int], pending: list[_Pending], reason: RejectReason, detail: str,
-                 now: float) -> list[SyncerAction]:
+    def _discard(self, p: int, learner_ids: list[int], pending: list[PendingUpdate], reason: RejectReason,
+                 detail: str, now: float) -> list[SyncerAction]:
         """A round that cannot be committed (its outer step would not be finite, or it cannot be made durable)
         is not a round: nothing changes, the fragment keeps its version, and each of its updates is rejected
         with the reason."""
-        self._open[p] = _OpenRound()
+        self._open[p] = OpenRound(self._merges[p])
         actions: list[SyncerAction] = []
         for learner_id, update in zip(learner_ids, pending, strict=True):
             record = RejectionRecord(now, learner_id, p, update.base_version, reason, detail)
@@ -658,7 +432,7 @@ class Syncer:
         self.rounds_committed = int(state["rounds_committed"])
         self.outer.load_state_dict(state["outer"])
         self._downlink.load_state_dict(state["downlink_residual"])
-        self._open = [_OpenRound() for _ in range(self.plan.num_fragments)]
+        self._open = [OpenRound(merge) for merge in self._merges]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,
                                              merged_base={int(p): int(v) for p, v in bases.items()})

@@ -13,14 +13,10 @@ from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentDelta, FragmentState, Join, Send, Update, Welcome
 from ddiloco.syncer import Syncer, replay_rounds
-from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
+from tests.helpers import TinyNet, adamw, make_batches, make_system, params_of, train_step
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=4, overlap_steps=1, codec="int4", downlink_codec="int8")
 QUORUM = QuorumConfig(min_quorum=2, grace="none")
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _train(hub, clock, learners, steps, *, start=0):

@@ -8,7 +8,8 @@ read the core or its subscriptions):
 - `genesis_for_join`: a new run's first join gets the parameters of the `--init` file, restricted to the learner's
   own parameter names and checked against their shapes, or is asked for its own (`NO_GENESIS`).
 
-What the core refuses on a join, and making a genesis durable, stay with the core and the service.
+What the core refuses on a join (`ddiloco.admission`), and making a genesis durable, stay with the core and the
+service.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ Rules the driver keeps (they mirror the real runtime):
   `Leave`, and the driver lets every message in flight arrive, so the last rounds commit; the final
   global model is evaluated after that.
 
+The driver owns the learners' events, the failures and the links between learners and syncer; the syncer's
+side (its `receive`, its timer, its commits and the round log) is `ddiloco.sim.syncer_node.SyncerNode`, and
+what it keeps per learner id across incarnations is `ddiloco.sim.learner_slot.LearnerSlot`.
+
 Paper: Decoupled DiLoCo, arXiv 2604.21428. Metric definitions: `ddiloco.goodput` (what the harness books:
 `ddiloco.sim.accounting`).
 """
@@ -38,51 +42,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import load_corpus, shard_stream
 from ddiloco.fault_plan import Fault
-from ddiloco.goodput import Advance, EventLog
+from ddiloco.goodput import EventLog
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
-from ddiloco.messages import (
-    Commit,
-    FragmentDelta,
-    FragmentState,
-    Join,
-    Leave,
-    Rejected,
-    RoundRecord,
-    Send,
-    Update,
-    Welcome,
-)
-from ddiloco.sim.accounting import (
-    CurvePoint,
-    FragmentWork,
-    PeakMeter,
-    SimResult,
-    core_metrics,
-    event_log,
-    union_length,
-)
+from ddiloco.messages import FragmentDelta, FragmentState, Join, Leave, Update, Welcome
+from ddiloco.sim.accounting import CurvePoint, FragmentWork, PeakMeter, SimResult, core_metrics, event_log, union_length
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
 from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
+from ddiloco.sim.learner_slot import LearnerSlot
 from ddiloco.sim.links import Link, describe_message, message_nbytes, payload_nbytes
+from ddiloco.sim.syncer_node import RoundObserver, SyncerNode
 from ddiloco.sim.workload import Evaluator, WorkloadConfig, eval_schedule, seeded_model
 from ddiloco.syncer import Syncer
 from ddiloco.training import inner_step, make_inner_optimizer
 
 logger = logging.getLogger(__name__)
-
-INCARNATION_SEED_STRIDE = 1_000_003
-"""Seeds of learner models are seed + 1 + learner_id + stride * incarnation: distinct from the global
-model's seed, and different for every incarnation (a fresh model after a failure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,41 +80,6 @@ class DecoupledSimConfig:
     """Seeds the global model (the syncer's), each learner's models and step-time jitter."""
 
 
-class RoundObserver(Protocol):
-    """Optional hooks for experiments that look inside rounds (e.g. update norms)."""
-
-    def on_accepted(self, update: Update) -> None: ...
-    def on_commit(self, record: RoundRecord) -> None: ...
-
-
-@dataclass
-class _Slot:
-    """The driver's view of one learner id across its incarnations."""
-
-    learner_id: int
-    uplink: Link
-    downlink: Link
-    timer: StepTimer
-    stream: Any
-    learner: Learner | None = None
-    rules: LearnerRules | None = None
-    state: str = "down"  # joining | stepping | blocked | down | done
-    generation: int = 0  # bumped on every failure: events of a dead incarnation are ignored
-    syncer_generation: int = -1  # incarnation whose Join the syncer has processed
-    inbox: list = field(default_factory=list)
-    step_started_at: float = 0.0
-    wait_started_at: float = 0.0
-    wait_token: int = 0
-    step_intervals: list[tuple[float, float]] = field(default_factory=list)
-    up_intervals: list[tuple[float, float]] = field(default_factory=list)
-    up_since: float | None = None
-    blocked_s: float = 0.0
-    steps_done: int = 0
-    tokens_processed: int = 0
-    incarnations: int = 0
-    waits_abandoned: int = 0
-
-
 class DecoupledSim:
     """Runs one Decoupled DiLoCo configuration under a fault plan; `run()` returns a `SimResult`."""
 
@@ -141,31 +88,28 @@ class DecoupledSim:
         self.config = config
         self.faults = harness_plan(faults, config.cluster.num_learners)
         self.name = name
-        self.observers = list(observers)
         cluster, workload = config.cluster, config.workload
         corpus = load_corpus() if corpus is None else corpus
         self.loop = EventLoop()
         self.initial_params = {n: p.detach().clone()
                                for n, p in seeded_model(workload.model, config.seed).named_parameters()}
         self.syncer = Syncer(config.diloco, config.quorum, initial_params=self.initial_params)
-        self.round_log: list[RoundRecord] = []
         plan = self.syncer.plan
         sizes = {name: t.numel() for name, t in self.initial_params.items()}
         total = sum(sizes.values())
-        self.shares = [sum(sizes[n] for n in names) / total for names in plan.fragments]
+        shares = [sum(sizes[n] for n in names) / total for names in plan.fragments]
         self.evaluator = Evaluator(workload, corpus=corpus)
         self.slots = [
-            _Slot(learner_id=m, uplink=Link(cluster.uplink), downlink=Link(cluster.downlink),
-                  timer=StepTimer(cluster, learner_id=m, seed=config.seed),
-                  stream=shard_stream(corpus, workload.data, shard=m, num_shards=cluster.num_learners))
+            LearnerSlot(learner_id=m, uplink=Link(cluster.uplink), downlink=Link(cluster.downlink),
+                        timer=StepTimer(cluster, learner_id=m, seed=config.seed),
+                        stream=shard_stream(corpus, workload.data, shard=m, num_shards=cluster.num_learners))
             for m in range(cluster.num_learners)]
-        self.work = FragmentWork(self.shares, cluster.num_learners)
+        self.work = FragmentWork(shares, cluster.num_learners)
+        self.node = SyncerNode(self.syncer, loop=self.loop, work=self.work, shares=shares, send_down=self._send_down,
+                               observers=observers)
         self.budget_tokens = workload.token_budget(cluster.num_learners)
         self.claimed_tokens = 0
         self.tokens_processed = 0
-        self.tokens_merged = 0.0
-        self.advances: list[Advance] = []
-        self._deadline: float | None = None
         self._eval_marks = eval_schedule(self.budget_tokens, workload.eval_points)
         self.curve: list[CurvePoint] = []
         self.start_s: float | None = None
@@ -187,14 +131,14 @@ class DecoupledSim:
                 self._schedule_outage(outages[0])
         loop.run()
         for slot in self.slots:
-            self._close_up_interval(slot, self.end_s)
+            slot.close_up_interval(self.end_s)
         self.work.finish()
         final_loss = self.evaluator.loss(self.syncer.global_params())
         self.curve.append(CurvePoint(self.tokens_processed, self.end_s, final_loss))
         loop.record("final", val_loss=final_loss, rounds=self.syncer.rounds_committed)
         events = self._event_log()
         return SimResult(system=self.name, metrics=self._metrics(events, final_loss), curve=self.curve, log=loop.log,
-                         final_params=self.syncer.global_params(), round_log=self.round_log,
+                         final_params=self.syncer.global_params(), round_log=self.node.round_log,
                          settings=self._settings(), events=events)
 
     @property
@@ -203,11 +147,10 @@ class DecoupledSim:
 
     # ---- learners --------------------------------------------------------------------------------
 
-    def _start_incarnation(self, slot: _Slot) -> None:
+    def _start_incarnation(self, slot: LearnerSlot) -> None:
         m = slot.learner_id
         workload = self.config.workload
-        model = seeded_model(workload.model,
-                             self.config.seed + 1 + m + INCARNATION_SEED_STRIDE * slot.incarnations)
+        model = seeded_model(workload.model, slot.model_seed(self.config.seed))
         optimizer = make_inner_optimizer(model, workload.inner)
         slot.learner = Learner(self.config.diloco, learner_id=m, model=model, optimizer=optimizer,
                                max_tokens_per_step=workload.tokens_per_step)
@@ -222,7 +165,7 @@ class DecoupledSim:
         self.loop.schedule(self.loop.now + self.config.learner.heartbeat_every_s, "heartbeat", self._on_heartbeat,
                            m=m, generation=slot.generation)
 
-    def _try_step(self, slot: _Slot) -> None:
+    def _try_step(self, slot: LearnerSlot) -> None:
         """Between inner steps: apply the inbox, then step, block, or finish."""
         learner = slot.learner
         assert learner is not None
@@ -243,7 +186,7 @@ class DecoupledSim:
             return
         if learner.stats.waits_abandoned > abandoned_before:
             slot.waits_abandoned += learner.stats.waits_abandoned - abandoned_before
-            self._unblock(slot)
+            slot.unblock(self.loop.now)
             self.loop.record("stop_waiting", learner=slot.learner_id, fragments=blocking)
         if nxt.action is Action.WAIT:
             if slot.state != "blocked":
@@ -254,7 +197,7 @@ class DecoupledSim:
             self.loop.schedule(nxt.until, "wait_timeout", self._on_wait_timeout, m=slot.learner_id,
                                generation=slot.generation, token=slot.wait_token)
             return
-        self._unblock(slot)
+        slot.unblock(self.loop.now)
         slot.state = "stepping"
         slot.step_started_at = self.loop.now
         if self.start_s is None:
@@ -300,11 +243,6 @@ class DecoupledSim:
             return
         self._try_step(slot)  # the rules stop waiting once their bound has passed
 
-    def _unblock(self, slot: _Slot) -> None:
-        if slot.state == "blocked":
-            slot.blocked_s += self.loop.now - slot.wait_started_at
-            slot.state = "ready"
-
     def _on_heartbeat(self, m: int, generation: int) -> None:
         slot = self.slots[m]
         if generation != slot.generation or slot.state in ("down", "done"):
@@ -315,10 +253,10 @@ class DecoupledSim:
         self.loop.schedule(self.loop.now + self.config.learner.heartbeat_every_s, "heartbeat", self._on_heartbeat,
                            m=m, generation=generation)
 
-    def _finish(self, slot: _Slot) -> None:
-        self._unblock(slot)
+    def _finish(self, slot: LearnerSlot) -> None:
+        slot.unblock(self.loop.now)
         slot.state = "done"
-        self._close_up_interval(slot, self.loop.now)
+        slot.close_up_interval(self.loop.now)
         assert slot.rules is not None
         for update in slot.rules.finish():  # the last work of every fragment, before leaving
             self.work.published(slot.learner_id, slot.generation, update.fragment, update.inner_step)
@@ -337,19 +275,13 @@ class DecoupledSim:
         slot = self.slots[outage.target]
         if slot.state == "done":
             return
-        self._unblock(slot)
-        self._close_up_interval(slot, self.loop.now)
+        slot.unblock(self.loop.now)
+        slot.close_up_interval(self.loop.now)
         self.work.crashed(slot.learner_id)
         if slot.state == "stepping":
             self.claimed_tokens -= self.config.workload.tokens_per_step
             slot.step_intervals.append((slot.step_started_at, self.loop.now))  # computing until the crash
-        slot.generation += 1
-        slot.state = "down"
-        slot.learner = None
-        slot.rules = None
-        slot.inbox.clear()
-        slot.uplink.reset(self.loop.now)
-        slot.downlink.reset(self.loop.now)
+        slot.crash(self.loop.now)
         self.loop.record("fail", learner=outage.target, until_s=outage.end_s)
         logger.info("[learner %d | t %.1f s] failed, down until %.1f s", outage.target, self.loop.now,
                     outage.end_s)
@@ -367,14 +299,9 @@ class DecoupledSim:
         if later:
             self._schedule_outage(later[0])
 
-    def _close_up_interval(self, slot: _Slot, now: float) -> None:
-        if slot.up_since is not None:
-            slot.up_intervals.append((slot.up_since, now))
-            slot.up_since = None
-
     # ---- messages --------------------------------------------------------------------------------
 
-    def _send_up(self, slot: _Slot, message: Any) -> None:
+    def _send_up(self, slot: LearnerSlot, message: Any) -> None:
         nbytes = message_nbytes(message)
         self.payload_up += payload_nbytes(message)
         arrival = slot.uplink.send(self.loop.now, nbytes)
@@ -392,45 +319,7 @@ class DecoupledSim:
             return
         if isinstance(message, Join):
             slot.syncer_generation = generation
-        actions = self.syncer.receive(message, self.loop.now)
-        if isinstance(message, Update):
-            rejected = any(isinstance(a, Send) and isinstance(a.message, Rejected) and a.message.learner_id == m
-                           and a.message.fragment == message.fragment for a in actions)
-            self.work.arrived(m, generation, message.fragment, message.inner_step,
-                              outcome="rejected" if rejected else "accepted")
-            if not rejected:
-                for observer in self.observers:
-                    observer.on_accepted(message)
-        self._carry_out(actions)
-
-    def _carry_out(self, actions: list) -> None:
-        committed: set[tuple[int, int]] = set()
-        for action in actions:
-            if isinstance(action, Commit):
-                self._on_commit(action.record)
-                committed.add((action.record.fragment, action.record.version))
-            elif isinstance(action, Send):
-                message = action.message
-                # Only the broadcast of a round just committed measures sync time (not, say, the
-                # current fragment re-sent after a stale rejection).
-                fresh = (isinstance(message, FragmentState | FragmentDelta)
-                         and (message.fragment, message.version) in committed)
-                self._send_down(action.learner_id, message, committed_at=self.loop.now if fresh else None)
-        self._reschedule_deadline()
-
-    def _on_commit(self, record: RoundRecord) -> None:
-        self.round_log.append(record)  # durable before the sends that follow it
-        share = self.shares[record.fragment]
-        for participant in record.participants:
-            self.work.merged(participant.learner_id, record.fragment)
-            self.tokens_merged += participant.tokens * share
-        self.advances.append(Advance(self.loop.now, tuple(p.learner_id for p in record.participants),
-                                     sum(p.tokens for p in record.participants) * share))
-        self.loop.record("commit", round=record.round_index, fragment=record.fragment, version=record.version,
-                         learners=[p.learner_id for p in record.participants],
-                         staleness=[p.staleness for p in record.participants], grace_s=record.grace_s)
-        for observer in self.observers:
-            observer.on_commit(record)
+        self.node.receive(message, learner_id=m, generation=generation)
 
     def _send_down(self, m: int, message: Any, *, committed_at: float | None = None) -> None:
         slot = self.slots[m]
@@ -458,10 +347,10 @@ class DecoupledSim:
             return
         self._apply(slot, message)
         if slot.state in ("joining", "blocked") and slot.learner is not None and slot.learner.can_step:
-            self._unblock(slot)
+            slot.unblock(self.loop.now)
             self._try_step(slot)
 
-    def _apply(self, slot: _Slot, message: Any) -> None:
+    def _apply(self, slot: LearnerSlot, message: Any) -> None:
         learner, rules = slot.learner, slot.rules
         assert learner is not None and rules is not None
         before = list(learner.versions)
@@ -481,24 +370,6 @@ class DecoupledSim:
         for reply in replies:
             self._send_up(slot, reply)
 
-    # ---- syncer timers ---------------------------------------------------------------------------
-
-    def _reschedule_deadline(self) -> None:
-        deadline = self.syncer.next_deadline()
-        if deadline is None:
-            return
-        if deadline <= self.loop.now:
-            # The syncer times a learner out only once strictly more than heartbeat_timeout_s has
-            # passed, while next_deadline() names the instant itself: advance just after it.
-            deadline = math.nextafter(self.loop.now, math.inf)
-        if self._deadline is None or deadline < self._deadline:
-            self._deadline = deadline
-            self.loop.schedule(deadline, "syncer_advance", self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        self._deadline = None
-        self._carry_out(self.syncer.advance(self.loop.now))
-
     # ---- results ---------------------------------------------------------------------------------
 
     def _evaluate(self) -> None:
@@ -510,20 +381,17 @@ class DecoupledSim:
         """The run in the `ddiloco.goodput` schema; its uptime bin is one sync period of nominal steps."""
         return event_log(self.work.seconds, num_learners=len(self.slots), start_s=self.start_s or 0.0,
                          end_s=self.end_s, uptime_bin_s=self.config.diloco.sync_every * self.config.cluster.step_time_s,
-                         advances=self.advances, faults=outage_faults(self.faults))
+                         advances=self.node.advances, faults=outage_faults(self.faults))
 
     def _metrics(self, events: EventLog, final_loss: float) -> dict[str, Any]:
         start_s, end_s = events.start_s, events.end_s
         busy = [iv for slot in self.slots for iv in slot.step_intervals]
         metrics = core_metrics(events, final_loss=final_loss, tokens_processed=self.tokens_processed,
-                               tokens_merged=self.tokens_merged)
+                               tokens_merged=self.node.tokens_merged)
         alive_s = union_length([(max(a, start_s), b) for slot in self.slots for a, b in slot.up_intervals],
                                end_s=end_s)
         allocated_s = len(self.slots) * (end_s - start_s)
         steady_s = start_s + self.config.diloco.sync_every * self.config.cluster.step_time_s
-        rounds = max(1, self.syncer.rounds_committed)
-        participants = [len(r.participants) for r in self.round_log]
-        staleness = [p.staleness for r in self.round_log for p in r.participants]
         metrics.update({
             "uptime_while_alive": union_length(busy, end_s=end_s) / alive_s if alive_s else 0.0,
             "bytes_up": sum(slot.uplink.bytes_sent for slot in self.slots),
@@ -534,16 +402,12 @@ class DecoupledSim:
             "peak_bytes_per_step_down": self.peak_down.peak(steady_s, end_s),
             "max_bytes_per_step_up": self.peak_up.peak(),
             "max_bytes_per_step_down": self.peak_down.peak(),
-            "rounds_committed": self.syncer.rounds_committed,
-            "mean_participants_per_round": sum(participants) / len(participants) if participants else 0.0,
-            "mean_staleness": sum(staleness) / len(staleness) if staleness else 0.0,
-            "rejections": dict(sorted(self.syncer.rejection_counts.items())),
+            **self.node.round_metrics(),
             "blocked_fraction": sum(s.blocked_s for s in self.slots) / allocated_s if allocated_s else 0.0,
             "waits_abandoned": sum(s.waits_abandoned for s in self.slots),
             "participation": {
                 str(slot.learner_id): {
-                    "rounds": sum(1 for r in self.round_log
-                                  if any(p.learner_id == slot.learner_id for p in r.participants)) / rounds,
+                    "rounds": self.node.share_of_rounds(slot.learner_id),
                     "inner_steps": slot.steps_done,
                     "tokens_processed": slot.tokens_processed,
                     "incarnations": slot.incarnations,

@@ -1,0 +1,92 @@
+"""The checkpoint of a learner session (`ddiloco.learner_session.Session`): `learners/N/checkpoint/`.
+
+Owns what a learner keeps across a restart and how: the learner core's state (its progress, schedule
+position and inner optimizer), every object the user passed as `state=` (a data loader, a scheduler), the
+other ranks' own objects and optimizer shards (`LearnerGroup.checkpoint`), and the totals the status
+reports (tokens, counters). The snapshot is taken between inner steps, on the training thread; writing and
+fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged
+and tried again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of
+them. When to checkpoint, and what a resumed learner does next, is the session's business; the file format
+is `ddiloco.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_state
+from ddiloco.learner import Learner
+from ddiloco.learner_group import LearnerGroup
+from ddiloco.learner_status import StatusReporter
+
+logger = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    """An object the checkpoint keeps (`state=`): a data loader, a scheduler, anything with these two methods."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class LearnerCheckpoint:
+    """The checkpoints in `directory` of one learner (see the module docstring)."""
+
+    def __init__(self, directory: Path, *, learner: Learner, state: Mapping[str, Stateful],
+                 group: LearnerGroup | None, reporter: StatusReporter) -> None:
+        self.directory = directory
+        self.learner = learner
+        self.state = state
+        self.group = group
+        self.reporter = reporter
+        self._writes = WriteTrouble(f"learner {learner.learner_id}'s checkpoint")
+        self._saver: threading.Thread | None = None
+
+    def save(self, *, wait: bool = True) -> None:
+        """Checkpoint. The snapshot is taken here, between inner steps (a deep copy: the optimizer updates its
+        tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
+        checkpoint costs the training loop only the copy."""
+        if self._saver is not None:
+            self._saver.join()  # one write at a time, in order
+        user = {name: obj.state_dict() for name, obj in self.state.items()}
+        learner = self.learner.state_dict()
+        ranks = self.group.checkpoint(learner) if self.group is not None else None
+        state = copy.deepcopy({"learner": learner, "state": user})
+        if ranks is not None:
+            state["ranks"] = ranks
+        meta = {"tokens": self.reporter.progress.tokens, "counters": self.reporter.counters()}
+        serial = self.learner.inner_step
+        # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
+        self._saver = threading.Thread(target=self._writes.attempt,
+                                       args=(lambda: save_state(self.directory, state, serial=serial, meta=meta),),
+                                       name="learner-checkpoint", daemon=True)
+        self._saver.start()
+        if wait:
+            self._saver.join()
+
+    def restore(self) -> bool:
+        """Load the latest readable checkpoint, if any; False when there is none."""
+        learner_id = self.learner.learner_id
+        latest = load_latest_state(self.directory)
+        if latest is None:
+            # (a damaged one is logged by load_latest_state, naming its files)
+            logger.info("[learner %d] no readable checkpoint in %s: fresh optimizer, data from the start",
+                        learner_id, self.directory)
+            return False
+        state, meta, _ = latest
+        self.learner.load_state_dict(state["learner"])
+        if self.group is not None:
+            self.group.restore_checkpoint(state.get("ranks"), self.learner.optimizer, learner_id=learner_id)
+        saved = state.get("state", {})
+        for name, obj in self.state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", learner_id, name)
+        self.reporter.resume(tokens=int(meta.get("tokens", 0)), counters=meta.get("counters", {}))
+        return True

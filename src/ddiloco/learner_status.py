@@ -1,0 +1,117 @@
+"""What a learner session (`ddiloco.learner_session.Session`) says about itself while it runs.
+
+Owns the learner's progress as the status thread reads it (state, inner step, loss, tokens, fragment
+versions: replaced, never mutated, by the training thread), its counters (the learner core's and the
+transport's, plus the totals of earlier incarnations that its checkpoint carried over), its token rate, and
+`learners/N/status.json`, rewritten every `status_every_s` by a background thread that also logs the token
+rate. What the checkpoint keeps of it is `ddiloco.learner_checkpoint`'s; when the state changes is the
+session's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddiloco.checkpoint import WriteTrouble, atomic_write_json
+from ddiloco.learner import Learner
+from ddiloco.metrics import MetricSink
+from ddiloco.session_transport import SessionTransport
+
+COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
+            "bytes_sent", "bytes_received", "joins", "waits_abandoned")
+"""Counters reported in status.json, carried across restarts by the checkpoint."""
+
+
+@dataclass
+class Progress:
+    """What the status thread reads; replaced (not mutated) by the training thread."""
+
+    state: str = "joining"
+    inner_step: int = 0
+    loss: float | None = None
+    tokens: int = 0
+    versions: list[int] = field(default_factory=list)
+
+
+class StatusReporter:
+    """The progress, counters and status file of one learner (see the module docstring)."""
+
+    def __init__(self, learner: Learner, transport: SessionTransport, *, inner_steps: int, directory: Path | None,
+                 every_s: float, sink: MetricSink, prefix: str) -> None:
+        self.learner = learner
+        self.transport = transport
+        self.inner_steps = inner_steps
+        """The run's inner-step budget, as status.json reports it."""
+        self.directory = directory
+        """learners/N/ of the run directory, or None: no status file."""
+        self.every_s = every_s
+        self.sink = sink
+        self.prefix = prefix
+        self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        """The counters' totals before this process (from the checkpoint it resumed)."""
+        self.progress = Progress()
+        self._last_rate = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+        self._writes = WriteTrouble(f"learner {learner.learner_id}'s status file")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def set(self, **changes: Any) -> None:
+        """Replace the progress: the learner's inner step and versions as they are now, with `changes`."""
+        values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
+                  "versions": list(self.learner.versions), **changes}
+        self.progress = Progress(**values)
+
+    def counters(self) -> dict[str, int]:
+        stats = self.learner.stats
+        current = {"updates_sent": stats.updates_sent, "fragments_applied": stats.fragments_applied,
+                   "waits_abandoned": stats.waits_abandoned, **self.transport.counters()}
+        return {name: self.base[name] + current[name] for name in COUNTERS}
+
+    def resume(self, *, tokens: int, counters: dict[str, Any]) -> None:
+        """Continue from a checkpoint's totals: its tokens and counters."""
+        self.base.update({k: int(v) for k, v in counters.items() if k in self.base})
+        self.set(tokens=tokens)
+        self._last_rate = (time.monotonic(), self.progress.tokens)
+
+    def status(self) -> dict[str, Any]:
+        progress = self.progress
+        now = time.monotonic()
+        last_time, last_tokens = self._last_rate
+        if now > last_time:
+            self.tokens_per_s = (progress.tokens - last_tokens) / (now - last_time)
+        self._last_rate = (now, progress.tokens)
+        return {"time": time.time(), "pid": os.getpid(), "learner_id": self.learner.learner_id,
+                "state": progress.state, "inner_step": progress.inner_step,
+                "inner_steps": self.inner_steps, "loss": progress.loss,
+                "tokens_per_s": self.tokens_per_s, "tokens": progress.tokens, "versions": progress.versions,
+                "connected": self.transport.connected, **self.counters()}
+
+    def write(self) -> None:
+        assert self.directory is not None
+        status = self.status()
+        self._writes.attempt(lambda: atomic_write_json(self.directory / "status.json", status, durable=False))
+
+    def start(self) -> None:
+        """With a directory: the status thread starts writing status.json."""
+        if self.directory is not None:
+            self._thread = threading.Thread(target=self._loop, name="learner-status", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """The status thread (if any) ends; status.json is written once more, with the final state."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.write()
+
+    def _loop(self) -> None:
+        self.write()
+        while not self._stop.wait(self.every_s):
+            self.write()
+            self.sink.log({f"{self.prefix}/tokens_per_s": self.tokens_per_s}, step=self.progress.inner_step)

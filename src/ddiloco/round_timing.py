@@ -1,0 +1,77 @@
+"""The syncer core's timing of rounds: moving averages, the grace window, and each on-time learner's margin.
+
+Once a round's quorum is present it waits a grace window for stragglers: adaptive, clip(gamma * (tau * step_time -
+quorum_time - sync_time), 0, cap) from moving averages of the step, quorum and sync times (`grace_window`); fixed;
+or none. A round's result then tells each learner whose update was on time how many of its own inner steps were left
+of that window when its update arrived (`round_margins`), from which the learner decides whether to publish earlier
+(`DilocoConfig.round_margin_steps`, `Learner._follow_close`).
+
+Arithmetic over numbers passed in: the syncer core (`ddiloco.syncer`) keeps the estimates, the rounds and the clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ddiloco.config import DilocoConfig, QuorumConfig
+
+MARGIN_HEADROOM_STEPS = 0.5
+"""Average step times beyond `DilocoConfig.round_margin_steps` that margins are counted against at the least
+(`round_margins`): in a shorter grace window the learner that made the quorum still keeps its margin, and one
+that arrived more than this after it moves ahead. At the defaults: a window of at least two steps."""
+
+
+def ema(value: float | None, sample: float, decay: float) -> float:
+    """One step of an exponential moving average; the first sample starts it."""
+    return sample if value is None else decay * value + (1 - decay) * sample
+
+
+class Ema:
+    """An exponential moving average of samples; `value` is None until the first."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def observe(self, sample: float) -> None:
+        self.value = ema(self.value, sample, self.decay)
+
+
+def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: float | None,
+                 quorum_time_s: float | None, sync_time_s: float | None) -> float:
+    """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap
+    leaves, at most `grace_max_steps` step times and never more than tau - 1 of them (one step of the overlap is
+    the estimates' margin; at tau <= 2 the cap is one step, the paper's). The estimates are moving averages
+    (None: no sample yet); without a step time the adaptive window is none."""
+    if quorum.grace == "none":
+        return 0.0
+    if quorum.grace == "fixed":
+        return quorum.grace_s
+    if step_time_s is None:
+        return 0.0
+    slack = config.overlap_steps * step_time_s - (quorum_time_s or 0.0) - (sync_time_s or 0.0)
+    cap_steps = min(quorum.grace_max_steps, max(1, config.overlap_steps - 1))
+    return min(max(quorum.grace_gamma * slack, 0.0), cap_steps * step_time_s)
+
+
+def round_margins(config: DilocoConfig, *, step_time_s: float | None, quorum_at: float | None, grace_s: float,
+                  arrivals: Sequence[tuple[float, float | None]]) -> tuple[float, ...] | None:
+    """For each on-time learner's (arrival time, own step time) in `arrivals`: how many of its own inner steps were
+    left of the grace window when its update arrived, (quorum time + window - arrival) / its step time, 0 if it came
+    at or after the window's end; None where the round had no window (no average step time `step_time_s` yet, grace
+    "none") or a learner's step time is not known yet: the learners then move on lateness alone
+    (`Learner._follow_close`). The window counts as at least `DilocoConfig.round_margin_steps` +
+    `MARGIN_HEADROOM_STEPS` average steps long: in a shorter one every learner but the first would fall short of the
+    margin and move ahead in every round, pulling the rounds forward (a harness run with tau = 2, a one-step window,
+    did); counted this way the learner that made the quorum keeps its margin and the others move by how much later
+    than half a step after it they arrived."""
+    needed = None if step_time_s is None else (config.round_margin_steps + MARGIN_HEADROOM_STEPS) * step_time_s
+    if quorum_at is None or grace_s <= 0 or needed is None:
+        return None
+    deadline = quorum_at + max(grace_s, needed)
+    margins = []
+    for arrived_at, own_step_time_s in arrivals:
+        if not own_step_time_s:
+            return None
+        margins.append(max(0.0, (deadline - arrived_at) / own_step_time_s))
+    return tuple(margins)

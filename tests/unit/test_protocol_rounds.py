@@ -1,0 +1,109 @@
+"""Rounds, quorum and grace: when a round closes, whom it waits for, the grace window and its estimates."""
+
+import pytest
+
+from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.syncer import Syncer
+from tests.helpers import TinyNet, make_system, params_of, publish, single_fragment
+
+
+def test_round_closes_on_quorum_merges_inside_grace_and_defers_later_updates():
+    quorum = QuorumConfig(min_quorum=2, grace="fixed", grace_s=1.0, heartbeat_timeout_s=100.0)
+    syncer, hub, clock, learners = make_system(4, single_fragment(), quorum)
+    publish(hub, learners[0], clock, 0.0)
+    assert syncer.rounds_committed == 0
+    publish(hub, learners[1], clock, 0.5)          # quorum: grace until 1.5
+    assert syncer.rounds_committed == 0 and syncer.next_deadline() == 1.5
+    publish(hub, learners[2], clock, 1.0)          # inside the grace window
+    clock.advance_to(1.5)
+    hub.advance()
+    (first,) = hub.round_log
+    assert [p.learner_id for p in first.participants] == [0, 1, 2]
+    assert (first.quorum_at, first.closed_at, first.grace_s) == (0.5, 1.5, 1.0)
+    # Learner 3 never reported and was not waited for, yet it holds the new version.
+    assert learners[3].versions == [1]
+    publish(hub, learners[0], clock, 2.0)
+    publish(hub, learners[1], clock, 2.1)
+    clock.advance_to(3.1)
+    hub.advance()
+    assert [p.learner_id for p in hub.round_log[1].participants] == [0, 1]
+
+
+def test_round_closes_early_once_every_live_learner_has_reported():
+    quorum = QuorumConfig(min_quorum=1, grace="fixed", grace_s=5.0, heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (first, second) = make_system(2, single_fragment(), quorum)
+    publish(hub, first, clock, 1.0)
+    assert syncer.rounds_committed == 0 and syncer.next_deadline() == 6.0
+    publish(hub, second, clock, 2.0)               # nobody left to wait for: no need for the grace
+    assert syncer.rounds_committed == 1 and hub.round_log[0].closed_at == 2.0
+
+
+def test_a_failed_learner_is_never_waited_for():
+    quorum = QuorumConfig(min_quorum=3, grace="none", heartbeat_timeout_s=5.0)
+    syncer, hub, clock, learners = make_system(3, single_fragment(), quorum)
+    publish(hub, learners[0], clock, 1.0)
+    publish(hub, learners[1], clock, 2.0)
+    assert syncer.rounds_committed == 0
+    # Learner 2 is silent: once its heartbeat times out the effective quorum drops to 2.
+    assert syncer.next_deadline() == pytest.approx(5.0)
+    clock.advance_to(5.01)
+    hub.advance()
+    assert syncer.rounds_committed == 1 and syncer.alive_learners() == [0, 1]
+    # A learner that says it leaves is not waited for either (learner 0 last spoke at 1.0: 5.9 is
+    # inside its heartbeat timeout).
+    publish(hub, learners[0], clock, 5.9)
+    hub.leave(learners[1])
+    assert syncer.rounds_committed == 2
+
+
+def test_advancing_exactly_at_the_deadline_times_a_silent_learner_out():
+    syncer, hub, clock, _ = make_system(2, single_fragment(), QuorumConfig(heartbeat_timeout_s=5.0))
+    deadline = syncer.next_deadline()
+    clock.advance_to(deadline)
+    hub.advance()
+    assert syncer.alive_learners() == [] and syncer.next_deadline() is None
+
+
+def test_quorum_larger_than_the_learners_never_deadlocks():
+    quorum = QuorumConfig(min_quorum=8, grace="none")
+    syncer, hub, clock, learners = make_system(2, single_fragment(), quorum)
+    publish(hub, learners[0], clock, 0.0)
+    publish(hub, learners[1], clock, 0.1)
+    assert syncer.rounds_committed == 1
+
+
+def test_adaptive_grace_follows_the_formula():
+    config = single_fragment(overlap_steps=2)
+    syncer = Syncer(config, QuorumConfig(grace="adaptive", grace_gamma=1.0),
+                    initial_params=params_of(TinyNet()))
+    assert syncer.grace_window() == 0.0                       # no estimate yet: never delay
+    syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = 1.0, 0.3, 0.2
+    assert syncer.grace_window() == pytest.approx(1.0)        # clip(2 - 0.3 - 0.2, 0, 1)
+    syncer.quorum_time.value = 1.6
+    assert syncer.grace_window() == pytest.approx(0.2)        # 2 - 1.6 - 0.2
+    syncer.quorum_time.value = 3.0
+    assert syncer.grace_window() == 0.0
+
+
+def test_the_adaptive_grace_cap_is_grace_max_steps_and_at_most_tau_minus_one_steps():
+    def grace(tau, **quorum):
+        syncer = Syncer(single_fragment(overlap_steps=tau), QuorumConfig(grace="adaptive", **quorum),
+                        initial_params=params_of(TinyNet()))
+        syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = 1.0, 0.3, 0.2
+        return syncer.grace_window()
+
+    assert QuorumConfig().grace_max_steps == 2.0 and DilocoConfig().overlap_steps == 3
+    assert grace(3) == pytest.approx(2.0)                             # the defaults: clip(3 - 0.5, 0, 2)
+    assert grace(3, grace_gamma=0.6) == pytest.approx(1.5)            # 0.6 x 2.5, under the cap
+    assert grace(8, grace_max_steps=4.5) == pytest.approx(4.5)
+    assert grace(3, grace_max_steps=5.0) == pytest.approx(2.0)        # never above tau - 1 steps
+    assert grace(2) == pytest.approx(1.0)                             # tau = 2: the paper's one step
+    assert grace(1) == pytest.approx(0.5)                             # the slack itself, 1 - 0.5
+
+
+def test_step_time_is_estimated_from_update_arrivals():
+    quorum = QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=100.0)
+    syncer, hub, clock, (learner,) = make_system(1, single_fragment(), quorum)
+    for t in (0.0, 0.5, 1.0, 1.5):
+        publish(hub, learner, clock, t)
+    assert syncer.step_time.value == pytest.approx(0.5)
