@@ -159,6 +159,16 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         await self._refuse(context, WireError("unauthenticated", why, grpc.StatusCode.UNAUTHENTICATED), learner_id,
                            header)
 
+    async def _check_learner_call(self, context: grpc.aio.ServicerContext, learner_id: int) -> int:
+        """A learner's own small call (heartbeat, leave): token, schema, a valid id, that learner's token; the id."""
+        identity = await self._check_call(context)
+        try:
+            self._check_learner_id(learner_id)
+        except WireError as exc:
+            await self._refuse(context, exc, None)
+        await self._check_identity(context, identity, int(learner_id))
+        return int(learner_id)
+
     @staticmethod
     def _check_learner_id(learner_id: int) -> None:
         if not 0 <= learner_id <= MAX_LEARNER_ID:
@@ -281,24 +291,13 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> wire_pb2.HeartbeatReply:
-        identity = await self._check_call(context)
-        try:
-            self._check_learner_id(request.learner_id)
-        except WireError as exc:
-            await self._refuse(context, exc, None)
-        await self._check_identity(context, identity, int(request.learner_id))
-        known = await self._off_loop(self.handler.heartbeat,
-                                     Heartbeat(int(request.learner_id), max(0, int(request.inner_step))))
+        learner_id = await self._check_learner_call(context, request.learner_id)
+        known = await self._off_loop(self.handler.heartbeat, Heartbeat(learner_id, max(0, int(request.inner_step))))
         return wire_pb2.HeartbeatReply(known=known)
 
     async def Leave(self, request: wire_pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> wire_pb2.LeaveReply:
-        identity = await self._check_call(context)
-        try:
-            self._check_learner_id(request.learner_id)
-        except WireError as exc:
-            await self._refuse(context, exc, None)
-        await self._check_identity(context, identity, int(request.learner_id))
-        await self._off_loop(self.handler.leave, Leave(int(request.learner_id)))
+        learner_id = await self._check_learner_call(context, request.learner_id)
+        await self._off_loop(self.handler.leave, Leave(learner_id))
         return wire_pb2.LeaveReply()
 
     async def Status(self, request: wire_pb2.StatusRequest,
