@@ -34,8 +34,9 @@ DEFAULT_GRID = ("dp:1e-3", "dp:2e-3", "dp:4e-3",
                 "dd:1e-3:0.7:0.9:32", "dd:2e-3:0.7:0.9:32", "dd:1e-3:0.7:0.5:32", "dd:2e-3:0.7:0.5:32",
                 "dd:2e-3:0.5:0.9:32", "dd:2e-3:1.0:0.0:32", "dd:3e-3:1.0:0.0:32", "dd:2e-3:1.3:0.0:32",
                 "dd:2e-3:1.0:0.0:16", "dd:2e-3:1.0:0.0:8")
-"""dp:INNER_LR, or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite] (P = 4, tau = 2, int4, K = 1 + adaptive
-grace; `overwrite`: the overlap steps are overwritten when a round's result arrives instead of kept)."""
+"""dp:INNER_LR, or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite][:FIELD=VALUE...] (the `DilocoConfig`
+defaults otherwise, K = 1 + adaptive grace; `overwrite`: the overlap steps are overwritten when a round's result
+arrives instead of kept; FIELD=VALUE sets any other `DilocoConfig` field)."""
 
 
 def bench_event_loop(events: int) -> None:
@@ -69,17 +70,31 @@ def bench_overhead(steps: int) -> None:
           f"(overhead {100 * (sim - bare) / bare:+.1f} %, including 2 evaluations)")
 
 
-def run_spec(spec: str, steps: int, evals: int) -> str:
+def _value(text: str):
+    """A `field=value` override's value: an int, a float, a bool or the text."""
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0) -> str:
     parts = spec.split(":")
-    workload = WorkloadConfig(data=DataConfig(batch_size=8), inner=InnerConfig(lr=float(parts[1])),
-                              inner_steps=steps, eval_points=evals, val_batches=8)
+    overrides = {k: _value(v) for k, v in (p.split("=", 1) for p in parts[5:] if "=" in p)}
+    parts = [p for p in parts if "=" not in p]
+    workload = WorkloadConfig(data=DataConfig(batch_size=batch_size), inner=InnerConfig(lr=float(parts[1])),
+                              inner_steps=steps, eval_points=evals, val_batches=val_batches)
     start = time.perf_counter()
     if parts[0] == "dp":
-        result = DataParallelSim(DataParallelSimConfig(workload=workload, cluster=ClusterConfig())).run()
+        result = DataParallelSim(DataParallelSimConfig(workload=workload, cluster=ClusterConfig(), seed=seed)).run()
     else:
-        diloco = DilocoConfig(sync_every=int(parts[4]), outer_lr=float(parts[2]), outer_momentum=float(parts[3]),
-                              keep_overlap_work=parts[5:] != ["overwrite"])
-        result = DecoupledSim(DecoupledSimConfig(workload=workload, diloco=diloco, quorum=QuorumConfig())).run()
+        diloco = DilocoConfig(**{"sync_every": int(parts[4]), "outer_lr": float(parts[2]),
+                                 "outer_momentum": float(parts[3]), "keep_overlap_work": parts[5:] != ["overwrite"],
+                                 **overrides})
+        result = DecoupledSim(DecoupledSimConfig(workload=workload, diloco=diloco, quorum=QuorumConfig(),
+                                                 seed=seed)).run()
     curve = " ".join(f"{p.val_loss:.3f}" for p in result.curve[1:-1])
     return (f"| {spec} | {result.metrics['final_val_loss']:.4f} | {curve} | "
             f"{time.perf_counter() - start:.0f} s |")
@@ -93,16 +108,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="inner steps per learner in the sweep")
     parser.add_argument("--evals", type=int, default=4, help="evaluations along each sweep run")
     parser.add_argument("--only", nargs="*", default=None, help="sweep entries to run (default: the grid)")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="batch per learner in the sweep (8: the experiments'; 16: `ddiloco run`'s default)")
+    parser.add_argument("--val-batches", type=int, default=8, help="held-out batches per evaluation in the sweep")
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and timing seed of the sweep's runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.sweep:
         bench_event_loop(args.events)
         bench_overhead(args.overhead_steps)
         return
-    print(f"| config | final val loss | loss along the run | wall |  ({args.steps} inner steps per learner)")
+    print(f"| config | final val loss | loss along the run | wall |  ({args.steps} inner steps per learner, "
+          f"batch {args.batch})")
     print("|---|---|---|---|")
     for spec in args.only or DEFAULT_GRID:
-        print(run_spec(spec, args.steps, args.evals), flush=True)
+        print(run_spec(spec, args.steps, args.evals, batch_size=args.batch, val_batches=args.val_batches,
+                       seed=args.seed), flush=True)
 
 
 if __name__ == "__main__":

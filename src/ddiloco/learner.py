@@ -293,7 +293,10 @@ class Learner:
         outstanding = self._outstanding.get(p)
         if outstanding is None or outstanding.base_version != self.versions[p]:
             return  # nothing published for this round (or that update was refused)
+        target, gain = self.config.round_margin_steps, self.config.round_margin_gain
         if state.on_time is not None and self.learner_id not in state.on_time:
+            if target > 0 and state.margins is not None:
+                self.schedule.keep_margin(0.0, target=target, gain=gain, move_short=False)
             self.schedule.late()
             self.stats.phase_moves_late += 1
             return
@@ -301,9 +304,10 @@ class Learner:
             self.schedule.on_time()
             margin = (state.margins[state.on_time.index(self.learner_id)]
                       if state.margins is not None and len(state.margins) == len(state.on_time) else None)
-            if margin is not None and margin < self.config.round_margin_steps:
-                self.schedule.ahead(self.config.round_margin_steps - margin)
-                self.stats.phase_moves_margin += 1
+            if margin is not None and target > 0:
+                if margin < target:
+                    self.stats.phase_moves_margin += 1
+                self.schedule.keep_margin(margin, target=target, gain=gain)
         if self.schedule.reads_slow and self.inner_step - outstanding.published_at_step >= EARLY_LEAD:
             self.schedule.early()  # a learner that read itself slow and leads publishes later
             self.stats.phase_moves_early += 1

@@ -55,6 +55,10 @@ class RoundSchedule:
         self.round_pace = 1.0
         """Moving average of (own inner steps between two rounds' results) / (H / P): below 1, this learner is
         slower than the learners whose rounds set the clock (`observe_result`)."""
+        self.drift = 0.0
+        """Inner steps this schedule moves forward with every result of a round it published for, learned from its
+        margins (`keep_margin`): a learner slower than the clock-setting learners by d steps per round comes to
+        move about d every round, so its updates keep their margin instead of arriving d short of it."""
         self.late_in_a_row = 0
         """Results in a row that left this learner's update out (`late`): the next such moves it one step more, up to
         `late_move_limit`."""
@@ -71,6 +75,14 @@ class RoundSchedule:
         faster (harness, the `heterogeneous` set-up without grace: 2.6871 with one-step moves, 2.8514 with this
         limit, 2.9753 with a whole spacing; docs/results.md)."""
         return max(1, self.sync_every // self.num_fragments // 2)
+
+    @property
+    def drift_limit(self) -> float:
+        """The largest drift: what this learner's pace lacks of the rounds' per round (`round_pace`), and at most
+        `late_move_limit`. A learner that keeps the rounds' pace (the ones that set their clock) gets none, so the
+        rounds keep running to the fastest learners' step counts."""
+        spacing = self.sync_every / self.num_fragments
+        return min(max(0.0, 1.0 - self.round_pace) * spacing, float(self.late_move_limit))
 
     @property
     def reads_slow(self) -> bool:
@@ -120,10 +132,16 @@ class RoundSchedule:
         """A round's result named this learner's update: the next late result moves one step again."""
         self.late_in_a_row = 0
 
-    def ahead(self, steps: float) -> None:
-        """An on-time update came near the grace window's end: move `steps` forward, so the next one has that
-        margin back (`Learner._follow_close`)."""
-        self.phase += steps
+    def keep_margin(self, margin: float, *, target: float, gain: float, move_short: bool = True) -> None:
+        """A result of a round this learner published for, whose update arrived with `margin` inner steps of the grace
+        window left (0 for a late one): move by the drift, then by what the margin falls short of `target` (unless
+        `move_short` is false: a late result moves by `late` instead), and let the drift follow the shortfall by
+        `gain` (down too, for a margin beyond `target`), within 0 and `late_move_limit`."""
+        short = target - margin
+        self.phase += self.drift
+        self.drift = min(max(self.drift + gain * short, 0.0), self.drift_limit)
+        if move_short and short > 0:
+            self.phase += short
 
     def early(self) -> None:
         """A paced learner's update probably opened its round: move back a step (below 0 too)."""
@@ -150,15 +168,17 @@ class RoundSchedule:
         self.next_round = next_round
         self._published_early.clear()
         self.phase = 0.0
+        self.drift = 0.0
         self.late_in_a_row = 0
         self._last_result = None
         return due_step(next_round, self.sync_every, self.num_fragments) - 1
 
     def state_dict(self) -> dict:
-        return {"next_round": self.next_round, "phase": self.phase, "round_pace": self.round_pace}
+        return {"next_round": self.next_round, "phase": self.phase, "round_pace": self.round_pace, "drift": self.drift}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.next_round = int(state["next_round"])
         self.phase = float(state.get("phase", 0))
         self.round_pace = float(state.get("round_pace", 1.0))
+        self.drift = float(state.get("drift", 0.0))
         self._published_early.clear()

@@ -16,6 +16,7 @@ def test_config_codec_choices_are_the_codecs_that_exist():
     (DilocoConfig, "merge", "median"), (DilocoConfig, "codec", "int3"), (DilocoConfig, "outer_lr", 0.0),
     (DilocoConfig, "outer_momentum", 1.0), (DilocoConfig, "embedding_pattern", "("),
     (DilocoConfig, "round_margin_steps", -0.5), (DilocoConfig, "round_margin_steps", float("inf")),
+    (DilocoConfig, "round_margin_gain", -0.1), (DilocoConfig, "round_margin_gain", 1.5),
     (QuorumConfig, "min_quorum", 0), (QuorumConfig, "grace", "sometimes"), (QuorumConfig, "grace_s", -1.0),
     (QuorumConfig, "max_staleness", -1), (QuorumConfig, "heartbeat_timeout_s", 0.0),
     (QuorumConfig, "max_tokens_per_step", 0), (QuorumConfig, "max_weight_ratio", 0.5),
@@ -34,7 +35,7 @@ def test_fingerprint_changes_with_any_algorithm_field():
     changes = dict(num_fragments=2, sync_every=8, overlap_steps=1, fragment_strategy="strided",
                    embedding_pattern="emb", merge="mean", outer_lr=0.5, outer_momentum=0.8, codec="bf16",
                    downlink_codec="int4", keep_overlap_work=False, pace_rounds=True,
-                   round_margin_steps=0.5)
+                   round_margin_steps=0.5, round_margin_gain=0.5)
     assert set(changes) == {f.name for f in dataclasses.fields(DilocoConfig)}
     for name, value in changes.items():
         assert dataclasses.replace(base, **{name: value}).fingerprint() != base.fingerprint(), name

@@ -10,6 +10,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import FragmentState, Welcome
+from ddiloco.round_schedule import RoundSchedule
 from tests.helpers import TinyNet, make_batches, params_of, sgd, train_step
 
 CONFIG = DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=4, overlap_steps=2,
@@ -224,7 +225,7 @@ def test_an_on_time_learner_with_little_of_the_grace_window_left_moves_ahead_by_
     # A learner that falls behind the rounds by less than the window per round is on time a few rounds in a row,
     # then late: the margin the result reports lets it move before that.
     learner = _unpaced_learner()
-    learner.config = dataclasses.replace(learner.config, round_margin_steps=1.5)
+    learner.config = dataclasses.replace(learner.config, round_margin_steps=1.5, round_margin_gain=0.0)
     before, after = _result_after(learner, 0, on_time=(0, 3), margins=(0.25, 2.0))
     assert after == pytest.approx(before + 1.25) and learner.stats.phase_moves_margin == 1
     before, after = _result_after(learner, 0, on_time=(3, 0), margins=(0.0, 1.5))     # its own: enough left
@@ -232,6 +233,56 @@ def test_an_on_time_learner_with_little_of_the_grace_window_left_moves_ahead_by_
     before, after = _result_after(learner, 0, on_time=(0, 3), margins=None)           # not known
     assert after == before
     assert learner.stats.phase_moves_late == 0
+
+
+def test_a_learner_short_of_its_margin_round_after_round_learns_to_move_that_far_every_round():
+    # The margin move alone leaves a learner d steps per round slower than the clock-setting learners arriving d short
+    # of its margin in every round (real processes: 28-36 % slower, d = 1.1-1.4 steps, so about 0.3 steps left and
+    # late in a third of its rounds). Its drift follows the shortfall by the gain and moves it every round.
+    learner = _unpaced_learner()
+    learner.config = dataclasses.replace(learner.config, round_margin_steps=1.5, round_margin_gain=0.5)
+    learner.schedule.round_pace = 0.5                                # it measured itself slower than the rounds
+    moves = []
+    for margins in [(0.5, 3.0), (1.0, 3.0), (2.5, 3.0)]:           # short 1.0, short 0.5, 1.0 beyond the target
+        before, after = _result_after(learner, 0, on_time=(0, 3), margins=margins)
+        moves.append(after - before)
+    # drift 0 -> 0.5 -> 0.75 -> 0.25; each result moves by the drift so far plus the shortfall
+    assert moves == pytest.approx([1.0, 0.5 + 0.5, 0.75]) and learner.schedule.drift == pytest.approx(0.25)
+    before, after = _result_after(learner, 0, on_time=(3,), margins=(3.0,))  # late: counts as no margin left
+    assert after - before == pytest.approx(0.25 + 1.0) and learner.schedule.drift == pytest.approx(1.0)
+    assert learner.stats.phase_moves_margin == 2 and learner.stats.phase_moves_late == 1
+
+
+def test_a_learner_that_keeps_the_rounds_pace_never_drifts():
+    # The learners that set the rounds' clock must publish on their own step counts: a drift there would pull every
+    # round forward (harness, two learners 36 % slower: 127 rounds instead of 96 without this bound).
+    learner = _unpaced_learner()
+    learner.config = dataclasses.replace(learner.config, round_margin_steps=1.5, round_margin_gain=0.5)
+    assert learner.schedule.round_pace >= 0.99
+    before, after = _result_after(learner, 0, on_time=(3, 0), margins=(3.0, 0.5))
+    assert after - before == pytest.approx(1.0) and learner.schedule.drift == 0.0  # the margin move, no drift
+
+
+def test_a_schedules_drift_stays_within_its_pace_deficit_and_half_a_rounds_spacing_and_survives_a_restart():
+    schedule = RoundSchedule(16, 4, pace_rounds=False)
+    schedule.round_pace = 0.9                                        # 0.1 x 4 steps short per round
+    for _ in range(10):
+        schedule.keep_margin(0.0, target=1.5, gain=1.0)
+    assert schedule.drift == pytest.approx(0.4)
+    schedule.round_pace = 0.25
+    for _ in range(10):
+        schedule.keep_margin(0.0, target=1.5, gain=1.0)
+    assert schedule.drift == schedule.late_move_limit == 2
+    restored = RoundSchedule(16, 4, pace_rounds=False)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.drift == 2 and restored.phase == schedule.phase
+    for _ in range(10):
+        schedule.keep_margin(5.0, target=1.5, gain=1.0)
+    assert schedule.drift == 0.0
+    restored.take_position(8)                                        # a fresh position forgets the drift
+    assert restored.drift == 0.0 and restored.phase == 0.0
+    restored.load_state_dict({"next_round": 3, "phase": 1.0})        # a checkpoint from before the drift
+    assert restored.drift == 0.0
 
 
 def test_with_round_margin_steps_0_a_margin_moves_nothing():
