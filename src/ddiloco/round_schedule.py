@@ -2,9 +2,10 @@
 
 Round r syncs fragment r mod P and falls due at inner step `due_step(r, H, P)`. A learner publishes round r once
 its step count plus its `phase` reaches that step: the phase is how far its schedule runs ahead of its step count.
-It moves forward when the learner's updates miss the rounds (late moves: the rounds run to other learners' clocks),
-back when a learner that paces itself opened a round, and with `pace_rounds` it grows by the difference between a
-slow learner's step count and the rounds' pace (Dynamic Local Updates). This module owns that clock and those
+It moves forward when the learner's updates miss the rounds (late moves: the rounds run to other learners' clocks)
+or arrive near the grace window's end (margin moves, and the drift learned from them), back when a learner that
+paces itself opened a round, and with `pace_rounds` it grows by the difference between a slow learner's step count
+and the rounds' pace (Dynamic Local Updates). This module owns that clock and those
 moves; the learner core (`ddiloco.learner`) decides from the protocol's messages when each move is due.
 
 Counts only: no wall time, no I/O.
@@ -136,7 +137,7 @@ class RoundSchedule:
         """A result of a round this learner published for, whose update arrived with `margin` inner steps of the grace
         window left (0 for a late one): move by the drift, then by what the margin falls short of `target` (unless
         `move_short` is false: a late result moves by `late` instead), and let the drift follow the shortfall by
-        `gain` (down too, for a margin beyond `target`), within 0 and `late_move_limit`."""
+        `gain` (down too, for a margin beyond `target`), within 0 and `drift_limit`."""
         short = target - margin
         self.phase += self.drift
         self.drift = min(max(self.drift + gain * short, 0.0), self.drift_limit)
