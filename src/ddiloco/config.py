@@ -65,14 +65,16 @@ class DilocoConfig:
     moves its schedule ahead by the difference, before it is late. 0: off, a learner moves only once late. With
     1.5 (the default) K = 1 + grace passed K = M on the harness's 18 % straggler set-up, where it was 1.3 % behind
     with 0 (docs/results.md, "Defaults and rounds", item 7)."""
-    round_margin_gain: float = 0.25
+    round_margin_gain: float = 0.0
     """How fast a learner learns a steady move from its margins (`RoundSchedule.keep_margin`): after each round it
     published for, its drift (inner steps its schedule moves ahead with every such result) grows by this times what
     its margin fell short of `round_margin_steps` (a late update counts as no margin) and shrinks by this times any
     margin beyond it, within 0 and what its own pace lacks of the rounds' (`RoundSchedule.drift_limit`). The margin
     move alone leaves a learner d steps per round slower than the clock-setting learners d short of its margin; the
-    drift moves it those d steps every round. 0: no drift. 0.25 gained 0.7-1.9 % in the harness with two learners
-    36 % slower and changed nothing at equal speed (docs/results.md, "Defaults and rounds", item 9)."""
+    drift moves it those d steps every round. 0 (the default): no drift. 0.25 gained 0.7-1.9 % in the harness with
+    two learners 36 % slower and brought a real straggler's missed rounds from a third to 4-11 %, but on real
+    learners of equal speed it pulled the rounds forward (`ddiloco run`: 218 rounds instead of 164, a third more
+    bytes), so it is off by default (docs/results.md, "Defaults and rounds", item 9)."""
     pace_rounds: bool = False
     """Whether a learner slower than the rounds publishes after fewer of its own inner steps
     (`RoundSchedule.round_pace`, Dynamic Local Updates) and moves back when it leads the rounds
