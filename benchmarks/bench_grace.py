@@ -71,8 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"cap {args.cap} steps, tau {args.tau}, margin {args.margin} steps, gain {args.gain}, "
-          f"slowdown {args.slowdown}, "
-          f"seed {args.seed}")
+          f"slowdown {args.slowdown}, seed {args.seed}")
     print("| case | final val loss | goodput | participants per round | mean staleness | rounds | wall |")
     print("|---|---|---|---|---|---|---|")
     for case in args.only:

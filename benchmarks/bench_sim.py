@@ -23,6 +23,7 @@ import torch
 
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.data import DataConfig, load_corpus, shard_stream
+from ddiloco.flags import field_types
 from ddiloco.sim.cluster import ClusterConfig
 from ddiloco.sim.data_parallel import DataParallelSim, DataParallelSimConfig
 from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
@@ -70,19 +71,22 @@ def bench_overhead(steps: int) -> None:
           f"(overhead {100 * (sim - bare) / bare:+.1f} %, including 2 evaluations)")
 
 
-def _value(text: str):
-    """A `field=value` override's value: an int, a float, a bool or the text."""
-    for parse in (int, float):
-        try:
-            return parse(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+def _override(item: str) -> tuple[str, object]:
+    """A `FIELD=VALUE` entry of a spec: the `DilocoConfig` field and its value, parsed by the field's type."""
+    name, text = item.split("=", 1)
+    kind = field_types(DilocoConfig).get(name, (None, False))[0]
+    if kind is None:
+        raise SystemExit(f"{item!r}: {name!r} is not a scalar DilocoConfig field")
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise SystemExit(f"{item!r}: expected true or false")
+        return name, text.lower() == "true"
+    return name, kind(text)
 
 
 def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0) -> str:
     parts = spec.split(":")
-    overrides = {k: _value(v) for k, v in (p.split("=", 1) for p in parts[5:] if "=" in p)}
+    overrides = dict(_override(p) for p in parts[5:] if "=" in p)
     parts = [p for p in parts if "=" not in p]
     workload = WorkloadConfig(data=DataConfig(batch_size=batch_size), inner=InnerConfig(lr=float(parts[1])),
                               inner_steps=steps, eval_points=evals, val_batches=val_batches)
