@@ -127,6 +127,8 @@ def fake_ddiloco() -> None:
         if state["inner_step"] >= crash_at and state["starts"] <= crashes:
             os._exit(1)
     status("done" if state["inner_step"] >= total else "disconnected")
+    if behaviour.get("abort_after_done") and state["starts"] == 1:
+        os.abort()  # a native library's crash at interpreter exit, after the session had finished
     sys.exit(0)
 
 
@@ -212,6 +214,30 @@ def test_crashed_learner_is_restarted_after_backoff_and_resumes(tmp_path, fake_c
     scheduled = [e for e in events if e.kind == "restart_scheduled"]
     assert [(e.name, e.fields["delay_s"]) for e in scheduled] == [("learner-1", FAST.backoff_initial_s)]
     assert supervisor.learners[0].restarts == 0
+
+
+def test_a_learner_that_crashes_after_finishing_its_session_is_done_not_restarted(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, plan={"learners": {"1": {"abort_after_done": True}}})
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    aborted = supervisor.learners[1]
+    assert aborted.state == ChildState.DONE and aborted.restarts == 0
+    assert aborted.exit_codes == [-signal.SIGABRT]
+    (done,) = [e for e in events if e.kind == "done" and e.learner_id == 1]
+    assert done.fields["exit_code"] == -signal.SIGABRT and "after its session had finished" in done.message
+    assert not [e for e in events if e.kind == "restart_scheduled"]
+
+
+def test_a_done_status_left_by_an_earlier_start_does_not_make_a_crash_done(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, plan={"learners": {"1": {"crash_at_step": 5}}})
+    stale = launcher.paths.learner_status(1)
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text(json.dumps({"time": time.time() - 100.0, "state": "done", "inner_step": 20}))
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    crashed = supervisor.learners[1]
+    assert crashed.state == ChildState.DONE and crashed.exit_codes == [1, 0] and crashed.restarts == 1
 
 
 def test_sigkilled_learner_is_restarted(tmp_path, fake_command):

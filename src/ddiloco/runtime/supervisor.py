@@ -7,7 +7,10 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
 - A child that dies is restarted after an exponential backoff (`Backoff`: 0.5 s doubling to 8 s,
   reset once a child has run for `stable_after_s`). Self-healing (docs/architecture.md, "Faults are data"): a dead
   learner stops only itself.
-- Exit codes decide the rest: a learner exiting 0 is done and never restarted; exit 3 means the
+- Exit codes decide the rest: a learner exiting 0 is done and never restarted, and so is one that
+  crashed after its session had finished (its `status.json`, written by this process, says done: a
+  native library aborting at interpreter exit, as gloo or NCCL teardown can, loses no work, and a restart
+  would only finish again); exit 3 means the
   syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
   which end the run. A learner's exit 4 (its syncer never answered within `connect_timeout_s`) is
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.backoff import Backoff
+from ddiloco.checkpoint import read_json_object
 from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
@@ -404,6 +408,10 @@ class Supervisor:
             slot.reason = tail[-1] if tail else "refused by the syncer"
             self._emit("refused", slot, f"refused by the syncer: {slot.reason}", exit_code=code,
                        reason=slot.reason)
+        elif start is None and self._finished_before_exit(slot):
+            slot.state = ChildState.DONE
+            self._emit("done", slot, f"exited with {_describe_exit(code)} after its session had finished: done, "
+                       "not restarted", exit_code=code, log_tail=tail)
         elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
             slot.state = ChildState.FAILED
             slot.reason = (tail[-1] if tail and code == EXIT_USAGE
@@ -413,6 +421,15 @@ class Supervisor:
             self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
                        log_tail=tail)
             self._schedule_restart(slot, now)
+
+    def _finished_before_exit(self, slot: Slot) -> bool:
+        """The learner's status file says done, written since its current process started (a stale one from an
+        earlier start, or an earlier run before `--resume`, does not count)."""
+        assert slot.process is not None and slot.learner_id is not None
+        status = read_json_object(self.launcher.paths.learner_status(slot.learner_id)) or {}
+        started_wall = time.time() - (time.monotonic() - slot.process.started_at)
+        written = status.get("time")
+        return status.get("state") == "done" and isinstance(written, int | float) and written >= started_wall
 
     def _start_evaluator(self, slot: Slot) -> None:
         """The evaluator: started with the learners, supervised like one; done when it exits 0."""
