@@ -121,6 +121,17 @@ def _flat_float32(tensor: torch.Tensor, *, device: torch.device | str | None = "
     return tensor.detach().to(device=tensor.device if device is None else device, dtype=torch.float32).reshape(-1)
 
 
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the CPU. Those on a GPU are copied into pinned host memory without blocking, all on the
+    current stream, which is then waited for once: a background thread on a side stream waits for its own
+    work only, never for the inner steps queued on the training stream."""
+    cuda = [t for t in tensors if t.device.type == "cuda"]
+    host = {id(t): torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in cuda}
+    for device in {t.device for t in cuda}:
+        torch.cuda.current_stream(device).synchronize()
+    return tuple(host[id(t)] if id(t) in host else t.cpu() for t in tensors)  # .cpu(): no-op on the CPU
+
+
 def _count_nonfinite(x: torch.Tensor) -> int:
     return int(x.numel() - torch.isfinite(x).sum().item())
 
@@ -369,16 +380,13 @@ class _BlockCodec:
 
         payload = np.empty(self.encoded_nbytes(numel), dtype=np.uint8)
         scale_nbytes = SCALE_NBYTES * num_blocks
-        payload[:scale_nbytes].view(FLOAT32_LE)[:] = scale.cpu().numpy()
         codes_out = torch.from_numpy(payload[scale_nbytes:])
         fields = work.view(-1, self.values_per_byte)  # (code bytes incl. padding, values per byte)
         if self.values_per_byte == 1:
             # q as an int8 byte, then the code q + 128 by flipping its top bit (two's complement): exact.
-            levels = fields[:num_code_bytes, 0]
-            if levels.device.type != "cpu":
-                levels = levels.to(torch.int8).cpu()  # a quarter of the bytes of the floats
-            codes_out.view(torch.int8).copy_(levels)
-            codes_out.bitwise_xor_(self.offset)
+            codes = fields[:num_code_bytes, 0]
+            if codes.device.type != "cpu":
+                codes = codes.to(torch.int8)  # a quarter of the bytes of the floats cross to the host
         else:
             packed = torch.add(fields[:, 0], fields[:, 1], alpha=2**self.bits)
             for k in range(2, self.values_per_byte):
@@ -387,8 +395,14 @@ class _BlockCodec:
             packed.add_(self.offset * sum(2 ** (self.bits * k) for k in range(self.values_per_byte)))
             codes = packed[:num_code_bytes]
             if codes.device.type != "cpu":
-                codes = codes.to(torch.uint8).cpu()  # exact: integers <= 255; a quarter of the bytes of the floats
-            codes_out.copy_(codes)  # exact: integers <= 255
+                codes = codes.to(torch.uint8)  # exact: integers <= 255; a quarter of the bytes of the floats
+        host_scale, host_codes = to_host(scale, codes)
+        payload[:scale_nbytes].view(FLOAT32_LE)[:] = host_scale.numpy()
+        if self.values_per_byte == 1:
+            codes_out.view(torch.int8).copy_(host_codes)
+            codes_out.bitwise_xor_(self.offset)
+        else:
+            codes_out.copy_(host_codes)  # exact: integers <= 255
         return payload.tobytes(), work, scale
 
     def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,11 +13,19 @@ of it at its next call (`take_withheld`) and the learner forgets that publish (`
 as if it had been withheld on the spot. The queue is bounded (`MAX_QUEUED`): a learner that publishes
 faster than one thread can encode waits for the encoder instead of piling up copies of its fragments.
 
+On a GPU the training thread does not wait for the device either: the copy is queued on the training stream,
+followed by an event (`DeviceOrder`); the publisher's thread makes its own side stream wait for that event,
+computes and quantises the pseudo-gradient there and copies the codes into pinned host memory without blocking
+(`ddiloco.compression.to_host`), then waits for its own stream only. The training stream never waits for the
+side stream, and the side stream never waits for inner steps queued after the copy. On the CPU all of this is
+skipped: the values are already where they are encoded.
+
 Only the gRPC transport uses it; in process (`InProcessHub`) delivery stays synchronous and deterministic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -36,6 +44,41 @@ MAX_QUEUED = 4
 copies of memory at most."""
 
 
+class DeviceOrder:
+    """Where a snapshot's copy stands on a GPU: an event recorded on the training thread's stream right after the
+    copy was queued. `side_stream()` is a context in which the caller's work runs on a stream of its own that
+    first waits for that event: it sees the finished copy and nothing queued after it. On the CPU both are
+    no-ops (`SAME_STREAM`)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self._event = None
+        if device is not None:
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))  # the training stream: after the copy
+
+    @staticmethod
+    def of(tensors: Mapping[str, torch.Tensor]) -> DeviceOrder:
+        """A side stream when the tensors are on one GPU; otherwise (the CPU; a fragment spread over several
+        devices, rare) the work stays on the current streams, in order behind the copy."""
+        devices = {t.device for t in tensors.values()}
+        device = devices.pop() if len(devices) == 1 else None
+        return DeviceOrder(device) if device is not None and device.type == "cuda" else SAME_STREAM
+
+    def side_stream(self, streams: dict[torch.device, object]) -> contextlib.AbstractContextManager:
+        """Run on the side stream of this order's device (one per device, kept in `streams`), after the copy."""
+        if self._event is None:
+            return contextlib.nullcontext()
+        stream = streams.get(self.device)
+        if stream is None:
+            stream = streams[self.device] = torch.cuda.Stream(self.device)
+        stream.wait_event(self._event)
+        return torch.cuda.stream(stream)
+
+
+SAME_STREAM = DeviceOrder(None)
+
+
 class DeferredPayload(Mapping[str, bytes]):
     """An update's payload, computed on first use: base - snapshot per tensor, encoded. `None` from `resolve`
     when a pseudo-gradient is not finite (the update must then be withheld)."""
@@ -43,6 +86,7 @@ class DeferredPayload(Mapping[str, bytes]):
     def __init__(self, base: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], codec: Codec) -> None:
         self._base = dict(base)  # the fragment's base tensors are replaced on a new version, never changed in place
         self._snapshot = dict(snapshot)
+        self._order = DeviceOrder.of(self._snapshot)
         self._codec = codec
         self._encoded: dict[str, bytes] | None = None
         self.non_finite: str | None = None
@@ -50,18 +94,22 @@ class DeferredPayload(Mapping[str, bytes]):
         self._lock = threading.Lock()
 
     @torch.no_grad()
-    def resolve(self) -> dict[str, bytes] | None:
+    def resolve(self, streams: dict[torch.device, object] | None = None) -> dict[str, bytes] | None:
+        """Encode (once). `streams`: the caller's side streams, one per GPU (a private one otherwise)."""
         with self._lock:
             if self._encoded is None and self.non_finite is None:
                 encoded = {}
-                for name, snapshot in self._snapshot.items():
-                    delta = self._base[name] - snapshot  # on the parameter's device; the codec copies what it sends
-                    if not bool(torch.isfinite(delta).all()):
-                        self.non_finite = name
-                        break
-                    encoded[name] = self._codec.encode(delta)
-                else:
-                    self._encoded = encoded
+                # Every tensor used on the side stream stays referenced here until its work is over: the
+                # finiteness check and the codec's copy to the host wait for that stream.
+                with self._order.side_stream({} if streams is None else streams):
+                    for name, snapshot in self._snapshot.items():
+                        delta = self._base[name] - snapshot  # on the parameter's device; the codec copies the codes
+                        if not bool(torch.isfinite(delta).all()):
+                            self.non_finite = name
+                            break
+                        encoded[name] = self._codec.encode(delta)
+                    else:
+                        self._encoded = encoded
                 self._snapshot = {}  # the copies go as soon as they are encoded
             return self._encoded
 
@@ -108,6 +156,8 @@ class Publisher:
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self._withheld: list[Withheld] = []
         self._withheld_lock = threading.Lock()
+        self._streams: dict[torch.device, object] = {}
+        """This thread's side stream per GPU (`DeviceOrder`); empty on the CPU."""
         self._thread = threading.Thread(target=self._loop, name="learner-publish", daemon=True)
         self._thread.start()
 
@@ -140,7 +190,7 @@ class Publisher:
                 item[1].set()
                 continue
             deferred = isinstance(item, Update) and isinstance(item.payload, DeferredPayload)
-            if deferred and item.payload.resolve() is None:
+            if deferred and item.payload.resolve(self._streams) is None:
                 logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
                              item.learner_id, item.inner_step, item.payload.non_finite)
                 with self._withheld_lock:

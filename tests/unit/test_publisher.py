@@ -3,12 +3,16 @@ at the moment of the publish, in the session's order; a non-finite pseudo-gradie
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
+from ddiloco.compression import to_host
 from ddiloco.config import DilocoConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import FragmentState, Join, Update
-from ddiloco.publisher import DeferredPayload, Publisher
+from ddiloco.publisher import SAME_STREAM, DeferredPayload, DeviceOrder, Publisher
 from tests.helpers import TinyNet, make_batches, sgd, train_step
 
 CONFIG = DilocoConfig(num_fragments=2, sync_every=2, overlap_steps=1)
@@ -89,3 +93,30 @@ def test_a_non_finite_pseudo_gradient_is_withheld_and_the_learner_forgets_that_p
     assert fragment not in learner._outstanding  # so the waiting rule never waits for its round
     assert learner.stats.updates_withheld_non_finite == 1 and learner.stats.updates_sent == sent_before - 1
     publisher.close(10.0)
+
+
+def test_on_the_cpu_the_publisher_stays_on_the_callers_thread_order_and_to_host_copies_nothing():
+    values = {"w": torch.arange(6.0)}
+    assert DeviceOrder.of(values) is SAME_STREAM
+    with SAME_STREAM.side_stream({}) as entered:
+        assert entered is None  # a nullcontext: no stream switch
+    scale, codes = torch.ones(2), torch.arange(4, dtype=torch.uint8)
+    host_scale, host_codes = to_host(scale, codes)
+    assert host_scale is scale and host_codes is codes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the side stream and pinned copies")
+def test_on_a_gpu_the_pseudo_gradient_is_encoded_while_the_training_stream_is_still_busy():
+    device = torch.device("cuda")
+    model, _ = twins()
+    cpu_learner = joined(copy.deepcopy(model), deferred=False)
+    gpu_learner = joined(model.to(device), deferred=True)
+    (expected,) = cpu_learner.after_inner_step(8)
+    (update,) = gpu_learner.after_inner_step(8)
+    torch.cuda._sleep(2_000_000_000)  # the training stream's next inner steps: about a second of GPU time
+    streams: dict = {}
+    assert update.payload.resolve(streams) is not None
+    assert not torch.cuda.current_stream(device).query()  # encoded without waiting for the training stream
+    assert set(streams) == {device} and dict(update.payload) == dict(expected.payload)
+    host_codes = to_host(torch.arange(4, dtype=torch.uint8, device=device))[0]
+    assert host_codes.is_pinned() and host_codes.tolist() == [0, 1, 2, 3]
