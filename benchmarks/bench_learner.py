@@ -45,8 +45,9 @@ BATCH, CONTEXT = 4, 128
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the training stream only: the publisher's side stream (its encoding) runs on past this."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def joined_learner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, deferred: bool) -> Learner:
