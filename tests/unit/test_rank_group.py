@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ddiloco.runtime.launcher import LaunchConfig, Launcher
+from ddiloco.runtime.launcher import LaunchConfig, Launcher, in_this_interpreter
 from ddiloco.runtime.rank_group import exit_status, run_group
 
 WRITE_ENV = ("import json, os, sys; keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
@@ -46,9 +46,23 @@ def test_the_launcher_wraps_a_script_of_several_ranks_and_deals_devices_per_rank
     launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=2, threads=1, script=("python", "train.py"),
                                      nproc_per_learner=2, devices=("cuda:0", "cuda:1", "cuda:2"), use_token=False))
     argv = launcher.learner_argv(1, "127.0.0.1:5")
-    assert argv[1:3] == ["-m", "ddiloco.runtime.rank_group"] and argv[-3:] == ["--", "python", "train.py"]
+    # A bare `python` is the interpreter ddiloco runs in (the venv's), whatever `python` the PATH finds.
+    assert argv[1:3] == ["-m", "ddiloco.runtime.rank_group"] and argv[-3:] == ["--", sys.executable, "train.py"]
     assert argv[argv.index("--nproc") + 1] == "2" and argv[argv.index("--devices") + 1] == "cuda:2,cuda:0"
     with pytest.raises(ValueError, match="nproc_per_learner=2 needs a learner script"):
         LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, nproc_per_learner=2)
     with pytest.raises(ValueError, match="nproc_per_learner=0 is invalid"):
         LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, script=("x",), nproc_per_learner=0)
+
+
+@pytest.mark.parametrize("script, expected", [
+    (["python", "train.py", "--lr", "1"], [sys.executable, "train.py", "--lr", "1"]),
+    (["python3", "-u", "train.py"], [sys.executable, "-u", "train.py"]),
+    (["/opt/env/bin/python", "train.py"], ["/opt/env/bin/python", "train.py"]),  # a path: the user's choice
+    (["./train.sh", "python"], ["./train.sh", "python"]),
+])
+def test_a_bare_python_runs_the_script_in_ddilocos_own_interpreter(tmp_path, script, expected):
+    assert in_this_interpreter(script) == expected
+    launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, script=tuple(script),
+                                     use_token=False))
+    assert launcher.learner_argv(0, "127.0.0.1:5") == expected == launcher.evaluator_argv("127.0.0.1:5")

@@ -42,6 +42,19 @@ from ddiloco.transport.auth import learner_token
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
+BARE_PYTHON = frozenset({"python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}"})
+"""A script's first word that means "the Python ddiloco runs in" (`in_this_interpreter`)."""
+
+
+def in_this_interpreter(script: Sequence[str]) -> list[str]:
+    """The script command, with a bare `python` (or `python3`, `python3.X`) as its first word replaced by the
+    interpreter this process runs in: the one where torch and ddiloco are installed, as torchrun runs its script,
+    whatever `python` the PATH finds (`.venv/bin/ddiloco run -- python train.py` without an activated venv). A
+    path (`/opt/env/bin/python`, `./python`) is the user's choice and kept."""
+    command = list(script)
+    if command and command[0] in BARE_PYTHON:
+        command[0] = sys.executable
+    return command
 ENV_PREFIX = "DDILOCO_"
 """Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
 """How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
@@ -379,9 +392,9 @@ class Launcher:
         if self.config.script and self.config.nproc_per_learner > 1:
             return [sys.executable, "-m", "ddiloco.runtime.rank_group", "--nproc", str(self.config.nproc_per_learner),
                     "--devices", ",".join(self.rank_devices(learner_id)), "--pids-file",
-                    str(self.ranks_file(learner_id)), "--", *self.config.script]
+                    str(self.ranks_file(learner_id)), "--", *in_this_interpreter(self.config.script)]
         if self.config.script:
-            return list(self.config.script)
+            return in_this_interpreter(self.config.script)
         settings = self.learner_settings(learner_id, syncer_address)
         return self._settings_argv("learner", f"learner-{learner_id}", settings)
 
@@ -395,7 +408,7 @@ class Launcher:
     def evaluator_argv(self, syncer_address: str) -> list[str]:
         """The user's script (in the evaluator role, by `learner_env`), or the built-in `ddiloco evaluator`."""
         if self.config.script:
-            return list(self.config.script)
+            return in_this_interpreter(self.config.script)
         settings = EvaluatorSettings(syncer=syncer_address, threads=self.config.threads,
                                      every_s=self.config.eval_every_s, **self._common_settings())
         return self._settings_argv("evaluator", "evaluator", settings)
