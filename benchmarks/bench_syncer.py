@@ -30,6 +30,7 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.kernels import KernelThreads
 from ddiloco.messages import Join, Update
 from ddiloco.syncer import Syncer
 from ddiloco.update_values import DecodeBuffers, decode_payload
@@ -80,6 +81,9 @@ class CoreCase:
         self.next_fragment = 0
         self.now = 1.0
         self.buffers = DecodeBuffers()
+        # The wire layer decodes on the gRPC server's threads, updates side by side; here one after the other, each
+        # split over the process's threads as the core's passes are.
+        self.threads = KernelThreads()
 
     def round(self) -> tuple[float, float]:
         """One round of the next fragment: (seconds decoding and checking, seconds in the core)."""
@@ -92,7 +96,7 @@ class CoreCase:
                        for name in names}
             start = time.perf_counter()
             into = [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names]
-            decoded = decode_payload(self.codec, payload, names, self.shapes, into=into)
+            decoded = decode_payload(self.codec, payload, names, self.shapes, into=into, threads=self.threads)
             middle = time.perf_counter()
             assert not isinstance(decoded, tuple), decoded
             update = Update(learner_id, p, self.syncer.versions[p], STEPS * (self.syncer.versions[p] + 1), STEPS,

@@ -129,6 +129,15 @@ class DeltaDownlink:
         # tensor costs more in page faults than the arithmetic done in it.
         self._buffers = DecodeBuffers()
 
+    @property
+    def codec(self):
+        """The downlink codec."""
+        return self._codec
+
+    def residual(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s residual, itself (the fused close, `ddiloco.fused_close`, updates it in place)."""
+        return self._residual[name]
+
     def _buffer(self, name: str, numel: int | None = None) -> torch.Tensor:
         shape = self._shapes[name]
         return self._buffers.take(math.prod(shape) if numel is None else numel)

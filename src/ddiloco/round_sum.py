@@ -16,8 +16,10 @@ reach 1e14, and the sums stay near the size of the values):
     weighted mean: S = sum of c_i d_i over i with c_i > 0                         float32, in order
                    result = S / C                        (zeros when C = 0)
 
-"In order" means: the first term is `d * a` (a new tensor), each later one `acc.add_(d, alpha=a)`, where a is
-the coefficient above as a Python float. The syncer sums a round in the order its learners' updates
+"In order" means: the first term is `d * a` (a new tensor), each later one `acc + (d * a)`, where a is the
+coefficient above rounded to float32, and the product and the sum are each rounded to float32 (no fused
+multiply-add: `ddiloco.kernels.accumulate`, which adds an int4 update straight from its codes). ||.|| is
+`ddiloco.kernels.l2_norm`. The syncer sums a round in the order its learners' updates
 arrived; the order is recorded (`RoundRecord.summed`). Replay never sums again: the round log holds each
 round's merged tensors.
 """
@@ -28,7 +30,9 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import torch
 
+from ddiloco import kernels
 from ddiloco.checks import invalid
+from ddiloco.kernels import INLINE, KernelThreads
 from ddiloco.messages import DecodedTensor
 from ddiloco.update_values import l2_norm
 
@@ -40,7 +44,9 @@ class RoundSum:
     merged tensors once with `result`. `invalidate` drops the sums of a round that must be summed again (one
     of its updates was replaced); later `add`s are then ignored and `holds` is False."""
 
-    def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = ()) -> None:
+    def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = (),
+                 threads: KernelThreads = INLINE) -> None:
+        """`threads`: where the sums' passes run (`ddiloco.kernels.KernelThreads`; the same bits on any number)."""
         if method not in MERGE_METHODS:
             raise invalid("method", method, "'rda' or 'mean'")
         self.names = list(names)
@@ -51,6 +57,7 @@ class RoundSum:
         self._total = 0.0
         self.keys: list[Hashable] = []
         self.weights: list[float] = []
+        self._threads = threads
 
     def add(self, key: Hashable, tensors: Mapping[str, DecodedTensor], weight: float) -> None:
         """Add one update (its tensors decoded and checked) with `weight` (>= 0), after those added before."""
@@ -77,13 +84,15 @@ class RoundSum:
             else:
                 self._accumulate(name, tensor.values, coefficient)
 
-    def _accumulate(self, name: str, values: torch.Tensor, alpha: float) -> None:
+    def _accumulate(self, name: str, values: torch.Tensor | kernels.Int4Blocks, alpha: float) -> None:
         assert self._sums is not None
         held = self._sums.get(name)
-        if held is None:
-            self._sums[name] = torch.mul(values, alpha)
-        else:
-            held.add_(values, alpha=alpha)
+        first = held is None
+        if first:
+            numel = values.numel if isinstance(values, kernels.Int4Blocks) else values.numel()
+            held = self._sums[name] = torch.empty(numel, dtype=torch.float32)
+        kernels.accumulate(held, values if isinstance(values, kernels.Int4Blocks) else values.reshape(-1), alpha,
+                           first=first, threads=self._threads)
 
     def invalidate(self) -> None:
         self._sums = None
@@ -103,8 +112,9 @@ class RoundSum:
             if held is None or self._total == 0.0:
                 merged[name] = torch.zeros(shapes[name], dtype=torch.float32)
                 continue
+            held = held.view(shapes[name])
             if self._rda[name]:
-                direction_norm = l2_norm(held)
+                direction_norm = l2_norm(held, self._threads)
                 if direction_norm == 0.0:
                     merged[name] = held.zero_()
                 else:

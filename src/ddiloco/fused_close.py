@@ -1,0 +1,96 @@
+"""The close of a round in one pass per value: the outer Nesterov step and the int8 downlink change, fused.
+
+The syncer's close is the outer optimizer's step (`ddiloco.outer`) followed by the downlink rule (`ddiloco.downlink`:
+the change, its int8 encoding, the rebuilt global value, the residual). Written as torch operations that is about
+ten passes over the fragment (a copy of the previous value, the step's four, the change's two, the encoding's and
+the rebuild's), each a separate trip through memory. `ddiloco.kernels.nesterov_int8` does the same arithmetic, with
+the same roundings, block by block while a block sits in cache: two passes over its inputs, one of which writes.
+
+Used when the compiled kernels are built and the downlink codec is int8 (the default); otherwise, and for a round
+whose change is not finite (the downlink then sends the exact value), the syncer takes the outer optimizer then the
+downlink rule, which give the same bits (`tests/unit/test_fused_close.py`). A round whose step would not be finite
+never gets here: the same kernel checks it first (`overflow`), without writing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ddiloco import kernels
+from ddiloco.compression import Int8Codec
+from ddiloco.downlink import DeltaDownlink, Downlink, fragment_checksum
+from ddiloco.fragments import FragmentPlan
+from ddiloco.kernels import KernelThreads
+from ddiloco.messages import FragmentDelta
+from ddiloco.outer import OuterOptimizer
+
+STEP_NOT_FINITE = 1
+"""`nesterov_int8`'s check: a new momentum or parameter is not finite (the round must not commit)."""
+CHANGE_NOT_FINITE = 2
+"""`nesterov_int8`'s check: a change is not finite (the downlink sends the exact value instead)."""
+
+
+class FusedClose:
+    """The outer step and the int8 downlink change of a fragment, in one kernel per tensor (module docstring)."""
+
+    def __init__(self, outer: OuterOptimizer, downlink: DeltaDownlink, plan: FragmentPlan,
+                 global_tensors: list[dict[str, torch.Tensor]], threads: KernelThreads) -> None:
+        assert isinstance(downlink.codec, Int8Codec), "the fused close encodes int8 only"
+        self._outer = outer
+        self._downlink = downlink
+        self._plan = plan
+        self._global = global_tensors
+        self._threads = threads
+
+    def _run(self, fragment: int, name: str, merged: torch.Tensor, out: np.ndarray | None) -> int:
+        lr, mu = self._outer.hyperparameters(fragment)
+        param = self._global[fragment][name]
+        momentum = self._outer.momentum(fragment, name) if mu != 0 else None
+        first_step = mu != 0 and momentum is None
+        if first_step and out is not None:
+            momentum = torch.empty_like(param)  # written by the kernel: m' = g
+        elif first_step:
+            momentum = param  # a check reads no momentum at a first step; any tensor of the right size
+        flags = kernels.nesterov_int8(merged.to(torch.float32), momentum, param, self._downlink.residual(name), lr=lr,
+                                      mu=mu, first_step=first_step, block_size=self._downlink.codec.block_size,
+                                      out=out, threads=self._threads)
+        if first_step and out is not None:
+            self._outer.set_momentum(fragment, name, momentum)
+        return flags
+
+    def check(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> tuple[str | None, bool]:
+        """(the first tensor whose momentum or parameter would stop being finite, or None; whether every change is
+        finite), computed as the step would compute them, writing nothing."""
+        changes_finite = True
+        for name in self._plan.fragments[fragment]:
+            flags = self._run(fragment, name, merged[name], None)
+            if flags & STEP_NOT_FINITE:
+                return name, False
+            changes_finite = changes_finite and not flags & CHANGE_NOT_FINITE
+        return None, changes_finite
+
+    def step(self, fragment: int, version: int, merged: Mapping[str, torch.Tensor]) -> FragmentDelta:
+        """The step of `fragment` to `version`, in place, and its broadcast. `check` first: every change finite."""
+        names = self._plan.fragments[fragment]
+        codec = self._downlink.codec
+        payload = {}
+        for name in names:
+            numel = self._global[fragment][name].numel()
+            out = np.empty(codec.encoded_nbytes(numel), dtype=np.uint8)
+            failed = self._run(fragment, name, merged[name], out)
+            assert not failed, "a change that is not finite: check() first"
+            payload[name] = out.tobytes()
+        return FragmentDelta(fragment, version, version - 1, codec.name, payload,
+                             fragment_checksum(self._global[fragment], names))
+
+
+def make_fused_close(outer: OuterOptimizer, downlink: Downlink, plan: FragmentPlan,
+                     global_tensors: list[dict[str, torch.Tensor]], threads: KernelThreads) -> FusedClose | None:
+    """The fused close where it applies (the compiled kernels, an int8 downlink), else None: the syncer then takes
+    the outer optimizer and the downlink rule."""
+    if kernels.compiled is None or not isinstance(downlink, DeltaDownlink) or not isinstance(downlink.codec, Int8Codec):
+        return None
+    return FusedClose(outer, downlink, plan, global_tensors, threads)
