@@ -86,7 +86,7 @@ def decode_payload(codec: Codec, payload: Mapping[str, bytes], names: Sequence[s
     that is malformed (wrong byte count) or not finite. `into`: one buffer per name to decode into (see
     `DecodeBuffers`; each of at least `codec.buffer_numel` values); none: new tensors. An int4 payload is read in
     place when the compiled kernels are built (`Int4Blocks`; `into` is then not written)."""
-    in_place = kernels.compiled is not None and isinstance(codec, Int4Codec)
+    in_place = reads_in_place(codec)
     decoded = {}
     for i, name in enumerate(names):
         try:
@@ -101,6 +101,11 @@ def decode_payload(codec: Codec, payload: Mapping[str, bytes], names: Sequence[s
             return checked
         decoded[name] = checked
     return decoded
+
+
+def reads_in_place(codec: Codec) -> bool:
+    """Whether `decode_payload` reads this codec's payloads where they lie (no buffers needed: `Int4Blocks`)."""
+    return kernels.compiled is not None and isinstance(codec, Int4Codec)
 
 
 def _int4_blocks(codec: Int4Codec, data: bytes, shape: tuple[int, ...]) -> Int4Blocks:
