@@ -45,11 +45,11 @@ static inline void decode_int4(float *buf, const float *scales, const uint8_t *c
     const uint8_t *c = codes + (i0 >> 1);
     int64_t bytes = (i1 - i0 + 1) >> 1;
     for (int64_t j = 0; j < bytes; j++) words[j] = (uint16_t)((c[j] & 15) | ((c[j] >> 4) << 8));
+    int64_t b = i0 / block; /* one division per segment: per block, it costs as much as the block's decode */
     int64_t i = i0;
     while (i < i1) {
-        int64_t b = i / block;
         int64_t end = (b + 1) * block < i1 ? (b + 1) * block : i1;
-        const float s = scales[b];
+        const float s = scales[b++];
         for (int64_t k = i - i0; k < end - i0; k++) buf[k] = (float)((int)spread[k] - INT4_OFFSET) * s;
         i = end;
     }
