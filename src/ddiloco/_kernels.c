@@ -149,14 +149,32 @@ static inline Step step_change(const float *g, const float *m, const float *p, c
     return s;
 }
 
+/* max |x[k]| over k < len, for finite values (the close's outputs, checked finite before they are written). */
+static inline float absmax_finite(const float *x, int64_t len) {
+    lanes_f high = {0};
+    int64_t k = 0;
+    for (; k + LANES <= len; k += LANES) {
+        lanes_f a;
+        memcpy(&a, x + k, sizeof a);
+        a = (lanes_f)((lanes_i)a & 0x7fffffff);
+        lanes_i greater = a > high;
+        high = (lanes_f)(((lanes_i)a & greater) | ((lanes_i)high & ~greater));
+    }
+    float result = 0.0f;
+    for (int j = 0; j < LANES; j++) result = high[j] > result ? high[j] : result;
+    for (; k < len; k++) result = fabsf(x[k]) > result ? fabsf(x[k]) : result;
+    return result;
+}
+
 /* The close of one tensor, blocks [b0, b1) of `block` values (n in all): the outer Nesterov step and the int8
  * downlink change, with g the merged pseudo-gradient, m the momentum (unused when mu = 0), p the global value, r
  * the downlink's residual. `check`: write nothing, return 1 | 2 when a new momentum or parameter (1) or a change (2)
- * is not finite, else 0. Otherwise write m, p, r and the blocks' scales and codes, and return the first block whose
- * change is not finite (that block and the later ones unwritten), or -1. */
+ * is not finite, else 0. Otherwise write m, p, r and the blocks' scales and codes, raise maxima[0..2] to the largest
+ * |m|, |p|, |r| written, and return the first block whose change is not finite (that block and the later ones
+ * unwritten), or -1. */
 CLONED static int64_t nesterov_int8(const float *g, float *m, float *p, float *r, float *scales, uint8_t *codes,
                                     int64_t n, int64_t block, float lr, float mu, int first, int check, int64_t b0,
-                                    int64_t b1) {
+                                    int64_t b1, float *maxima) {
     int64_t flags = 0;
     for (int64_t b = b0; b < b1; b++) {
         int64_t i0 = b * block, i1 = i0 + block < n ? i0 + block : n;
@@ -212,6 +230,11 @@ CLONED static int64_t nesterov_int8(const float *g, float *m, float *p, float *r
             r[i] = s.change - decoded;
         }
         scales[b] = scale;
+        float m_high = mu != 0.0f ? absmax_finite(m + i0, i1 - i0) : 0.0f;
+        float p_high = absmax_finite(p + i0, i1 - i0), r_high = absmax_finite(r + i0, i1 - i0);
+        maxima[0] = m_high > maxima[0] ? m_high : maxima[0];
+        maxima[1] = p_high > maxima[1] ? p_high : maxima[1];
+        maxima[2] = r_high > maxima[2] ? r_high : maxima[2];
     }
     return check ? flags : -1;
 }
@@ -258,16 +281,17 @@ static PyObject *py_accumulate_int4(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_nesterov_int8(PyObject *self, PyObject *args) {
-    unsigned long long g, m, p, r, scales, codes;
+    unsigned long long g, m, p, r, scales, codes, maxima;
     long long n, block, b0, b1;
     float lr, mu;
     int first, check;
     int64_t result;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLffppLL", &g, &m, &p, &r, &scales, &codes, &n, &block, &lr, &mu, &first,
-                          &check, &b0, &b1))
+    if (!PyArg_ParseTuple(args, "KKKKKKLLffppLLK", &g, &m, &p, &r, &scales, &codes, &n, &block, &lr, &mu, &first,
+                          &check, &b0, &b1, &maxima))
         return NULL;
     Py_BEGIN_ALLOW_THREADS result = nesterov_int8(ADDRESS(g), ADDRESS(m), ADDRESS(p), ADDRESS(r), ADDRESS(scales),
-                                                  ADDRESS(codes), n, block, lr, mu, first, check, b0, b1);
+                                                  ADDRESS(codes), n, block, lr, mu, first, check, b0, b1,
+                                                  ADDRESS(maxima));
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(result);
 }
 
@@ -279,7 +303,7 @@ static PyMethodDef methods[] = {
     {"accumulate_int4", py_accumulate_int4, METH_VARARGS,
      "(acc, scales, codes, block, i0, i1, alpha, first): acc (+)= decoded * alpha"},
     {"nesterov_int8", py_nesterov_int8, METH_VARARGS,
-     "(g, m, p, r, scales, codes, n, block, lr, mu, first, check, b0, b1): outer step and int8 change of blocks"},
+     "(g, m, p, r, scales, codes, n, block, lr, mu, first, check, b0, b1, maxima): outer step and int8 change"},
     {NULL, NULL, 0, NULL},
 };
 

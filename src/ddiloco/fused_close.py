@@ -25,12 +25,7 @@ from ddiloco.downlink import DeltaDownlink, Downlink, fragment_checksum
 from ddiloco.fragments import FragmentPlan
 from ddiloco.kernels import KernelThreads
 from ddiloco.messages import FragmentDelta
-from ddiloco.outer import OuterOptimizer
-
-STEP_NOT_FINITE = 1
-"""`nesterov_int8`'s check: a new momentum or parameter is not finite (the round must not commit)."""
-CHANGE_NOT_FINITE = 2
-"""`nesterov_int8`'s check: a change is not finite (the downlink sends the exact value instead)."""
+from ddiloco.outer import SAFE_BOUND, OuterOptimizer
 
 
 class FusedClose:
@@ -44,8 +39,11 @@ class FusedClose:
         self._plan = plan
         self._global = global_tensors
         self._threads = threads
+        self._maxima: dict[tuple[int, str], tuple[float, float, float]] = {}
+        """(fragment, tensor) -> the largest |momentum|, |parameter|, |residual| its last fused step wrote (the state
+        holds them until anything else writes it: `forget`)."""
 
-    def _run(self, fragment: int, name: str, merged: torch.Tensor, out: np.ndarray | None) -> int:
+    def _run(self, fragment: int, name: str, merged: torch.Tensor, out: np.ndarray | None) -> kernels.CloseResult:
         lr, mu = self._outer.hyperparameters(fragment)
         param = self._global[fragment][name]
         momentum = self._outer.momentum(fragment, name) if mu != 0 else None
@@ -54,22 +52,41 @@ class FusedClose:
             momentum = torch.empty_like(param)  # written by the kernel: m' = g
         elif first_step:
             momentum = param  # a check reads no momentum at a first step; any tensor of the right size
-        flags = kernels.nesterov_int8(merged.to(torch.float32), momentum, param, self._downlink.residual(name), lr=lr,
-                                      mu=mu, first_step=first_step, block_size=self._downlink.codec.block_size,
-                                      out=out, threads=self._threads)
+        result = kernels.nesterov_int8(merged.to(torch.float32), momentum, param, self._downlink.residual(name), lr=lr,
+                                       mu=mu, first_step=first_step, block_size=self._downlink.codec.block_size,
+                                       out=out, threads=self._threads)
         if first_step and out is not None:
             self._outer.set_momentum(fragment, name, momentum)
-        return flags
+        return result
+
+    def _bounded(self, fragment: int, name: str, merged: torch.Tensor) -> bool:
+        """Whether no new momentum, parameter or change of tensor `name` can leave float32's range: bounded from the
+        largest values its last fused step wrote and the merged tensor's L2 norm (at least its largest value), in
+        float64, against half of float32's largest value (far more than the few roundings need). One read of the
+        merged tensor instead of the check's four."""
+        held = self._maxima.get((fragment, name))
+        if held is None:
+            return False
+        momentum_max, param_max, residual_max = held
+        lr, mu = self._outer.hyperparameters(fragment)
+        merged_max = kernels.l2_norm(merged.to(torch.float32), self._threads)
+        momentum = abs(mu) * momentum_max + merged_max
+        stepped = param_max + abs(lr) * (merged_max + abs(mu) * momentum)
+        change = stepped + param_max + residual_max
+        return max(momentum, change) < SAFE_BOUND  # False for NaN
 
     def check(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> tuple[str | None, bool]:
         """(the first tensor whose momentum or parameter would stop being finite, or None; whether every change is
-        finite), computed as the step would compute them, writing nothing."""
+        finite), computed as the step would compute them, writing nothing: by the bound where it holds, else by the
+        kernel's check."""
         changes_finite = True
         for name in self._plan.fragments[fragment]:
-            flags = self._run(fragment, name, merged[name], None)
-            if flags & STEP_NOT_FINITE:
+            if self._bounded(fragment, name, merged[name]):
+                continue
+            flags = self._run(fragment, name, merged[name], None).flags
+            if flags & kernels.STEP_NOT_FINITE:
                 return name, False
-            changes_finite = changes_finite and not flags & CHANGE_NOT_FINITE
+            changes_finite = changes_finite and not flags & kernels.CHANGE_NOT_FINITE
         return None, changes_finite
 
     def step(self, fragment: int, version: int, merged: Mapping[str, torch.Tensor]) -> FragmentDelta:
@@ -80,11 +97,16 @@ class FusedClose:
         for name in names:
             numel = self._global[fragment][name].numel()
             out = np.empty(codec.encoded_nbytes(numel), dtype=np.uint8)
-            failed = self._run(fragment, name, merged[name], out)
-            assert not failed, "a change that is not finite: check() first"
+            result = self._run(fragment, name, merged[name], out)
+            assert not result.flags, "a change that is not finite: check() first"
+            self._maxima[(fragment, name)] = (result.momentum_max, result.param_max, result.residual_max)
             payload[name] = out.tobytes()
         return FragmentDelta(fragment, version, version - 1, codec.name, payload,
                              fragment_checksum(self._global[fragment], names))
+
+    def forget(self, fragment: int | None = None) -> None:
+        """Something else wrote `fragment`'s state (every fragment's: None): its bounds no longer hold."""
+        self._maxima = {} if fragment is None else {k: v for k, v in self._maxima.items() if k[0] != fragment}
 
 
 def make_fused_close(outer: OuterOptimizer, downlink: Downlink, plan: FragmentPlan,

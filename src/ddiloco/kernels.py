@@ -208,9 +208,26 @@ def accumulate(acc: torch.Tensor, values: torch.Tensor | Int4Blocks, alpha: floa
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class CloseResult:
+    """What `nesterov_int8` found: `flags` (checking: STEP_NOT_FINITE | CHANGE_NOT_FINITE; writing: CHANGE_NOT_FINITE
+    when a change was not finite) and, having written, the largest |m|, |p| and |r| it wrote."""
+
+    flags: int
+    momentum_max: float = 0.0
+    param_max: float = 0.0
+    residual_max: float = 0.0
+
+
+STEP_NOT_FINITE = 1
+"""A new momentum or parameter is not finite (the round must not commit)."""
+CHANGE_NOT_FINITE = 2
+"""A downlink change is not finite (the downlink sends the exact value instead)."""
+
+
 def nesterov_int8(merged: torch.Tensor, momentum: torch.Tensor | None, param: torch.Tensor, residual: torch.Tensor, *,
                   lr: float, mu: float, first_step: bool, block_size: int, out: np.ndarray | None,
-                  threads: KernelThreads = INLINE) -> int:
+                  threads: KernelThreads = INLINE) -> CloseResult:
     """One tensor's close in one pass per value, with the compiled kernels only (the eager path is the outer optimizer
     then the downlink rule, `ddiloco.fused_close`): with g = `merged`, m = `momentum`, p = `param`, r = `residual`,
     every operation rounded on its own in float32,
@@ -222,9 +239,9 @@ def nesterov_int8(merged: torch.Tensor, momentum: torch.Tensor | None, param: to
         s  = max |c| / 127 per block; q = round-half-even(c / s) within -127..127 (c / 1 for s = 0)
         p  = p + (q + 0) * s;  r = c - (q + 0) * s      what every learner rebuilds, and the error kept
 
-    `out`: the int8 payload to write (the blocks' float32 scales, then the codes q + 128), or None to check only.
-    Returns, checking: 1 | 2 when some m' or p' (1) or some change (2) is not finite, else 0; writing: 0, or 2 when a
-    change was not finite (nothing is then consistent: check first)."""
+    `out`: the int8 payload to write (the blocks' float32 scales, then the codes q + 128), or None to check only
+    (nothing written). Writing after a check that found nothing leaves every value consistent; a change that is not
+    finite stops the writing at its block."""
     if compiled is None:
         raise RuntimeError("ddiloco._kernels is not built: use the outer optimizer and the downlink rule")
     g, p, r = _flat(merged), _flat(param, writable=True), _flat(residual, writable=True)
@@ -237,18 +254,22 @@ def nesterov_int8(merged: torch.Tensor, momentum: torch.Tensor | None, param: to
         raise ValueError(f"an int8 payload of {numel} values is {4 * num_blocks + numel} bytes, got {out.nbytes}")
     base = 0 if out is None else out.__array_interface__["data"][0]
     m_address = 0 if m is None else m.data_ptr()
-
-    def run(b0: int, b1: int) -> int:
-        return compiled.nesterov_int8(g.data_ptr(), m_address, p.data_ptr(), r.data_ptr(), base, base + 4 * num_blocks,
-                                      numel, block_size, lr, mu, first_step, out is None, b0, b1)
-
     blocks_per_unit = max(1, NORM_CHUNK // block_size)
     ranges = [(u0 * blocks_per_unit, min(u1 * blocks_per_unit, num_blocks))
               for u0, u1 in threads.split(numel, blocks_per_unit * block_size)]
+    maxima = torch.zeros(len(ranges), 3)  # per range: |m|, |p|, |r| written
+
+    def run(b0: int, b1: int) -> int:
+        slot = maxima[ranges.index((b0, b1))]
+        return compiled.nesterov_int8(g.data_ptr(), m_address, p.data_ptr(), r.data_ptr(), base, base + 4 * num_blocks,
+                                      numel, block_size, lr, mu, first_step, out is None, b0, b1, slot.data_ptr())
+
     results = threads.run(run, ranges)
     if out is None:
         flags = 0
         for result in results:
             flags |= result
-        return flags
-    return 2 if any(result >= 0 for result in results) else 0
+        return CloseResult(flags)
+    momentum_max, param_max, residual_max = maxima.amax(dim=0).tolist()
+    return CloseResult(CHANGE_NOT_FINITE if any(result >= 0 for result in results) else 0, momentum_max, param_max,
+                       residual_max)

@@ -405,6 +405,8 @@ class Syncer:
             assert self._fused_close is not None
             self.versions[p] = version
             return self._fused_close.step(p, version, merged)
+        if self._fused_close is not None:
+            self._fused_close.forget(p)
         previous = self._downlink.before_step(p, self._global[p])
         self.outer.step(p, merged)
         self.versions[p] = version
@@ -452,6 +454,8 @@ class Syncer:
         self.rounds_committed = int(state["rounds_committed"])
         self.outer.load_state_dict(state["outer"])
         self._downlink.load_state_dict(state["downlink_residual"])
+        if self._fused_close is not None:
+            self._fused_close.forget()
         self._open = [OpenRound(merge) for merge in self._merges]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,

@@ -30,17 +30,19 @@ def _config(outer_lr: float = 0.7) -> DilocoConfig:
                         outer_lr=outer_lr)
 
 
-def _initial() -> dict[str, torch.Tensor]:
+def _initial(*, spike: bool = False) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     initial = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
-    initial["b"][5] = 2e38
+    if spike:
+        initial["b"][5] = 2e38
     return initial
 
 
 def _run(rounds: int, *, spike_round: int | None = None):
     """The broadcasts and records of `rounds` rounds of 3 learners, and the syncer."""
     config = _config(SPIKE_LR if spike_round is not None else 0.7)
-    syncer = Syncer(config, QuorumConfig(min_quorum=LEARNERS, grace="none"), initial_params=_initial(),
+    syncer = Syncer(config, QuorumConfig(min_quorum=LEARNERS, grace="none"),
+                    initial_params=_initial(spike=spike_round is not None),
                     embeddings=("emb",))
     for learner_id in range(LEARNERS):
         syncer.receive(Join(learner_id, syncer.spec, config.fingerprint()), 0.0)
@@ -92,6 +94,27 @@ def test_the_compiled_and_the_eager_syncer_hold_the_same_bits(monkeypatch, spike
     config = _config(SPIKE_LR if spike_round is not None else 0.7)
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "compiled", None)
-        replayed_eagerly = replay_rounds(config, _initial(), fused[1])
-    assert _same_tensors(replay_rounds(config, _initial(), eager[1]), fused[2].global_params())
+        replayed_eagerly = replay_rounds(config, _initial(spike=spike_round is not None), fused[1])
+    initial = _initial(spike=spike_round is not None)
+    assert _same_tensors(replay_rounds(config, initial, eager[1]), fused[2].global_params())
     assert _same_tensors(replayed_eagerly, fused[2].global_params())
+
+
+def test_after_a_fused_step_the_next_check_is_a_bound_and_a_spike_still_takes_the_exact_check(monkeypatch):
+    checks = []
+    kernel = kernels.nesterov_int8
+
+    def counting(*args, **options):
+        if options["out"] is None:
+            checks.append(options["first_step"])
+        return kernel(*args, **options)
+
+    monkeypatch.setattr(kernels, "nesterov_int8", counting)
+    _run(3)
+    assert len(checks) == len(SHAPES)  # the first round's check only: the later ones were bounded
+    checks.clear()
+    _, records, syncer = _run(3, spike_round=2)
+    # "b", whose parameter of 2e38 is beyond the bound's reach, is checked by the kernel in rounds 2 and 3 (where it
+    # finds the spike); the others stay bounded.
+    assert checks == [True] * len(SHAPES) + [False, False]
+    assert syncer.rejection_counts == {"non_finite": LEARNERS}

@@ -165,13 +165,16 @@ def test_the_fused_close_is_the_outer_step_then_the_int8_change(numel, mu, first
     momentum = (torch.full_like(m, math.nan) if first_step else m.clone()) if mu else None
     param, residual = p.clone(), r.clone()
     assert kernels.nesterov_int8(g, momentum, param, residual, lr=0.7, mu=mu, first_step=first_step, block_size=256,
-                                 out=None) == 0
-    assert kernels.nesterov_int8(g, momentum, param, residual, lr=0.7, mu=mu, first_step=first_step, block_size=256,
-                                 out=out) == 0
+                                 out=None).flags == 0
+    written = kernels.nesterov_int8(g, momentum, param, residual, lr=0.7, mu=mu, first_step=first_step,
+                                    block_size=256, out=out)
+    assert written.flags == 0
     assert out.tobytes() == expected[3]
     assert torch.equal(_bits(param), _bits(expected[1])) and torch.equal(_bits(residual), _bits(expected[2]))
     if mu:
         assert torch.equal(_bits(momentum), _bits(expected[0]))
+    assert written.momentum_max == (float(momentum.abs().max()) if mu else 0.0)
+    assert (written.param_max, written.residual_max) == (float(param.abs().max()), float(residual.abs().max()))
 
 
 @compiled_only
@@ -184,8 +187,8 @@ def test_the_close_check_finds_a_step_or_a_change_that_is_not_finite_and_writes_
     g_big[600] = -3.0e38
     kept = p.clone()
     check = dict(lr=0.7, mu=0.9, first_step=False, block_size=256, out=None)
-    assert kernels.nesterov_int8(g_big, m.clone(), p, r, **check) & 1
+    assert kernels.nesterov_int8(g_big, m.clone(), p, r, **check).flags & kernels.STEP_NOT_FINITE
     g2, m2, r2 = g.clone(), m.clone(), r.clone()
     g2[10], m2[10], r2[10] = -1e37, 0.0, 3.3e38  # p' = p + 1.33e37, finite; the change 1.33e37 + 3.3e38 is not
-    assert kernels.nesterov_int8(g2, m2, kept.clone(), r2, **check) == 2
+    assert kernels.nesterov_int8(g2, m2, kept.clone(), r2, **check).flags == kernels.CHANGE_NOT_FINITE
     assert torch.equal(p, kept) and torch.equal(m2[11:], m[11:])
