@@ -102,7 +102,7 @@ class FusedClose:
             self._maxima[(fragment, name)] = (result.momentum_max, result.param_max, result.residual_max)
             payload[name] = out.tobytes()
         return FragmentDelta(fragment, version, version - 1, codec.name, payload,
-                             fragment_checksum(self._global[fragment], names))
+                             fragment_checksum(self._global[fragment], names, self._threads))
 
     def forget(self, fragment: int | None = None) -> None:
         """Something else wrote `fragment`'s state (every fragment's: None): its bounds no longer hold."""

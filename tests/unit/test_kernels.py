@@ -5,12 +5,13 @@ non-finite values and scales, zeros; the compiled and the eager path give the sa
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
-from ddiloco import kernels
+from ddiloco import checksums, kernels
 from ddiloco.compression import Int4Codec, Int4Config, Int8Codec
 from ddiloco.kernels import Int4Blocks, KernelThreads
 
@@ -192,3 +193,20 @@ def test_the_close_check_finds_a_step_or_a_change_that_is_not_finite_and_writes_
     g2[10], m2[10], r2[10] = -1e37, 0.0, 3.3e38  # p' = p + 1.33e37, finite; the change 1.33e37 + 3.3e38 is not
     assert kernels.nesterov_int8(g2, m2, kept.clone(), r2, **check).flags == kernels.CHANGE_NOT_FINITE
     assert torch.equal(p, kept) and torch.equal(m2[11:], m[11:])
+
+
+@pytest.mark.parametrize("lengths", [[0], [1], [5, 0, 7], [3 << 20, 1, (1 << 20) + 5]])
+def test_a_checksum_in_pieces_on_threads_is_zlib_crc32_of_the_whole(lengths):
+    generator = np.random.default_rng(sum(lengths))
+    blobs = [generator.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lengths]
+    whole = zlib.crc32(b"".join(blobs))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            pool = KernelThreads()
+            assert checksums.crc32([memoryview(b) for b in blobs], pool) == whole
+            pool.close()
+    finally:
+        torch.set_num_threads(before)
+    assert checksums.crc32_join(zlib.crc32(b"ab"), zlib.crc32(b"cde"), 3) == zlib.crc32(b"abcde")
