@@ -239,6 +239,89 @@ CLONED static int64_t nesterov_int8(const float *g, float *m, float *p, float *r
     return check ? flags : -1;
 }
 
+/* ---- CRC-32 (zlib's: reflected polynomial 0xEDB88320, initial and final inversion), for `ddiloco.checksums`.
+ *
+ * With PCLMULQDQ: the message is folded 64 bytes at a time into four 128-bit registers, each congruent modulo P to
+ * the part of the message it has taken in. A register R (bits j = coefficient of x^(127 - j): the bytes as they lie,
+ * little-endian) is split into H (x^127..x^64) and L (x^63..x^0); moving it D bits on, R x^D = H x^(D+64) + L x^D is
+ * congruent to H (x^(D+63) mod P) x + L (x^(D-1) mod P) x, and a carry-less product of two reflected 64-bit values
+ * is the reflected 128-bit product times x: the constants are x^(D+63) and x^(D-1) mod P. The four registers are
+ * then folded into one, 16-byte blocks after it, and that register, congruent to the whole message so far, goes
+ * through the byte-wise CRC like 16 message bytes (R x^32 mod P is the CRC state of the message). The initial
+ * state enters as an XOR into the first four bytes. Without PCLMULQDQ: the byte-wise CRC, table-driven. */
+
+#define CRC_POLY 0xEDB88320u
+
+static uint32_t crc_table[256];
+static uint64_t fold_512[2], fold_384[2], fold_256[2], fold_128[2];
+
+/* x^k mod P, reflected (bit 31 is the coefficient of x^0). */
+static uint32_t x_to_the(int k) {
+    uint32_t v = 1u << 31;
+    for (int i = 0; i < k; i++) v = (v >> 1) ^ ((v & 1) ? CRC_POLY : 0);
+    return v;
+}
+
+static void crc_init(void) {
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t c = b;
+        for (int i = 0; i < 8; i++) c = (c >> 1) ^ ((c & 1) ? CRC_POLY : 0);
+        crc_table[b] = c;
+    }
+    /* (for the low qword, H; for the high qword, L), each as a reflected 64-bit value: the 32-bit one shifted up */
+    int distances[4] = {512, 384, 256, 128};
+    uint64_t *constants[4] = {fold_512, fold_384, fold_256, fold_128};
+    for (int i = 0; i < 4; i++) {
+        constants[i][0] = (uint64_t)x_to_the(distances[i] + 63) << 32;
+        constants[i][1] = (uint64_t)x_to_the(distances[i] - 1) << 32;
+    }
+}
+
+static uint32_t crc_bytewise(uint32_t state, const uint8_t *data, int64_t n) {
+    for (int64_t i = 0; i < n; i++) state = crc_table[(state ^ data[i]) & 0xFF] ^ (state >> 8);
+    return state;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_CLMUL_PATH 1
+
+__attribute__((target("pclmul,sse4.1"))) static inline __m128i fold(__m128i x, __m128i k, __m128i next) {
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
+}
+
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_clmul(uint32_t state, const uint8_t *data, int64_t n) {
+    const __m128i k512 = _mm_loadu_si128((const __m128i *)fold_512), k384 = _mm_loadu_si128((const __m128i *)fold_384);
+    const __m128i k256 = _mm_loadu_si128((const __m128i *)fold_256), k128 = _mm_loadu_si128((const __m128i *)fold_128);
+    __m128i x0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)data), _mm_cvtsi32_si128((int)state));
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(data + 16));
+    __m128i x2 = _mm_loadu_si128((const __m128i *)(data + 32));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(data + 48));
+    int64_t at = 64;
+    for (; at + 64 <= n; at += 64) {
+        x0 = fold(x0, k512, _mm_loadu_si128((const __m128i *)(data + at)));
+        x1 = fold(x1, k512, _mm_loadu_si128((const __m128i *)(data + at + 16)));
+        x2 = fold(x2, k512, _mm_loadu_si128((const __m128i *)(data + at + 32)));
+        x3 = fold(x3, k512, _mm_loadu_si128((const __m128i *)(data + at + 48)));
+    }
+    __m128i x = fold(x0, k384, fold(x1, k256, fold(x2, k128, x3)));
+    for (; at + 16 <= n; at += 16) x = fold(x, k128, _mm_loadu_si128((const __m128i *)(data + at)));
+    uint8_t reduced[16];
+    _mm_storeu_si128((__m128i *)reduced, x);
+    return crc_bytewise(crc_bytewise(0, reduced, 16), data + at, n - at);
+}
+#endif
+
+/* zlib.crc32(data[:n], crc). */
+static uint32_t crc32_bytes(uint32_t crc, const uint8_t *data, int64_t n) {
+    uint32_t state = ~crc;
+#ifdef HAVE_CLMUL_PATH
+    if (n >= 64 && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"))
+        return ~crc_clmul(state, data, n);
+#endif
+    return ~crc_bytewise(state, data, n);
+}
+
 /* ---- Python bindings: addresses and counts in, the GIL released around the loops. ---- */
 
 #define ADDRESS(v) ((void *)(uintptr_t)(v))
@@ -295,6 +378,16 @@ static PyObject *py_nesterov_int8(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(result);
 }
 
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    unsigned long long data;
+    long long n;
+    unsigned int crc;
+    uint32_t result;
+    if (!PyArg_ParseTuple(args, "KLI", &data, &n, &crc)) return NULL;
+    Py_BEGIN_ALLOW_THREADS result = crc32_bytes(crc, ADDRESS(data), n);
+    Py_END_ALLOW_THREADS return PyLong_FromUnsignedLong(result);
+}
+
 static PyMethodDef methods[] = {
     {"square_sums_f32", py_square_sums_f32, METH_VARARGS, "(x, n, chunk0, chunk1, out): chunk sums of squares"},
     {"square_sums_int4", py_square_sums_int4, METH_VARARGS,
@@ -304,6 +397,7 @@ static PyMethodDef methods[] = {
      "(acc, scales, codes, block, i0, i1, alpha, first): acc (+)= decoded * alpha"},
     {"nesterov_int8", py_nesterov_int8, METH_VARARGS,
      "(g, m, p, r, scales, codes, n, block, lr, mu, first, check, b0, b1, maxima): outer step and int8 change"},
+    {"crc32", py_crc32, METH_VARARGS, "(data, n, crc): zlib.crc32 of n bytes at data, continuing crc"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -311,6 +405,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "ddiloco'
                                     methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
+    crc_init();
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
     if (PyModule_AddIntConstant(mod, "NORM_CHUNK", NORM_CHUNK) || PyModule_AddIntConstant(mod, "LANES", LANES)) {

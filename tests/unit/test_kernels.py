@@ -210,3 +210,13 @@ def test_a_checksum_in_pieces_on_threads_is_zlib_crc32_of_the_whole(lengths):
     finally:
         torch.set_num_threads(before)
     assert checksums.crc32_join(zlib.crc32(b"ab"), zlib.crc32(b"cde"), 3) == zlib.crc32(b"abcde")
+
+
+@compiled_only
+def test_the_compiled_crc32_is_zlibs_at_every_length_and_start():
+    generator = np.random.default_rng(0)
+    for numel in [*range(0, 200), 4095, 4096, 4097, 65536 + 13]:
+        data = generator.integers(0, 256, numel, dtype=np.uint8)
+        address = data.__array_interface__["data"][0]
+        for start in (0, 0x12345678, 0xFFFFFFFF):
+            assert kernels.compiled.crc32(address, numel, start) == zlib.crc32(data, start)
