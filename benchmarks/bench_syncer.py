@@ -6,13 +6,14 @@
 `core`: the syncer core's work per round, against the memory-bound floor measured in the same run. A
 model of `params` float32 parameters in `fragments` fragments, `learners` learners, int4 uplink, int8
 downlink (the defaults). Each round takes one fragment (round robin) through what the running syncer does:
-every learner's update decoded and checked (`decode_payload`, what the wire layer does outside the
-service's lock), then handed to the core (`Syncer.receive`: added to the round's running sums; the last one
-closes the round: merge, outer step, downlink change). The floor is one `add_` pass over the same number of
-learner-values (`learners` x fragment size float32 values added into one accumulator), best of the same
-repeats, measured in the same process between the rounds, at the same torch thread count. Rounds are timed
-after one warm-up round per fragment (its first outer step allocates the momentum and touches the residual). Targets: at
-most 4x the floor per value on one thread, and at least 1.7x faster on 2 threads than on 1.
+every learner's update checked (`decode_payload`, what the wire layer does outside the service's lock; with the
+compiled kernels an int4 update is read from its codes, `ddiloco.kernels`), then handed to the core
+(`Syncer.receive`: added to the round's running sums; the last one closes the round: merge, outer step,
+downlink change). The floor is one `add_` pass over the same number of learner-values (`learners` x fragment
+size float32 values added into one accumulator), best of the same repeats, measured in the same process between
+the rounds, at the same torch thread count. Rounds are timed after one warm-up round per fragment (its first
+outer step allocates the momentum and touches the residual). Targets: at most 4x the floor per value on one
+thread, and at least 1.7x faster on 2 threads than on 1.
 
 The fleet of 128 learners over real gRPC is `bench_fleet.py`; the downlink's fragment throughput is
 `bench_runtime.py --only bench_grpc_fragment_throughput`.
@@ -33,7 +34,7 @@ from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.kernels import KernelThreads
 from ddiloco.messages import Join, Update
 from ddiloco.syncer import Syncer
-from ddiloco.update_values import DecodeBuffers, decode_payload
+from ddiloco.update_values import DecodeBuffers, decode_payload, reads_in_place
 
 TENSORS_PER_FRAGMENT = 4
 """Each fragment is this many equal tensors (a layer's weight matrices, roughly)."""
@@ -95,7 +96,8 @@ class CoreCase:
             payload = {name: self.payloads[learner_id % DISTINCT_PAYLOADS][int(name.rsplit("t", 1)[1])]
                        for name in names}
             start = time.perf_counter()
-            into = [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names]
+            into = ([] if reads_in_place(self.codec) else  # as the wire layer: int4 is read from its codes
+                    [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names])
             decoded = decode_payload(self.codec, payload, names, self.shapes, into=into, threads=self.threads)
             middle = time.perf_counter()
             assert not isinstance(decoded, tuple), decoded
