@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ddiloco.compression import Int4Codec, Int4Config
+
 try:
     from ddiloco import _kernels as compiled
 except ImportError:  # built without a C compiler: the eager path (same bits, slower)
@@ -42,8 +44,6 @@ LANES = 16
 MIN_SPLIT_VALUES = 1 << 18
 """A tensor is split over threads only in ranges of at least this many values: below it, handing a range to a thread
 costs more than it saves."""
-INT8_LEVELS = 127
-"""int8 levels -127..127 (`ddiloco.compression.Int8Codec`)."""
 
 if compiled is not None:
     assert (compiled.NORM_CHUNK, compiled.LANES) == (NORM_CHUNK, LANES), "rebuild ddiloco._kernels (setup.py)"
@@ -65,7 +65,7 @@ class KernelThreads:
 
     def run(self, work: Callable[[int, int], object], ranges: Sequence[tuple[int, int]]) -> list:
         """`work(start, stop)` for each range, in parallel; the results in the order of `ranges`."""
-        if len(ranges) <= 1 or compiled is None:
+        if len(ranges) <= 1:
             return [work(*r) for r in ranges]
         helpers = len(ranges) - 1
         if self._pool is None or self._pool_size < helpers:
@@ -115,8 +115,6 @@ class Int4Blocks:
 
     def decode(self) -> torch.Tensor:
         """The float32 values, as `Int4Codec.decode` gives them."""
-        from ddiloco.compression import Int4Codec, Int4Config
-
         return Int4Codec(Int4Config(block_size=self.block_size)).decode(self.payload, (self.numel,))
 
 
@@ -137,24 +135,24 @@ def _sequential_sum(totals: Sequence[float]) -> float:
 
 def square_sum(values: torch.Tensor | Int4Blocks, threads: KernelThreads = INLINE) -> float:
     """||values||^2 in the stated order (module docstring): inf or NaN when a value is not finite."""
+    if compiled is None:
+        return _eager_square_sum(_flat(values.decode() if isinstance(values, Int4Blocks) else values))
     if isinstance(values, Int4Blocks):
-        if compiled is None:
-            return square_sum(values.decode(), threads)
-        numel = values.numel
-        scales, codes = values.addresses()
-        kernel = lambda c0, c1: compiled.square_sums_int4(scales, codes, numel, values.block_size, c0, c1,  # noqa: E731
-                                                          out[c0:].data_ptr())
+        numel, (scales, codes) = values.numel, values.addresses()
+
+        def chunk_sums(c0: int, c1: int) -> None:
+            compiled.square_sums_int4(scales, codes, numel, values.block_size, c0, c1, totals[c0:].data_ptr())
     else:
         x = _flat(values)
         numel = x.numel()
-        if compiled is None:
-            return _eager_square_sum(x)
-        kernel = lambda c0, c1: compiled.square_sums_f32(x.data_ptr(), numel, c0, c1, out[c0:].data_ptr())  # noqa: E731
-    out = torch.empty(max(1, -(-numel // NORM_CHUNK)), dtype=torch.float64)
+
+        def chunk_sums(c0: int, c1: int) -> None:
+            compiled.square_sums_f32(x.data_ptr(), numel, c0, c1, totals[c0:].data_ptr())
     if numel == 0:
         return 0.0
-    threads.run(kernel, threads.split(numel, NORM_CHUNK))
-    return _sequential_sum(out.tolist())
+    totals = torch.empty(-(-numel // NORM_CHUNK), dtype=torch.float64)  # one per chunk
+    threads.run(chunk_sums, threads.split(numel, NORM_CHUNK))
+    return _sequential_sum(totals.tolist())
 
 
 def _eager_square_sum(x: torch.Tensor) -> float:
@@ -183,29 +181,28 @@ def accumulate(acc: torch.Tensor, values: torch.Tensor | Int4Blocks, alpha: floa
     """acc = values * alpha (`first`) or acc + values * alpha, in place, as the module docstring rounds it."""
     flat = _flat(acc, writable=True)
     numel = flat.numel()
+    if (values.numel if isinstance(values, Int4Blocks) else values.numel()) != numel:
+        raise ValueError(f"values of another size than the sum's {numel}")
+    if compiled is None:
+        x = _flat(values.decode() if isinstance(values, Int4Blocks) else values)
+        if first:
+            torch.mul(x, alpha, out=flat)  # alpha rounded to float32, as torch rounds a scalar for a float32 tensor
+        else:
+            flat.add_(torch.mul(x, alpha))  # two roundings: never add_(x, alpha=...), which fuses on AVX2 CPUs
+        return
     if isinstance(values, Int4Blocks):
-        if values.numel != numel:
-            raise ValueError(f"{values.numel} int4 values for a sum of {numel}")
-        if compiled is None:
-            return accumulate(acc, values.decode(), alpha, first=first, threads=threads)
         scales, codes = values.addresses()
-        block = values.block_size
-        kernel = lambda u0, u1: compiled.accumulate_int4(  # noqa: E731
-            flat.data_ptr(), scales, codes, block, u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), alpha, first)
+
+        def add_range(u0: int, u1: int) -> None:
+            compiled.accumulate_int4(flat.data_ptr(), scales, codes, values.block_size, u0 * NORM_CHUNK,
+                                     min(u1 * NORM_CHUNK, numel), alpha, first)
     else:
         x = _flat(values)
-        if x.numel() != numel:
-            raise ValueError(f"{x.numel()} values for a sum of {numel}")
-        if compiled is None:
-            if first:
-                torch.mul(x, alpha, out=flat)
-            else:
-                flat.add_(torch.mul(x, alpha))  # two roundings: never add_(x, alpha=...), which fuses on AVX2
-            return None
-        kernel = lambda u0, u1: compiled.accumulate_f32(  # noqa: E731
-            flat.data_ptr(), x.data_ptr(), u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), alpha, first)
-    threads.run(kernel, threads.split(numel, NORM_CHUNK))
-    return None
+
+        def add_range(u0: int, u1: int) -> None:
+            compiled.accumulate_f32(flat.data_ptr(), x.data_ptr(), u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), alpha,
+                                    first)
+    threads.run(add_range, threads.split(numel, NORM_CHUNK))
 
 
 @dataclasses.dataclass(frozen=True)

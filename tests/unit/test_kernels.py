@@ -107,6 +107,21 @@ def test_sums_round_the_product_then_the_sum(numel):
     assert np.array_equal(acc.numpy().view(np.int32), first.view(np.int32))
 
 
+def test_the_eager_sums_round_as_the_kernels_do(monkeypatch):
+    numel = 3 * 65536 + 17
+    payload, codec = _int4(numel, 64, seed=12)
+    x, start = _values(numel, seed=13), _values(numel, seed=14)
+    a32 = np.float32(0.3141592653589)
+    expected = (start.numpy() + x.numpy() * a32) + codec.decode(payload, (numel,)).numpy() * a32
+    monkeypatch.setattr(kernels, "compiled", None)
+    acc = start.clone()
+    kernels.accumulate(acc, x, 0.3141592653589, first=False)
+    kernels.accumulate(acc, Int4Blocks(payload, numel, 64), 0.3141592653589, first=False)
+    assert np.array_equal(acc.numpy().view(np.int32), expected.view(np.int32))
+    decoded = codec.decode(payload, (numel,)).numpy()
+    assert kernels.square_sum(Int4Blocks(payload, numel, 64)) == stated_square_sum(decoded)
+
+
 def test_a_fused_multiply_add_would_give_other_bits():
     # The reason for the stated roundings: torch's add_(alpha=) fuses on AVX2 CPUs, so the two differ somewhere.
     x, acc = _values(100000, seed=7), _values(100000, seed=8)
