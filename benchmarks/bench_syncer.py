@@ -31,7 +31,7 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.kernels import KernelThreads
+from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import Join, Update
 from ddiloco.syncer import Syncer
 from ddiloco.update_values import DecodeBuffers, decode_payload, reads_in_place

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ddiloco import kernels
-from ddiloco.kernels import INLINE, KernelThreads
+from ddiloco.kernel_threads import INLINE, KernelThreads
 
 REFLECTED_POLY = 0xEDB88320
 """CRC-32's P = x^32 + x^26 + ... + 1 without its x^32 term, bit-reflected (zlib's)."""
@@ -65,21 +65,14 @@ def _piece_crc32(data: memoryview, crc: int = 0) -> int:
 
 
 def crc32(pieces: Sequence[memoryview], threads: KernelThreads = INLINE) -> int:
-    """zlib.crc32 of the pieces one after the other (contiguous byte views), each cut further to use `threads`."""
-    cuts: list[memoryview] = []
+    """zlib.crc32 of the pieces one after the other (contiguous byte views), each cut into one range per thread, all
+    handed to the threads at once."""
+    tasks = []
     for piece in pieces:
-        parts = max(1, min(threads.count(), piece.nbytes // MIN_PIECE_BYTES))
-        step = -(-piece.nbytes // parts) if parts > 1 else max(1, piece.nbytes)
-        cuts += [piece[start:start + step] for start in range(0, piece.nbytes, step)] or [piece]
-    if len(cuts) == 1 or threads.count() == 1:
-        crc = 0
-        for cut in cuts:
-            crc = _piece_crc32(cut, crc)
-        return crc
-    per_thread = -(-len(cuts) // threads.count())
-    groups = [(first, min(first + per_thread, len(cuts))) for first in range(0, len(cuts), per_thread)]
-    crcs = threads.run(lambda first, last: [_piece_crc32(cut) for cut in cuts[first:last]], groups)
+        tasks.append((lambda start, stop, piece=piece: (_piece_crc32(piece[start:stop]), stop - start),
+                      threads.split(piece.nbytes, min_split=MIN_PIECE_BYTES)))
     crc = 0
-    for cut, piece_crc in zip(cuts, (c for group in crcs for c in group), strict=True):
-        crc = crc32_join(crc, piece_crc, cut.nbytes)
+    for parts in threads.run(tasks):
+        for part_crc, length in parts:
+            crc = crc32_join(crc, part_crc, length)
     return crc

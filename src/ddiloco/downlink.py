@@ -39,7 +39,7 @@ import torch
 from ddiloco.checksums import crc32
 from ddiloco.compression import NonFiniteError, encode_decoded, get_codec
 from ddiloco.fragments import FragmentPlan
-from ddiloco.kernels import INLINE, KernelThreads
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import FragmentDelta, FragmentState
 from ddiloco.update_values import DecodeBuffers
 

@@ -23,7 +23,7 @@ from ddiloco import kernels
 from ddiloco.compression import Int8Codec
 from ddiloco.downlink import DeltaDownlink, Downlink, fragment_checksum
 from ddiloco.fragments import FragmentPlan
-from ddiloco.kernels import KernelThreads
+from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import FragmentDelta
 from ddiloco.outer import SAFE_BOUND, OuterOptimizer
 
@@ -39,69 +39,76 @@ class FusedClose:
         self._plan = plan
         self._global = global_tensors
         self._threads = threads
+        self._payloads: dict[str, np.ndarray | None] = {}
         self._maxima: dict[tuple[int, str], tuple[float, float, float]] = {}
         """(fragment, tensor) -> the largest |momentum|, |parameter|, |residual| its last fused step wrote (the state
         holds them until anything else writes it: `forget`)."""
 
-    def _run(self, fragment: int, name: str, merged: torch.Tensor, out: np.ndarray | None) -> kernels.CloseResult:
+    def _batch(self, fragment: int, names: list[str], merged: Mapping[str, torch.Tensor],
+               write: bool) -> list[kernels.CloseResult]:
+        """The kernel over tensors `names` of `fragment`, all handed to the threads at once: checking, or writing (the
+        payloads in `self._payloads`)."""
         lr, mu = self._outer.hyperparameters(fragment)
-        param = self._global[fragment][name]
-        momentum = self._outer.momentum(fragment, name) if mu != 0 else None
-        first_step = mu != 0 and momentum is None
-        if first_step and out is not None:
-            momentum = torch.empty_like(param)  # written by the kernel: m' = g
-        elif first_step:
-            momentum = param  # a check reads no momentum at a first step; any tensor of the right size
-        result = kernels.nesterov_int8(merged.to(torch.float32), momentum, param, self._downlink.residual(name), lr=lr,
-                                       mu=mu, first_step=first_step, block_size=self._downlink.codec.block_size,
-                                       out=out, threads=self._threads)
-        if first_step and out is not None:
-            self._outer.set_momentum(fragment, name, momentum)
-        return result
+        batch = []
+        for name in names:
+            param = self._global[fragment][name]
+            momentum = self._outer.momentum(fragment, name) if mu != 0 else None
+            first_step = mu != 0 and momentum is None
+            if first_step:  # written by the kernel (m' = g); a check reads none, so any tensor of the size will do
+                momentum = torch.empty_like(param) if write else param
+                if write:
+                    self._outer.set_momentum(fragment, name, momentum)
+            out = np.empty(self._downlink.codec.encoded_nbytes(param.numel()), dtype=np.uint8) if write else None
+            batch.append(kernels.CloseTensor(merged[name].to(torch.float32), momentum, param,
+                                             self._downlink.residual(name), first_step, out))
+        results = kernels.nesterov_int8(batch, lr=lr, mu=mu, block_size=self._downlink.codec.block_size,
+                                        threads=self._threads)
+        self._payloads = {name: tensor.out for name, tensor in zip(names, batch, strict=True)}
+        return results
 
-    def _bounded(self, fragment: int, name: str, merged: torch.Tensor) -> bool:
-        """Whether no new momentum, parameter or change of tensor `name` can leave float32's range: bounded from the
-        largest values its last fused step wrote and the merged tensor's L2 norm (at least its largest value), in
-        float64, against half of float32's largest value (far more than the few roundings need). One read of the
-        merged tensor instead of the check's four."""
-        held = self._maxima.get((fragment, name))
-        if held is None:
-            return False
-        momentum_max, param_max, residual_max = held
+    def _bounded(self, fragment: int, names: list[str], merged: Mapping[str, torch.Tensor]) -> list[bool]:
+        """For each tensor of `names`: whether no new momentum, parameter or change can leave float32's range, bounded
+        from the largest values its last fused step wrote and the merged tensor's L2 norm (at least its largest
+        value), in float64, against half of float32's largest value (far more than the few roundings need). One read
+        of each merged tensor instead of the check's four tensors."""
         lr, mu = self._outer.hyperparameters(fragment)
-        merged_max = kernels.l2_norm(merged.to(torch.float32), self._threads)
-        momentum = abs(mu) * momentum_max + merged_max
-        stepped = param_max + abs(lr) * (merged_max + abs(mu) * momentum)
-        change = stepped + param_max + residual_max
-        return max(momentum, change) < SAFE_BOUND  # False for NaN
+        held = [self._maxima.get((fragment, name)) for name in names]
+        known = [name for name, h in zip(names, held, strict=True) if h is not None]
+        norms = dict(zip(known, kernels.l2_norms([merged[n].to(torch.float32) for n in known], self._threads),
+                         strict=True))
+        bounded = []
+        for name, maxima in zip(names, held, strict=True):
+            if maxima is None:
+                bounded.append(False)
+                continue
+            momentum_max, param_max, residual_max = maxima
+            momentum = abs(mu) * momentum_max + norms[name]
+            stepped = param_max + abs(lr) * (norms[name] + abs(mu) * momentum)
+            bounded.append(max(momentum, stepped + param_max + residual_max) < SAFE_BOUND)  # False for NaN
+        return bounded
 
     def check(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> tuple[str | None, bool]:
         """(the first tensor whose momentum or parameter would stop being finite, or None; whether every change is
         finite), computed as the step would compute them, writing nothing: by the bound where it holds, else by the
         kernel's check."""
+        names = list(self._plan.fragments[fragment])
+        unbounded = [name for name, ok in zip(names, self._bounded(fragment, names, merged), strict=True) if not ok]
         changes_finite = True
-        for name in self._plan.fragments[fragment]:
-            if self._bounded(fragment, name, merged[name]):
-                continue
-            flags = self._run(fragment, name, merged[name], None).flags
-            if flags & kernels.STEP_NOT_FINITE:
+        for name, result in zip(unbounded, self._batch(fragment, unbounded, merged, write=False), strict=True):
+            if result.flags & kernels.STEP_NOT_FINITE:
                 return name, False
-            changes_finite = changes_finite and not flags & kernels.CHANGE_NOT_FINITE
+            changes_finite = changes_finite and not result.flags & kernels.CHANGE_NOT_FINITE
         return None, changes_finite
 
     def step(self, fragment: int, version: int, merged: Mapping[str, torch.Tensor]) -> FragmentDelta:
         """The step of `fragment` to `version`, in place, and its broadcast. `check` first: every change finite."""
-        names = self._plan.fragments[fragment]
-        codec = self._downlink.codec
-        payload = {}
-        for name in names:
-            numel = self._global[fragment][name].numel()
-            out = np.empty(codec.encoded_nbytes(numel), dtype=np.uint8)
-            result = self._run(fragment, name, merged[name], out)
+        names = list(self._plan.fragments[fragment])
+        for name, result in zip(names, self._batch(fragment, names, merged, write=True), strict=True):
             assert not result.flags, "a change that is not finite: check() first"
             self._maxima[(fragment, name)] = (result.momentum_max, result.param_max, result.residual_max)
-            payload[name] = out.tobytes()
-        return FragmentDelta(fragment, version, version - 1, codec.name, payload,
+        payload = {name: self._payloads[name].tobytes() for name in names}
+        self._payloads = {}
+        return FragmentDelta(fragment, version, version - 1, self._downlink.codec.name, payload,
                              fragment_checksum(self._global[fragment], names, self._threads))
 
     def forget(self, fragment: int | None = None) -> None:

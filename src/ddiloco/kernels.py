@@ -15,22 +15,22 @@ depends on and which therefore names every rounding:
   is x = float32(code - 8) * scale, as `ddiloco.compression` decodes it.
 - Close (`nesterov_int8`): see that function.
 
-Threads: a tensor is cut into ranges that `KernelThreads` runs on `torch.get_num_threads()` threads (the syncer's
-`--threads`), the kernels releasing the GIL. Cuts fall on chunk or block boundaries, so the bits do not depend on the
-number of threads.
+Threads: each function takes a batch (every tensor of an update, of a close) and `ddiloco.kernel_threads` runs it,
+each tensor cut at chunk or block boundaries into one range per thread, so the bits do not depend on the number of
+threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ddiloco.compression import Int4Codec, Int4Config
+from ddiloco.kernel_threads import INLINE, KernelThreads, Task
 
 try:
     from ddiloco import _kernels as compiled
@@ -41,58 +41,8 @@ NORM_CHUNK = 65536
 """Values per chunk of a sum of squares (see the module docstring); as `_kernels.c` defines it."""
 LANES = 16
 """Running sums per chunk."""
-MIN_SPLIT_VALUES = 1 << 18
-"""A tensor is split over threads only in ranges of at least this many values: below it, handing a range to a thread
-costs more than it saves."""
-
 if compiled is not None:
     assert (compiled.NORM_CHUNK, compiled.LANES) == (NORM_CHUNK, LANES), "rebuild ddiloco._kernels (setup.py)"
-
-
-class KernelThreads:
-    """Runs a kernel over ranges of its tensors on `torch.get_num_threads()` threads, read at each call as torch's own
-    operations read it: the calling thread runs the first range, a pool the rest."""
-
-    def __init__(self, *, max_threads: int | None = None) -> None:
-        """`max_threads`: at most this many threads (1: every range on the calling thread, no pool)."""
-        self.max_threads = max_threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
-
-    def count(self) -> int:
-        threads = max(1, torch.get_num_threads())
-        return threads if self.max_threads is None else min(threads, self.max_threads)
-
-    def run(self, work: Callable[[int, int], object], ranges: Sequence[tuple[int, int]]) -> list:
-        """`work(start, stop)` for each range, in parallel; the results in the order of `ranges`."""
-        if len(ranges) <= 1:
-            return [work(*r) for r in ranges]
-        helpers = len(ranges) - 1
-        if self._pool is None or self._pool_size < helpers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool, self._pool_size = ThreadPoolExecutor(helpers, thread_name_prefix="ddiloco-kernel"), helpers
-        futures = [self._pool.submit(work, *r) for r in ranges[1:]]
-        first = work(*ranges[0])
-        return [first, *(f.result() for f in futures)]
-
-    def split(self, count: int, unit: int) -> list[tuple[int, int]]:
-        """[0, count) in up to `count()` ranges of whole `unit`s (the last one possibly short), each of at least
-        MIN_SPLIT_VALUES / unit units."""
-        units = -(-count // unit)
-        pieces = max(1, min(self.count(), units * unit // MIN_SPLIT_VALUES))
-        step = -(-units // pieces)
-        return [(start, min(start + step, units)) for start in range(0, units, step)] or [(0, 0)]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool, self._pool_size = None, 0
-
-
-INLINE = KernelThreads(max_threads=1)
-"""Runs every range on the calling thread (it never makes a pool): for callers that are parallel already (the gRPC
-server's threads each decode one update) or that pass no threads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,26 +83,35 @@ def _sequential_sum(totals: Sequence[float]) -> float:
     return total
 
 
-def square_sum(values: torch.Tensor | Int4Blocks, threads: KernelThreads = INLINE) -> float:
-    """||values||^2 in the stated order (module docstring): inf or NaN when a value is not finite."""
+def square_sums(batch: Sequence[torch.Tensor | Int4Blocks], threads: KernelThreads = INLINE) -> list[float]:
+    """||values||^2 of each tensor of `batch`, in the stated order (module docstring): inf or NaN where a value is not
+    finite."""
     if compiled is None:
-        return _eager_square_sum(_flat(values.decode() if isinstance(values, Int4Blocks) else values))
+        return [_eager_square_sum(_flat(v.decode() if isinstance(v, Int4Blocks) else v)) for v in batch]
+    tasks, totals = [], []
+    for values in batch:
+        numel = values.numel if isinstance(values, Int4Blocks) else values.numel()
+        chunk_totals = torch.zeros(max(1, -(-numel // NORM_CHUNK)), dtype=torch.float64)  # one per chunk
+        totals.append(chunk_totals)
+        if numel:
+            tasks.append((_chunk_sums(values, numel, chunk_totals), threads.split(numel, NORM_CHUNK)))
+    threads.run(tasks)
+    return [_sequential_sum(t.tolist()) for t in totals]
+
+
+def _chunk_sums(values: torch.Tensor | Int4Blocks, numel: int, out: torch.Tensor):
+    """work(c0, c1): the sums of squares of chunks [c0, c1) of `values` into out[c0:c1]."""
     if isinstance(values, Int4Blocks):
-        numel, (scales, codes) = values.numel, values.addresses()
+        scales, codes = values.addresses()
+        return lambda c0, c1: compiled.square_sums_int4(scales, codes, numel, values.block_size, c0, c1,
+                                                        out[c0:].data_ptr())
+    x = _flat(values)
+    return lambda c0, c1: compiled.square_sums_f32(x.data_ptr(), numel, c0, c1, out[c0:].data_ptr())
 
-        def chunk_sums(c0: int, c1: int) -> None:
-            compiled.square_sums_int4(scales, codes, numel, values.block_size, c0, c1, totals[c0:].data_ptr())
-    else:
-        x = _flat(values)
-        numel = x.numel()
 
-        def chunk_sums(c0: int, c1: int) -> None:
-            compiled.square_sums_f32(x.data_ptr(), numel, c0, c1, totals[c0:].data_ptr())
-    if numel == 0:
-        return 0.0
-    totals = torch.empty(-(-numel // NORM_CHUNK), dtype=torch.float64)  # one per chunk
-    threads.run(chunk_sums, threads.split(numel, NORM_CHUNK))
-    return _sequential_sum(totals.tolist())
+def square_sum(values: torch.Tensor | Int4Blocks, threads: KernelThreads = INLINE) -> float:
+    """||values||^2 in the stated order: `square_sums` of one tensor."""
+    return square_sums([values], threads)[0]
 
 
 def _eager_square_sum(x: torch.Tensor) -> float:
@@ -171,38 +130,56 @@ def _eager_square_sum(x: torch.Tensor) -> float:
     return _sequential_sum(totals.tolist())
 
 
+def l2_norms(batch: Sequence[torch.Tensor | Int4Blocks], threads: KernelThreads = INLINE) -> list[float]:
+    """||values||_2 of each tensor of `batch`, in the stated order; inf or NaN where a value is not finite."""
+    return [math.sqrt(total) for total in square_sums(batch, threads)]
+
+
 def l2_norm(values: torch.Tensor | Int4Blocks, threads: KernelThreads = INLINE) -> float:
     """||values||_2 as a Python float, in the stated order; inf or NaN when a value is not finite."""
-    return math.sqrt(square_sum(values, threads))
+    return l2_norms([values], threads)[0]
+
+
+Term = tuple[torch.Tensor, torch.Tensor | Int4Blocks, float, bool]
+"""(acc, values, alpha, first) of `accumulate_all`."""
+
+
+def accumulate_all(terms: Sequence[Term], threads: KernelThreads = INLINE) -> None:
+    """For each (acc, values, alpha, first): acc = values * alpha (`first`) or acc + values * alpha, in place, as the
+    module docstring rounds it."""
+    tasks: list[Task] = []
+    for acc, values, alpha, first in terms:
+        flat = _flat(acc, writable=True)
+        numel = flat.numel()
+        if (values.numel if isinstance(values, Int4Blocks) else values.numel()) != numel:
+            raise ValueError(f"values of another size than the sum's {numel}")
+        if compiled is None:
+            x = _flat(values.decode() if isinstance(values, Int4Blocks) else values)
+            if first:
+                torch.mul(x, alpha, out=flat)  # alpha rounded to float32, as torch rounds a scalar for float32 values
+            else:
+                flat.add_(torch.mul(x, alpha))  # two roundings: never add_(x, alpha=...), which fuses on AVX2 CPUs
+            continue
+        tasks.append((_add_ranges(flat, values, alpha, first), threads.split(numel, NORM_CHUNK)))
+    threads.run(tasks)
+
+
+def _add_ranges(flat: torch.Tensor, values: torch.Tensor | Int4Blocks, alpha: float, first: bool):
+    """work(u0, u1): the term added to chunks [u0, u1) of the sum `flat`."""
+    numel = flat.numel()
+    if isinstance(values, Int4Blocks):
+        scales, codes = values.addresses()
+        return lambda u0, u1: compiled.accumulate_int4(flat.data_ptr(), scales, codes, values.block_size,
+                                                       u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), alpha, first)
+    x = _flat(values)
+    return lambda u0, u1: compiled.accumulate_f32(flat.data_ptr(), x.data_ptr(), u0 * NORM_CHUNK,
+                                                  min(u1 * NORM_CHUNK, numel), alpha, first)
 
 
 def accumulate(acc: torch.Tensor, values: torch.Tensor | Int4Blocks, alpha: float, *, first: bool,
                threads: KernelThreads = INLINE) -> None:
-    """acc = values * alpha (`first`) or acc + values * alpha, in place, as the module docstring rounds it."""
-    flat = _flat(acc, writable=True)
-    numel = flat.numel()
-    if (values.numel if isinstance(values, Int4Blocks) else values.numel()) != numel:
-        raise ValueError(f"values of another size than the sum's {numel}")
-    if compiled is None:
-        x = _flat(values.decode() if isinstance(values, Int4Blocks) else values)
-        if first:
-            torch.mul(x, alpha, out=flat)  # alpha rounded to float32, as torch rounds a scalar for a float32 tensor
-        else:
-            flat.add_(torch.mul(x, alpha))  # two roundings: never add_(x, alpha=...), which fuses on AVX2 CPUs
-        return
-    if isinstance(values, Int4Blocks):
-        scales, codes = values.addresses()
-
-        def add_range(u0: int, u1: int) -> None:
-            compiled.accumulate_int4(flat.data_ptr(), scales, codes, values.block_size, u0 * NORM_CHUNK,
-                                     min(u1 * NORM_CHUNK, numel), alpha, first)
-    else:
-        x = _flat(values)
-
-        def add_range(u0: int, u1: int) -> None:
-            compiled.accumulate_f32(flat.data_ptr(), x.data_ptr(), u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), alpha,
-                                    first)
-    threads.run(add_range, threads.split(numel, NORM_CHUNK))
+    """`accumulate_all` of one term."""
+    accumulate_all([(acc, values, alpha, first)], threads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,51 +199,72 @@ CHANGE_NOT_FINITE = 2
 """A downlink change is not finite (the downlink sends the exact value instead)."""
 
 
-def nesterov_int8(merged: torch.Tensor, momentum: torch.Tensor | None, param: torch.Tensor, residual: torch.Tensor, *,
-                  lr: float, mu: float, first_step: bool, block_size: int, out: np.ndarray | None,
-                  threads: KernelThreads = INLINE) -> CloseResult:
-    """One tensor's close in one pass per value, with the compiled kernels only (the eager path is the outer optimizer
-    then the downlink rule, `ddiloco.fused_close`): with g = `merged`, m = `momentum`, p = `param`, r = `residual`,
-    every operation rounded on its own in float32,
+@dataclasses.dataclass(frozen=True)
+class CloseTensor:
+    """One tensor of a close (`nesterov_int8`): g, m, p, r; whether it is the tensor's first step; the payload to
+    write (None: check only, writing nothing)."""
 
-        m' = g (`first_step`: `momentum` is only written) or m * mu + g;   u = g + m' * mu   (u = g when mu = 0;
-                                   `momentum` is then not used)
+    merged: torch.Tensor
+    momentum: torch.Tensor | None
+    """Written at a first step; not used with momentum 0."""
+    param: torch.Tensor
+    residual: torch.Tensor
+    first_step: bool
+    out: np.ndarray | None
+
+
+def nesterov_int8(batch: Sequence[CloseTensor], *, lr: float, mu: float, block_size: int,
+                  threads: KernelThreads = INLINE) -> list[CloseResult]:
+    """The close of each tensor of `batch` in one pass per value, with the compiled kernels only (the eager path is the
+    outer optimizer then the downlink rule, `ddiloco.fused_close`): with g = merged, m = momentum, p = param,
+    r = residual, every operation rounded on its own in float32,
+
+        m' = g (first step: m is only written) or m * mu + g;   u = g + m' * mu   (u = g when mu = 0)
         p' = p - u * lr            the outer step (`ddiloco.outer`)
         c  = (p' - p) + r          the downlink change (`ddiloco.downlink`), cut in blocks of `block_size`
         s  = max |c| / 127 per block; q = round-half-even(c / s) within -127..127 (c / 1 for s = 0)
         p  = p + (q + 0) * s;  r = c - (q + 0) * s      what every learner rebuilds, and the error kept
 
-    `out`: the int8 payload to write (the blocks' float32 scales, then the codes q + 128), or None to check only
-    (nothing written). Writing after a check that found nothing leaves every value consistent; a change that is not
-    finite stops the writing at its block."""
+    `out`: the int8 payload to write (the blocks' float32 scales, then the codes q + 128). Writing after a check that
+    found nothing leaves every value consistent; a change that is not finite stops the writing at its block."""
     if compiled is None:
         raise RuntimeError("ddiloco._kernels is not built: use the outer optimizer and the downlink rule")
-    g, p, r = _flat(merged), _flat(param, writable=True), _flat(residual, writable=True)
-    m = None if momentum is None else _flat(momentum, writable=True)
+    tasks: list[Task] = []
+    maxima = torch.zeros(len(batch), threads.count(), 3)  # per tensor and range: the largest |m|, |p|, |r| written
+    per_unit = max(1, NORM_CHUNK // block_size)  # blocks per chunk: ranges of whole chunks, as the sums' are
+    for tensor, rows in zip(batch, maxima, strict=True):
+        numel = tensor.merged.numel()
+        num_blocks = -(-numel // block_size)
+        ranges = [(u0 * per_unit, min(u1 * per_unit, num_blocks))
+                  for u0, u1 in threads.split(numel, per_unit * block_size)]
+        row_of = {b0: rows[k] for k, (b0, _) in enumerate(ranges)}
+        tasks.append((_close_blocks(tensor, lr=lr, mu=mu, block_size=block_size, row_of=row_of), ranges))
+    results = []
+    for tensor, outcomes, written in zip(batch, threads.run(tasks), maxima, strict=True):
+        if tensor.out is None:
+            flags = 0
+            for outcome in outcomes:
+                flags |= outcome
+            results.append(CloseResult(flags))
+        else:
+            failed = CHANGE_NOT_FINITE if any(outcome >= 0 for outcome in outcomes) else 0
+            results.append(CloseResult(failed, *written.amax(dim=0).tolist()))
+    return results
+
+
+def _close_blocks(tensor: CloseTensor, *, lr: float, mu: float, block_size: int, row_of: dict[int, torch.Tensor]):
+    """work(b0, b1): the kernel over blocks [b0, b1) of `tensor`, the largest values it writes into `row_of[b0]`."""
+    g, p, r = _flat(tensor.merged), _flat(tensor.param, writable=True), _flat(tensor.residual, writable=True)
+    m = None if tensor.momentum is None else _flat(tensor.momentum, writable=True)
     if m is None and mu != 0:
         raise ValueError("a step with momentum needs its momentum tensor (to write, at the first step)")
     numel = g.numel()
     num_blocks = -(-numel // block_size)
+    out = tensor.out
     if out is not None and out.nbytes != 4 * num_blocks + numel:
         raise ValueError(f"an int8 payload of {numel} values is {4 * num_blocks + numel} bytes, got {out.nbytes}")
     base = 0 if out is None else out.__array_interface__["data"][0]
     m_address = 0 if m is None else m.data_ptr()
-    blocks_per_unit = max(1, NORM_CHUNK // block_size)
-    ranges = [(u0 * blocks_per_unit, min(u1 * blocks_per_unit, num_blocks))
-              for u0, u1 in threads.split(numel, blocks_per_unit * block_size)]
-    maxima = torch.zeros(len(ranges), 3)  # per range: |m|, |p|, |r| written
-
-    def run(b0: int, b1: int) -> int:
-        slot = maxima[ranges.index((b0, b1))]
-        return compiled.nesterov_int8(g.data_ptr(), m_address, p.data_ptr(), r.data_ptr(), base, base + 4 * num_blocks,
-                                      numel, block_size, lr, mu, first_step, out is None, b0, b1, slot.data_ptr())
-
-    results = threads.run(run, ranges)
-    if out is None:
-        flags = 0
-        for result in results:
-            flags |= result
-        return CloseResult(flags)
-    momentum_max, param_max, residual_max = maxima.amax(dim=0).tolist()
-    return CloseResult(CHANGE_NOT_FINITE if any(result >= 0 for result in results) else 0, momentum_max, param_max,
-                       residual_max)
+    return lambda b0, b1: compiled.nesterov_int8(g.data_ptr(), m_address, p.data_ptr(), r.data_ptr(), base,
+                                                 base + 4 * num_blocks, numel, block_size, lr, mu, tensor.first_step,
+                                                 out is None, b0, b1, row_of[b0].data_ptr())

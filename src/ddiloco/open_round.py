@@ -23,7 +23,7 @@ import torch
 
 from ddiloco.compression import Codec
 from ddiloco.config import QuorumConfig
-from ddiloco.kernels import INLINE, KernelThreads
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.merge import cap_weights, period_share, token_weight
 from ddiloco.messages import DecodedTensor, Participant, RejectReason, RoundRecord, Update
 from ddiloco.round_sum import RoundSum

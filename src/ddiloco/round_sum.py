@@ -32,9 +32,8 @@ import torch
 
 from ddiloco import kernels
 from ddiloco.checks import invalid
-from ddiloco.kernels import INLINE, KernelThreads
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import DecodedTensor
-from ddiloco.update_values import l2_norm
 
 MERGE_METHODS = ("rda", "mean")
 
@@ -46,7 +45,7 @@ class RoundSum:
 
     def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = (),
                  threads: KernelThreads = INLINE) -> None:
-        """`threads`: where the sums' passes run (`ddiloco.kernels.KernelThreads`; the same bits on any number)."""
+        """`threads`: where the sums' passes run (`ddiloco.kernel_threads`; the same bits on any number)."""
         if method not in MERGE_METHODS:
             raise invalid("method", method, "'rda' or 'mean'")
         self.names = list(names)
@@ -75,24 +74,25 @@ class RoundSum:
         self._total += coefficient
         if coefficient == 0.0:
             return
+        terms = []
         for name in self.names:
             tensor = tensors[name]
             if self._rda[name]:
                 self._norm_sums[name] += coefficient * tensor.norm
                 if tensor.norm > 0.0:
-                    self._accumulate(name, tensor.values, coefficient / tensor.norm)
+                    terms.append(self._term(name, tensor.values, coefficient / tensor.norm))
             else:
-                self._accumulate(name, tensor.values, coefficient)
+                terms.append(self._term(name, tensor.values, coefficient))
+        kernels.accumulate_all(terms, self._threads)  # every tensor of the update handed to the threads at once
 
-    def _accumulate(self, name: str, values: torch.Tensor | kernels.Int4Blocks, alpha: float) -> None:
+    def _term(self, name: str, values: torch.Tensor | kernels.Int4Blocks, alpha: float) -> kernels.Term:
         assert self._sums is not None
         held = self._sums.get(name)
         first = held is None
         if first:
             numel = values.numel if isinstance(values, kernels.Int4Blocks) else values.numel()
             held = self._sums[name] = torch.empty(numel, dtype=torch.float32)
-        kernels.accumulate(held, values if isinstance(values, kernels.Int4Blocks) else values.reshape(-1), alpha,
-                           first=first, threads=self._threads)
+        return held, values if isinstance(values, kernels.Int4Blocks) else values.reshape(-1), alpha, first
 
     def invalidate(self) -> None:
         self._sums = None
@@ -107,6 +107,8 @@ class RoundSum:
         if self._sums is None:
             raise RuntimeError("the round's sums were invalidated: sum it again")
         merged = {}
+        rda = [name for name in self.names if self._rda[name] and self._sums.get(name) is not None]
+        direction_norms = dict(zip(rda, kernels.l2_norms([self._sums[n] for n in rda], self._threads), strict=True))
         for name in self.names:
             held = self._sums.get(name)
             if held is None or self._total == 0.0:
@@ -114,7 +116,7 @@ class RoundSum:
                 continue
             held = held.view(shapes[name])
             if self._rda[name]:
-                direction_norm = l2_norm(held, self._threads)
+                direction_norm = direction_norms[name]
                 if direction_norm == 0.0:
                     merged[name] = held.zero_()
                 else:

@@ -43,7 +43,7 @@ from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
 from ddiloco.fused_close import make_fused_close
-from ddiloco.kernels import KernelThreads
+from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import (
     Commit,
     FragmentDelta,

@@ -30,7 +30,8 @@ import torch
 
 from ddiloco import kernels
 from ddiloco.compression import Codec, Int4Codec
-from ddiloco.kernels import INLINE, Int4Blocks, KernelThreads
+from ddiloco.kernel_threads import INLINE, KernelThreads
+from ddiloco.kernels import Int4Blocks
 from ddiloco.messages import DecodedTensor, RejectReason
 
 
@@ -44,8 +45,12 @@ def check_values(name: str, values: torch.Tensor | Int4Blocks,
     """`values` with its norm, or (NON_FINITE, why) when a value is NaN or Inf."""
     norm = l2_norm(values, threads)
     if not math.isfinite(norm):
-        return RejectReason.NON_FINITE, f"{name} holds non-finite values (NaN or Inf)"
+        return _not_finite(name)
     return DecodedTensor(values, norm)
+
+
+def _not_finite(name: str) -> tuple[RejectReason, str]:
+    return RejectReason.NON_FINITE, f"{name} holds non-finite values (NaN or Inf)"
 
 
 MAX_FREE_BUFFERS = 64
@@ -87,20 +92,23 @@ def decode_payload(codec: Codec, payload: Mapping[str, bytes], names: Sequence[s
     `DecodeBuffers`; each of at least `codec.buffer_numel` values); none: new tensors. An int4 payload is read in
     place when the compiled kernels are built (`Int4Blocks`; `into` is then not written)."""
     in_place = reads_in_place(codec)
-    decoded = {}
+    values, malformed = [], None
     for i, name in enumerate(names):
         try:
             if in_place:
-                values = _int4_blocks(codec, payload[name], shapes[name])
+                values.append(_int4_blocks(codec, payload[name], shapes[name]))
             else:
-                values = codec.decode(payload[name], shapes[name], out=into[i] if into else None)
+                values.append(codec.decode(payload[name], shapes[name], out=into[i] if into else None))
         except ValueError as exc:
-            return RejectReason.MALFORMED, f"{name}: {exc}"
-        checked = check_values(name, values, threads)
-        if isinstance(checked, tuple):
-            return checked
-        decoded[name] = checked
-    return decoded
+            malformed = RejectReason.MALFORMED, f"{name}: {exc}"
+            break
+    decoded = {}
+    # The norms of all tensors decoded, handed to the threads at once; the first problem in `names` order is reported.
+    for name, tensor, norm in zip(names, values, kernels.l2_norms(values, threads), strict=False):
+        if not math.isfinite(norm):
+            return _not_finite(name)
+        decoded[name] = DecodedTensor(tensor, norm)
+    return malformed if malformed is not None else decoded
 
 
 def reads_in_place(codec: Codec) -> bool:

@@ -104,10 +104,9 @@ def test_after_a_fused_step_the_next_check_is_a_bound_and_a_spike_still_takes_th
     checks = []
     kernel = kernels.nesterov_int8
 
-    def counting(*args, **options):
-        if options["out"] is None:
-            checks.append(options["first_step"])
-        return kernel(*args, **options)
+    def counting(batch, **options):
+        checks.extend(tensor.first_step for tensor in batch if tensor.out is None)
+        return kernel(batch, **options)
 
     monkeypatch.setattr(kernels, "nesterov_int8", counting)
     _run(3)

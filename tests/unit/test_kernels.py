@@ -13,7 +13,8 @@ import torch
 
 from ddiloco import checksums, kernels
 from ddiloco.compression import Int4Codec, Int4Config, Int8Codec
-from ddiloco.kernels import Int4Blocks, KernelThreads
+from ddiloco.kernel_threads import KernelThreads
+from ddiloco.kernels import CloseTensor, Int4Blocks
 
 compiled_only = pytest.mark.skipif(kernels.compiled is None, reason="ddiloco._kernels is not built")
 SIZES = [0, 1, 15, 17, 1000, 65536, 65537, 3 * 65536 + 333]
@@ -180,17 +181,45 @@ def test_the_fused_close_is_the_outer_step_then_the_int8_change(numel, mu, first
     out = np.empty(Int8Codec().encoded_nbytes(numel), dtype=np.uint8)
     momentum = (torch.full_like(m, math.nan) if first_step else m.clone()) if mu else None
     param, residual = p.clone(), r.clone()
-    assert kernels.nesterov_int8(g, momentum, param, residual, lr=0.7, mu=mu, first_step=first_step, block_size=256,
-                                 out=None).flags == 0
-    written = kernels.nesterov_int8(g, momentum, param, residual, lr=0.7, mu=mu, first_step=first_step,
-                                    block_size=256, out=out)
-    assert written.flags == 0
+    step = dict(lr=0.7, mu=mu, block_size=256)
+    (checked,) = kernels.nesterov_int8([CloseTensor(g, momentum, param, residual, first_step, None)], **step)
+    (written,) = kernels.nesterov_int8([CloseTensor(g, momentum, param, residual, first_step, out)], **step)
+    assert checked.flags == 0 and written.flags == 0
     assert out.tobytes() == expected[3]
     assert torch.equal(_bits(param), _bits(expected[1])) and torch.equal(_bits(residual), _bits(expected[2]))
     if mu:
         assert torch.equal(_bits(momentum), _bits(expected[0]))
     assert written.momentum_max == (float(momentum.abs().max()) if mu else 0.0)
     assert (written.param_max, written.residual_max) == (float(param.abs().max()), float(residual.abs().max()))
+
+
+@compiled_only
+def test_a_close_batch_on_threads_writes_what_each_tensor_alone_on_one_thread_writes():
+    sizes = [5 * 65536 + 300, 1000, 0, 3 * 65536]
+    tensors = [[_values(n, seed=20 + 4 * k + j, scale=x) for j, x in enumerate((1e-3, 1e-3, 1.0, 1e-5))]
+               for k, n in enumerate(sizes)]
+
+    def close(threads: KernelThreads, batch: bool):
+        states = [[t.clone() for t in group] for group in tensors]
+        outs = [np.empty(Int8Codec().encoded_nbytes(n), dtype=np.uint8) for n in sizes]
+        closes = [CloseTensor(g, m, p, r, False, out) for (g, m, p, r), out in zip(states, outs, strict=True)]
+        step = dict(lr=0.7, mu=0.9, block_size=256, threads=threads)
+        results = (kernels.nesterov_int8(closes, **step) if batch
+                   else [kernels.nesterov_int8([c], **step)[0] for c in closes])
+        return states, [o.tobytes() for o in outs], results
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        pool = KernelThreads()
+        one = close(KernelThreads(max_threads=1), batch=False)
+        two = close(pool, batch=True)
+        pool.close()
+    finally:
+        torch.set_num_threads(before)
+    assert one[1] == two[1] and one[2] == two[2]
+    for a, b in zip(one[0], two[0], strict=True):
+        assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
 
 
 @compiled_only
@@ -202,11 +231,14 @@ def test_the_close_check_finds_a_step_or_a_change_that_is_not_finite_and_writes_
     g_big = g.clone()
     g_big[600] = -3.0e38
     kept = p.clone()
-    check = dict(lr=0.7, mu=0.9, first_step=False, block_size=256, out=None)
-    assert kernels.nesterov_int8(g_big, m.clone(), p, r, **check).flags & kernels.STEP_NOT_FINITE
+    def check(g, m, p, r):
+        (result,) = kernels.nesterov_int8([CloseTensor(g, m, p, r, False, None)], lr=0.7, mu=0.9, block_size=256)
+        return result.flags
+
+    assert check(g_big, m.clone(), p, r) & kernels.STEP_NOT_FINITE
     g2, m2, r2 = g.clone(), m.clone(), r.clone()
     g2[10], m2[10], r2[10] = -1e37, 0.0, 3.3e38  # p' = p + 1.33e37, finite; the change 1.33e37 + 3.3e38 is not
-    assert kernels.nesterov_int8(g2, m2, kept.clone(), r2, **check).flags == kernels.CHANGE_NOT_FINITE
+    assert check(g2, m2, kept.clone(), r2) == kernels.CHANGE_NOT_FINITE
     assert torch.equal(p, kept) and torch.equal(m2[11:], m[11:])
 
 

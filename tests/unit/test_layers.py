@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                       "ddiloco.merge", "ddiloco.outer", "ddiloco.round_sum", "ddiloco.fused_close")),
      ("transport", ("ddiloco.transport", "ddiloco.transport.*"))),
     (("building blocks", ("ddiloco.downlink", "ddiloco.update_values", "ddiloco.kernels", "ddiloco._kernels",
-                          "ddiloco.checksums", "ddiloco.compression", "ddiloco.fragments",
+                          "ddiloco.kernel_threads", "ddiloco.checksums", "ddiloco.compression", "ddiloco.fragments",
                           "ddiloco.model", "ddiloco.data", "ddiloco.training", "ddiloco.clock", "ddiloco.checkpoint",
                           "ddiloco.metrics", "ddiloco.throttle", "ddiloco.backoff", "ddiloco.run_config",
                           "ddiloco.flags", "ddiloco.fault_control", "ddiloco.corpus", "ddiloco.goodput",
