@@ -6,10 +6,14 @@ ten passes over the fragment (a copy of the previous value, the step's four, the
 the rebuild's), each a separate trip through memory. `ddiloco.kernels.nesterov_int8` does the same arithmetic, with
 the same roundings, block by block while a block sits in cache: two passes over its inputs, one of which writes.
 
+Before a round commits, `check` says whether its step would leave float32's range (the round is then not a round)
+and whether every change stays finite: from a bound where one holds (the largest values the tensor's last fused
+step wrote, and the merged tensor's norm: one read of one tensor), else by the same kernel run without writing
+(four reads).
+
 Used when the compiled kernels are built and the downlink codec is int8 (the default); otherwise, and for a round
 whose change is not finite (the downlink then sends the exact value), the syncer takes the outer optimizer then the
-downlink rule, which give the same bits (`tests/unit/test_fused_close.py`). A round whose step would not be finite
-never gets here: the same kernel checks it first (`overflow`), without writing.
+downlink rule, which give the same bits (`tests/unit/test_fused_close.py`).
 """
 
 from __future__ import annotations
