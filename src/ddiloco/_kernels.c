@@ -124,6 +124,15 @@ CLONED static void accumulate_int4(float *acc, const float *scales, const uint8_
     }
 }
 
+/* x[i] = x[i] * factor, or x[i] / factor (`divide`), over [i0, i1): one rounding each, as torch's mul_ and div_ by a
+ * scalar (rounded to float32 first) give. */
+CLONED static void scale_f32(float *x, int64_t i0, int64_t i1, float factor, int divide) {
+    if (divide)
+        for (int64_t i = i0; i < i1; i++) x[i] = x[i] / factor;
+    else
+        for (int64_t i = i0; i < i1; i++) x[i] = x[i] * factor;
+}
+
 /* LANES float32 (int32) values, as one vector where the instruction set has one: GCC's vector extensions, which
  * lower to whatever registers the target has, with IEEE semantics per element. */
 typedef float lanes_f __attribute__((vector_size(LANES * sizeof(float))));
@@ -363,6 +372,16 @@ static PyObject *py_accumulate_int4(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+static PyObject *py_scale_f32(PyObject *self, PyObject *args) {
+    unsigned long long x;
+    long long i0, i1;
+    float factor;
+    int divide;
+    if (!PyArg_ParseTuple(args, "KLLfp", &x, &i0, &i1, &factor, &divide)) return NULL;
+    Py_BEGIN_ALLOW_THREADS scale_f32(ADDRESS(x), i0, i1, factor, divide);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 static PyObject *py_nesterov_int8(PyObject *self, PyObject *args) {
     unsigned long long g, m, p, r, scales, codes, maxima;
     long long n, block, b0, b1;
@@ -397,6 +416,7 @@ static PyMethodDef methods[] = {
      "(acc, scales, codes, block, i0, i1, alpha, first): acc (+)= decoded * alpha"},
     {"nesterov_int8", py_nesterov_int8, METH_VARARGS,
      "(g, m, p, r, scales, codes, n, block, lr, mu, first, check, b0, b1, maxima): outer step and int8 change"},
+    {"scale_f32", py_scale_f32, METH_VARARGS, "(x, i0, i1, factor, divide): x *= factor, or x /= factor"},
     {"crc32", py_crc32, METH_VARARGS, "(data, n, crc): zlib.crc32 of n bytes at data, continuing crc"},
     {NULL, NULL, 0, NULL},
 };

@@ -182,6 +182,22 @@ def accumulate(acc: torch.Tensor, values: torch.Tensor | Int4Blocks, alpha: floa
     accumulate_all([(acc, values, alpha, first)], threads)
 
 
+def scale_all(items: Sequence[tuple[torch.Tensor, float, bool]], threads: KernelThreads = INLINE) -> None:
+    """For each (x, factor, divide): x = x / factor (`divide`) or x * factor, in place, factor rounded to float32 and
+    one rounding per value, as torch's `div_` and `mul_` by a Python float give (the merge's last step)."""
+    tasks: list[Task] = []
+    for x, factor, divide in items:
+        flat = _flat(x, writable=True)
+        if compiled is None:
+            flat.div_(factor) if divide else flat.mul_(factor)
+            continue
+        numel = flat.numel()
+        tasks.append((lambda u0, u1, flat=flat, numel=numel, factor=factor, divide=divide: compiled.scale_f32(
+            flat.data_ptr(), u0 * NORM_CHUNK, min(u1 * NORM_CHUNK, numel), factor, divide),
+            threads.split(numel, NORM_CHUNK)))
+    threads.run(tasks)
+
+
 @dataclasses.dataclass(frozen=True)
 class CloseResult:
     """What `nesterov_int8` found: `flags` (checking: STEP_NOT_FINITE | CHANGE_NOT_FINITE; writing: CHANGE_NOT_FINITE

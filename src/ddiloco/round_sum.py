@@ -109,19 +109,21 @@ class RoundSum:
         merged = {}
         rda = [name for name in self.names if self._rda[name] and self._sums.get(name) is not None]
         direction_norms = dict(zip(rda, kernels.l2_norms([self._sums[n] for n in rda], self._threads), strict=True))
+        scalings = []  # (sum, factor, divide), in place: on the threads at once, with no torch parallel region
         for name in self.names:
             held = self._sums.get(name)
             if held is None or self._total == 0.0:
                 merged[name] = torch.zeros(shapes[name], dtype=torch.float32)
                 continue
-            held = held.view(shapes[name])
+            merged[name] = held.view(shapes[name])
             if self._rda[name]:
                 direction_norm = direction_norms[name]
                 if direction_norm == 0.0:
-                    merged[name] = held.zero_()
+                    held.zero_()
                 else:
-                    merged[name] = held.mul_((self._norm_sums[name] / self._total) / direction_norm)
+                    scalings.append((held, (self._norm_sums[name] / self._total) / direction_norm, False))
             else:
-                merged[name] = held.div_(self._total)
+                scalings.append((held, self._total, True))
+        kernels.scale_all(scalings, self._threads)
         self._sums = None
         return merged

@@ -123,6 +123,20 @@ def test_the_eager_sums_round_as_the_kernels_do(monkeypatch):
     assert kernels.square_sum(Int4Blocks(payload, numel, 64)) == stated_square_sum(decoded)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_merge_scales_a_sum_as_torch_mul_and_div_by_a_scalar_do(monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setattr(kernels, "compiled", None)
+    elif kernels.compiled is None:
+        pytest.skip("ddiloco._kernels is not built")
+    x, y = _values(3 * 65536 + 5, seed=15), _values(1001, seed=16)
+    factor = 0.1234567891234  # rounded to float32, then one rounding per value
+    expected_x, expected_y = x.numpy() * np.float32(factor), y.numpy() / np.float32(factor)
+    kernels.scale_all([(x, factor, False), (y, factor, True)])
+    assert np.array_equal(x.numpy().view(np.int32), expected_x.view(np.int32))
+    assert np.array_equal(y.numpy().view(np.int32), expected_y.view(np.int32))
+
+
 def test_a_fused_multiply_add_would_give_other_bits():
     # The reason for the stated roundings: torch's add_(alpha=) fuses on AVX2 CPUs, so the two differ somewhere.
     x, acc = _values(100000, seed=7), _values(100000, seed=8)
