@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from ddiloco.checksums import crc32
-from ddiloco.compression import NonFiniteError, encode_decoded, get_codec
+from ddiloco.compression import Codec, NonFiniteError, encode_decoded, get_codec
 from ddiloco.fragments import FragmentPlan
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import FragmentDelta, FragmentState
@@ -129,7 +129,7 @@ class DeltaDownlink:
         self._buffers = DecodeBuffers()
 
     @property
-    def codec(self):
+    def codec(self) -> Codec:
         """The downlink codec."""
         return self._codec
 
