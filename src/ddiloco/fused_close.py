@@ -18,6 +18,7 @@ downlink rule, which give the same bits (`tests/unit/test_fused_close.py`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -30,6 +31,8 @@ from ddiloco.fragments import FragmentPlan
 from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import FragmentDelta
 from ddiloco.outer import SAFE_BOUND, OuterOptimizer
+
+logger = logging.getLogger(__name__)
 
 
 class FusedClose:
@@ -124,6 +127,10 @@ def make_fused_close(outer: OuterOptimizer, downlink: Downlink, plan: FragmentPl
                      global_tensors: list[dict[str, torch.Tensor]], threads: KernelThreads) -> FusedClose | None:
     """The fused close where it applies (the compiled kernels, an int8 downlink), else None: the syncer then takes
     the outer optimizer and the downlink rule."""
-    if kernels.compiled is None or not isinstance(downlink, DeltaDownlink) or not isinstance(downlink.codec, Int8Codec):
+    if kernels.compiled is None:
+        logger.warning("[syncer] ddiloco._kernels is not built (no C compiler at install?): the merge and the close run "
+                       "in torch, with the same bits, several times slower (docs/runtime.md, \"Compiled kernels\")")
+        return None
+    if not isinstance(downlink, DeltaDownlink) or not isinstance(downlink.codec, Int8Codec):
         return None
     return FusedClose(outer, downlink, plan, global_tensors, threads)

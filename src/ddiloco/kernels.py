@@ -119,15 +119,13 @@ def _eager_square_sum(x: torch.Tensor) -> float:
     if numel == 0:
         return 0.0
     chunks = -(-numel // NORM_CHUNK)
-    squares = torch.zeros(chunks * NORM_CHUNK, dtype=torch.float64)
-    squares[:numel] = x
-    squares.square_()  # exact: 24-bit significands squared fit float64's 53
-    # cumsum runs each lane's sum in order, from the lane's first value (0 + s = s for the first, as the kernel starts).
-    lanes = squares.view(chunks, NORM_CHUNK // LANES, LANES).cumsum(dim=1)[:, -1, :]
-    totals = lanes[:, 0].clone()
-    for j in range(1, LANES):
-        totals += lanes[:, j]
-    return _sequential_sum(totals.tolist())
+    squares = np.zeros(chunks * NORM_CHUNK)
+    squares[:numel] = x.numpy()
+    squares *= squares  # exact: 24-bit significands squared fit float64's 53
+    # numpy reduces the middle axis row after row, adding each row of LANES into the running lane sums: each lane's
+    # sum in order, the kernels' order (tests/unit/test_kernels.py holds it to np.cumsum's, in order by definition).
+    lanes = np.add.reduce(squares.reshape(chunks, NORM_CHUNK // LANES, LANES), axis=1)
+    return _sequential_sum([_sequential_sum(row) for row in lanes.tolist()])
 
 
 def l2_norms(batch: Sequence[torch.Tensor | Int4Blocks], threads: KernelThreads = INLINE) -> list[float]:
