@@ -128,8 +128,8 @@ def make_fused_close(outer: OuterOptimizer, downlink: Downlink, plan: FragmentPl
     """The fused close where it applies (the compiled kernels, an int8 downlink), else None: the syncer then takes
     the outer optimizer and the downlink rule."""
     if kernels.compiled is None:
-        logger.warning("[syncer] ddiloco._kernels is not built (no C compiler at install?): the merge and the close run "
-                       "in torch, with the same bits, several times slower (docs/runtime.md, \"Compiled kernels\")")
+        logger.warning("[syncer] ddiloco._kernels is not built (no C compiler at install?): the merge and the close "
+                       "run in torch, with the same bits, several times slower (docs/runtime.md, 'Compiled kernels')")
         return None
     if not isinstance(downlink, DeltaDownlink) or not isinstance(downlink.codec, Int8Codec):
         return None
