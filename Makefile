@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+# setup.py builds the syncer's C kernels (src/ddiloco/_kernels.c) in place: a change to either installs again.
+$(STAMP): $(BIN)/python pyproject.toml setup.py src/ddiloco/_kernels.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
 	$(BIN)/pip install --quiet -e ".[dev,hf,ray]"
@@ -40,4 +41,4 @@ proto: $(STAMP)
 	cd src && ../$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. ddiloco/transport/wire.proto
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache src/ddiloco/_kernels*.so

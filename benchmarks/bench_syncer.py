@@ -6,13 +6,15 @@
 `core`: the syncer core's work per round, against the memory-bound floor measured in the same run. A
 model of `params` float32 parameters in `fragments` fragments, `learners` learners, int4 uplink, int8
 downlink (the defaults). Each round takes one fragment (round robin) through what the running syncer does:
-every learner's update decoded and checked (`decode_payload`, what the wire layer does outside the
-service's lock), then handed to the core (`Syncer.receive`: added to the round's running sums; the last one
-closes the round: merge, outer step, downlink change). The floor is one `add_` pass over the same number of
-learner-values (`learners` x fragment size float32 values added into one accumulator), best of the same
-repeats, measured in the same process between the rounds, at the same torch thread count. Rounds are timed
-after one warm-up round per fragment (its first outer step allocates the momentum and touches the residual). Targets: at
-most 4x the floor per value on one thread, and at least 1.7x faster on 2 threads than on 1.
+every learner's update checked (`decode_payload`, what the wire layer does outside the service's lock; with the
+compiled kernels an int4 update is read from its codes, `ddiloco.kernels`), then handed to the core
+(`Syncer.receive`: added to the round's running sums; the last one closes the round: merge, outer step,
+downlink change). The floor is one `add_` pass over the same number of learner-values (`learners` x fragment
+size float32 values added into one accumulator), best of the same repeats, measured in the same process after
+the rounds of each thread count, at the same torch thread count. Rounds are timed after one warm-up round per
+fragment (its first outer step allocates the momentum and touches the residual) and one after each change of the
+thread count. Targets: at most 4x the floor per value on one
+thread, and at least 1.7x faster on 2 threads than on 1.
 
 The fleet of 128 learners over real gRPC is `bench_fleet.py`; the downlink's fragment throughput is
 `bench_runtime.py --only bench_grpc_fragment_throughput`.
@@ -30,9 +32,10 @@ import torch
 
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import Join, Update
 from ddiloco.syncer import Syncer
-from ddiloco.update_values import DecodeBuffers, decode_payload
+from ddiloco.update_values import DecodeBuffers, decode_payload, reads_in_place
 
 TENSORS_PER_FRAGMENT = 4
 """Each fragment is this many equal tensors (a layer's weight matrices, roughly)."""
@@ -80,6 +83,9 @@ class CoreCase:
         self.next_fragment = 0
         self.now = 1.0
         self.buffers = DecodeBuffers()
+        # The wire layer decodes on the gRPC server's threads, updates side by side; here one after the other, each
+        # split over the process's threads as the core's passes are.
+        self.threads = KernelThreads()
 
     def round(self) -> tuple[float, float]:
         """One round of the next fragment: (seconds decoding and checking, seconds in the core)."""
@@ -91,8 +97,9 @@ class CoreCase:
             payload = {name: self.payloads[learner_id % DISTINCT_PAYLOADS][int(name.rsplit("t", 1)[1])]
                        for name in names}
             start = time.perf_counter()
-            into = [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names]
-            decoded = decode_payload(self.codec, payload, names, self.shapes, into=into)
+            into = ([] if reads_in_place(self.codec) else  # as the wire layer: int4 is read from its codes
+                    [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names])
+            decoded = decode_payload(self.codec, payload, names, self.shapes, into=into, threads=self.threads)
             middle = time.perf_counter()
             assert not isinstance(decoded, tuple), decoded
             update = Update(learner_id, p, self.syncer.versions[p], STEPS * (self.syncer.versions[p] + 1), STEPS,
@@ -129,11 +136,14 @@ def bench_core(params_list: list[int], fragments: int, learners: int, threads_li
         best: dict[int, float] = {}
         for threads in threads_list:
             torch.set_num_threads(threads)
-            rounds, floors = [], []
+            # The rounds first, then the floors: torch's OpenMP workers spin for a few ms after a parallel add_, on
+            # the cores the next round's kernel threads need. One round untimed after the thread count changed.
+            case.round()
+            rounds = []
             for _ in range(repeats):
                 decode_s, core_s = case.round()
                 rounds.append((decode_s + core_s, decode_s, core_s))
-                floors.append(case.floor())
+            floors = [case.floor() for _ in range(repeats)]
             total, decode_s, core_s = min(rounds)
             floor = min(floors)
             values = learners * case.fragment_values

@@ -361,6 +361,7 @@ class _BlockCodec:
             torch.maximum(x_full.amax(dim=1), x_full.amin(dim=1).neg_(), out=absmax[:num_full])
         if head < numel:
             absmax[num_full] = x[head:].abs().max()
+        absmax.add_(0.0)  # an all-zero block's -0 (maximum(+0, -0) gives either, by vector width) becomes +0
         if not bool(torch.isfinite(absmax).all()):  # NaN and Inf propagate into their block's absmax
             raise NonFiniteError(_count_nonfinite(x), numel)
         scale = absmax / self.levels

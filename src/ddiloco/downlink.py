@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 
-from ddiloco.compression import NonFiniteError, encode_decoded, get_codec
+from ddiloco.checksums import crc32
+from ddiloco.compression import Codec, NonFiniteError, encode_decoded, get_codec
 from ddiloco.fragments import FragmentPlan
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import FragmentDelta, FragmentState
 from ddiloco.update_values import DecodeBuffers
 
@@ -55,13 +56,11 @@ def rebuild_tensor(previous: torch.Tensor, decoded: torch.Tensor) -> torch.Tenso
     return torch.add(previous.detach().to("cpu", torch.float32), decoded)
 
 
-def fragment_checksum(tensors: Tensors, names: Sequence[str]) -> int:
-    """zlib.crc32 of the tensors' float32 bytes (C order), one after the other in the order of `names`."""
-    crc = 0
-    for name in names:
-        flat = tensors[name].detach().to("cpu", torch.float32).contiguous().reshape(-1)
-        crc = zlib.crc32(memoryview(flat.numpy()).cast("B"), crc)
-    return crc
+def fragment_checksum(tensors: Tensors, names: Sequence[str], threads: KernelThreads = INLINE) -> int:
+    """zlib.crc32 of the tensors' float32 bytes (C order), one after the other in the order of `names` (on `threads`:
+    `ddiloco.checksums`, the same value)."""
+    flats = [tensors[name].detach().to("cpu", torch.float32).contiguous().reshape(-1) for name in names]
+    return crc32([memoryview(flat.numpy()).cast("B") for flat in flats], threads)
 
 
 def rebuild(delta: FragmentDelta, previous: Tensors, names: Sequence[str],
@@ -128,6 +127,15 @@ class DeltaDownlink:
         # previous, change and decoded values live for one step: reused, since a fresh buffer the size of a large
         # tensor costs more in page faults than the arithmetic done in it.
         self._buffers = DecodeBuffers()
+
+    @property
+    def codec(self) -> Codec:
+        """The downlink codec."""
+        return self._codec
+
+    def residual(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s residual, itself (the fused close, `ddiloco.fused_close`, updates it in place)."""
+        return self._residual[name]
 
     def _buffer(self, name: str, numel: int | None = None) -> torch.Tensor:
         shape = self._shapes[name]

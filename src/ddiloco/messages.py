@@ -120,6 +120,8 @@ class DecodedTensor:
     """One tensor of an update, decoded once and checked: float32 values, all finite, and their L2 norm."""
 
     values: torch.Tensor
+    """The values; with the compiled kernels an int4 payload's stay where they lie (`ddiloco.kernels.Int4Blocks`, flat),
+    decoded as the round's sums add them."""
     norm: float
     """||values||_2, computed in float64 (finite: a float32 value squared cannot overflow a float64)."""
 

@@ -23,10 +23,11 @@ import torch
 
 from ddiloco.compression import Codec
 from ddiloco.config import QuorumConfig
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.merge import cap_weights, period_share, token_weight
 from ddiloco.messages import DecodedTensor, Participant, RejectReason, RoundRecord, Update
 from ddiloco.round_sum import RoundSum
-from ddiloco.update_values import decode_payload, l2_norm
+from ddiloco.update_values import decode_payload, float_values, l2_norm
 
 
 @dataclass(frozen=True)
@@ -43,26 +44,33 @@ class FragmentMerge:
     """`DilocoConfig.merge`."""
     embeddings: frozenset[str]
     """The tensors merged by plain weighted mean (`FragmentPlan.embeddings`)."""
+    threads: KernelThreads = INLINE
+    """Where the sums' passes run (`ddiloco.kernels`)."""
 
     def decode(self, update: Update) -> Mapping[str, DecodedTensor] | tuple[RejectReason, str]:
         """The update's tensors decoded and checked: by the wire layer already (`Update.decoded`), or here."""
         if update.decoded is not None:
             assert sorted(update.decoded) == sorted(update.payload), "the wire layer decodes every tensor it passes"
             return update.decoded
-        return decode_payload(self.codec, update.payload, self.names, self.shapes)
+        return decode_payload(self.codec, update.payload, self.names, self.shapes, threads=self.threads)
 
     def decode_chain(self, payloads: Sequence[Mapping[str, bytes]]) -> dict[str, DecodedTensor]:
         """A held update's values again from its payloads (each checked when it arrived), a folded one's summed."""
+        if len(payloads) == 1:  # the update as it arrived (int4: read in place again)
+            decoded = decode_payload(self.codec, payloads[0], self.names, self.shapes, threads=self.threads)
+            assert not isinstance(decoded, tuple), "payloads are held only once checked"
+            return decoded
         total: dict[str, torch.Tensor] = {}
         for payload in payloads:
-            decoded = decode_payload(self.codec, payload, self.names, self.shapes)
+            decoded = decode_payload(self.codec, payload, self.names, self.shapes, threads=self.threads)
             assert not isinstance(decoded, tuple), "payloads are held only once checked"
-            total = {name: total[name] + t.values if total else t.values for name, t in decoded.items()}
+            values = {name: float_values(t.values).view(self.shapes[name]) for name, t in decoded.items()}
+            total = {name: total[name] + v if total else v for name, v in values.items()}
         # A folded sum of finite values can still overflow: its norm is then inf, and the round does not commit.
-        return {name: DecodedTensor(values, l2_norm(values)) for name, values in total.items()}
+        return {name: DecodedTensor(values, l2_norm(values, self.threads)) for name, values in total.items()}
 
     def new_sum(self) -> RoundSum:
-        return RoundSum(self.names, method=self.method, embeddings=self.embeddings)
+        return RoundSum(self.names, method=self.method, embeddings=self.embeddings, threads=self.threads)
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """The outer optimizer: SGD with Nesterov momentum on each fragment of the global parameters.
 
 DiLoCo (arXiv 2311.08105) feeds the merged pseudo-gradient Delta = base - local to Nesterov SGD as
-if it were a gradient: m <- mu*m + Delta; Theta <- Theta - eta*(Delta + mu*m). That is exactly
-`torch.optim.SGD(nesterov=True)`, used here with one instance per fragment so a fragment's round
-touches only that fragment's parameters and momentum.
+if it were a gradient: m <- mu*m + Delta; Theta <- Theta - eta*(Delta + mu*m). That is
+`torch.optim.SGD(nesterov=True)`, whose instances (one per fragment, so a fragment's round touches only that
+fragment's parameters and momentum) hold the state and its checkpoint format. The step itself is written out with
+every product and sum rounded on its own, in float32: m = m * mu + Delta (m = Delta at the first step),
+u = Delta + m * mu, Theta = Theta - u * eta. torch's SGD computes the last two with `add(alpha=...)`, which is a fused
+multiply-add on AVX2 CPUs and two roundings elsewhere, so its bits depend on the machine; these do not, and they are
+what the syncer's fused close computes (`ddiloco.kernels.nesterov_int8`).
 """
 
 from __future__ import annotations
@@ -41,12 +45,34 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> None:
+        optimizer = self._optimizers[fragment]
+        lr, mu = self.hyperparameters(fragment)
         for name, param in zip(self._names[fragment], self._params[fragment], strict=True):
-            # SGD without weight decay never writes into .grad, so the merged tensor is used as is.
-            param.grad = merged[name].to(dtype=param.dtype)
-        self._optimizers[fragment].step()
-        for param in self._params[fragment]:
-            param.grad = None
+            update = merged[name].to(dtype=param.dtype)
+            if mu != 0:
+                state = optimizer.state[param]
+                momentum = state.get("momentum_buffer")
+                if momentum is None:
+                    state["momentum_buffer"] = momentum = update.clone()
+                else:
+                    momentum.mul_(mu).add_(update)
+                update = update + momentum * mu
+            param.sub_(update * lr)
+
+    def hyperparameters(self, fragment: int) -> tuple[float, float]:
+        """(learning rate, momentum) of `fragment`'s step."""
+        group = self._optimizers[fragment].param_groups[0]
+        return float(group["lr"]), float(group["momentum"])
+
+    def momentum(self, fragment: int, name: str) -> torch.Tensor | None:
+        """The momentum of tensor `name` of `fragment` (None before its first step, or with momentum 0)."""
+        param = self._params[fragment][self._names[fragment].index(name)]
+        return self._optimizers[fragment].state.get(param, {}).get("momentum_buffer")
+
+    def set_momentum(self, fragment: int, name: str, momentum: torch.Tensor) -> None:
+        """Hold `momentum` as tensor `name`'s momentum (the fused close writes a first step's into it)."""
+        param = self._params[fragment][self._names[fragment].index(name)]
+        self._optimizers[fragment].state[param]["momentum_buffer"] = momentum
 
     @torch.no_grad()
     def non_finite_result(self, fragment: int, merged: Mapping[str, torch.Tensor]) -> str | None:

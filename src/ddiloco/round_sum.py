@@ -16,8 +16,10 @@ reach 1e14, and the sums stay near the size of the values):
     weighted mean: S = sum of c_i d_i over i with c_i > 0                         float32, in order
                    result = S / C                        (zeros when C = 0)
 
-"In order" means: the first term is `d * a` (a new tensor), each later one `acc.add_(d, alpha=a)`, where a is
-the coefficient above as a Python float. The syncer sums a round in the order its learners' updates
+"In order" means: the first term is `d * a` (a new tensor), each later one `acc + (d * a)`, where a is the
+coefficient above rounded to float32, and the product and the sum are each rounded to float32 (no fused
+multiply-add: `ddiloco.kernels.accumulate`, which adds an int4 update straight from its codes). ||.|| is
+`ddiloco.kernels.l2_norm`. The syncer sums a round in the order its learners' updates
 arrived; the order is recorded (`RoundRecord.summed`). Replay never sums again: the round log holds each
 round's merged tensors.
 """
@@ -28,9 +30,10 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import torch
 
+from ddiloco import kernels
 from ddiloco.checks import invalid
+from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import DecodedTensor
-from ddiloco.update_values import l2_norm
 
 MERGE_METHODS = ("rda", "mean")
 
@@ -40,7 +43,9 @@ class RoundSum:
     merged tensors once with `result`. `invalidate` drops the sums of a round that must be summed again (one
     of its updates was replaced); later `add`s are then ignored and `holds` is False."""
 
-    def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = ()) -> None:
+    def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = (),
+                 threads: KernelThreads = INLINE) -> None:
+        """`threads`: where the sums' passes run (`ddiloco.kernel_threads`; the same bits on any number)."""
         if method not in MERGE_METHODS:
             raise invalid("method", method, "'rda' or 'mean'")
         self.names = list(names)
@@ -51,6 +56,7 @@ class RoundSum:
         self._total = 0.0
         self.keys: list[Hashable] = []
         self.weights: list[float] = []
+        self._threads = threads
 
     def add(self, key: Hashable, tensors: Mapping[str, DecodedTensor], weight: float) -> None:
         """Add one update (its tensors decoded and checked) with `weight` (>= 0), after those added before."""
@@ -68,22 +74,25 @@ class RoundSum:
         self._total += coefficient
         if coefficient == 0.0:
             return
+        terms = []
         for name in self.names:
             tensor = tensors[name]
             if self._rda[name]:
                 self._norm_sums[name] += coefficient * tensor.norm
                 if tensor.norm > 0.0:
-                    self._accumulate(name, tensor.values, coefficient / tensor.norm)
+                    terms.append(self._term(name, tensor.values, coefficient / tensor.norm))
             else:
-                self._accumulate(name, tensor.values, coefficient)
+                terms.append(self._term(name, tensor.values, coefficient))
+        kernels.accumulate_all(terms, self._threads)  # every tensor of the update handed to the threads at once
 
-    def _accumulate(self, name: str, values: torch.Tensor, alpha: float) -> None:
+    def _term(self, name: str, values: torch.Tensor | kernels.Int4Blocks, alpha: float) -> kernels.Term:
         assert self._sums is not None
         held = self._sums.get(name)
-        if held is None:
-            self._sums[name] = torch.mul(values, alpha)
-        else:
-            held.add_(values, alpha=alpha)
+        first = held is None
+        if first:
+            numel = values.numel if isinstance(values, kernels.Int4Blocks) else values.numel()
+            held = self._sums[name] = torch.empty(numel, dtype=torch.float32)
+        return held, values if isinstance(values, kernels.Int4Blocks) else values.reshape(-1), alpha, first
 
     def invalidate(self) -> None:
         self._sums = None
@@ -98,18 +107,23 @@ class RoundSum:
         if self._sums is None:
             raise RuntimeError("the round's sums were invalidated: sum it again")
         merged = {}
+        rda = [name for name in self.names if self._rda[name] and self._sums.get(name) is not None]
+        direction_norms = dict(zip(rda, kernels.l2_norms([self._sums[n] for n in rda], self._threads), strict=True))
+        scalings = []  # (sum, factor, divide), in place: on the threads at once, with no torch parallel region
         for name in self.names:
             held = self._sums.get(name)
             if held is None or self._total == 0.0:
                 merged[name] = torch.zeros(shapes[name], dtype=torch.float32)
                 continue
+            merged[name] = held.view(shapes[name])
             if self._rda[name]:
-                direction_norm = l2_norm(held)
+                direction_norm = direction_norms[name]
                 if direction_norm == 0.0:
-                    merged[name] = held.zero_()
+                    held.zero_()
                 else:
-                    merged[name] = held.mul_((self._norm_sums[name] / self._total) / direction_norm)
+                    scalings.append((held, (self._norm_sums[name] / self._total) / direction_norm, False))
             else:
-                merged[name] = held.div_(self._total)
+                scalings.append((held, self._total, True))
+        kernels.scale_all(scalings, self._threads)
         self._sums = None
         return merged

@@ -42,6 +42,8 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
+from ddiloco.fused_close import make_fused_close
+from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import (
     Commit,
     FragmentDelta,
@@ -119,10 +121,13 @@ class Syncer:
                          for name in names} for names in self.plan.fragments]
         shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
         codec = get_codec(config.codec)
-        self._merges = [FragmentMerge(names, shapes, codec, config.merge, self.plan.embeddings)
+        # The merge's and the close's passes over values run on the process's torch thread count (`--threads`).
+        self._threads = KernelThreads()
+        self._merges = [FragmentMerge(names, shapes, codec, config.merge, self.plan.embeddings, self._threads)
                         for names in self.plan.fragments]
         self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
         self._downlink = make_downlink(config.downlink_codec, self.plan, shapes)
+        self._fused_close = make_fused_close(self.outer, self._downlink, self.plan, self._global, self._threads)
         self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
         self._open = [OpenRound(merge) for merge in self._merges]
@@ -327,7 +332,7 @@ class Syncer:
                                    quorum=self.quorum, sync_every=self.config.sync_every)
         learner_ids = [q.learner_id for q in record.participants]
         pending = [open_round.updates[i] for i in learner_ids]
-        overflow = self.outer.non_finite_result(p, record.merged)
+        overflow, fused = self._check_step(p, record.merged)
         if overflow is not None:
             detail = f"the merged round of fragment {p} would make {overflow} non-finite: not committed"
             logger.error("[syncer] %s (learners %s)", detail, learner_ids)
@@ -337,8 +342,8 @@ class Syncer:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
         # Durable (or kept in memory): from here on the round changes the syncer's state.
         on_time = tuple(i for i, u in zip(learner_ids, pending, strict=True) if u.base_version == version_before)
-        broadcast = dataclasses.replace(self._outer_step(p, record.merged, record.version), on_time=on_time,
-                                        margins=self._margins(open_round, on_time))
+        broadcast = dataclasses.replace(self._outer_step(p, record.merged, record.version, fused=fused),
+                                        on_time=on_time, margins=self._margins(open_round, on_time))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
             info.merged_base[p] = u.base_version
@@ -382,9 +387,26 @@ class Syncer:
             self.storage_error = None
         return None
 
-    def _outer_step(self, p: int, merged: Mapping[str, torch.Tensor], version: int) -> FragmentState | FragmentDelta:
+    def _check_step(self, p: int, merged: Mapping[str, torch.Tensor]) -> tuple[str | None, bool]:
+        """(the first tensor the outer step of fragment p with `merged` would make non-finite, or None; whether the
+        fused close can take the step, `ddiloco.fused_close`)."""
+        if self._fused_close is None:
+            return self.outer.non_finite_result(p, merged), False
+        return self._fused_close.check(p, merged)
+
+    def _outer_step(self, p: int, merged: Mapping[str, torch.Tensor], version: int, *,
+                    fused: bool | None = None) -> FragmentState | FragmentDelta:
         """The outer step of fragment p to `version`, through the downlink rule (`ddiloco.downlink`: with a lossy
-        downlink codec the global value becomes what learners rebuild); returns the round's broadcast."""
+        downlink codec the global value becomes what learners rebuild); returns the round's broadcast. `fused`:
+        whether `_check_step` allowed the fused close (None: not checked yet). Both ways give the same bits."""
+        if fused is None and self._fused_close is not None:
+            fused = self._check_step(p, merged)[1]
+        if fused:
+            assert self._fused_close is not None
+            self.versions[p] = version
+            return self._fused_close.step(p, version, merged)
+        if self._fused_close is not None:
+            self._fused_close.forget(p)
         previous = self._downlink.before_step(p, self._global[p])
         self.outer.step(p, merged)
         self.versions[p] = version
@@ -432,6 +454,8 @@ class Syncer:
         self.rounds_committed = int(state["rounds_committed"])
         self.outer.load_state_dict(state["outer"])
         self._downlink.load_state_dict(state["downlink_residual"])
+        if self._fused_close is not None:
+            self._fused_close.forget()
         self._open = [OpenRound(merge) for merge in self._merges]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,

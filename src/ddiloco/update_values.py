@@ -5,12 +5,15 @@ outside the syncer's lock) and hands the result to the syncer core in `Update.de
 passes updates without it (the in-process hub, the simulator) lets the core call `decode_payload` itself.
 Either way a payload is decoded and checked once, by the same function, so both give the same bits.
 
-The check and the norm are one pass: the L2 norm of float32 values is finite exactly when every value is
-(NaN and Inf propagate into it), so no separate `isfinite` pass (which is ten times slower than an `add_`
-over the same values) is needed. The norm is first taken with float32 accumulation (fast); when that is
-not a finite number of normal size (values near 1e19 square past float32's range, values near 1e-19 square
-into its subnormals) it is taken again in float64, which decides. The norm is a deterministic function of
-the values, so the streaming merge and its batch reference (`ddiloco.round_sum`) agree bit for bit.
+The check and the norm are one pass: the L2 norm (`ddiloco.kernels.l2_norm`, a float64 sum of the values' exact
+squares in a fixed order) is finite exactly when every value is (NaN and Inf propagate into it), so no separate
+`isfinite` pass is needed. The norm is a deterministic function of the values, so the streaming merge and its batch
+reference (`ddiloco.round_sum`) agree bit for bit.
+
+An int4 payload is not decoded at all where the compiled kernels are built: its norm is taken straight from its codes
+(the same values, so the same bits as decoding first), and the update's values stay `Int4Blocks`, a view of the
+payload, which the round's sums decode as they add them (`ddiloco.kernels.accumulate`): a float32 copy of the update
+is never written.
 
 Decoding into reused buffers (`DecodeBuffers`): the values of an update live only until the syncer core has
 added them to its round's sums, and a fresh tensor the size of a large fragment costs more in page faults
@@ -25,28 +28,29 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ddiloco.compression import Codec
+from ddiloco import kernels
+from ddiloco.compression import Codec, Int4Codec
+from ddiloco.kernel_threads import INLINE, KernelThreads
+from ddiloco.kernels import Int4Blocks
 from ddiloco.messages import DecodedTensor, RejectReason
 
-MIN_FLOAT32_NORM = 1e-15
-"""A float32-accumulated norm below this is recomputed in float64: its squares were near or below float32's
-smallest normal number (1.2e-38), where they lose precision or flush to zero."""
 
-
-def l2_norm(values: torch.Tensor) -> float:
+def l2_norm(values: torch.Tensor | Int4Blocks, threads: KernelThreads = INLINE) -> float:
     """||values||_2 as a Python float: inf or NaN when a value is not finite (see the module docstring)."""
-    fast = float(torch.linalg.vector_norm(values))
-    if MIN_FLOAT32_NORM <= fast < math.inf:
-        return fast
-    return float(torch.linalg.vector_norm(values, dtype=torch.float64))
+    return kernels.l2_norm(values, threads)
 
 
-def check_values(name: str, values: torch.Tensor) -> DecodedTensor | tuple[RejectReason, str]:
+def check_values(name: str, values: torch.Tensor | Int4Blocks,
+                 threads: KernelThreads = INLINE) -> DecodedTensor | tuple[RejectReason, str]:
     """`values` with its norm, or (NON_FINITE, why) when a value is NaN or Inf."""
-    norm = l2_norm(values)
+    norm = l2_norm(values, threads)
     if not math.isfinite(norm):
-        return RejectReason.NON_FINITE, f"{name} holds non-finite values (NaN or Inf)"
+        return _not_finite(name)
     return DecodedTensor(values, norm)
+
+
+def _not_finite(name: str) -> tuple[RejectReason, str]:
+    return RejectReason.NON_FINITE, f"{name} holds non-finite values (NaN or Inf)"
 
 
 MAX_FREE_BUFFERS = 64
@@ -81,19 +85,45 @@ class DecodeBuffers:
 
 
 def decode_payload(codec: Codec, payload: Mapping[str, bytes], names: Sequence[str],
-                   shapes: Mapping[str, tuple[int, ...]], *,
-                   into: Sequence[torch.Tensor] = ()) -> dict[str, DecodedTensor] | tuple[RejectReason, str]:
+                   shapes: Mapping[str, tuple[int, ...]], *, into: Sequence[torch.Tensor] = (),
+                   threads: KernelThreads = INLINE) -> dict[str, DecodedTensor] | tuple[RejectReason, str]:
     """The tensors `names` of `payload`, decoded and checked in that order; or (reason, detail) for the first
     that is malformed (wrong byte count) or not finite. `into`: one buffer per name to decode into (see
-    `DecodeBuffers`; each of at least `codec.buffer_numel` values); none: new tensors."""
-    decoded = {}
+    `DecodeBuffers`; each of at least `codec.buffer_numel` values); none: new tensors. An int4 payload is read in
+    place when the compiled kernels are built (`Int4Blocks`; `into` is then not written)."""
+    in_place = reads_in_place(codec)
+    values, malformed = [], None
     for i, name in enumerate(names):
         try:
-            values = codec.decode(payload[name], shapes[name], out=into[i] if into else None)
+            if in_place:
+                values.append(_int4_blocks(codec, payload[name], shapes[name]))
+            else:
+                values.append(codec.decode(payload[name], shapes[name], out=into[i] if into else None))
         except ValueError as exc:
-            return RejectReason.MALFORMED, f"{name}: {exc}"
-        checked = check_values(name, values)
-        if isinstance(checked, tuple):
-            return checked
-        decoded[name] = checked
-    return decoded
+            malformed = RejectReason.MALFORMED, f"{name}: {exc}"
+            break
+    decoded = {}
+    # The norms of all tensors decoded, handed to the threads at once; the first problem in `names` order is reported.
+    for name, tensor, norm in zip(names, values, kernels.l2_norms(values, threads), strict=False):
+        if not math.isfinite(norm):
+            return _not_finite(name)
+        decoded[name] = DecodedTensor(tensor, norm)
+    return malformed if malformed is not None else decoded
+
+
+def reads_in_place(codec: Codec) -> bool:
+    """Whether `decode_payload` reads this codec's payloads where they lie (no buffers needed: `Int4Blocks`)."""
+    return kernels.compiled is not None and isinstance(codec, Int4Codec)
+
+
+def _int4_blocks(codec: Int4Codec, data: bytes, shape: tuple[int, ...]) -> Int4Blocks:
+    numel = math.prod(shape)
+    expected = codec.encoded_nbytes(numel)
+    if len(data) != expected:  # the message `decode` gives
+        raise ValueError(f"{codec.name} payload for {numel} values must be {expected} bytes, got {len(data)}")
+    return Int4Blocks(bytes(data), numel, codec.block_size)
+
+
+def float_values(values: torch.Tensor | Int4Blocks) -> torch.Tensor:
+    """The values as a float32 tensor (`Int4Blocks` decoded, flat)."""
+    return values.decode() if isinstance(values, Int4Blocks) else values

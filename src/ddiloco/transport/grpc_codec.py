@@ -43,7 +43,7 @@ from ddiloco.messages import (
     Update,
 )
 from ddiloco.transport import wire_pb2
-from ddiloco.update_values import DecodeBuffers, decode_payload
+from ddiloco.update_values import DecodeBuffers, decode_payload, reads_in_place
 
 CHUNK_BYTES = 1 << 20
 """Data bytes per chunk: large enough that per-chunk overhead is negligible (gRPC measured 0.6 GB/s
@@ -441,7 +441,7 @@ class UpdateAssembler:
         for t in h.tensors:
             payload[t.name] = bytes(buffer[offset:offset + t.nbytes])
             offset += t.nbytes
-        if self._buffers is not None:
+        if self._buffers is not None and not reads_in_place(self._codec):
             self._taken = [self._buffers.take(self._codec.buffer_numel(math.prod(t.shape))) for t in h.tensors]
         decoded = decode_payload(self._codec, payload, list(payload), {t.name: tuple(t.shape) for t in h.tensors},
                                  into=self._taken)
