@@ -1,8 +1,9 @@
 """Training data: the embedded corpus, byte-level tokens, disjoint per-learner shards, a held-out tail.
 
-Owns loading and verifying the shipped corpus, cutting it into disjoint shards, one per learner
-(contiguous slices, or blocks dealt round-robin: ``DataConfig.shard_layout``), drawing random training
-windows from a shard with a resumable cursor, and the fixed validation batches. It does not own the
+Owns loading and verifying the shipped corpus, cutting it into shards, one per learner (disjoint
+contiguous slices or blocks dealt round-robin, or the whole training part for every learner:
+``DataConfig.shard_layout``), drawing random training windows from a shard with a resumable cursor, and
+the fixed validation batches. It does not own the
 model, the device a batch runs on, or how many tokens a learner trains on: those belong to the model,
 the learner and the run config.
 
@@ -58,7 +59,7 @@ CORPUS_SHA256 = "a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054
 STATE_VERSION = 1
 """Version of the ``ShardStream.state_dict`` layout, so an old checkpoint fails loudly, not subtly."""
 
-SHARD_LAYOUTS = ("contiguous", "interleaved")
+SHARD_LAYOUTS = ("contiguous", "interleaved", "whole")
 DEFAULT_SHARD_BLOCK_BYTES = 65_536
 """Block size of the interleaved layout: 64 KiB is about half an act of a play, so each of 4 shards of the
 4.8 MB training part holds 18 blocks from all over the works (every play's characters and verse), and a window
@@ -115,13 +116,14 @@ class DataConfig:
     seed: int = 0
     """Base seed of every shard's window sampler; a shard's generator is seeded from (seed, shard)."""
     shard_layout: str = "contiguous"
-    """How the training part is dealt into the learners' disjoint shards. contiguous: shard m is the m-th of M
-    equal slices, so each learner reads other works (for Shakespeare, other plays, other characters): shards that
-    are not identically distributed. interleaved: the training part is cut into blocks of ``shard_block_bytes``
-    dealt round-robin (block b to shard b mod M), so every shard samples the whole corpus, as shards of a shuffled
-    pre-training set do. Data-parallel ranks read the same shards, so both systems see the same tokens either way;
-    Decoupled DiLoCo's learners drift towards their own shard between rounds, data-parallel's do not
-    (docs/results.md, "Defaults and rounds", item 10)."""
+    """What each learner (and each data-parallel rank) reads. contiguous: shard m is the m-th of M equal slices of
+    the training part (for Shakespeare, other plays, other characters). interleaved: the training part is cut into
+    blocks of ``shard_block_bytes`` dealt round-robin (block b to shard b mod M): disjoint shards that each sample
+    the whole corpus. whole: every shard is the whole training part, and shards differ only by their generator
+    seed (random windows, so two learners rarely draw the same one), as a sampler reshuffled every epoch deals
+    a small corpus read several times over. Disjoint shards make each learner repeat its own quarter of the
+    corpus in a run of more than one pass over it; data-parallel averages the ranks' gradients at every step
+    and is barely affected (docs/results.md, "Defaults and rounds", item 10)."""
     shard_block_bytes: int = DEFAULT_SHARD_BLOCK_BYTES
     """Bytes per block of the interleaved layout (at least context_len + 1: a window never crosses a block)."""
 
@@ -187,7 +189,7 @@ def shard_byte_ranges(num_bytes: int, config: DataConfig, *, shard: int,
 
     contiguous: the one range of ``shard_byte_range``. interleaved: the training part is cut into blocks of
     ``config.shard_block_bytes`` (the last partial block belongs to no shard) and block b goes to shard
-    b mod num_shards. Raises ``ValueError`` if the shard gets no block.
+    b mod num_shards. whole: the training part. Raises ``ValueError`` if the shard gets no block.
     """
     if config.shard_layout == "contiguous":
         return [shard_byte_range(num_bytes, config, shard=shard, num_shards=num_shards)]
@@ -195,6 +197,12 @@ def shard_byte_ranges(num_bytes: int, config: DataConfig, *, shard: int,
     require_int("shard", shard, minimum=0)
     if shard >= num_shards:
         raise ValueError(f"shard must be in [0, num_shards={num_shards}), got {shard}")
+    if config.shard_layout == "whole":
+        train_bytes = held_out_start(num_bytes, config.val_fraction)
+        if train_bytes < config.context_len + 1:
+            raise ValueError(f"corpus too small: its training part holds {train_bytes} bytes, less than one "
+                             f"window of context_len + 1 = {config.context_len + 1}")
+        return [(0, train_bytes)]
     block = config.shard_block_bytes
     num_blocks = held_out_start(num_bytes, config.val_fraction) // block
     if num_blocks < num_shards:

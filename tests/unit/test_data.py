@@ -80,7 +80,8 @@ def test_truncated_corpus_is_reported():
         ({"seed": -1}, "seed=-1 is invalid: expected an integer >= 0"),
         ({"val_fraction": 0.0}, "val_fraction must be a number in (0, 1), got 0.0"),
         ({"val_fraction": 1}, "val_fraction must be a number in (0, 1), got 1"),
-        ({"shard_layout": "random"}, "shard_layout='random' is invalid: expected one of contiguous, interleaved"),
+        ({"shard_layout": "random"},
+         "shard_layout='random' is invalid: expected one of contiguous, interleaved, whole"),
         ({"context_len": 8, "shard_block_bytes": 8}, "shard_block_bytes=8 is invalid: expected an integer >= 9"),
     ],
 )
@@ -207,6 +208,16 @@ def test_the_contiguous_layout_draws_the_windows_it_drew_before_the_layouts():
     for _ in range(3):
         starts = torch.randint(0, (stop - start) - 16, (5,), generator=generator)
         assert _windows(stream.next_batch()) == [corpus[start + s : start + s + 17] for s in starts.tolist()]
+
+
+def test_the_whole_layout_gives_every_shard_the_training_part_and_its_own_draws():
+    config = DataConfig(batch_size=256, context_len=8, val_fraction=0.5, shard_layout="whole")
+    corpus = bytes(range(24)) + bytes(24)
+    streams = [shard_stream(corpus, config, shard=i, num_shards=2) for i in range(2)]
+    assert [stream.byte_ranges for stream in streams] == [[(0, 24)], [(0, 24)]]
+    first = [stream.next_batch().inputs[:, 0] for stream in streams]
+    assert set(first[0].tolist()) == set(first[1].tolist()) == set(range(24 - 8))  # every start, none in the tail
+    assert not torch.equal(first[0], first[1])  # each shard its own generator
 
 
 def test_interleaved_layout_needs_a_block_per_shard():
