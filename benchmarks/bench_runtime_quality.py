@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/bench_runtime_quality.py                    # 4 learners, 300 inner steps (~8 min)
     .venv/bin/python benchmarks/bench_runtime_quality.py --steps 200 -- --outer-lr 1.0 --outer-momentum 0
+    .venv/bin/python benchmarks/bench_runtime_quality.py --steps 896 -- --data-shard-layout interleaved
 
 1. `ddiloco run --learners M --inner-steps N` (the built-in TinyGPT learner, the syncer, the evaluator; gRPC on
    127.0.0.1), with the defaults unless flags after `--` change them. Its final validation loss is the
    evaluator's last `eval/val_loss` (after every learner's last round), its curve the evaluator's metrics.
 2. The DDP baseline `ddiloco chaos` runs (`ddiloco.chaos.data_parallel.DataParallelJob`: M ranks over gloo,
    shard r for rank r, global batch M x B), without faults, stopped once rank 0 has taken N steps (the job
-   evaluates at its last step): the same tokens, model, data and seed.
+   evaluates at its last step): the same tokens, model, data and seed (the data settings of the ddiloco run's
+   resolved config: `--data-*` flags after `--` apply to both).
 
 Also printed: the updates that missed their round (the round's result does not name them, so they were merged one
 version late in a later round) and when each was published against that round's close, and the learners' waits
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
+from ddiloco.data import DataConfig
 from ddiloco.run_config import RunConfig
 
 TOLERANCE = 0.02
@@ -138,7 +141,9 @@ def main() -> None:
               f"{m['wait_s']:.2f} s in all", flush=True)
         if args.skip_dp:
             return
-        run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed)
+        # The ddiloco run's data settings (batch, shard layout), so that both systems read the same shards.
+        run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed,
+                               data=DataConfig(**dd["config"]["data"]))
         dp = run_data_parallel(root / "data_parallel", run_config, steps=args.steps)
         gap = dd["final"] / dp["final"] - 1
         print(f"data-parallel (DDP, gloo, {args.learners} ranks): final {dp['final']:.4f} at step {dp['final_step']}, "

@@ -22,7 +22,7 @@ import time
 import torch
 
 from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.data import DataConfig, load_corpus, shard_stream
+from ddiloco.data import SHARD_LAYOUTS, DataConfig, load_corpus, shard_stream
 from ddiloco.flags import field_types
 from ddiloco.sim.cluster import ClusterConfig
 from ddiloco.sim.data_parallel import DataParallelSim, DataParallelSimConfig
@@ -84,11 +84,13 @@ def _override(item: str) -> tuple[str, object]:
     return name, kind(text)
 
 
-def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0) -> str:
+def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0,
+             shard_layout: str = "contiguous") -> str:
     parts = spec.split(":")
     overrides = dict(_override(p) for p in parts[5:] if "=" in p)
     parts = [p for p in parts if "=" not in p]
-    workload = WorkloadConfig(data=DataConfig(batch_size=batch_size), inner=InnerConfig(lr=float(parts[1])),
+    workload = WorkloadConfig(data=DataConfig(batch_size=batch_size, shard_layout=shard_layout),
+                              inner=InnerConfig(lr=float(parts[1])),
                               inner_steps=steps, eval_points=evals, val_batches=val_batches)
     start = time.perf_counter()
     if parts[0] == "dp":
@@ -116,6 +118,8 @@ def main() -> None:
                         help="batch per learner in the sweep (8: the experiments'; 16: `ddiloco run`'s default)")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches per evaluation in the sweep")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and timing seed of the sweep's runs")
+    parser.add_argument("--shard-layout", default="contiguous", choices=SHARD_LAYOUTS,
+                        help="how the corpus is dealt into the learners' (and data-parallel ranks') shards")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.sweep:
@@ -123,11 +127,11 @@ def main() -> None:
         bench_overhead(args.overhead_steps)
         return
     print(f"| config | final val loss | loss along the run | wall |  ({args.steps} inner steps per learner, "
-          f"batch {args.batch})")
+          f"batch {args.batch}, {args.shard_layout} shards)")
     print("|---|---|---|---|")
     for spec in args.only or DEFAULT_GRID:
         print(run_spec(spec, args.steps, args.evals, batch_size=args.batch, val_batches=args.val_batches,
-                       seed=args.seed), flush=True)
+                       seed=args.seed, shard_layout=args.shard_layout), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Training data: the embedded corpus, byte-level tokens, disjoint per-learner shards, a held-out tail.
 
-Owns loading and verifying the shipped corpus, cutting it into one contiguous shard per learner,
-drawing random training windows from a shard with a resumable cursor, and the fixed validation
-batches. It does not own the model, the device a batch runs on, or how many tokens a learner trains
-on: those belong to the model, the learner and the run config.
+Owns loading and verifying the shipped corpus, cutting it into shards, one per learner (disjoint
+contiguous slices or blocks dealt round-robin, or the whole training part for every learner:
+``DataConfig.shard_layout``), drawing random training windows from a shard with a resumable cursor, and
+the fixed validation batches. It does not own the
+model, the device a batch runs on, or how many tokens a learner trains on: those belong to the model,
+the learner and the run config.
 
 Tokens are bytes: token id = byte value, so the vocabulary has 256 entries and no tokenizer is
 needed. Each training sequence is a window of ``context_len + 1`` consecutive bytes; the inputs are
@@ -44,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.checks import require_int
+from ddiloco.checks import require_choice, require_int
 
 VOCAB_SIZE = 256
 """One token per byte value."""
@@ -56,6 +58,12 @@ CORPUS_SHA256 = "a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054
 
 STATE_VERSION = 1
 """Version of the ``ShardStream.state_dict`` layout, so an old checkpoint fails loudly, not subtly."""
+
+SHARD_LAYOUTS = ("contiguous", "interleaved", "whole")
+DEFAULT_SHARD_BLOCK_BYTES = 65_536
+"""Block size of the interleaved layout: 64 KiB is about half an act of a play, so each of 4 shards of the
+4.8 MB training part holds 18 blocks from all over the works (every play's characters and verse), and a window
+of 129 bytes never crossing a block costs 0.2 % of the window starts."""
 
 _SEED_BITS = 63
 """Generator seeds are kept below 2**63: ``torch.Generator.manual_seed`` accepts any such value."""
@@ -107,11 +115,24 @@ class DataConfig:
     """Fraction of the corpus, taken from its tail, held out for validation; 0 < val_fraction < 1."""
     seed: int = 0
     """Base seed of every shard's window sampler; a shard's generator is seeded from (seed, shard)."""
+    shard_layout: str = "contiguous"
+    """What each learner (and each data-parallel rank) reads. contiguous: shard m is the m-th of M equal slices of
+    the training part (for Shakespeare, other plays, other characters). interleaved: the training part is cut into
+    blocks of ``shard_block_bytes`` dealt round-robin (block b to shard b mod M): disjoint shards that each sample
+    the whole corpus. whole: every shard is the whole training part, and shards differ only by their generator
+    seed (random windows, so two learners rarely draw the same one), as a sampler reshuffled every epoch deals
+    a small corpus read several times over. Disjoint shards make each learner repeat its own quarter of the
+    corpus in a run of more than one pass over it; data-parallel averages the ranks' gradients at every step
+    and is barely affected (docs/results.md, "Defaults and rounds", item 10)."""
+    shard_block_bytes: int = DEFAULT_SHARD_BLOCK_BYTES
+    """Bytes per block of the interleaved layout (at least context_len + 1: a window never crosses a block)."""
 
     def __post_init__(self) -> None:
         require_int("batch_size", self.batch_size, minimum=1)
         require_int("context_len", self.context_len, minimum=1)
         require_int("seed", self.seed, minimum=0)
+        require_choice("shard_layout", self.shard_layout, SHARD_LAYOUTS)
+        require_int("shard_block_bytes", self.shard_block_bytes, minimum=self.context_len + 1)
         if (
             not isinstance(self.val_fraction, int | float)
             or isinstance(self.val_fraction, bool)
@@ -162,6 +183,36 @@ def shard_byte_range(num_bytes: int, config: DataConfig, *, shard: int, num_shar
     return start, start + shard_bytes
 
 
+def shard_byte_ranges(num_bytes: int, config: DataConfig, *, shard: int,
+                      num_shards: int) -> list[tuple[int, int]]:
+    """The half-open byte ranges of the corpus that belong to one shard, in corpus order, all of one length.
+
+    contiguous: the one range of ``shard_byte_range``. interleaved: the training part is cut into blocks of
+    ``config.shard_block_bytes`` (the last partial block belongs to no shard) and block b goes to shard
+    b mod num_shards. whole: the training part. Raises ``ValueError`` if the shard gets no block.
+    """
+    if config.shard_layout == "contiguous":
+        return [shard_byte_range(num_bytes, config, shard=shard, num_shards=num_shards)]
+    require_int("num_shards", num_shards, minimum=1)
+    require_int("shard", shard, minimum=0)
+    if shard >= num_shards:
+        raise ValueError(f"shard must be in [0, num_shards={num_shards}), got {shard}")
+    if config.shard_layout == "whole":
+        train_bytes = held_out_start(num_bytes, config.val_fraction)
+        if train_bytes < config.context_len + 1:
+            raise ValueError(f"corpus too small: its training part holds {train_bytes} bytes, less than one "
+                             f"window of context_len + 1 = {config.context_len + 1}")
+        return [(0, train_bytes)]
+    block = config.shard_block_bytes
+    num_blocks = held_out_start(num_bytes, config.val_fraction) // block
+    if num_blocks < num_shards:
+        raise ValueError(
+            f"corpus too small: its training part holds {num_blocks} blocks of shard_block_bytes={block}, fewer "
+            f"than the {num_shards} shards; use a smaller shard_block_bytes or fewer shards"
+        )
+    return [(b * block, (b + 1) * block) for b in range(shard, num_blocks, num_shards)]
+
+
 def _shard_seed(seed: int, shard: int) -> int:
     # Hashing (seed, shard) rather than adding them keeps (seed=0, shard=1) and (seed=1, shard=0)
     # apart; sha256 rather than hash() because Python salts hash() per process.
@@ -179,7 +230,7 @@ def _windows(tokens_N: torch.Tensor, starts_B: torch.Tensor, context_len: int) -
 
 
 class ShardStream:
-    """The training stream of one learner: random windows from its own contiguous shard only.
+    """The training stream of one learner: random windows from its own shard only (``shard_byte_ranges``).
 
     Window start positions come from a ``torch.Generator`` seeded from ``(config.seed, shard)``, so
     the stream is deterministic. ``state_dict`` captures the cursor (batches drawn and generator
@@ -187,20 +238,25 @@ class ShardStream:
     batches the uninterrupted stream would have drawn. A stream restored from another shard's or
     seed's state raises ``ValueError`` instead of silently reading the wrong data.
 
-    ``byte_range`` is the half-open range ``[start, stop)`` of corpus bytes this stream reads: every
-    byte of every window, inputs and targets, lies inside it. ``batches_drawn`` counts ``next_batch``
-    calls.
+    ``byte_ranges`` are the half-open ranges ``[start, stop)`` of corpus bytes this stream reads: every
+    byte of every window, inputs and targets, lies inside one of them (a window never crosses from one
+    to the next). ``byte_range`` is the smallest single range holding them all (the shard itself, for the
+    contiguous layout). ``batches_drawn`` counts ``next_batch`` calls.
     """
 
     def __init__(self, config: DataConfig, *, corpus: bytes, shard: int, num_shards: int) -> None:
         self.config = config
         self.shard = shard
         self.num_shards = num_shards
-        self.byte_range = shard_byte_range(len(corpus), config, shard=shard, num_shards=num_shards)
-        start, stop = self.byte_range
-        # Copy only this shard's bytes: bytearray because torch.frombuffer wants a writable buffer.
-        self._tokens_N = torch.frombuffer(bytearray(corpus[start:stop]), dtype=torch.uint8)
-        self._num_starts = (stop - start) - config.context_len  # valid window starts in the shard
+        self.byte_ranges = shard_byte_ranges(len(corpus), config, shard=shard, num_shards=num_shards)
+        self.byte_range = (self.byte_ranges[0][0], self.byte_ranges[-1][1])
+        # Copy only this shard's bytes, its ranges end to end: bytearray because torch.frombuffer wants a
+        # writable buffer.
+        self._tokens_N = torch.frombuffer(bytearray(b"".join(corpus[a:b] for a, b in self.byte_ranges)),
+                                          dtype=torch.uint8)
+        self._range_bytes = self.byte_ranges[0][1] - self.byte_ranges[0][0]  # every range has this length
+        self._starts_per_range = self._range_bytes - config.context_len  # valid window starts in one range
+        self._num_starts = self._starts_per_range * len(self.byte_ranges)
         self._generator = torch.Generator().manual_seed(_shard_seed(config.seed, shard))
         self.batches_drawn = 0
 
@@ -213,7 +269,10 @@ class ShardStream:
         if batch_size is None:
             batch_size = self.config.batch_size
         require_int("batch_size", batch_size, minimum=1)
-        starts_B = torch.randint(0, self._num_starts, (batch_size,), generator=self._generator)
+        draws_B = torch.randint(0, self._num_starts, (batch_size,), generator=self._generator)
+        # Draw d is the window at offset d mod S of range d div S (S: the starts one range holds); with one
+        # range (the contiguous layout) the start is the draw itself, as before the layouts existed.
+        starts_B = (draws_B // self._starts_per_range) * self._range_bytes + draws_B % self._starts_per_range
         self.batches_drawn += 1
         return _windows(self._tokens_N, starts_B, self.config.context_len)
 
@@ -225,6 +284,8 @@ class ShardStream:
             "seed": self.config.seed,
             "shard": self.shard,
             "num_shards": self.num_shards,
+            "shard_layout": self.config.shard_layout,
+            "shard_block_bytes": self.config.shard_block_bytes,
             "batches_drawn": self.batches_drawn,
             "generator_state": base64.b64encode(generator_state).decode("ascii"),
         }
@@ -237,10 +298,15 @@ class ShardStream:
             "shard": self.shard,
             "num_shards": self.num_shards,
         }
+        # A state saved before the layouts existed is a contiguous one; a contiguous stream has no blocks.
+        found = {**state, "shard_layout": state.get("shard_layout", "contiguous")}
+        expected["shard_layout"] = self.config.shard_layout
+        if self.config.shard_layout == "interleaved":
+            expected["shard_block_bytes"] = self.config.shard_block_bytes
         for key, value in expected.items():
-            if state.get(key) != value:
+            if found.get(key) != value:
                 raise ValueError(
-                    f"shard stream state does not fit this stream: {key} is {state.get(key)!r}, "
+                    f"shard stream state does not fit this stream: {key} is {found.get(key)!r}, "
                     f"expected {value!r}"
                 )
         raw = base64.b64decode(state["generator_state"])

@@ -13,10 +13,12 @@ from ddiloco.data import (
     Batch,
     CorpusDamagedError,
     DataConfig,
+    _shard_seed,
     decode_corpus,
     held_out_start,
     load_corpus,
     shard_byte_range,
+    shard_byte_ranges,
     shard_stream,
     validation_batches,
 )
@@ -78,6 +80,9 @@ def test_truncated_corpus_is_reported():
         ({"seed": -1}, "seed=-1 is invalid: expected an integer >= 0"),
         ({"val_fraction": 0.0}, "val_fraction must be a number in (0, 1), got 0.0"),
         ({"val_fraction": 1}, "val_fraction must be a number in (0, 1), got 1"),
+        ({"shard_layout": "random"},
+         "shard_layout='random' is invalid: expected one of contiguous, interleaved, whole"),
+        ({"context_len": 8, "shard_block_bytes": 8}, "shard_block_bytes=8 is invalid: expected an integer >= 9"),
     ],
 )
 def test_config_validation_names_the_field_and_value(kwargs, message):
@@ -163,6 +168,64 @@ def test_bad_shard_arguments_are_rejected(shard, num_shards, message):
     assert str(excinfo.value) == message
 
 
+def test_interleaved_blocks_are_dealt_round_robin_and_windows_never_cross_one():
+    # Block b of 20 bytes holds only byte value b + 1: a window across two blocks would show two values. 130 training
+    # bytes make 6 whole blocks (the last 10 bytes belong to no shard); the tail holds 0.
+    config = DataConfig(batch_size=64, context_len=8, val_fraction=0.2, shard_layout="interleaved",
+                        shard_block_bytes=20)
+    corpus = b"".join(bytes([b + 1]) * 20 for b in range(6)) + bytes([99]) * 10 + bytes(32)
+    assert held_out_start(len(corpus), config.val_fraction) == 130
+    expected = {0: [(0, 20), (60, 80)], 1: [(20, 40), (80, 100)], 2: [(40, 60), (100, 120)]}
+    for shard, ranges in expected.items():
+        assert shard_byte_ranges(len(corpus), config, shard=shard, num_shards=3) == ranges
+        stream = shard_stream(corpus, config, shard=shard, num_shards=3)
+        assert stream.byte_ranges == ranges
+        assert stream.byte_range == (ranges[0][0], ranges[-1][1])
+        seen = set()
+        for window in _windows(stream.next_batch()):
+            assert len(set(window)) == 1  # inside one block
+            seen |= set(window)
+        assert seen == {a // 20 + 1 for a, _ in ranges}  # 64 draws reach both of its blocks
+
+
+def test_every_start_of_every_interleaved_block_is_reachable():
+    # Blocks of 12 bytes with context 8 hold 12 - 8 = 4 window starts each; shard 0 of 2 owns blocks 0 and 2.
+    config = DataConfig(batch_size=256, context_len=8, val_fraction=0.5, shard_layout="interleaved",
+                        shard_block_bytes=12)
+    corpus = bytes(range(48)) + bytes(48)
+    stream = shard_stream(corpus, config, shard=0, num_shards=2)
+    assert stream.byte_ranges == [(0, 12), (24, 36)]
+    assert set(stream.next_batch().inputs[:, 0].tolist()) == {0, 1, 2, 3, 24, 25, 26, 27}
+
+
+def test_the_contiguous_layout_draws_the_windows_it_drew_before_the_layouts():
+    # Before the layouts, a window started at the generator's draw itself: randint(0, shard bytes - context).
+    corpus = _random_corpus(20_000, seed=6)
+    config = DataConfig(batch_size=5, context_len=16, seed=3)
+    stream = shard_stream(corpus, config, shard=1, num_shards=2)
+    start, stop = shard_byte_range(len(corpus), config, shard=1, num_shards=2)
+    generator = torch.Generator().manual_seed(_shard_seed(3, 1))
+    for _ in range(3):
+        starts = torch.randint(0, (stop - start) - 16, (5,), generator=generator)
+        assert _windows(stream.next_batch()) == [corpus[start + s : start + s + 17] for s in starts.tolist()]
+
+
+def test_the_whole_layout_gives_every_shard_the_training_part_and_its_own_draws():
+    config = DataConfig(batch_size=256, context_len=8, val_fraction=0.5, shard_layout="whole")
+    corpus = bytes(range(24)) + bytes(24)
+    streams = [shard_stream(corpus, config, shard=i, num_shards=2) for i in range(2)]
+    assert [stream.byte_ranges for stream in streams] == [[(0, 24)], [(0, 24)]]
+    first = [stream.next_batch().inputs[:, 0] for stream in streams]
+    assert set(first[0].tolist()) == set(first[1].tolist()) == set(range(24 - 8))  # every start, none in the tail
+    assert not torch.equal(first[0], first[1])  # each shard its own generator
+
+
+def test_interleaved_layout_needs_a_block_per_shard():
+    config = DataConfig(context_len=8, val_fraction=0.5, shard_layout="interleaved", shard_block_bytes=20)
+    with pytest.raises(ValueError, match="holds 2 blocks of shard_block_bytes=20, fewer than the 3 shards"):
+        shard_stream(bytes(80), config, shard=0, num_shards=3)
+
+
 # --- streams --------------------------------------------------------------------------------------
 
 
@@ -230,6 +293,30 @@ def test_cursor_from_another_shard_is_rejected():
     other = shard_stream(corpus, config, shard=1, num_shards=2)
     with pytest.raises(ValueError, match="shard is 0, expected 1"):
         other.load_state_dict(saved)
+
+
+def test_an_interleaved_cursor_restores_and_a_cursor_of_the_other_layout_is_rejected():
+    corpus = _random_corpus(50_000, seed=7)
+    interleaved = DataConfig(batch_size=4, context_len=32, shard_layout="interleaved", shard_block_bytes=1_000)
+    uninterrupted = shard_stream(corpus, interleaved, shard=1, num_shards=3)
+    uninterrupted.next_batch()
+    restored = shard_stream(corpus, interleaved, shard=1, num_shards=3)
+    restored.load_state_dict(json.loads(json.dumps(uninterrupted.state_dict())))
+    _assert_batches_equal(uninterrupted.next_batch(), restored.next_batch())
+
+    contiguous = shard_stream(corpus, DataConfig(batch_size=4, context_len=32), shard=1, num_shards=3)
+    with pytest.raises(ValueError, match="shard_layout is 'contiguous', expected 'interleaved'"):
+        restored.load_state_dict(contiguous.state_dict())
+    other_blocks = shard_stream(corpus, DataConfig(batch_size=4, context_len=32, shard_layout="interleaved",
+                                                   shard_block_bytes=2_000), shard=1, num_shards=3)
+    with pytest.raises(ValueError, match="shard_block_bytes is 1000, expected 2000"):
+        other_blocks.load_state_dict(uninterrupted.state_dict())
+    # A cursor saved before the layouts existed (no shard_layout key) is a contiguous one.
+    old = contiguous.state_dict()
+    del old["shard_layout"], old["shard_block_bytes"]
+    contiguous.load_state_dict(old)
+    with pytest.raises(ValueError, match="shard_layout is 'contiguous', expected 'interleaved'"):
+        restored.load_state_dict(old)
 
 
 # --- validation -----------------------------------------------------------------------------------
