@@ -80,8 +80,7 @@ class OuterOptimizer:
         `fragment` (the same Nesterov formula as `step`, computed aside), or None. Values that are each
         finite can still overflow float32 in the step: a round that would do so must not commit."""
         optimizer = self._optimizers[fragment]
-        group = optimizer.param_groups[0]
-        lr, mu = group["lr"], group["momentum"]
+        lr, mu = self.hyperparameters(fragment)
         for name, param in zip(self._names[fragment], self._params[fragment], strict=True):
             grad = merged[name].to(dtype=param.dtype)
             grad_max = _absmax(grad)
