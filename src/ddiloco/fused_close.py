@@ -113,7 +113,7 @@ class FusedClose:
         for name, result in zip(names, self._batch(fragment, names, merged, write=True), strict=True):
             assert not result.flags, "a change that is not finite: check() first"
             self._maxima[(fragment, name)] = (result.momentum_max, result.param_max, result.residual_max)
-        payload = {name: self._payloads[name].tobytes() for name in names}
+        payload = {name: memoryview(self._payloads[name]) for name in names}  # no copy: the arrays are this delta's
         self._payloads = {}
         return FragmentDelta(fragment, version, version - 1, self._downlink.codec.name, payload,
                              fragment_checksum(self._global[fragment], names, self._threads))

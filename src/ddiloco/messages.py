@@ -200,8 +200,8 @@ class FragmentDelta:
     base_version: int
     """The version the change applies to (version - 1)."""
     codec: str
-    payload: Mapping[str, bytes]
-    """Tensor name -> the encoded change."""
+    payload: Mapping[str, bytes | memoryview]
+    """Tensor name -> the encoded change (read-only: the syncer's fused close hands out views of its buffers)."""
     checksum: int
     """zlib.crc32 of the new global value's float32 bytes, tensor by tensor in the fragment plan's order."""
     on_time: tuple[int, ...] | None = None
