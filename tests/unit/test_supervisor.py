@@ -100,9 +100,11 @@ def fake_ddiloco() -> None:
     state = json.loads(checkpoint.read_text()) if checkpoint.exists() else {"inner_step": 0, "starts": 0}
     state["starts"] += 1
     write(checkpoint, state)
-    if "exit_code" in behaviour:
+    if "exit_code" in behaviour and state["starts"] <= behaviour.get("failed_starts", state["starts"]):
         print(behaviour.get("message", "fake learner failed"), file=sys.stderr)
         sys.exit(behaviour["exit_code"])
+    if state["starts"] <= behaviour.get("killed_starts", 0):
+        os.kill(os.getpid(), signal.SIGKILL)  # before its session began: a fault, not the script's
     if behaviour.get("ignore_sigterm"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour.get("grandchild"):
@@ -132,11 +134,16 @@ def fake_ddiloco() -> None:
     sys.exit(0)
 
 
-@pytest.fixture
-def fake_command(tmp_path_factory) -> tuple[str, ...]:
-    script = tmp_path_factory.mktemp("fake") / "fake_ddiloco.py"
+def write_fake_command(directory: Path) -> tuple[str, ...]:
+    """The command that runs `fake_ddiloco`, from a script written into `directory`."""
+    script = directory / "fake_ddiloco.py"
     script.write_text(inspect.getsource(fake_ddiloco) + "\n\nfake_ddiloco()\n")
     return (sys.executable, str(script))
+
+
+@pytest.fixture
+def fake_command(tmp_path_factory) -> tuple[str, ...]:
+    return write_fake_command(tmp_path_factory.mktemp("fake"))
 
 
 def make_run(tmp_path: Path, command, *, learners: int = 2, inner_steps: int = 20, plan=None) -> Launcher:

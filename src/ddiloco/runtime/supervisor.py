@@ -89,6 +89,11 @@ class SupervisorConfig:
     """A child that ran at least this long before it died restarts with the initial delay again."""
     max_restarts: int = 100
     """Restarts of one child after which it is given up as failed (a crash loop, not a fault)."""
+    max_exits_before_session: int = 3
+    """Starts in a row of one learner that exited with an error before its training session began (before it
+    wrote its status file: a script that fails at import, a model that cannot be built) after which it is given
+    up as failed, with the last line of its log as the reason: the same start would fail again. A death by a
+    signal does not count (a fault, not the script's)."""
     syncer_start_timeout_s: float = 120.0
     """Longest a started syncer may take to write syncer.json before it is killed and restarted."""
     learner_stop_timeout_s: float = 30.0
@@ -121,6 +126,7 @@ class SupervisorConfig:
             raise ValueError(f"stable_after_s={self.stable_after_s} is invalid: expected >= 0 (seconds)")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts} is invalid: expected >= 0")
+        require_int("max_exits_before_session", self.max_exits_before_session, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,8 @@ class Slot:
     """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
     starting_since: float = 0.0
     """When the syncer's current process was started or took over (its start timeout runs from here)."""
+    exits_before_session: int = 0
+    """Starts in a row that exited with an error before the learner's session began."""
 
     @property
     def pid(self) -> int | None:
@@ -412,10 +420,17 @@ class Supervisor:
             slot.state = ChildState.DONE
             self._emit("done", slot, f"exited with {_describe_exit(code)} after its session had finished: done, "
                        "not restarted", exit_code=code, log_tail=tail)
-        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
+        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts or self._fails_before_session(
+                slot, code, start):
             slot.state = ChildState.FAILED
-            slot.reason = (tail[-1] if tail and code == EXIT_USAGE
-                           else f"{_describe_exit(code)} after {slot.restarts} restarts")
+            if code == EXIT_USAGE and tail:
+                slot.reason = tail[-1]
+            elif slot.exits_before_session >= self.config.max_exits_before_session:
+                slot.reason = (f"{tail[-1] if tail else _describe_exit(code)} ({slot.exits_before_session} starts in "
+                               f"a row ended before its session started, the last with {_describe_exit(code)}; its "
+                               f"log: {self.launcher.paths.log(slot.name)})")
+            else:
+                slot.reason = f"{_describe_exit(code)} after {slot.restarts} restarts"
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
             self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
@@ -423,13 +438,24 @@ class Supervisor:
             self._schedule_restart(slot, now)
 
     def _finished_before_exit(self, slot: Slot) -> bool:
-        """The learner's status file says done, written since its current process started (a stale one from an
-        earlier start, or an earlier run before `--resume`, does not count)."""
+        """The learner's status file says done, written since its current process started."""
+        return self._status_since_start(slot).get("state") == "done"
+
+    def _fails_before_session(self, slot: Slot, code: int, start: Callable[[Slot], None] | None) -> bool:
+        """Counts a learner's exit with an error before its session began (no status file written by this
+        process); True once `max_exits_before_session` starts in a row did so."""
+        early = start is None and code > 0 and not self._status_since_start(slot)
+        slot.exits_before_session = slot.exits_before_session + 1 if early else 0
+        return slot.exits_before_session >= self.config.max_exits_before_session
+
+    def _status_since_start(self, slot: Slot) -> dict[str, Any]:
+        """The learner's status file if its current process wrote it (a stale one from an earlier start, or an
+        earlier run before `--resume`, does not count), else {}."""
         assert slot.process is not None and slot.learner_id is not None
         status = read_json_object(self.launcher.paths.learner_status(slot.learner_id)) or {}
         started_wall = time.time() - (time.monotonic() - slot.process.started_at)
         written = status.get("time")
-        return status.get("state") == "done" and isinstance(written, int | float) and written >= started_wall
+        return status if isinstance(written, int | float) and written >= started_wall else {}
 
     def _start_evaluator(self, slot: Slot) -> None:
         """The evaluator: started with the learners, supervised like one; done when it exits 0."""

@@ -1,0 +1,58 @@
+"""A learner that cannot start its session (a script that fails at import, a model that cannot be built) is given
+up after a few starts in a row, with its last log line as the reason, instead of crash-looping for minutes up to
+`max_restarts`. Real processes (the fake `ddiloco` of test_supervisor.py), real exits and signals."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+
+from ddiloco.runtime.supervisor import ChildState, Supervisor
+from tests.unit.test_supervisor import FAST, make_run, write_fake_command
+
+IMPORT_ERROR = "ModuleNotFoundError: No module named 'my_model'"
+
+
+@pytest.fixture
+def fake_command(tmp_path_factory) -> tuple[str, ...]:
+    return write_fake_command(tmp_path_factory.mktemp("fake"))
+
+
+def test_a_learner_failing_before_its_session_three_starts_in_a_row_is_given_up_with_its_error(tmp_path,
+                                                                                               fake_command):
+    plan = {"learners": {"1": {"exit_code": 1, "message": IMPORT_ERROR}}}
+    launcher = make_run(tmp_path, fake_command, plan=plan)
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    ok, broken = supervisor.learners
+    assert ok.state == ChildState.DONE
+    assert broken.state == ChildState.FAILED and broken.exit_codes == [1, 1, 1] and broken.restarts == 2
+    assert broken.reason.startswith(IMPORT_ERROR)
+    assert "3 starts in a row ended before its session started" in broken.reason
+    assert str(launcher.paths.log("learner-1")) in broken.reason
+    (failed,) = [e for e in events if e.kind == "failed"]
+    assert failed.learner_id == 1 and IMPORT_ERROR in failed.message
+
+
+def test_a_start_that_reaches_its_session_resets_the_count(tmp_path, fake_command):
+    # Two failed starts, then one that crashes at step 3, after its session began (not a third in a row), then one
+    # that finishes.
+    plan = {"learners": {"0": {"exit_code": 1, "failed_starts": 2, "crash_at_step": 3, "crashes": 3}}}
+    launcher = make_run(tmp_path, fake_command, learners=1, plan=plan)
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    (learner,) = supervisor.learners
+    assert learner.state == ChildState.DONE and learner.exit_codes == [1, 1, 1, 0]
+
+
+def test_deaths_by_a_signal_before_the_session_are_faults_and_keep_being_restarted(tmp_path, fake_command):
+    plan = {"learners": {"0": {"killed_starts": 3}}}
+    launcher = make_run(tmp_path, fake_command, learners=1, plan=plan)
+    supervisor = Supervisor(dataclasses.replace(FAST, max_exits_before_session=1), launcher=launcher)
+    supervisor.run()
+    (learner,) = supervisor.learners
+    assert learner.state == ChildState.DONE
+    assert learner.exit_codes == [-signal.SIGKILL] * 3 + [0] and learner.restarts == 3
