@@ -85,7 +85,7 @@ def _override(item: str) -> tuple[str, object]:
 
 
 def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0,
-             shard_layout: str = "contiguous") -> str:
+             shard_layout: str = DataConfig().shard_layout) -> str:
     parts = spec.split(":")
     overrides = dict(_override(p) for p in parts[5:] if "=" in p)
     parts = [p for p in parts if "=" not in p]
@@ -118,7 +118,7 @@ def main() -> None:
                         help="batch per learner in the sweep (8: the experiments'; 16: `ddiloco run`'s default)")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches per evaluation in the sweep")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and timing seed of the sweep's runs")
-    parser.add_argument("--shard-layout", default="contiguous", choices=SHARD_LAYOUTS,
+    parser.add_argument("--shard-layout", default=DataConfig().shard_layout, choices=SHARD_LAYOUTS,
                         help="how the corpus is dealt into the learners' (and data-parallel ranks') shards")
     args = parser.parse_args()
     torch.set_num_threads(1)

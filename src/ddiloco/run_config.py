@@ -80,6 +80,8 @@ class RunConfig:
                 if not isinstance(value, dict):
                     raise ValueError(f"{name} = {_json(value)} is invalid: expected a JSON object (the {name} section)")
                 section_cls = SECTIONS[name][0]
+                if name == "data":
+                    value = _data_saved_before_layouts(value)
                 section_types = typing.get_type_hints(section_cls)
                 bad = sorted(set(value) - {f.name for f in dataclasses.fields(section_cls)})
                 if bad:
@@ -123,6 +125,18 @@ class RunConfig:
             return cls.from_dict(data)
         except ValueError as exc:
             raise ValueError(f"run config {path}: {exc}") from None
+
+
+_DATA_FIELDS_BEFORE_LAYOUTS = frozenset({"batch_size", "context_len", "val_fraction", "seed"})
+
+
+def _data_saved_before_layouts(section: dict[str, Any]) -> dict[str, Any]:
+    """A data section as a run saved it before the shard layouts existed (every field of then, none of the layouts')
+    read the shards its run read: contiguous ones, the default then (the default is whole since). A section that
+    names only some fields, a user's, takes today's defaults for the rest."""
+    if set(section) == _DATA_FIELDS_BEFORE_LAYOUTS:
+        return {**section, "shard_layout": "contiguous"}
+    return section
 
 
 _JSON_TYPES: dict[type, tuple[tuple[type, ...], str]] = {

@@ -95,7 +95,7 @@ def test_config_validation_names_the_field_and_value(kwargs, message):
 
 
 def test_shard_ranges_are_disjoint_equal_and_inside_the_training_part():
-    config = DataConfig(context_len=8, val_fraction=0.1)
+    config = DataConfig(context_len=8, val_fraction=0.1, shard_layout="contiguous")
     num_bytes = 1_003
     train_bytes = held_out_start(num_bytes, config.val_fraction)
     assert train_bytes == 903
@@ -109,7 +109,7 @@ def test_shard_ranges_are_disjoint_equal_and_inside_the_training_part():
 def test_windows_stay_inside_their_own_shard():
     # Shard i of this corpus holds only byte value i + 1 (the held-out tail holds 0), so any window
     # that strayed across a boundary would show a foreign value.
-    config = DataConfig(batch_size=64, context_len=16, val_fraction=0.2)
+    config = DataConfig(batch_size=64, context_len=16, val_fraction=0.2, shard_layout="contiguous")
     num_shards, shard_bytes = 3, 40
     corpus = b"".join(bytes([i + 1]) * shard_bytes for i in range(num_shards)) + bytes(30)
     for i in range(num_shards):
@@ -123,7 +123,7 @@ def test_windows_stay_inside_their_own_shard():
 
 def test_windows_are_contiguous_text_from_the_shard():
     corpus = load_corpus()
-    config = DataConfig(batch_size=8, context_len=64)
+    config = DataConfig(batch_size=8, context_len=64, shard_layout="contiguous")
     stream = shard_stream(corpus, config, shard=2, num_shards=4)
     start, stop = stream.byte_range
     shard_text = corpus[start:stop]
@@ -135,7 +135,7 @@ def test_windows_are_contiguous_text_from_the_shard():
 def test_every_start_in_a_shard_is_reachable():
     # A shard of 12 bytes with context 8 has exactly 12 - 8 = 4 valid window starts, including the
     # last one whose final target is the shard's last byte.
-    config = DataConfig(batch_size=256, context_len=8, val_fraction=0.5)
+    config = DataConfig(batch_size=256, context_len=8, val_fraction=0.5, shard_layout="contiguous")
     corpus = bytes(range(24)) + bytes(24)
     stream = shard_stream(corpus, config, shard=0, num_shards=2)
     assert stream.byte_range == (0, 12)
@@ -144,7 +144,7 @@ def test_every_start_in_a_shard_is_reachable():
 
 
 def test_small_corpus_error_says_what_each_shard_has_and_needs():
-    config = DataConfig(context_len=128, val_fraction=0.05)
+    config = DataConfig(context_len=128, val_fraction=0.05, shard_layout="contiguous")
     corpus = bytes(1_000)
     with pytest.raises(ValueError) as excinfo:
         shard_stream(corpus, config, shard=0, num_shards=8)
@@ -201,7 +201,7 @@ def test_every_start_of_every_interleaved_block_is_reachable():
 def test_the_contiguous_layout_draws_the_windows_it_drew_before_the_layouts():
     # Before the layouts, a window started at the generator's draw itself: randint(0, shard bytes - context).
     corpus = _random_corpus(20_000, seed=6)
-    config = DataConfig(batch_size=5, context_len=16, seed=3)
+    config = DataConfig(batch_size=5, context_len=16, seed=3, shard_layout="contiguous")
     stream = shard_stream(corpus, config, shard=1, num_shards=2)
     start, stop = shard_byte_range(len(corpus), config, shard=1, num_shards=2)
     generator = torch.Generator().manual_seed(_shard_seed(3, 1))
@@ -304,7 +304,8 @@ def test_an_interleaved_cursor_restores_and_a_cursor_of_the_other_layout_is_reje
     restored.load_state_dict(json.loads(json.dumps(uninterrupted.state_dict())))
     _assert_batches_equal(uninterrupted.next_batch(), restored.next_batch())
 
-    contiguous = shard_stream(corpus, DataConfig(batch_size=4, context_len=32), shard=1, num_shards=3)
+    contiguous = shard_stream(corpus, DataConfig(batch_size=4, context_len=32, shard_layout="contiguous"), shard=1,
+                              num_shards=3)
     with pytest.raises(ValueError, match="shard_layout is 'contiguous', expected 'interleaved'"):
         restored.load_state_dict(contiguous.state_dict())
     other_blocks = shard_stream(corpus, DataConfig(batch_size=4, context_len=32, shard_layout="interleaved",

@@ -63,6 +63,16 @@ def test_a_saved_config_loads_back_equal(tmp_path):
     assert RunConfig.load(tmp_path / "config.json") == config
 
 
+def test_a_run_saved_before_the_shard_layouts_resumes_on_the_contiguous_shards_it_trained_on(tmp_path):
+    saved = RunConfig(num_learners=3).to_dict()
+    del saved["data"]["shard_layout"], saved["data"]["shard_block_bytes"]  # as a run of 2026-12-03 wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RunConfig.load(tmp_path / "config.json").data.shard_layout == "contiguous"
+    # A user's data section that names some fields only takes today's default layout.
+    assert RunConfig.from_dict({"data": {"batch_size": 8}}).data.shard_layout == "whole"
+    assert RunConfig().data.shard_layout == "whole"
+
+
 def test_unknown_fields_are_named():
     with pytest.raises(ValueError, match="unknown run config field.*learners"):
         RunConfig.from_dict({"learners": 3})
