@@ -420,17 +420,8 @@ class Supervisor:
             slot.state = ChildState.DONE
             self._emit("done", slot, f"exited with {_describe_exit(code)} after its session had finished: done, "
                        "not restarted", exit_code=code, log_tail=tail)
-        elif code == EXIT_USAGE or slot.restarts >= self.config.max_restarts or self._fails_before_session(
-                slot, code, start):
-            slot.state = ChildState.FAILED
-            if code == EXIT_USAGE and tail:
-                slot.reason = tail[-1]
-            elif slot.exits_before_session >= self.config.max_exits_before_session:
-                slot.reason = (f"{tail[-1] if tail else _describe_exit(code)} ({slot.exits_before_session} starts in "
-                               f"a row ended before its session started, the last with {_describe_exit(code)}; its "
-                               f"log: {self.launcher.paths.log(slot.name)})")
-            else:
-                slot.reason = f"{_describe_exit(code)} after {slot.restarts} restarts"
+        elif (reason := self._give_up_reason(slot, code, tail, start)) is not None:
+            slot.state, slot.reason = ChildState.FAILED, reason
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
             self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
@@ -441,12 +432,22 @@ class Supervisor:
         """The learner's status file says done, written since its current process started."""
         return self._status_since_start(slot).get("state") == "done"
 
-    def _fails_before_session(self, slot: Slot, code: int, start: Callable[[Slot], None] | None) -> bool:
-        """Counts a learner's exit with an error before its session began (no status file written by this
-        process); True once `max_exits_before_session` starts in a row did so."""
+    def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
+                        ) -> str | None:
+        """Why a child that exited with a failure is not restarted, or None to restart it: a usage error, too many
+        restarts, or (learners) `max_exits_before_session` starts in a row that ended with an error before the
+        session began (no status file written by the process), which this call counts."""
         early = start is None and code > 0 and not self._status_since_start(slot)
         slot.exits_before_session = slot.exits_before_session + 1 if early else 0
-        return slot.exits_before_session >= self.config.max_exits_before_session
+        if code == EXIT_USAGE and tail:
+            return tail[-1]
+        if slot.exits_before_session >= self.config.max_exits_before_session:
+            return (f"{tail[-1] if tail else _describe_exit(code)} ({slot.exits_before_session} starts in a row "
+                    f"ended before its session started, the last with {_describe_exit(code)}; its log: "
+                    f"{self.launcher.paths.log(slot.name)})")
+        if code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
+            return f"{_describe_exit(code)} after {slot.restarts} restarts"
+        return None
 
     def _status_since_start(self, slot: Slot) -> dict[str, Any]:
         """The learner's status file if its current process wrote it (a stale one from an earlier start, or an
