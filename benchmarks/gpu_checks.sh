@@ -13,6 +13,11 @@
 # a failed step does not stop the next.
 #
 #     DEVICE=cuda bash benchmarks/gpu_checks.sh        # DEVICE=cpu runs the same steps without a GPU
+#
+# The generated gRPC code needs protobuf >= 7.35 and grpcio >= 1.85 (pyproject.toml). On a machine without a
+# network, bring their wheels where its own may be older: on the lent H200 machine (2026-12-04, torch 2.11, Python
+# 3.12) grpcio 1.85.3 and protobuf 7.36.2 were carried, `pip install --no-index --no-deps --target /tmp/site
+# .whl/*.whl`, then `PYTHONPATH=/tmp/site bash benchmarks/gpu_checks.sh` (about 160 s).
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 DEVICE=${DEVICE:-cuda}
