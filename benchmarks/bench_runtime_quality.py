@@ -9,8 +9,8 @@
    evaluator's last `eval/val_loss` (after every learner's last round), its curve the evaluator's metrics.
 2. The DDP baseline `ddiloco chaos` runs (`ddiloco.chaos.data_parallel.DataParallelJob`: M ranks over gloo,
    shard r for rank r, global batch M x B), without faults, stopped once rank 0 has taken N steps (the job
-   evaluates at its last step): the same tokens, model, data and seed (the data settings of the ddiloco run's
-   resolved config: `--data-*` flags after `--` apply to both).
+   evaluates at its last step): the same tokens, model, data and seed (the data and inner-optimizer settings of
+   the ddiloco run's resolved config: `--data-*` and `--inner-*` flags after `--` apply to both).
 
 Also printed: the updates that missed their round (the round's result does not name them, so they were merged one
 version late in a later round) and when each was published against that round's close, and the learners' waits
@@ -34,6 +34,7 @@ from pathlib import Path
 from ddiloco.chaos.data_parallel import DataParallelAgentConfig, DataParallelJob
 from ddiloco.data import DataConfig
 from ddiloco.run_config import RunConfig
+from ddiloco.training import InnerConfig
 
 TOLERANCE = 0.02
 
@@ -141,9 +142,10 @@ def main() -> None:
               f"{m['wait_s']:.2f} s in all", flush=True)
         if args.skip_dp:
             return
-        # The ddiloco run's data settings (batch, shard layout), so that both systems read the same shards.
+        # The ddiloco run's data and inner-optimizer settings (batch, shard layout, learning rate and its cooldown
+        # over the same steps), so that both systems read the same shards at the same rates.
         run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed,
-                               data=DataConfig(**dd["config"]["data"]))
+                               data=DataConfig(**dd["config"]["data"]), inner=InnerConfig(**dd["config"]["inner"]))
         dp = run_data_parallel(root / "data_parallel", run_config, steps=args.steps)
         gap = dd["final"] / dp["final"] - 1
         print(f"data-parallel (DDP, gloo, {args.learners} ranks): final {dp['final']:.4f} at step {dp['final_step']}, "

@@ -27,7 +27,8 @@ class FollowerSession(SessionLifecycle):
     """Rank r > 0 of learner `learner_id`. Use `ddiloco.session()`, which makes it on those ranks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, diloco: DilocoConfig, learner_id: int,
-                 group: LearnerGroup, state: Mapping[str, Any] | None = None, handle_sigterm: bool = True) -> None:
+                 group: LearnerGroup, inner_steps: int, state: Mapping[str, Any] | None = None,
+                 handle_sigterm: bool = True) -> None:
         if group.leader:
             raise ValueError("rank 0 of a learner runs a Session, not a FollowerSession")
         super().__init__(handle_sigterm=handle_sigterm)
@@ -36,6 +37,8 @@ class FollowerSession(SessionLifecycle):
         self.group = group
         self.state = dict(state or {})
         self._learner_id = learner_id
+        self.inner_steps = inner_steps
+        """The run's inner-step budget, as rank 0's `Session.inner_steps`."""
         params = dict(model.named_parameters())
         # The same plan as rank 0's Learner: the fragments are named by index in the leader's commands.
         embeddings = embedding_names(model, diloco.embedding_pattern)

@@ -213,6 +213,12 @@ class Session(SessionLifecycle):
         return self.learner.inner_step
 
     @property
+    def inner_steps(self) -> int:
+        """The run's inner-step budget (`--inner-steps`), after which `done` turns true: with `inner_step`, what a
+        learning-rate schedule of your own loop can follow (`ddiloco.training.inner_lr` is the built-in one)."""
+        return self.config.inner_steps
+
+    @property
     def done(self) -> bool:
         """True once the run's inner-step budget is reached, or a stop was requested (SIGTERM)."""
         return self.learner.inner_step >= self.config.inner_steps or self._stop.is_set()

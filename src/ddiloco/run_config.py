@@ -80,8 +80,7 @@ class RunConfig:
                 if not isinstance(value, dict):
                     raise ValueError(f"{name} = {_json(value)} is invalid: expected a JSON object (the {name} section)")
                 section_cls = SECTIONS[name][0]
-                if name == "data":
-                    value = _data_saved_before_layouts(value)
+                value = _saved_before_its_new_field(name, value)
                 section_types = typing.get_type_hints(section_cls)
                 bad = sorted(set(value) - {f.name for f in dataclasses.fields(section_cls)})
                 if bad:
@@ -127,15 +126,23 @@ class RunConfig:
             raise ValueError(f"run config {path}: {exc}") from None
 
 
-_DATA_FIELDS_BEFORE_LAYOUTS = frozenset({"batch_size", "context_len", "val_fraction", "seed"})
+_SAVED_BEFORE: dict[str, tuple[frozenset[str], str, Any]] = {
+    "data": (frozenset({"batch_size", "context_len", "val_fraction", "seed"}), "shard_layout", "contiguous"),
+    "inner": (frozenset({"lr", "weight_decay", "beta1", "beta2", "grad_clip"}), "cooldown", 0.0),
+}
+"""Section -> (every field it had before a field with a new default was added, that field, the value runs of then
+trained with): the data section before the shard layouts (contiguous shards; whole since 2026-12-04), the inner one
+before the learning-rate cooldown (a constant rate; 0.2 of the run since 2026-12-04)."""
 
 
-def _data_saved_before_layouts(section: dict[str, Any]) -> dict[str, Any]:
-    """A data section as a run saved it before the shard layouts existed (every field of then, none of the layouts')
-    read the shards its run read: contiguous ones, the default then (the default is whole since). A section that
-    names only some fields, a user's, takes today's defaults for the rest."""
-    if set(section) == _DATA_FIELDS_BEFORE_LAYOUTS:
-        return {**section, "shard_layout": "contiguous"}
+def _saved_before_its_new_field(name: str, section: dict[str, Any]) -> dict[str, Any]:
+    """A section as a run saved it before its newest field existed (every field of then, not the new one) resumes
+    with what that run trained with, not today's default. A section that names only some fields, a user's, takes
+    today's defaults for the rest."""
+    entry = _SAVED_BEFORE.get(name)
+    if entry is not None and set(section) == entry[0]:
+        _, new_field, value_then = entry
+        return {**section, new_field: value_then}
     return section
 
 

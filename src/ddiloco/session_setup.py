@@ -55,7 +55,8 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     learners_group = _learner_group(model, env, group) if hub is None else None
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
-                               state=state, handle_sigterm=options.get("handle_sigterm", True))
+                               inner_steps=run_config.inner_steps, state=state,
+                               handle_sigterm=options.get("handle_sigterm", True))
     if learners_group is not None:
         options["group"] = learners_group
     if hub is None:

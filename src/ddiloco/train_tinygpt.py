@@ -23,7 +23,7 @@ from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.learner_session import RefusedError, UnreachableError
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig
-from ddiloco.training import inner_step, make_inner_optimizer
+from ddiloco.training import apply_inner_lr, inner_step, make_inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ def train(config: RunConfig, *, learner_id: int, device: str = "cpu", **session_
                          max_tokens_per_step=tokens_per_step, **session_options) as sync:
         while not sync.done:
             batch = data.next_batch()
+            # From the session's step count, which a restart resumes: every rank of a group reads the same.
+            apply_inner_lr(optimizer, config.inner, sync.inner_step, config.inner_steps)
             loss = inner_step(model, optimizer, batch, grad_clip=config.inner.grad_clip)
             sync.step(tokens=batch.tokens, loss=loss)
     return sync

@@ -31,6 +31,11 @@ class InnerConfig:
     """AdamW betas (0.95 for beta2 as usual in LM pre-training)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
+    cooldown: float = 0.2
+    """Share of the run's inner steps, at its end, over which the learning rate falls linearly from `lr` to 0 (a
+    warm-up-stable-decay schedule without the warm-up; docs/results.md, "Defaults and rounds", item 12). 0 keeps it
+    constant. Applied by the built-in loops (`ddiloco run`'s learner, the DDP baseline, the harness) from each
+    one's own step count; a loop of your own keeps its own schedule."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -43,11 +48,33 @@ class InnerConfig:
                 raise ValueError(f"{name}={value!r} is invalid: expected 0 <= value < 1")
         if self.grad_clip < 0:
             raise invalid("grad_clip", self.grad_clip, ">= 0 (0 disables)")
+        if not 0 <= self.cooldown <= 1:
+            raise invalid("cooldown", self.cooldown, "a share of the run's inner steps, 0 <= cooldown <= 1 (0: a "
+                                                     "constant learning rate)")
 
 
 def make_inner_optimizer(model: nn.Module, config: InnerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                              betas=(config.beta1, config.beta2))
+
+
+def inner_lr(config: InnerConfig, step: float, total_steps: int) -> float:
+    """The learning rate of inner step `step` (0-based, the steps taken before it) of a run of `total_steps`: `lr`,
+    then falling linearly over the last `cooldown` share of the steps, to `lr / (cooldown x total_steps)` at the
+    last one (and at that rate past the end). A run whose budget `--resume` extends follows its new budget: the rate
+    climbs back to `lr` if the new end is more than `cooldown` of it away."""
+    decay_steps = config.cooldown * total_steps
+    left = total_steps - step
+    if decay_steps == 0 or left >= decay_steps:
+        return config.lr
+    return config.lr * max(left, 1) / decay_steps
+
+
+def apply_inner_lr(optimizer: torch.optim.Optimizer, config: InnerConfig, step: float, total_steps: int) -> None:
+    """Set every parameter group of an optimizer from `make_inner_optimizer` to `inner_lr(...)` for this step."""
+    lr = inner_lr(config, step, total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *,

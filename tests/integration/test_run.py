@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import read_json_object
+from ddiloco.checkpoint import load_latest_state, read_json_object
 from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.training import InnerConfig, inner_lr
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -95,6 +96,10 @@ def test_short_run_writes_the_run_directory_and_summary(tmp_path):
         assert learner["inner_step"] == 48 and learner["tokens"] > 0
         assert learner["updates_accepted"] > 0 and learner["updates_rejected"] is not None
         assert learner["rounds_contributed"] > 0
+        # Its last step ran at the cooldown's last rate (the optimizer of its checkpoint at the end).
+        state, _, serial = load_latest_state(run_dir / "learners" / learner_id / "checkpoint")
+        assert serial == 48
+        assert state["learner"]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(inner_lr(InnerConfig(), 47, 48))
     config = json.loads((run_dir / "config.json").read_text())
     assert config["inner_steps"] == 48 and config["num_learners"] == 2 and config["model"]["width"] == 32
     for name in ("metrics.jsonl", "val_loss.png", "participation.png", "bytes.png"):

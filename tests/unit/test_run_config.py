@@ -73,6 +73,14 @@ def test_a_run_saved_before_the_shard_layouts_resumes_on_the_contiguous_shards_i
     assert RunConfig().data.shard_layout == "whole"
 
 
+def test_a_run_saved_before_the_cooldown_resumes_at_the_constant_rate_it_trained_with(tmp_path):
+    saved = RunConfig(num_learners=3).to_dict()
+    del saved["inner"]["cooldown"]  # as a run of 2026-12-04's morning wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RunConfig.load(tmp_path / "config.json").inner.cooldown == 0
+    assert RunConfig.from_dict({"inner": {"lr": 1e-3}}).inner.cooldown == 0.2 == RunConfig().inner.cooldown
+
+
 def test_unknown_fields_are_named():
     with pytest.raises(ValueError, match="unknown run config field.*learners"):
         RunConfig.from_dict({"learners": 3})

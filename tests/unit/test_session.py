@@ -53,7 +53,7 @@ def test_a_session_trains_to_its_budget_checkpoints_and_resumes_the_users_state(
         while not sync.done:
             cursor.position += 1
             sync.step(tokens=train_step(model, optimizer, next(batches)), loss=1.0)
-    assert sync.inner_step == 6 and sync.final_state == "done"
+    assert sync.inner_step == sync.inner_steps == 6 and sync.final_state == "done"
     assert shared.syncer.rounds_committed >= 3  # rounds at steps 2, 4, 6, and the final flush
     status = (tmp_path / "learners" / "0" / "status.json").read_text()
     assert '"state": "done"' in status

@@ -15,7 +15,7 @@ from ddiloco.sim.data_parallel import (
 from ddiloco.sim.faults import FaultPlan
 from ddiloco.sim.links import LinkConfig
 from ddiloco.sim.workload import seeded_model
-from ddiloco.training import inner_step, make_inner_optimizer
+from ddiloco.training import apply_inner_lr, inner_step, make_inner_optimizer
 from tests.helpers import tiny_sim_workload
 
 torch.set_num_threads(1)
@@ -38,10 +38,11 @@ def test_data_parallel_is_one_model_on_the_replicas_batches_side_by_side():
     model = seeded_model(workload.model, 0)
     optimizer = make_inner_optimizer(model, workload.inner)
     streams = [shard_stream(load_corpus(), workload.data, shard=i, num_shards=3) for i in range(3)]
-    for _ in range(6):
+    for step in range(6):
         batches = [s.next_batch() for s in streams]
         batch = Batch(torch.cat([b.inputs for b in batches]), torch.cat([b.targets for b in batches]),
                       sum(b.tokens for b in batches))
+        apply_inner_lr(optimizer, workload.inner, step, 6)  # the cooldown: the last 0.2 x 6 steps decay
         inner_step(model, optimizer, batch, grad_clip=workload.inner.grad_clip)
     for name, param in model.named_parameters():
         assert torch.equal(result.final_params[name], param.detach())

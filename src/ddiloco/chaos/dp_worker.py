@@ -83,7 +83,7 @@ from ddiloco.fault_control import ChaosControl
 from ddiloco.metrics import JsonlSink
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig
-from ddiloco.training import inner_step, make_inner_optimizer
+from ddiloco.training import apply_inner_lr, inner_step, make_inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +240,7 @@ class DataParallelRank:
             self._hook.corrupt_next = self.control is not None and self.control.should_corrupt()
             compute_started = time.monotonic()
             batch = self.stream.next_batch()
+            apply_inner_lr(self.optimizer, self.run_config.inner, self.step, self.run_config.inner_steps)
             loss = self._collective(lambda b=batch: inner_step(self.ddp, self.optimizer, b,
                                                                grad_clip=self.run_config.inner.grad_clip),
                                     "the gradient all-reduce")

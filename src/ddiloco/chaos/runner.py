@@ -261,10 +261,17 @@ class ChaosSettings:
             raise ValueError(f"threads={self.threads} is invalid: expected an integer >= 1")
 
 
+def unbounded(run_config: RunConfig) -> RunConfig:
+    """A chaos run ends at its plan's duration, not at an inner-step budget: no learner or rank finishes on its own,
+    and none starts the learning rate's cooldown (`InnerConfig.cooldown`), which every system would reach at a
+    different time."""
+    return dataclasses.replace(run_config, inner_steps=10**9)
+
+
 def runtime_config(run_config: RunConfig, system: str) -> RunConfig:
-    """The run config of a runtime system: synchronous DiLoCo waits for every live learner (K = M, no
-    grace); learners never finish on their own (the run ends at the plan's duration)."""
-    config = dataclasses.replace(run_config, inner_steps=10**9)
+    """The run config of a runtime system (`unbounded`): synchronous DiLoCo waits for every live learner (K = M,
+    no grace)."""
+    config = unbounded(run_config)
     if system == "sync_diloco":
         config = dataclasses.replace(config, quorum=dataclasses.replace(
             config.quorum, min_quorum=config.num_learners, grace="none"))
@@ -450,7 +457,7 @@ def run_data_parallel_system(system_dir: Path, run_config: RunConfig, plan: Faul
                                              checkpoint_every_s=settings.dp_checkpoint_every_s,
                                              hang_timeout_s=settings.dp_hang_timeout_s,
                                              standby_ranks=standby_ranks),
-                          run_config=run_config, job_dir=system_dir)
+                          run_config=unbounded(run_config), job_dir=system_dir)
     injector = FaultInjector(plan, DataParallelTargets(job), system_dir / "chaos" / "faults.jsonl", say=say)
     seen: list[int] = []
 

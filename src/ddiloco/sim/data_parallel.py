@@ -238,6 +238,8 @@ class DataParallelSim:
             return
         batches = [self.streams[i].next_batch() for i in participants]
         batch = _concat(batches)
+        self.config.workload.apply_lr(self.optimizer, spent_tokens=self.kept_tokens,
+                                      num_learners=self.config.cluster.num_learners)
         loss = inner_step(self.model, self.optimizer, batch, grad_clip=self.config.workload.inner.grad_clip)
         loop.clock.advance_to(end)
         self.global_step += 1

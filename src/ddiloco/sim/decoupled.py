@@ -215,6 +215,9 @@ class DecoupledSim:
         assert learner is not None
         now = self.loop.now
         batch = slot.stream.next_batch()
+        workload = self.config.workload
+        workload.apply_lr(learner.optimizer, spent_tokens=self.claimed_tokens - workload.tokens_per_step,
+                          num_learners=self.config.cluster.num_learners)
         loss = inner_step(learner.model, learner.optimizer, batch, grad_clip=self.config.workload.inner.grad_clip)
         updates = learner.after_inner_step(batch.tokens)
         duration = now - slot.step_started_at

@@ -19,7 +19,7 @@ import torch
 
 from ddiloco.data import DataConfig, load_corpus, validation_batches
 from ddiloco.model import ModelConfig, TinyGPT, build_model, estimate_loss
-from ddiloco.training import InnerConfig
+from ddiloco.training import InnerConfig, apply_inner_lr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +53,13 @@ class WorkloadConfig:
 
     def token_budget(self, num_learners: int) -> int:
         return num_learners * self.inner_steps * self.tokens_per_step
+
+    def apply_lr(self, optimizer: torch.optim.Optimizer, *, spent_tokens: int, num_learners: int) -> None:
+        """The inner learning rate of the next step (`ddiloco.training.inner_lr`), from the share of the token budget
+        spent before it: every system of a run cools down over the same tokens, whoever spent them (a fast learner
+        of a heterogeneous run does more than `inner_steps` steps)."""
+        step = spent_tokens / (num_learners * self.tokens_per_step)
+        apply_inner_lr(optimizer, self.inner, step, self.inner_steps)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
