@@ -13,7 +13,7 @@ import torch
 
 from ddiloco import checksums, kernels
 from ddiloco.compression import Int4Codec, Int4Config, Int8Codec
-from ddiloco.kernel_threads import KernelThreads
+from ddiloco.kernel_threads import MIN_SPLIT, KernelThreads
 from ddiloco.kernels import CloseTensor, Int4Blocks
 
 compiled_only = pytest.mark.skipif(kernels.compiled is None, reason="ddiloco._kernels is not built")
@@ -147,7 +147,7 @@ def test_a_fused_multiply_add_would_give_other_bits():
 
 @compiled_only
 def test_the_bits_do_not_depend_on_the_number_of_threads():
-    numel = 5 * 65536 + 3
+    numel = 3 * MIN_SPLIT + 3  # large enough that 2 and 3 threads really cut it (one range per thread)
     payload, _ = _int4(numel, 64, seed=9)
     blocks = Int4Blocks(payload, numel, 64)
     x = _values(numel, seed=10)
@@ -157,6 +157,7 @@ def test_the_bits_do_not_depend_on_the_number_of_threads():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             pool = KernelThreads()
+            assert len(pool.split(numel, kernels.NORM_CHUNK)) == threads
             acc = torch.zeros(numel)
             kernels.accumulate(acc, blocks, 0.5, first=True, threads=pool)
             kernels.accumulate(acc, x, 0.25, first=False, threads=pool)
@@ -209,7 +210,7 @@ def test_the_fused_close_is_the_outer_step_then_the_int8_change(numel, mu, first
 
 @compiled_only
 def test_a_close_batch_on_threads_writes_what_each_tensor_alone_on_one_thread_writes():
-    sizes = [5 * 65536 + 300, 1000, 0, 3 * 65536]
+    sizes = [2 * MIN_SPLIT + 300, 1000, 0, 3 * 65536]  # the first cut in two ranges on 2 threads
     tensors = [[_values(n, seed=20 + 4 * k + j, scale=x) for j, x in enumerate((1e-3, 1e-3, 1.0, 1e-5))]
                for k, n in enumerate(sizes)]
 
@@ -226,6 +227,7 @@ def test_a_close_batch_on_threads_writes_what_each_tensor_alone_on_one_thread_wr
     try:
         torch.set_num_threads(2)
         pool = KernelThreads()
+        assert len(pool.split(sizes[0], kernels.NORM_CHUNK)) == 2
         one = close(KernelThreads(max_threads=1), batch=False)
         two = close(pool, batch=True)
         pool.close()
