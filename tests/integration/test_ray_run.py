@@ -40,14 +40,16 @@ TINY = ["--model-width", "32", "--model-num-heads", "2", "--model-num-layers", "
 class RunWatch:
     """`ddiloco run --ray` as a real process, and every descendant it has had (seen at each poll)."""
 
-    def __init__(self, run_dir: Path, *flags: str) -> None:
+    def __init__(self, run_dir: Path, *flags: str, tiny: bool = True) -> None:
+        """`tiny`: the built-in TinyGPT at its smallest (`TINY`); False for a run of a script of its own."""
         self.run_dir = run_dir
         self.seen: dict[int, int] = {}
         self.names: dict[int, str] = {}
         # Its own session, like a job started from a shell: a signal sent to it reaches only it.
-        self.popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--ray", "--run-dir", str(run_dir),
-                                       "--no-progress", *TINY, *flags], cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        argv = [sys.executable, "-m", "ddiloco.cli", "run", "--ray", "--run-dir", str(run_dir), "--no-progress",
+                *(TINY if tiny else ()), *flags]
+        self.popen = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
 
     def note(self) -> None:
         """Every descendant now, and its latest command line.
@@ -78,6 +80,13 @@ class RunWatch:
             time.sleep(POLL_S)
         return value
 
+    def end(self) -> str:
+        """Its output once it has ended by itself (SIGKILL after `WAIT_S`: never left running)."""
+        try:
+            return self.popen.communicate(timeout=WAIT_S)[0]
+        except subprocess.TimeoutExpired:
+            return self.finish()
+
     def finish(self) -> str:
         """SIGINT, then its output once it has ended. Never leaves it running."""
         try:
@@ -88,6 +97,14 @@ class RunWatch:
             if self.popen.poll() is None:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
+
+
+def assert_nothing_left(run: RunWatch) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while still_running(run.seen) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    left = {pid: run.names[pid] for pid in still_running(run.seen)}
+    assert not left, f"processes left behind: {left}"
 
 
 def learner_status(run_dir: Path, learner_id: int) -> dict:
@@ -143,8 +160,52 @@ def test_a_kill9_learner_is_restarted_by_ray_contributes_again_and_nothing_is_le
     assert summary["syncer"]["restarts"] == 0
     ray_processes = [name for name in run.names.values() if "raylet" in name or "gcs_server" in name]
     assert len(ray_processes) >= 2, run.names  # the snapshot saw Ray's own processes, not only ddiloco's
+    assert_nothing_left(run)
+
+
+def watch_until_it_ends(run: RunWatch) -> str:
+    """Its output, once it has ended by itself; every descendant it had is noted on the way."""
     deadline = time.monotonic() + WAIT_S
-    while still_running(run.seen) and time.monotonic() < deadline:
+    while run.popen.poll() is None and time.monotonic() < deadline:
+        run.note()
         time.sleep(POLL_S)
-    left = {pid: run.names[pid] for pid in still_running(run.seen)}
-    assert not left, f"processes left behind: {left}"
+    return run.end()
+
+
+@pytest.mark.timeout(600)
+def test_a_learner_whose_script_fails_at_import_is_given_up_after_three_starts_not_restarted_by_ray(tmp_path):
+    # The local supervisor's rule (tests/unit/test_supervisor_start_failures.py), through Ray: without it Ray
+    # restarted the role up to max_restarts (100) times.
+    script = tmp_path / "train.py"
+    script.write_text("import my_model  # a module that does not exist\n")
+    run_dir = tmp_path / "run"
+    run = RunWatch(run_dir, "--learners", "1", "--no-evaluate", "--", sys.executable, str(script), tiny=False)
+    out = watch_until_it_ends(run)
+    assert run.popen.returncode == 1, out
+    summary = read_json_object(RunPaths(run_dir).summary)
+    learner = summary["learners"]["0"]
+    assert learner["state"] == "failed" and learner["restarts"] == 2, summary
+    assert learner["reason"].startswith("ModuleNotFoundError: No module named 'my_model' (3 starts in a row ended "
+                                        "before its session started, the last with exit code 1"), learner
+    assert actor_state(run_dir, "learner-0")["incarnation"] == 2
+    assert_nothing_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_a_learner_that_aborts_after_finishing_its_session_is_done_not_restarted_by_ray(tmp_path):
+    # A native library aborting at interpreter exit (gloo or NCCL teardown can) after the session wrote its final
+    # status: the learner lost nothing, and a restart would only finish again.
+    script = tmp_path / "train_then_abort.py"
+    script.write_text(f"import os, runpy, sys\nsys.argv = [{str(REPO / 'examples' / 'mlp.py')!r}]\n"
+                      "runpy.run_path(sys.argv[0], run_name='__main__')\nos.abort()\n")
+    run_dir = tmp_path / "run"
+    run = RunWatch(run_dir, "--learners", "1", "--inner-steps", "32", "--no-evaluate", "--threads", "1", "--",
+                   sys.executable, str(script), tiny=False)
+    out = watch_until_it_ends(run)
+    assert run.popen.returncode == 0, out
+    summary = read_json_object(RunPaths(run_dir).summary)
+    learner = summary["learners"]["0"]
+    assert learner["state"] == "done" and learner["restarts"] == 0, summary
+    assert "exited with signal SIGABRT after its session had finished: done, not restarted" in out
+    assert actor_state(run_dir, "learner-0")["incarnation"] == 0
+    assert_nothing_left(run)

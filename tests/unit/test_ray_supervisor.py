@@ -75,3 +75,23 @@ def test_the_syncer_serving_gives_its_address_and_a_refused_syncer_fails_the_run
     supervisor._on_status(syncer, status("syncer", 0, 100, address="10.0.0.7:50051", returncode=2), now=3.0)
     assert syncer.state == ChildState.FAILED and supervisor.finished
     assert supervisor.failure == "the syncer cannot run: last line"
+
+
+def test_the_learner_rules_verdicts_end_the_role_as_the_local_supervisor_would(supervised):
+    # The actor applies `learner_exits` (a crash after a finished session is done; the last of the starts in a row
+    # that ended before their session fails the learner) and says so in `verdict`; the code alone would restart it.
+    supervisor, events = supervised
+    aborted, broken = supervisor.learners
+    supervisor._on_status(aborted, status("learner-0", 0, 101), now=1.0)
+    supervisor._on_status(aborted, {**status("learner-0", 0, 101, returncode=-signal.SIGABRT), "verdict": "done"},
+                          now=2.0)
+    supervisor._on_status(broken, status("learner-1", 2, 303, previous_exit=1), now=1.0)
+    reason = "ModuleNotFoundError: No module named 'my_model' (3 starts in a row ended before its session started)"
+    supervisor._on_status(broken, {**status("learner-1", 2, 303, returncode=1), "verdict": "failed", "reason": reason},
+                          now=2.0)
+    assert aborted.state == ChildState.DONE and aborted.exit_codes == [-signal.SIGABRT] and aborted.restarts == 0
+    done = [e for e in events if e.kind == "done"]
+    assert [e.name for e in done] == ["learner-0"]
+    assert done[0].message == "exited with signal SIGABRT after its session had finished: done, not restarted"
+    assert broken.state == ChildState.FAILED and broken.reason == reason and broken.exit_codes == [1, 1]
+    assert supervisor.finished and supervisor.failure is None

@@ -8,7 +8,10 @@ the role: `max_restarts` counts the restarts, and Ray places the new actor where
 are free, on another node if its node is gone, which a watcher restarting in place could never do. The
 new incarnation SIGKILLs what is left of the old process group on this node before it starts again, so
 two processes never hold one learner id. An exit that a restart would not change (a learner done, exit 0;
-refused, 3; a usage error, 2) is kept and reported by `status()`: the driver ends the actor.
+refused, 3; a usage error, 2) is kept and reported by `status()`: the driver ends the actor. So are a learner's
+two exits that the local supervisor keeps too (`learner_exits`): a crash after its session had finished (done), and
+the last of `max_exits_before_session` starts in a row that ended with an error before the session began (failed,
+with the log's last line; the count rides from one incarnation to the next in the role's state file).
 
 Where the syncer serves is found through Ray: the syncer actor answers `address()` with the HOST:PORT its
 process wrote to `syncer.json` (a wildcard bind replaced by its node's address), and every learner actor
@@ -42,6 +45,12 @@ from ddiloco.runtime.launcher import (
     process_group_alive,
     stop_processes,
     with_port,
+)
+from ddiloco.runtime.learner_exits import (
+    crash_loop_reason,
+    exits_before_session,
+    finished_session,
+    status_since,
 )
 from ddiloco.runtime.supervisor import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
 
@@ -82,6 +91,8 @@ class RoleSpec:
     syncer_actor: str = ""
     """The Ray name of the run's syncer actor, which a learner's actor asks where the syncer serves (by name,
     not by handle: an actor's constructor arguments must survive its restarts)."""
+    max_exits_before_session: int = 3
+    """A learner's starts in a row that may end with an error before its session began (`SupervisorConfig`)."""
 
     def __post_init__(self) -> None:
         if self.role not in (SYNCER, LEARNER, EVALUATOR):
@@ -120,9 +131,14 @@ class RoleActor:
         if spec.cwd and Path(spec.cwd).is_dir():
             os.chdir(spec.cwd)
         self._stopping = False
+        self._kept: dict[str, Any] | None = None
+        """Set once the process has ended for good: `verdict` (done, failed; absent: its exit code decides) and
+        `reason`."""
+        self._early_exits = int(previous.get("exits_before_session", 0))
         self._address: str | None = None
         self.syncer_address = self._wait_for_syncer() if spec.role != SYNCER else None
         # Started from the actor's main thread: PR_SET_PDEATHSIG fires when that thread (the worker) dies.
+        self._started_wall = time.time()
         self.child = self._start_child()
         self._write_state()
         threading.Thread(target=self._watch, name=f"watch-{spec.name}", daemon=True).start()
@@ -199,12 +215,30 @@ class RoleActor:
                     code = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
                     break
             time.sleep(WATCH_POLL_S)
-        if self._stopping or not restarts_after(self.spec.role, code):
-            return  # stopped on purpose, or final: status() reports it, the driver ends the actor
-        self._write_state(exit_code=code, log_tail=self.child.log_tail())
+        if self._stopping:
+            return  # stopped on purpose: stop() reports how it ended
+        self._kept = self._kept_exit(code)
+        if self._kept is not None:
+            return  # final: status() reports it, the driver ends the actor
+        self._write_state(exit_code=code, log_tail=self.child.log_tail(), exits_before_session=self._early_exits)
         logger.warning("[%s] process %d exited with %s: ending the actor for Ray to restart it",
                        self.spec.name, self.child.pid, code)
         os._exit(EXIT_RESTART)
+
+    def _kept_exit(self, code: int) -> dict[str, Any] | None:
+        """How an exit of this role's process is kept ({} when its code decides), or None for Ray to restart it."""
+        if not restarts_after(self.spec.role, code):
+            return {}
+        if self.spec.role != LEARNER:
+            return None
+        status = status_since(self.paths.learner_status(self.spec.learner_id), self._started_wall)
+        if finished_session(status):
+            return {"verdict": "done"}
+        self._early_exits = exits_before_session(code, status, self._early_exits)
+        if self._early_exits >= self.spec.max_exits_before_session:
+            return {"verdict": "failed", "reason": crash_loop_reason(code, self.child.log_tail(), self._early_exits,
+                                                                      self.launcher.paths.log(self.spec.name))}
+        return None
 
     def _served_address(self) -> str | None:
         bound = self.launcher.syncer_address(self.child.pid)
@@ -220,13 +254,13 @@ class RoleActor:
         return self._address
 
     def status(self) -> dict[str, Any]:
-        """This incarnation, and `returncode` once its process has ended for good (an exit that brings the role
-        back is never reported: the actor is about to end itself for Ray to restart it)."""
-        code = self.child.returncode
-        if code is not None and not self._stopping and restarts_after(self.spec.role, code):
-            code = None
-        return {"name": self.spec.name, "incarnation": self.incarnation, "pid": self.child.pid, "node": self.node,
-                "worker_pid": os.getpid(), "address": self._address, "returncode": code,
+        """This incarnation, and `returncode` once its process has ended for good, with `verdict` and `reason` where
+        the learner rules, not the code, decide (`_kept_exit`). An exit that brings the role back is never reported:
+        the actor is about to end itself for Ray to restart it."""
+        kept = self._kept
+        code = self.child.returncode if kept is not None or self._stopping else None
+        return {**(kept or {}), "name": self.spec.name, "incarnation": self.incarnation, "pid": self.child.pid,
+                "node": self.node, "worker_pid": os.getpid(), "address": self._address, "returncode": code,
                 "previous_exit": self.previous.get("exit_code") if self.incarnation > 0 else None,
                 "previous_log_tail": self.previous.get("log_tail") or [],
                 "log_tail": self.child.log_tail() if code is not None else []}

@@ -34,6 +34,7 @@ from typing import Any
 
 from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import Launcher
+from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
@@ -46,7 +47,6 @@ from ddiloco.runtime.supervisor import (
     Event,
     Slot,
     SupervisorConfig,
-    _describe_exit,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,8 @@ class RaySupervisor:
         return RoleSpec(role=role, name=name, launch=self.launch, session=self._session, learner_id=learner_id,
                         bind=self.launch.bind, cwd=os.getcwd(),
                         syncer_start_timeout_s=self.config.syncer_start_timeout_s,
-                        syncer_wait_s=self.config.syncer_start_timeout_s, syncer_actor=self._actor_name(SYNCER))
+                        syncer_wait_s=self.config.syncer_start_timeout_s, syncer_actor=self._actor_name(SYNCER),
+                        max_exits_before_session=self.config.max_exits_before_session)
 
     def _actor_name(self, name: str) -> str:
         return f"ddiloco-{self._session[:8]}-{name}"
@@ -248,7 +249,7 @@ class RaySupervisor:
             self._syncer_serves(result["address"])
         code = result["returncode"]
         if code is not None:
-            self._kept_exit(slot, code, result["log_tail"])
+            self._kept_exit(slot, code, result["log_tail"], verdict=result.get("verdict"), reason=result.get("reason"))
 
     def _new_incarnation(self, slot: Slot, result: dict[str, Any], now: float) -> None:
         incarnation = int(result["incarnation"])
@@ -257,7 +258,7 @@ class RaySupervisor:
         self._incarnations[slot.name] = incarnation
         if known is not None:
             code = result["previous_exit"]
-            how = _describe_exit(code) if code is not None else "its Ray actor's death"
+            how = describe_exit(code) if code is not None else "its Ray actor's death"
             slot.exit_codes.append(code if code is not None else -1)
             self._emit("exited", slot, f"exited with {how}", exit_code=code, log_tail=result["previous_log_tail"])
             for _ in range(incarnation - known):  # Ray may have restarted it more than once
@@ -283,13 +284,22 @@ class RaySupervisor:
                 if slot.name in self._actors and not slot.state.final:
                     ray.kill(self._actors[slot.name], no_restart=False)
 
-    def _kept_exit(self, slot: Slot, code: int, tail: list[str]) -> None:
-        """An exit the actor keeps (done, refused, usage error): the role is over; its actor is ended."""
+    def _kept_exit(self, slot: Slot, code: int, tail: list[str], *, verdict: str | None = None,
+                   reason: str | None = None) -> None:
+        """An exit the actor keeps (done, refused, usage error; a learner done before it crashed, or given up after
+        starts that ended before their session: `verdict`): the role is over; its actor is ended."""
         assert slot.process is not None
         slot.process.returncode = code
         slot.exit_codes.append(code)
-        last = tail[-1] if tail else _describe_exit(code)
-        if slot is self.syncer:
+        last = tail[-1] if tail else describe_exit(code)
+        if verdict == "done":
+            slot.state = ChildState.DONE
+            self._emit("done", slot, f"exited with {describe_exit(code)} {DONE_AFTER_SESSION}", exit_code=code,
+                       log_tail=tail)
+        elif verdict == "failed":
+            slot.state, slot.reason = ChildState.FAILED, reason or last
+            self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
+        elif slot is self.syncer:
             slot.state, slot.reason = ChildState.FAILED, last
             self.failure = f"the syncer cannot run: {last}"
             self._emit("failed", slot, self.failure, exit_code=code)

@@ -33,16 +33,23 @@ from __future__ import annotations
 
 import enum
 import logging
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.backoff import Backoff
-from ddiloco.checkpoint import read_json_object
 from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
+from ddiloco.runtime.learner_exits import (
+    DONE_AFTER_SESSION,
+    crash_loop_reason,
+    describe_exit,
+    exits_before_session,
+    finished_session,
+    started_wall,
+    status_since,
+)
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 
 logger = logging.getLogger(__name__)
@@ -317,7 +324,7 @@ class Supervisor:
         standby = self.syncer_standby
         if standby is not None and standby.poll() is not None:
             self._emit("exited", None, f"standby syncer (pid {standby.pid}) exited with "
-                       f"{_describe_exit(standby.returncode)}", exit_code=standby.returncode)
+                       f"{describe_exit(standby.returncode)}", exit_code=standby.returncode)
             self.syncer_standby = None
             self._syncer_standby_at = now + self.config.standby_refill_delay_s
         if (self.syncer_standby is None and self._syncer_standby_at is not None and now >= self._syncer_standby_at
@@ -380,11 +387,11 @@ class Supervisor:
         assert slot.process is not None
         slot.exit_codes.append(code)
         tail = slot.process.log_tail()
-        self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
+        self._emit("exited", slot, f"exited with {describe_exit(code)}", exit_code=code,
                    log_tail=tail)
         if code in (EXIT_USAGE, EXIT_REFUSED) or slot.restarts >= self.config.max_restarts:
             slot.state = ChildState.FAILED
-            slot.reason = tail[-1] if tail else _describe_exit(code)
+            slot.reason = tail[-1] if tail else describe_exit(code)
             self.failure = f"the syncer cannot run: {slot.reason}"
             self._emit("failed", slot, self.failure, exit_code=code)
             return
@@ -416,47 +423,38 @@ class Supervisor:
             slot.reason = tail[-1] if tail else "refused by the syncer"
             self._emit("refused", slot, f"refused by the syncer: {slot.reason}", exit_code=code,
                        reason=slot.reason)
-        elif start is None and self._finished_before_exit(slot):
+        elif start is None and finished_session(self._status_since_start(slot)):
             slot.state = ChildState.DONE
-            self._emit("done", slot, f"exited with {_describe_exit(code)} after its session had finished: done, "
-                       "not restarted", exit_code=code, log_tail=tail)
+            self._emit("done", slot, f"exited with {describe_exit(code)} {DONE_AFTER_SESSION}", exit_code=code,
+                       log_tail=tail)
         elif (reason := self._give_up_reason(slot, code, tail, start)) is not None:
             slot.state, slot.reason = ChildState.FAILED, reason
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
-            self._emit("exited", slot, f"exited with {_describe_exit(code)}", exit_code=code,
+            self._emit("exited", slot, f"exited with {describe_exit(code)}", exit_code=code,
                        log_tail=tail)
             self._schedule_restart(slot, now)
-
-    def _finished_before_exit(self, slot: Slot) -> bool:
-        """The learner's status file says done, written since its current process started."""
-        return self._status_since_start(slot).get("state") == "done"
 
     def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
                         ) -> str | None:
         """Why a child that exited with a failure is not restarted, or None to restart it: a usage error, too many
         restarts, or (learners) `max_exits_before_session` starts in a row that ended with an error before the
         session began (no status file written by the process), which this call counts."""
-        early = start is None and code > 0 and not self._status_since_start(slot)
-        slot.exits_before_session = slot.exits_before_session + 1 if early else 0
+        slot.exits_before_session = 0 if start is not None else exits_before_session(
+            code, self._status_since_start(slot), slot.exits_before_session)
         if code == EXIT_USAGE and tail:
             return tail[-1]
         if slot.exits_before_session >= self.config.max_exits_before_session:
-            return (f"{tail[-1] if tail else _describe_exit(code)} ({slot.exits_before_session} starts in a row "
-                    f"ended before its session started, the last with {_describe_exit(code)}; its log: "
-                    f"{self.launcher.paths.log(slot.name)})")
+            return crash_loop_reason(code, tail, slot.exits_before_session, self.launcher.paths.log(slot.name))
         if code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
-            return f"{_describe_exit(code)} after {slot.restarts} restarts"
+            return f"{describe_exit(code)} after {slot.restarts} restarts"
         return None
 
     def _status_since_start(self, slot: Slot) -> dict[str, Any]:
         """The learner's status file if its current process wrote it (a stale one from an earlier start, or an
         earlier run before `--resume`, does not count), else {}."""
         assert slot.process is not None and slot.learner_id is not None
-        status = read_json_object(self.launcher.paths.learner_status(slot.learner_id)) or {}
-        started_wall = time.time() - (time.monotonic() - slot.process.started_at)
-        written = status.get("time")
-        return status if isinstance(written, int | float) and written >= started_wall else {}
+        return status_since(self.launcher.paths.learner_status(slot.learner_id), started_wall(slot.process.started_at))
 
     def _start_evaluator(self, slot: Slot) -> None:
         """The evaluator: started with the learners, supervised like one; done when it exits 0."""
@@ -507,11 +505,3 @@ class Supervisor:
         logger.info("[%s] %s", name, message)
         self._on_event(Event(kind, name, learner_id, message, fields))
 
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
