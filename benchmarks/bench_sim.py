@@ -35,9 +35,10 @@ DEFAULT_GRID = ("dp:1e-3", "dp:2e-3", "dp:4e-3",
                 "dd:1e-3:0.7:0.9:32", "dd:2e-3:0.7:0.9:32", "dd:1e-3:0.7:0.5:32", "dd:2e-3:0.7:0.5:32",
                 "dd:2e-3:0.5:0.9:32", "dd:2e-3:1.0:0.0:32", "dd:3e-3:1.0:0.0:32", "dd:2e-3:1.3:0.0:32",
                 "dd:2e-3:1.0:0.0:16", "dd:2e-3:1.0:0.0:8")
-"""dp:INNER_LR, or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite][:FIELD=VALUE...] (the `DilocoConfig`
-defaults otherwise, K = 1 + adaptive grace; `overwrite`: the overlap steps are overwritten when a round's result
-arrives instead of kept; FIELD=VALUE sets any other `DilocoConfig` field)."""
+"""dp:INNER_LR[:inner.FIELD=VALUE...], or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite][:FIELD=VALUE...] (the
+`DilocoConfig` defaults otherwise, K = 1 + adaptive grace; `overwrite`: the overlap steps are overwritten when a round's
+result arrives instead of kept; FIELD=VALUE sets any other `DilocoConfig` field, inner.FIELD=VALUE an `InnerConfig`
+field such as `inner.cooldown=0.4`)."""
 
 
 def bench_event_loop(events: int) -> None:
@@ -72,11 +73,13 @@ def bench_overhead(steps: int) -> None:
 
 
 def _override(item: str) -> tuple[str, object]:
-    """A `FIELD=VALUE` entry of a spec: the `DilocoConfig` field and its value, parsed by the field's type."""
+    """A `FIELD=VALUE` entry of a spec: the field (`DilocoConfig`'s, or `InnerConfig`'s after `inner.`) and its value,
+    parsed by the field's type."""
     name, text = item.split("=", 1)
-    kind = field_types(DilocoConfig).get(name, (None, False))[0]
+    config = InnerConfig if name.startswith("inner.") else DilocoConfig
+    kind = field_types(config).get(name.removeprefix("inner."), (None, False))[0]
     if kind is None:
-        raise SystemExit(f"{item!r}: {name!r} is not a scalar DilocoConfig field")
+        raise SystemExit(f"{item!r}: {name!r} is not a scalar {config.__name__} field")
     if kind is bool:
         if text.lower() not in ("true", "false"):
             raise SystemExit(f"{item!r}: expected true or false")
@@ -87,10 +90,13 @@ def _override(item: str) -> tuple[str, object]:
 def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0,
              shard_layout: str = DataConfig().shard_layout) -> str:
     parts = spec.split(":")
-    overrides = dict(_override(p) for p in parts[5:] if "=" in p)
+    overrides = dict(_override(p) for p in parts[2 if parts[0] == "dp" else 5:] if "=" in p)
+    inner = {name.removeprefix("inner."): overrides.pop(name) for name in list(overrides) if name.startswith("inner.")}
+    if parts[0] == "dp" and overrides:
+        raise SystemExit(f"{spec!r}: data-parallel takes only inner.FIELD=VALUE entries")
     parts = [p for p in parts if "=" not in p]
     workload = WorkloadConfig(data=DataConfig(batch_size=batch_size, shard_layout=shard_layout),
-                              inner=InnerConfig(lr=float(parts[1])),
+                              inner=InnerConfig(lr=float(parts[1]), **inner),
                               inner_steps=steps, eval_points=evals, val_batches=val_batches)
     start = time.perf_counter()
     if parts[0] == "dp":
