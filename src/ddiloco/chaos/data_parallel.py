@@ -66,6 +66,7 @@ from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_byt
 from ddiloco.metrics import JsonlSink
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
+from ddiloco.runtime.learner_exits import describe_exit
 from ddiloco.runtime.standby import TORCH_LAZY, StandbyPool
 
 logger = logging.getLogger(__name__)
@@ -132,13 +133,8 @@ class DataParallelAgentConfig:
 
 def exit_cause(returncode: int) -> str:
     """A rank's exit status in words: "exit code 3 (a message of the all-reduce was dropped)", "signal SIGKILL"."""
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    meaning = EXIT_MEANINGS.get(returncode)
-    return f"exit code {returncode}" + (f" ({meaning})" if meaning else "")
+    meaning = EXIT_MEANINGS.get(returncode) if returncode >= 0 else None
+    return describe_exit(returncode) + (f" ({meaning})" if meaning else "")
 
 
 def computed_steps(lines: Iterable[str]) -> set[tuple[int, int]]:
