@@ -88,7 +88,7 @@ def _override(item: str) -> tuple[str, object]:
 
 
 def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batches: int = 8, seed: int = 0,
-             shard_layout: str = DataConfig().shard_layout) -> str:
+             shard_layout: str = DataConfig().shard_layout, jitter: float = 0.0) -> str:
     parts = spec.split(":")
     overrides = dict(_override(p) for p in parts[2 if parts[0] == "dp" else 5:] if "=" in p)
     inner = {name.removeprefix("inner."): overrides.pop(name) for name in list(overrides) if name.startswith("inner.")}
@@ -106,7 +106,7 @@ def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batc
                                  "outer_momentum": float(parts[3]), "keep_overlap_work": parts[5:] != ["overwrite"],
                                  **overrides})
         result = DecoupledSim(DecoupledSimConfig(workload=workload, diloco=diloco, quorum=QuorumConfig(),
-                                                 seed=seed)).run()
+                                                 cluster=ClusterConfig(jitter=jitter), seed=seed)).run()
     curve = " ".join(f"{p.val_loss:.3f}" for p in result.curve[1:-1])
     return (f"| {spec} | {result.metrics['final_val_loss']:.4f} | {curve} | "
             f"{time.perf_counter() - start:.0f} s |")
@@ -124,6 +124,8 @@ def main() -> None:
                         help="batch per learner in the sweep (8: the experiments'; 16: `ddiloco run`'s default)")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches per evaluation in the sweep")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and timing seed of the sweep's runs")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="Decoupled learners' step times vary by up to this share (`ClusterConfig.jitter`)")
     parser.add_argument("--shard-layout", default=DataConfig().shard_layout, choices=SHARD_LAYOUTS,
                         help="how the corpus is dealt into the learners' (and data-parallel ranks') shards")
     args = parser.parse_args()
@@ -137,7 +139,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for spec in args.only or DEFAULT_GRID:
         print(run_spec(spec, args.steps, args.evals, batch_size=args.batch, val_batches=args.val_batches,
-                       seed=args.seed, shard_layout=args.shard_layout), flush=True)
+                       seed=args.seed, shard_layout=args.shard_layout, jitter=args.jitter), flush=True)
 
 
 if __name__ == "__main__":
