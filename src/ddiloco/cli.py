@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from ddiloco import __version__
+from ddiloco import __version__, interrupts
 
 COMMAND_MODULES = (
     "ddiloco.plan.commands",
@@ -57,6 +57,11 @@ SCRIPT_COMMANDS = ("run",)
 
 
 def main(argv: list[str] | None = None) -> int:
+    with interrupts.watched():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     command = "ddiloco"
     try:
         # Building the parser imports every command's flags, torch among them: seconds in which a Ctrl-C
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("nothing after --: give the learner command, e.g. -- python train.py")
         args.script = script or []
         _configure_logging(args.verbose)
+        if interrupts.received():  # a Ctrl-C during the imports that one of them swallowed (`ddiloco.interrupts`)
+            raise KeyboardInterrupt
         try:
             return int(args.handler(args) or 0)
         except ValueError as exc:

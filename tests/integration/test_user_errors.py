@@ -202,6 +202,51 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback(tmp_path):
     assert "interrupted" in out.splitlines()[-1]
 
 
+SWALLOWED_CTRL_C = """
+import os, signal, sys
+import {module} as target
+from ddiloco.cli import main
+
+real = target.{name}
+
+def swallowing(*args, **kwargs):
+    # What an optional import guarded by a bare `except:` does to a Ctrl-C that lands inside it.
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10**6):  # the handler runs at the next bytecode boundary
+            pass
+    except:  # noqa: E722
+        pass
+    return real(*args, **kwargs)
+
+target.{name} = swallowing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("module", "name"), [("ddiloco.cli", "build_parser"),
+                                              ("ddiloco.runtime.supervisor", "Supervisor")])
+def test_a_ctrl_c_that_an_import_swallows_still_stops_the_run(tmp_path, module, name):
+    # A CI run once saw `ddiloco run` train to its end after a Ctrl-C sent while it imported torch: the
+    # KeyboardInterrupt was lost inside an import. Swallowed while the parser's imports run, or after them but before
+    # `ddiloco run` has its own handlers (the supervisor is built just before), the Ctrl-C still ends it with 130
+    # before any training.
+    run_dir = tmp_path / "run"
+    code = SWALLOWED_CTRL_C.format(module=module, name=name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    popen = subprocess.Popen([sys.executable, "-c", code, "run", "--no-progress", "--run-dir", str(run_dir),
+                              *TINY_MODEL_FLAGS, "--learners", "1", "--inner-steps", "1000000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+    out = finish(popen)
+    refused_with(out, EXIT_INTERRUPTED, popen)
+    assert "interrupted" in out, out
+    summary = read_json_object(RunPaths(run_dir).summary) or {}
+    assert summary.get("outcome") in (None, "interrupted"), summary  # stopped before it trained, if it started
+    assert not any(learner.get("inner_step") for learner in summary.get("learners", {}).values()), summary
+
+
 def started_pids(run_dir: Path) -> dict[str, list[int]]:
     return (read_json_object(RunPaths(run_dir).processes) or {}).get("children", {})
 

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from ddiloco import interrupts
 from ddiloco.flags import add_config_flags
 from ddiloco.run_config import RUN_FIELDS, SECTIONS, RunConfig, add_run_config_flags, run_config_from_args
 from ddiloco.runtime.process_settings import (
@@ -122,6 +123,8 @@ def _on_stop_signals(callback) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    if interrupts.received():  # a Ctrl-C before these handlers, swallowed by an import (`ddiloco.interrupts`)
+        callback()
 
 
 def _set_threads(threads: int) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddiloco import interrupts
+
 if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser without them
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.launcher import LaunchConfig
@@ -200,6 +202,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         supervisor.request_stop(signal.Signals(signum).name)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    if interrupts.received():  # a Ctrl-C before these handlers, swallowed by an import (`ddiloco.interrupts`)
+        supervisor.request_stop(signal.SIGINT.name)
     start = time.monotonic()
     try:
         with progress:
