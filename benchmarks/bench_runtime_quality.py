@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_runtime_quality.py                    # 4 learners, 300 inner steps (~8 min)
     .venv/bin/python benchmarks/bench_runtime_quality.py --steps 200 -- --outer-lr 1.0 --outer-momentum 0
     .venv/bin/python benchmarks/bench_runtime_quality.py --steps 896 -- --data-shard-layout interleaved
+    .venv/bin/python benchmarks/bench_runtime_quality.py --steps 896 --skip-ddiloco --dp-inner-lr 4e-3
 
 1. `ddiloco run --learners M --inner-steps N` (the built-in TinyGPT learner, the syncer, the evaluator; gRPC on
    127.0.0.1), with the defaults unless flags after `--` change them. Its final validation loss is the
@@ -10,7 +11,10 @@
 2. The DDP baseline `ddiloco chaos` runs (`ddiloco.chaos.data_parallel.DataParallelJob`: M ranks over gloo,
    shard r for rank r, global batch M x B), without faults, stopped once rank 0 has taken N steps (the job
    evaluates at its last step): the same tokens, model, data and seed (the data and inner-optimizer settings of
-   the ddiloco run's resolved config: `--data-*` and `--inner-*` flags after `--` apply to both).
+   the ddiloco run's resolved config: `--data-*` and `--inner-*` flags after `--` apply to both), except the inner
+   learning rate where `--dp-inner-lr` gives it one of its own (data-parallel's best rate need not be ddiloco's;
+   docs/results.md, "Defaults and rounds", item 15). `--skip-ddiloco` runs the baseline alone, with the default
+   data and inner settings (no flags after `--`).
 
 Also printed: the updates that missed their round (the round's result does not name them, so they were merged one
 version late in a later round) and when each was published against that round's close, and the learners' waits
@@ -24,6 +28,7 @@ not compared (on 2 cores the DDP ranks and the learners compete for the same cor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -124,36 +129,51 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (= DDP steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-dp", action="store_true", help="only the ddiloco run")
+    parser.add_argument("--skip-ddiloco", action="store_true", help="only the data-parallel baseline")
+    parser.add_argument("--dp-inner-lr", type=float, default=None,
+                        help="the baseline's inner learning rate (default: the ddiloco run's)")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.skip_ddiloco and (extra or args.skip_dp):
+        parser.error("--skip-ddiloco runs the baseline alone at the default settings: no --skip-dp, no flags after --")
     with tempfile.TemporaryDirectory(prefix="bench_runtime_quality_") as tmp:
         root = Path(tmp)
-        dd = run_ddiloco(root / "ddiloco", learners=args.learners, steps=args.steps, seed=args.seed, extra=extra)
-        diloco = dd["config"]["diloco"]
-        print(f"ddiloco ({' '.join(extra) or 'defaults'}; outer {diloco['outer_lr']}, {diloco['outer_momentum']}, "
-              f"H {diloco['sync_every']}, downlink {diloco['downlink_codec']}): final {dd['final']:.4f}, "
-              f"max after start {max(dd['curve'][1:]):.3f} vs start {dd['curve'][0]:.3f}, {dd['rounds']} rounds, "
-              f"{dd['participants']:.2f} participants per round, {dd['wall_s']:.0f} s", flush=True)
-        print(f"  curve {' '.join(f'{v:.3f}' for v in dd['curve'])}")
-        m = dd["missed"]
-        late = (f", published median / p90 / max {' / '.join(f'{v:+.3f}' for v in m['late_s'])} s after the close"
-                if m["late_s"] else "")
-        print(f"  updates that missed their round: {m['missed']} of {m['published']} "
-              f"({m['missed'] / max(1, m['published']):.1%}){late}; learners waited {m['waits']} times, "
-              f"{m['wait_s']:.2f} s in all", flush=True)
+        # The data and inner-optimizer settings of the ddiloco run (batch, shard layout, learning rate, its warm-up
+        # and cooldown over the same steps), so that both systems read the same shards at the same rates.
+        run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed)
+        dd = None
+        if not args.skip_ddiloco:
+            dd = run_ddiloco(root / "ddiloco", learners=args.learners, steps=args.steps, seed=args.seed, extra=extra)
+            report_ddiloco(dd, extra)
+            run_config = dataclasses.replace(run_config, data=DataConfig(**dd["config"]["data"]),
+                                             inner=InnerConfig(**dd["config"]["inner"]))
         if args.skip_dp:
             return
-        # The ddiloco run's data and inner-optimizer settings (batch, shard layout, learning rate and its cooldown
-        # over the same steps), so that both systems read the same shards at the same rates.
-        run_config = RunConfig(num_learners=args.learners, inner_steps=args.steps, seed=args.seed,
-                               data=DataConfig(**dd["config"]["data"]), inner=InnerConfig(**dd["config"]["inner"]))
+        if args.dp_inner_lr is not None:
+            run_config = dataclasses.replace(run_config, inner=dataclasses.replace(run_config.inner,
+                                                                                   lr=args.dp_inner_lr))
         dp = run_data_parallel(root / "data_parallel", run_config, steps=args.steps)
-        gap = dd["final"] / dp["final"] - 1
-        print(f"data-parallel (DDP, gloo, {args.learners} ranks): final {dp['final']:.4f} at step {dp['final_step']}, "
-              f"{dp['wall_s']:.0f} s", flush=True)
+        print(f"data-parallel (DDP, gloo, {args.learners} ranks, inner lr {run_config.inner.lr:g}): final "
+              f"{dp['final']:.4f} at step {dp['final_step']}, {dp['wall_s']:.0f} s", flush=True)
         print(f"  curve {' '.join(f'{v:.3f}' for v in dp['curve'])}")
-        print(f"ddiloco vs data-parallel: {gap:+.2%} (within {TOLERANCE:.0%}: {gap <= TOLERANCE}); never above the "
-              f"starting loss: {max(dd['curve'][1:]) <= dd['curve'][0]}")
+        if dd is not None:
+            gap = dd["final"] / dp["final"] - 1
+            print(f"ddiloco vs data-parallel: {gap:+.2%} (within {TOLERANCE:.0%}: {gap <= TOLERANCE}); never above "
+                  f"the starting loss: {max(dd['curve'][1:]) <= dd['curve'][0]}")
 
+
+def report_ddiloco(dd: dict, extra: list[str]) -> None:
+    diloco = dd["config"]["diloco"]
+    print(f"ddiloco ({' '.join(extra) or 'defaults'}; outer {diloco['outer_lr']}, {diloco['outer_momentum']}, "
+          f"H {diloco['sync_every']}, downlink {diloco['downlink_codec']}, inner lr {dd['config']['inner']['lr']:g}): "
+          f"final {dd['final']:.4f}, max after start {max(dd['curve'][1:]):.3f} vs start {dd['curve'][0]:.3f}, "
+          f"{dd['rounds']} rounds, {dd['participants']:.2f} participants per round, {dd['wall_s']:.0f} s", flush=True)
+    print(f"  curve {' '.join(f'{v:.3f}' for v in dd['curve'])}")
+    m = dd["missed"]
+    late = (f", published median / p90 / max {' / '.join(f'{v:+.3f}' for v in m['late_s'])} s after the close"
+            if m["late_s"] else "")
+    print(f"  updates that missed their round: {m['missed']} of {m['published']} "
+          f"({m['missed'] / max(1, m['published']):.1%}){late}; learners waited {m['waits']} times, "
+          f"{m['wait_s']:.2f} s in all", flush=True)
 
 if __name__ == "__main__":
     main()

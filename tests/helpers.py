@@ -188,7 +188,8 @@ class Processes:
 
 
 def tiny_sim_workload(*, inner_steps: int = 16, batch_size: int = 2, eval_points: int = 2, lr: float = 3e-3):
-    """A TinyGPT workload for the virtual-time harness that trains in milliseconds per inner step."""
+    """A TinyGPT workload for the virtual-time harness that trains in milliseconds per inner step (at its full rate
+    from the first step: no warm-up in runs this short)."""
     from ddiloco.data import DataConfig
     from ddiloco.model import ModelConfig
     from ddiloco.sim.workload import WorkloadConfig
@@ -196,7 +197,8 @@ def tiny_sim_workload(*, inner_steps: int = 16, batch_size: int = 2, eval_points
 
     model = ModelConfig(width=16, num_layers=2, num_heads=2, context_len=16)
     return WorkloadConfig(model=model, data=DataConfig(batch_size=batch_size, context_len=16),
-                          inner=InnerConfig(lr=lr), inner_steps=inner_steps, eval_points=eval_points, val_batches=1)
+                          inner=InnerConfig(lr=lr, warmup_steps=0), inner_steps=inner_steps, eval_points=eval_points,
+                          val_batches=1)
 
 
 def assert_global_state_is_the_replay(run_dir) -> None:

@@ -126,23 +126,25 @@ class RunConfig:
             raise ValueError(f"run config {path}: {exc}") from None
 
 
-_SAVED_BEFORE: dict[str, tuple[frozenset[str], str, Any]] = {
-    "data": (frozenset({"batch_size", "context_len", "val_fraction", "seed"}), "shard_layout", "contiguous"),
-    "inner": (frozenset({"lr", "weight_decay", "beta1", "beta2", "grad_clip"}), "cooldown", 0.0),
+_BEFORE_COOLDOWN = frozenset({"lr", "weight_decay", "beta1", "beta2", "grad_clip"})
+_SAVED_BEFORE: dict[str, tuple[tuple[frozenset[str], dict[str, Any]], ...]] = {
+    "data": ((frozenset({"batch_size", "context_len", "val_fraction", "seed"}), {"shard_layout": "contiguous"}),),
+    "inner": ((_BEFORE_COOLDOWN, {"cooldown": 0.0, "warmup_steps": 0}),
+              (_BEFORE_COOLDOWN | {"cooldown"}, {"warmup_steps": 0})),
 }
-"""Section -> (every field it had before a field with a new default was added, that field, the value runs of then
-trained with): the data section before the shard layouts (contiguous shards; whole since 2026-12-04), the inner one
-before the learning-rate cooldown (a constant rate; 0.2 of the run since 2026-12-04)."""
+"""Section -> for each generation of it: every field it had then, and the fields added since with a new default, at
+the values runs of then trained with. The data section before the shard layouts (contiguous shards; whole since
+2026-12-04); the inner one before the learning-rate cooldown (a constant rate; 0.2 of the run since 2026-12-04) and
+before the warm-up (none; 45 steps since 2026-12-05)."""
 
 
 def _saved_before_its_new_field(name: str, section: dict[str, Any]) -> dict[str, Any]:
-    """A section as a run saved it before its newest field existed (every field of then, not the new one) resumes
-    with what that run trained with, not today's default. A section that names only some fields, a user's, takes
-    today's defaults for the rest."""
-    entry = _SAVED_BEFORE.get(name)
-    if entry is not None and set(section) == entry[0]:
-        _, new_field, value_then = entry
-        return {**section, new_field: value_then}
+    """A section as a run saved it before its newest fields existed (every field of then, none of the new ones)
+    resumes with what that run trained with, not today's defaults. A section that names only some fields, a user's,
+    takes today's defaults for the rest."""
+    for fields_then, values_then in _SAVED_BEFORE.get(name, ()):
+        if set(section) == fields_then:
+            return {**section, **values_then}
     return section
 
 

@@ -75,10 +75,21 @@ def test_a_run_saved_before_the_shard_layouts_resumes_on_the_contiguous_shards_i
 
 def test_a_run_saved_before_the_cooldown_resumes_at_the_constant_rate_it_trained_with(tmp_path):
     saved = RunConfig(num_learners=3).to_dict()
-    del saved["inner"]["cooldown"]  # as a run of 2026-12-04's morning wrote it
+    del saved["inner"]["cooldown"], saved["inner"]["warmup_steps"]  # as a run of 2026-12-04's morning wrote it
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert RunConfig.load(tmp_path / "config.json").inner.cooldown == 0
+    loaded = RunConfig.load(tmp_path / "config.json").inner
+    assert (loaded.cooldown, loaded.warmup_steps) == (0, 0)
     assert RunConfig.from_dict({"inner": {"lr": 1e-3}}).inner.cooldown == 0.2 == RunConfig().inner.cooldown
+
+
+def test_a_run_saved_before_the_warm_up_resumes_without_one(tmp_path):
+    saved = RunConfig(num_learners=3).to_dict()
+    del saved["inner"]["warmup_steps"]  # as a run of 2026-12-04's evening wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = RunConfig.load(tmp_path / "config.json").inner
+    assert (loaded.warmup_steps, loaded.cooldown) == (0, 0.2)
+    # A user's inner section that names some fields only takes today's warm-up.
+    assert RunConfig.from_dict({"inner": {"lr": 1e-3}}).inner.warmup_steps == RunConfig().inner.warmup_steps > 0
 
 
 def test_unknown_fields_are_named():
@@ -135,7 +146,7 @@ def test_resume_names_every_setting_that_cannot_change():
                                   "inner": {**saved.to_dict()["inner"], "lr": 1e-3}})
     message = str(pytest.raises(ValueError, check_resume, saved, wanted).value)
     for needle in ("--seed 7 (the run has 0)", "--model-width 64 (the run has 128)",
-                   "--codec int8 (the run has int4)", "--inner-lr 0.001 (the run has 0.002)"):
+                   "--codec int8 (the run has int4)", "--inner-lr 0.001 (the run has 0.003)"):
         assert needle in message, message
 
 

@@ -264,7 +264,7 @@ class ChaosSettings:
 def unbounded(run_config: RunConfig) -> RunConfig:
     """A chaos run ends at its plan's duration, not at an inner-step budget: no learner or rank finishes on its own,
     and none starts the learning rate's cooldown (`InnerConfig.cooldown`), which every system would reach at a
-    different time."""
+    different time. The warm-up, counted in steps, runs as in any run."""
     return dataclasses.replace(run_config, inner_steps=10**9)
 
 
