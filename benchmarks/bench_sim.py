@@ -38,7 +38,8 @@ DEFAULT_GRID = ("dp:1e-3", "dp:2e-3", "dp:4e-3",
 """dp:INNER_LR[:inner.FIELD=VALUE...], or dd:INNER_LR:OUTER_LR:OUTER_MOMENTUM:H[:overwrite][:FIELD=VALUE...] (the
 `DilocoConfig` defaults otherwise, K = 1 + adaptive grace; `overwrite`: the overlap steps are overwritten when a round's
 result arrives instead of kept; FIELD=VALUE sets any other `DilocoConfig` field, inner.FIELD=VALUE an `InnerConfig`
-field such as `inner.cooldown=0.4`)."""
+field such as `inner.cooldown=0.4`; the other `InnerConfig` fields keep their defaults, the 45-step warm-up among them:
+`inner.warmup_steps=0` for none, as the sweeps before 2026-12-05 ran)."""
 
 
 def bench_event_loop(events: int) -> None:
