@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_heterogeneous.py                    # every variant below (~35 min loaded)
     .venv/bin/python benchmarks/bench_heterogeneous.py --only paced sync  # some of them
+    .venv/bin/python benchmarks/bench_heterogeneous.py --only sync unpaced --inner-lr 2e-3 --warmup-steps 0
 
 The set-up of `ddiloco experiment heterogeneous` (4 learners, two of them 18 % slower, 10 % step-time jitter,
 320 inner steps each, the run defaults): K = M (`sync`) against K = 1 + adaptive grace with the learners'
@@ -59,9 +60,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--inner-lr", type=float, default=None, help="the inner rate (default: the run default)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="its warm-up (default: the run default)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    runner = _Runner("heterogeneous", default_scale(), args.seed, progress=lambda message: None)
+    scale = default_scale()
+    if args.inner_lr is not None:
+        scale = dataclasses.replace(scale, inner_lr=args.inner_lr)
+    if args.warmup_steps is not None:
+        scale = dataclasses.replace(scale, warmup_steps=args.warmup_steps)
+    runner = _Runner("heterogeneous", scale, args.seed, progress=lambda message: None)
     print("| variant | final val loss | goodput | participants per round | mean staleness | rounds | virtual time | "
           "wall |")
     print("|---|---|---|---|---|---|---|---|")
