@@ -22,9 +22,10 @@ class InnerConfig:
     """The inner optimizer (AdamW) of every learner."""
 
     lr: float = 3e-3
-    """AdamW learning rate, reached after the warm-up. With the warm-up, TinyGPT's Decoupled learners tie from 3e-3
-    to 5e-3 and beat 2e-3 at 8 and 16 sequences each; data-parallel does best at 4e-3 (docs/results.md, "Defaults
-    and rounds", item 15). 2e-3 was the best without a warm-up."""
+    """AdamW learning rate, reached after the warm-up. With the warm-up, TinyGPT's Decoupled learners over 896 steps
+    tie from 3e-3 to 5e-3 and beat 2e-3 in the harness (on real processes they tie with it; 320-step runs end higher);
+    data-parallel does best at 4e-3 (docs/results.md, "Defaults and rounds", item 15). 2e-3 was the best without a
+    warm-up."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     beta1: float = 0.9
@@ -73,9 +74,8 @@ def inner_lr(config: InnerConfig, step: float, total_steps: int) -> float:
     (a run shorter than its warm-up and cooldown), the lower. A run whose budget `--resume` extends follows its new
     budget: the rate climbs back to `lr` if the new end is more than `cooldown` of it away."""
     rate = config.lr
-    warm_steps = config.warmup_steps
-    if step + 1 < warm_steps:
-        rate = config.lr * (step + 1) / warm_steps
+    if step + 1 < config.warmup_steps:
+        rate = config.lr * (step + 1) / config.warmup_steps
     decay_steps = config.cooldown * total_steps
     left = total_steps - step
     if decay_steps > 0 and left < decay_steps:
