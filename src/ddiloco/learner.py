@@ -422,9 +422,12 @@ class Learner:
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
+        # Where a period is as short as a move of the schedule (H = 1 or 2), one move can make a fragment due twice
+        # after the same step: one update carries that work, a second would send the same work again.
+        due = dict.fromkeys(r % self.plan.num_fragments for r in self.schedule.due_rounds(self.inner_step))
         updates = []
-        for round_index in self.schedule.due_rounds(self.inner_step):
-            update = self._publish(round_index % self.plan.num_fragments)
+        for p in due:
+            update = self._publish(p)
             if update is not None:
                 updates.append(update)
         return updates

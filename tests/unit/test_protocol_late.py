@@ -165,3 +165,21 @@ def test_learners_finishing_together_merge_their_last_work_in_one_round():
     hub.send(last_b)                              # everyone alive has given its last work
     assert syncer.rounds_committed == 2
     assert [(q.learner_id, q.steps) for q in hub.round_log[-1].participants] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize(("fragments", "sync_every", "moves", "published"), [(1, 1, 1, [0]), (2, 2, 2, [0, 1])])
+def test_a_move_of_a_whole_period_publishes_each_fragment_once(fragments, sync_every, moves, published):
+    # Late moves of a whole period H (possible where H is a step or two) make a fragment's round due twice after one
+    # step. One update carries that work: the second used to send the same work again (the harness's work ledger
+    # failed on it at H = 1, tau = 0).
+    config = single_fragment(num_fragments=fragments, fragment_strategy="balanced", sync_every=sync_every)
+    _, _, _, (learner,) = make_system(1, config)
+    batches = iter(make_batches(3, seed=0))
+    for _ in range(sync_every):
+        learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches)))
+    next_round = learner.schedule.next_round
+    for _ in range(moves):
+        learner.schedule.late()
+    updates = learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches)))
+    assert [u.fragment for u in updates] == published
+    assert learner.schedule.next_round == next_round + fragments + 1     # the rounds due all count as published
