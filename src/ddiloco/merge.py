@@ -22,8 +22,9 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from ddiloco.checks import invalid
+from ddiloco.config import MERGE_METHODS
 from ddiloco.messages import DecodedTensor
-from ddiloco.round_sum import MERGE_METHODS, RoundSum
+from ddiloco.round_sum import RoundSum
 from ddiloco.update_values import l2_norm
 
 

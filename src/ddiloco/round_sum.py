@@ -32,10 +32,9 @@ import torch
 
 from ddiloco import kernels
 from ddiloco.checks import invalid
+from ddiloco.config import MERGE_METHODS
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import DecodedTensor
-
-MERGE_METHODS = ("rda", "mean")
 
 
 class RoundSum:
