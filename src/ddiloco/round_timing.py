@@ -40,8 +40,9 @@ class Ema:
 def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: float | None,
                  quorum_time_s: float | None, sync_time_s: float | None) -> float:
     """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap
-    leaves, at most `grace_max_steps` step times and never more than tau - 1 of them (one step of the overlap is
-    the estimates' margin; at tau <= 2 the cap is one step, the paper's). The estimates are moving averages
+    leaves, at least `grace_min_steps` step times (updates arriving together share a round even without slack), at
+    most `grace_max_steps` of them and never more than tau - 1 (one step of the overlap is the estimates' margin;
+    at tau <= 2 the cap is one step, the paper's). The estimates are moving averages
     (None: no sample yet); without a step time the adaptive window is none."""
     if quorum.grace == "none":
         return 0.0
@@ -51,7 +52,7 @@ def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: flo
         return 0.0
     slack = config.overlap_steps * step_time_s - (quorum_time_s or 0.0) - (sync_time_s or 0.0)
     cap_steps = min(quorum.grace_max_steps, max(1, config.overlap_steps - 1))
-    return min(max(quorum.grace_gamma * slack, 0.0), cap_steps * step_time_s)
+    return min(max(quorum.grace_gamma * slack, quorum.grace_min_steps * step_time_s), cap_steps * step_time_s)
 
 
 def round_margins(config: DilocoConfig, *, step_time_s: float | None, quorum_at: float | None, grace_s: float,

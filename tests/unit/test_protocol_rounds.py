@@ -79,9 +79,11 @@ def test_adaptive_grace_follows_the_formula():
     assert syncer.grace_window() == 0.0                       # no estimate yet: never delay
     syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = 1.0, 0.3, 0.2
     assert syncer.grace_window() == pytest.approx(1.0)        # clip(2 - 0.3 - 0.2, 0, 1)
-    syncer.quorum_time.value = 1.6
-    assert syncer.grace_window() == pytest.approx(0.2)        # 2 - 1.6 - 0.2
+    syncer.quorum_time.value = 1.5
+    assert syncer.grace_window() == pytest.approx(0.3)        # 2 - 1.5 - 0.2
     syncer.quorum_time.value = 3.0
+    assert syncer.grace_window() == pytest.approx(0.25)       # no slack left: the floor, a quarter step
+    syncer.quorum = QuorumConfig(grace="adaptive", grace_min_steps=0.0)
     assert syncer.grace_window() == 0.0
 
 
@@ -99,6 +101,9 @@ def test_the_adaptive_grace_cap_is_grace_max_steps_and_at_most_tau_minus_one_ste
     assert grace(3, grace_max_steps=5.0) == pytest.approx(2.0)        # never above tau - 1 steps
     assert grace(2) == pytest.approx(1.0)                             # tau = 2: the paper's one step
     assert grace(1) == pytest.approx(0.5)                             # the slack itself, 1 - 0.5
+    assert grace(0) == pytest.approx(0.25)                            # no slack: the floor, a quarter step
+    assert grace(0, grace_min_steps=2.0) == pytest.approx(1.0)        # the floor too stays under the cap
+    assert grace(3, grace_max_steps=0.0) == 0.0                       # a cap of 0 turns the window off
 
 
 def test_step_time_is_estimated_from_update_arrivals():
@@ -107,3 +112,19 @@ def test_step_time_is_estimated_from_update_arrivals():
     for t in (0.0, 0.5, 1.0, 1.5):
         publish(hub, learner, clock, t)
     assert syncer.step_time.value == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("grace_min_steps", "participants"), [(0.25, [[0], [1], [0, 1], [0, 1], [0, 1]]),
+                                                                (0.0, [[0], [1]] * 4)])
+def test_without_overlap_updates_a_moment_apart_share_their_round(grace_min_steps, participants):
+    # tau = 0: no slack, so the adaptive window is its floor. Two learners 0.05 of a 1 s step apart: with a quarter
+    # step of floor every round once the step time is known (from the second update on) merges both; without one,
+    # K = 1 closed each round on its first update, and each learner made a round, an outer step, of its own.
+    quorum = QuorumConfig(min_quorum=1, grace="adaptive", grace_min_steps=grace_min_steps, heartbeat_timeout_s=100.0)
+    _, hub, clock, (first, second) = make_system(2, single_fragment(overlap_steps=0), quorum)
+    for t in range(4):
+        publish(hub, first, clock, float(t))
+        publish(hub, second, clock, t + 0.05)
+    clock.advance_to(4.0)
+    hub.advance()
+    assert [[p.learner_id for p in r.participants] for r in hub.round_log] == participants

@@ -92,6 +92,14 @@ def test_a_run_saved_before_the_warm_up_resumes_without_one(tmp_path):
     assert RunConfig.from_dict({"inner": {"lr": 1e-3}}).inner.warmup_steps == RunConfig().inner.warmup_steps > 0
 
 
+def test_a_run_saved_before_the_grace_floor_resumes_without_one(tmp_path):
+    saved = RunConfig(num_learners=3).to_dict()
+    del saved["quorum"]["grace_min_steps"]  # as a run of 2026-12-05's morning wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RunConfig.load(tmp_path / "config.json").quorum.grace_min_steps == 0
+    assert RunConfig.from_dict({"quorum": {"min_quorum": 2}}).quorum.grace_min_steps == 0.25
+
+
 def test_unknown_fields_are_named():
     with pytest.raises(ValueError, match="unknown run config field.*learners"):
         RunConfig.from_dict({"learners": 3})
