@@ -151,8 +151,8 @@ class QuorumConfig:
     so a quorum larger than the live learners never deadlocks)."""
     grace: str = "adaptive"
     """adaptive: clip(gamma * (tau * step_time - quorum_time - sync_time), grace_min_steps * step_time, cap *
-    step_time) with moving averages, cap = min(grace_max_steps, max(1, tau - 1)); fixed: grace_s; none: close as soon as the quorum is
-    present."""
+    step_time) with moving averages, cap = min(grace_max_steps, max(1, tau - 1)); fixed: grace_s; none: close as
+    soon as the quorum is present."""
     grace_s: float = 0.0
     """Grace window in seconds for grace='fixed'."""
     grace_gamma: float = 1.0
