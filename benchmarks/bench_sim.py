@@ -39,7 +39,10 @@ DEFAULT_GRID = ("dp:1e-3", "dp:2e-3", "dp:4e-3",
 `DilocoConfig` defaults otherwise, K = 1 + adaptive grace; `overwrite`: the overlap steps are overwritten when a round's
 result arrives instead of kept; FIELD=VALUE sets any other `DilocoConfig` field, inner.FIELD=VALUE an `InnerConfig`
 field such as `inner.cooldown=0.4`; the other `InnerConfig` fields keep their defaults, the 45-step warm-up among them:
-`inner.warmup_steps=0` for none, as the sweeps before 2026-12-05 ran)."""
+`inner.warmup_steps=0` for none, as the sweeps before 2026-12-05 ran). docs/results.md, "Defaults and rounds", item 16:
+`dd:3e-3:1.0:0.0:1:num_fragments=1:overlap_steps=0:codec=fp32:downlink_codec=fp32:merge=mean` moves the global model by
+the mean of the learners' AdamW steps at every step; with `:0.7:0.5:16:` instead and without `merge=mean`, plain
+DiLoCo."""
 
 
 def bench_event_loop(events: int) -> None:
