@@ -207,3 +207,15 @@ def test_a_learner_back_from_a_failure_out_of_phase_with_the_rounds_is_brought_i
     assert len(later) >= 16
     assert all(c["learners"] == [0, 1, 2] and c["staleness"] == [0, 0, 0] for c in later)
     assert sum(slot.learner.stats.phase_moves_late for slot in sim.slots) >= 1
+
+
+def test_without_overlap_learners_in_step_share_every_round():
+    # tau = 0, K = 1, a round every step: the adaptive window's floor (a quarter step) gathers learners that publish
+    # together. Without it every round closed on its first update and the others rode one version late (and the
+    # schedule moves that followed made a fragment due twice after one step, which the work ledger failed on).
+    diloco = DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=1, overlap_steps=0)
+    _, result = run(diloco=diloco, steps=12)
+    m = result.metrics
+    # One round a step; the first closes on its first update (no step time yet), every later one merges all three.
+    assert (m["rounds_committed"], m["mean_staleness"]) == (12, 0)
+    assert m["mean_participants_per_round"] == pytest.approx((1 + 11 * 3) / 12)
