@@ -4,7 +4,9 @@ up after a few starts in a row, with its last log line as the reason, instead of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 
 import pytest
@@ -56,3 +58,23 @@ def test_deaths_by_a_signal_before_the_session_are_faults_and_keep_being_restart
     (learner,) = supervisor.learners
     assert learner.state == ChildState.DONE
     assert learner.exit_codes == [-signal.SIGKILL] * 3 + [0] and learner.restarts == 3
+
+
+def test_a_start_that_fails_halfway_stops_what_it_started(tmp_path, fake_command, monkeypatch):
+    # The syncer is up when the standby pool fails to fill: the run ends with the error, and the syncer with it.
+    supervisor = Supervisor(FAST, launcher=make_run(tmp_path, fake_command))
+
+    def fill_fails() -> None:
+        raise OSError("cannot fork")
+
+    monkeypatch.setattr(supervisor.standby, "fill", fill_fails)
+    try:
+        with pytest.raises(OSError, match="cannot fork"):
+            supervisor.run()
+        syncer = supervisor.syncer.process
+        assert syncer is not None and syncer.poll() is not None
+        assert supervisor.syncer.state == ChildState.STOPPED
+    finally:
+        for pid in supervisor.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -38,6 +38,7 @@ from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
+from ddiloco.runtime.supervision_loop import SupervisionLoop
 from ddiloco.runtime.supervisor import (
     EVALUATOR,
     EXIT_DONE,
@@ -71,7 +72,7 @@ class RemoteProcess:
     returncode: int | None = None
 
 
-class RaySupervisor:
+class RaySupervisor(SupervisionLoop):
     """Runs a syncer and M learners to completion as Ray actors. See the module docstring."""
 
     def __init__(self, config: SupervisorConfig, *, launcher: Launcher, options: RayOptions,
@@ -102,41 +103,9 @@ class RaySupervisor:
     # ---- the Supervisor surface -------------------------------------------------------------------------
 
     @property
-    def slots(self) -> list[Slot]:
-        return [self.syncer, *self.learners, *([self.evaluator] if self.evaluator is not None else [])]
-
-    @property
-    def finished(self) -> bool:
-        return self.failure is not None or all(slot.state.final for slot in self.learners)
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self._stop_reason
-
-    @property
     def pids(self) -> list[int]:
         """Every pid of the run's processes, and of the local Ray instance's."""
         return sorted({pid for slot in self.slots for pid in slot.pids} | set(self.cluster.pids))
-
-    def request_stop(self, reason: str) -> None:
-        if self._stop_reason is not None:
-            self._kill_now = True
-        else:
-            self._stop_reason = reason
-
-    def run(self, *, on_tick: Callable[[], None] | None = None) -> None:
-        try:
-            self.start()
-            while not self.finished and self._stop_reason is None:
-                self.poll()
-                if on_tick is not None:
-                    on_tick()
-                if not self.finished:
-                    time.sleep(self.config.poll_interval_s)
-        finally:
-            self.shutdown()
-            if on_tick is not None:
-                on_tick()
 
     def start(self) -> None:
         ray = import_ray()

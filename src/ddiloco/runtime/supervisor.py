@@ -51,6 +51,7 @@ from ddiloco.runtime.learner_exits import (
     status_since,
 )
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
+from ddiloco.runtime.supervision_loop import SupervisionLoop
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Slot:
         return self.process.pid if self.process is not None and self.process.returncode is None else None
 
 
-class Supervisor:
+class Supervisor(SupervisionLoop):
     """Runs a syncer and M learners to completion. See the module docstring."""
 
     def __init__(self, config: SupervisorConfig, *, launcher: Launcher,
@@ -207,47 +208,12 @@ class Supervisor:
 
     # ---- control ---------------------------------------------------------------------------------
 
-    @property
-    def slots(self) -> list[Slot]:
-        return [self.syncer, *self.learners, *([self.evaluator] if self.evaluator is not None else [])]
-
-    @property
-    def finished(self) -> bool:
-        """Every learner is done or will never run again, or the run failed."""
-        return self.failure is not None or all(slot.state.final for slot in self.learners)
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self._stop_reason
-
-    def request_stop(self, reason: str) -> None:
-        """Ask the loop to shut down (a signal handler calls this); a second request kills at once."""
-        if self._stop_reason is not None:
-            self._kill_now = True
-        else:
-            self._stop_reason = reason
-
     def hold(self, slot: Slot, until: float) -> None:
         """Do not restart `slot` before monotonic time `until`, however it exits: a machine that
         is being replaced (chaos runs) rather than a process the supervisor should bring back at once."""
         slot.held_until = until
         if slot.state == ChildState.BACKOFF and slot.restart_at is not None:
             slot.restart_at = max(slot.restart_at, until)
-
-    def run(self, *, on_tick: Callable[[], None] | None = None) -> None:
-        """Start, supervise until finished or asked to stop, then shut everything down."""
-        self.start()
-        try:
-            while not self.finished and self._stop_reason is None:
-                self.poll()
-                if on_tick is not None:
-                    on_tick()
-                if not self.finished:
-                    time.sleep(self.config.poll_interval_s)
-        finally:
-            self.shutdown()
-            if on_tick is not None:
-                on_tick()
 
     def start(self) -> None:
         self._start_syncer()
