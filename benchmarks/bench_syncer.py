@@ -6,8 +6,9 @@
 `core`: the syncer core's work per round, against the memory-bound floor measured in the same run. A
 model of `params` float32 parameters in `fragments` fragments, `learners` learners, int4 uplink, int8
 downlink (the defaults). Each round takes one fragment (round robin) through what the running syncer does:
-every learner's update checked (`decode_payload`, what the wire layer does outside the service's lock; with the
-compiled kernels an int4 update is read from its codes, `ddiloco.kernels`), then handed to the core
+every learner's update checked (`decode_payload`, what the wire layer does outside the service's lock: each update
+whole on one of the gRPC server's threads, updates side by side, here shared out over `threads` threads; with the
+compiled kernels an int4 update is read from its codes, `ddiloco.kernels`), then each handed to the core
 (`Syncer.receive`: added to the round's running sums; the last one closes the round: merge, outer step,
 downlink change). The floor is one `add_` pass over the same number of learner-values (`learners` x fragment
 size float32 values added into one accumulator), best of the same repeats, measured in the same process after
@@ -83,8 +84,8 @@ class CoreCase:
         self.next_fragment = 0
         self.now = 1.0
         self.buffers = DecodeBuffers()
-        # The wire layer decodes on the gRPC server's threads, updates side by side; here one after the other, each
-        # split over the process's threads as the core's passes are.
+        # The wire layer decodes each update whole on one of the gRPC server's threads, updates side by side: here
+        # the round's updates are shared out over the process's threads, one after the other on each.
         self.threads = KernelThreads()
 
     def round(self) -> tuple[float, float]:
@@ -92,27 +93,31 @@ class CoreCase:
         p = self.next_fragment
         self.next_fragment = (p + 1) % self.syncer.plan.num_fragments
         names = self.syncer.plan.fragments[p]
-        decode_s = core_s = 0.0
-        for learner_id in range(self.learners):
-            payload = {name: self.payloads[learner_id % DISTINCT_PAYLOADS][int(name.rsplit("t", 1)[1])]
-                       for name in names}
-            start = time.perf_counter()
-            into = ([] if reads_in_place(self.codec) else  # as the wire layer: int4 is read from its codes
-                    [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names])
-            decoded = decode_payload(self.codec, payload, names, self.shapes, into=into, threads=self.threads)
-            middle = time.perf_counter()
-            assert not isinstance(decoded, tuple), decoded
-            update = Update(learner_id, p, self.syncer.versions[p], STEPS * (self.syncer.versions[p] + 1), STEPS,
-                            STEPS * TOKENS_PER_STEP, self.config.codec, payload, decoded=decoded)
-            version = self.syncer.versions[p]
-            self.syncer.receive(update, self.now)
-            core_s += time.perf_counter() - middle
-            decode_s += middle - start
-            self.buffers.give(into)  # as the gRPC server does once the core has taken the update
-            del decoded, update
+        payloads = [{name: self.payloads[learner_id % DISTINCT_PAYLOADS][int(name.rsplit("t", 1)[1])]
+                     for name in names} for learner_id in range(self.learners)]
+        taken = [([] if reads_in_place(self.codec) else  # as the wire layer: int4 is read from its codes
+                  [self.buffers.take(self.codec.buffer_numel(math.prod(self.shapes[n]))) for n in names])
+                 for _ in range(self.learners)]
+        decoded: list = [None] * self.learners
+
+        def decode(first: int, stop: int) -> None:  # the updates [first, stop), one after the other, on one thread
+            for i in range(first, stop):
+                decoded[i] = decode_payload(self.codec, payloads[i], names, self.shapes, into=taken[i])
+
+        start = time.perf_counter()
+        self.threads.run([(decode, self.threads.split(self.learners, min_split=1))])
+        middle = time.perf_counter()
+        version = self.syncer.versions[p]
+        for learner_id, values in enumerate(decoded):
+            assert not isinstance(values, tuple), values
+            self.syncer.receive(Update(learner_id, p, version, STEPS * (version + 1), STEPS, STEPS * TOKENS_PER_STEP,
+                                       self.config.codec, payloads[learner_id], decoded=values), self.now)
+        end = time.perf_counter()
+        for buffers in taken:
+            self.buffers.give(buffers)  # as the gRPC server does once the core has taken the update
         assert self.syncer.versions[p] == version + 1, "the round did not close"
         self.now += 1.0
-        return decode_s, core_s
+        return middle - start, end - middle
 
     def floor(self) -> float:
         """One add_ pass over the round's learner-values: `learners` x fragment float32 values into one sum."""
