@@ -72,7 +72,9 @@ def _flat(values: torch.Tensor, *, writable: bool = False) -> torch.Tensor:
     """`values` as a flat contiguous float32 CPU tensor (a copy only where they are not contiguous; never for a sum
     written in place, `writable`)."""
     if values.dtype != torch.float32 or values.device.type != "cpu" or (writable and not values.is_contiguous()):
-        raise ValueError(f"expected a contiguous float32 CPU tensor, got {values.dtype} on {values.device}")
+        layout = "contiguous" if values.is_contiguous() else f"strided {tuple(values.stride())}"
+        raise ValueError(f"expected a contiguous float32 CPU tensor, got a {layout} {values.dtype} tensor on "
+                         f"{values.device}")
     return values.contiguous().view(-1)
 
 

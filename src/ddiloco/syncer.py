@@ -117,7 +117,10 @@ class Syncer:
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
         self.plan = FragmentPlan.for_tensors(initial_params, config, embeddings=embeddings)
         self._admission = Admission(config, quorum, spec=self.spec, plan=self.plan)
-        self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True)
+        # Contiguous copies: a model's parameter may be a strided view (`nn.Parameter(w.t())`), and the kernels
+        # write the global values in place as flat runs.
+        self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True,
+                                                                 memory_format=torch.contiguous_format)
                          for name in names} for names in self.plan.fragments]
         shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
         codec = get_codec(config.codec)

@@ -186,3 +186,26 @@ def test_a_learner_in_bfloat16_trains_against_float32_global_state():
     assert loaded >= 3 and shared.syncer.rounds_committed >= 4
     assert {t.dtype for t in shared.syncer.global_params().values()} == {torch.float32}
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_a_model_whose_parameter_is_a_strided_view_trains_with_the_default_codecs():
+    # nn.Parameter(w.t()) is not contiguous. The syncer's copy of it was not either, and its first close (the fused
+    # int8 one, the default downlink) stopped with "expected a contiguous float32 CPU tensor".
+    shared = ddiloco.InProcessHub(config=ddiloco.DilocoConfig(num_fragments=2, sync_every=4),
+                                  quorum=ddiloco.QuorumConfig(grace="none"))
+    model = TinyNet(seed=1)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(3)).t())
+    assert not model.lm_head.weight.is_contiguous()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params, loaded = dict(model.named_parameters()), 0
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=12) as sync:
+        for batch in make_batches(12, seed=0):
+            before = list(sync.learner.versions)
+            sync.step(tokens=train_step(model, optimizer, batch))
+            global_params = shared.syncer.global_params()
+            for p, names in enumerate(sync.learner.plan.fragments):
+                if sync.learner.versions[p] > before[p]:
+                    loaded += 1
+                    assert all(torch.equal(params[n], global_params[n]) for n in names)
+    assert loaded >= 4 and shared.syncer.rounds_committed >= 5
+    assert "lm_head.weight" in {n for names in sync.learner.plan.fragments for n in names}
