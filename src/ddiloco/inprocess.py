@@ -70,7 +70,11 @@ class InProcessHub:
                 raise JoinRefusedError(f"learner {message.learner_id} joined a hub that has no global model yet "
                                        "and offered no initial parameters")
             params, embeddings = genesis()
-            self.syncer = Syncer(self.config, self.quorum, initial_params=params, embeddings=embeddings)
+            try:
+                self.syncer = Syncer(self.config, self.quorum, initial_params=params, embeddings=embeddings)
+            except ValueError as exc:
+                refused = f"learner {message.learner_id}'s initial parameters were refused: {exc}"
+                raise JoinRefusedError(refused) from exc
         self._run(self.syncer.receive(message, self.clock.now()))
 
     def advance(self) -> None:

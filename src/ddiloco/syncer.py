@@ -111,9 +111,13 @@ class Syncer:
                  journal: Journal | None = None) -> None:
         """`initial_params`: the run's genesis (the global model before any round); `embeddings`: which
         of them are embedding tables (merged by plain weighted mean; see `FragmentPlan.for_tensors`);
-        `journal`: where each round is made durable before it changes anything (none: kept in memory)."""
+        `journal`: where each round is made durable before it changes anything (none: kept in memory). A genesis
+        holding NaN or Inf values raises ValueError (the wire layer refuses one from a learner the same way)."""
         self.config = config
         self.quorum = quorum
+        for name, tensor in initial_params.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"initial parameter {name!r} holds NaN or Inf values")
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
         self.plan = FragmentPlan.for_tensors(initial_params, config, embeddings=embeddings)
         self._admission = Admission(config, quorum, spec=self.spec, plan=self.plan)

@@ -9,6 +9,7 @@ import torch
 
 import ddiloco
 from ddiloco.environment import environment
+from ddiloco.inprocess import JoinRefusedError
 from ddiloco.learner_session import RefusedError
 from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, train_step
 
@@ -209,3 +210,14 @@ def test_a_model_whose_parameter_is_a_strided_view_trains_with_the_default_codec
                     assert all(torch.equal(params[n], global_params[n]) for n in names)
     assert loaded >= 4 and shared.syncer.rounds_committed >= 5
     assert "lm_head.weight" in {n for names in sync.learner.plan.fragments for n in names}
+
+
+def test_initial_parameters_holding_nan_are_refused_naming_the_tensor():
+    # Over gRPC the wire layer refuses such a genesis; in process the hub took it, and NaN went into every round.
+    model = TinyNet(seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (pytest.raises(JoinRefusedError, match="'lm_head.weight' holds NaN or Inf"),
+          ddiloco.session(model, optimizer, hub=hub(), learner_id=0)):
+        pass

@@ -361,8 +361,8 @@ def _float32_tensors(headers: Sequence[wire_pb2.TensorHeader], buffer: bytearray
     tensors = {}
     for header in headers:
         numel = math.prod(header.shape)
-        tensors[header.name] = torch.frombuffer(buffer, dtype=torch.float32, count=numel,
-                                                offset=offset).view(tuple(header.shape))
+        tensors[header.name] = (torch.frombuffer(buffer, dtype=torch.float32, count=numel, offset=offset)
+                                if numel else torch.zeros(0)).view(tuple(header.shape))  # frombuffer refuses count 0
         offset += header.nbytes
     return tensors, offset
 

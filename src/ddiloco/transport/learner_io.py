@@ -241,8 +241,12 @@ class LearnerIO:
                     return
                 if fault is not Fault.TRANSIENT:
                     self._watch.reached()  # an answer, if not a Welcome yet
-                if fault is Fault.NO_GENESIS and self.genesis is not None and self._propose_genesis():
-                    continue
+                if fault is Fault.NO_GENESIS and self.genesis is not None:
+                    proposed = self._propose_genesis()
+                    if proposed is None:
+                        return
+                    if proposed:
+                        continue
                 if not (self._stop.is_set() or self._rejoin.is_set()):
                     if fault is not Fault.TRANSIENT:
                         logger.warning("[learner %d] the syncer at %s answered %s; retrying", self.learner_id,
@@ -283,13 +287,18 @@ class LearnerIO:
                          error)
         return False
 
-    def _propose_genesis(self) -> bool:
+    def _propose_genesis(self) -> bool | None:
         """Push the initial parameters; True to subscribe again at once (they, or another learner's, are
-        the genesis now), False on a transport fault (retry after the backoff)."""
+        the genesis now), False on a transport fault (retry after the backoff), None when the syncer refused
+        them (NaN values, a malformed tensor: the same parameters would be refused again, so the learner stops
+        with the syncer's reason instead of retrying for ever)."""
         assert self.genesis is not None
         try:
             accepted = self.client.push_genesis(self.genesis())
         except grpc.RpcError as exc:
+            if classify(exc) in (Fault.REFUSED, Fault.REJECTED):
+                self._refused(f"the initial parameters ({error_text(exc)})")
+                return None
             logger.warning("[learner %d] genesis not delivered (%s); retrying", self.learner_id, error_text(exc))
             return False
         logger.info("[learner %d] %s", self.learner_id, "its initial parameters are the run's genesis" if accepted

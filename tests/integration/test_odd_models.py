@@ -1,0 +1,113 @@
+"""Models of odd shape under `ddiloco run`: real processes, real gRPC.
+
+A parameter with no values, one that is a strided view (`nn.Parameter(w.t())`): the run trains and exports them as
+any other. Initial parameters the syncer refuses (NaN): the learners stop at once with its reason, not retry for
+ever (they did: the run sat at inner step 0 until it was stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).parents[2]
+RUN_TIMEOUT_S = 120
+
+SCRIPT = '''
+import sys
+import torch
+from torch import nn
+import ddiloco
+
+
+class Odd(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.mix = nn.Parameter((torch.eye(3) + 0.01 * torch.randn(3, 3)).t())  # a strided view
+        self.none = nn.Parameter(torch.empty(0, 4))
+        if mode == "nan":
+            with torch.no_grad():
+                self.body[2].bias[1] = float("nan")
+
+    def forward(self, x):
+        return self.body(x) @ self.mix
+
+
+def build(mode):
+    torch.manual_seed(0)
+    return Odd(mode)
+
+
+if __name__ == "__main__":
+    env = ddiloco.environment()
+    model = build(sys.argv[1])
+    assert not model.mix.is_contiguous() and model.none.numel() == 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(env.learner_id)
+    with ddiloco.session(model, optimizer) as sync:
+        while not sync.done:
+            x = torch.randn(32, 4, generator=generator)
+            loss = nn.functional.mse_loss(model(x), x[:, :3].sin())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            sync.step(tokens=len(x), loss=loss.item())
+'''
+
+
+def run(tmp_path: Path, mode: str) -> tuple[int, str, dict]:
+    """`ddiloco run` of the script in `mode`: (its exit status, its output, its summary). Past the timeout its whole
+    process group (the syncer and the learners too) is killed and the test fails."""
+    script = tmp_path / "odd.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
+                              "--learners", "2", "--inner-steps", "40", "--num-fragments", "2", "--sync-every", "8",
+                              "--threads", "1", "--", sys.executable, str(script), mode],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        output, _ = popen.communicate()
+        pytest.fail(f"ddiloco run still running after {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
+    return popen.returncode, output, json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_parameter_without_values_and_a_strided_one_train_and_export(tmp_path):
+    status, output, summary = run(tmp_path, "odd")
+    assert status == 0, output
+    assert summary["outcome"] == "completed" and summary["rounds_committed"] >= 4
+    out = tmp_path / "model.safetensors"
+    subprocess.run([sys.executable, "-m", "ddiloco.cli", "export", str(tmp_path / "run"), "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import odd  # the user's module, written above
+    finally:
+        sys.path.remove(str(tmp_path))
+    model, exported = odd.build("odd"), load_file(out)
+    model.load_state_dict(exported)  # strict: every parameter, the empty one too
+    assert exported["none"].shape == (0, 4)
+    assert not torch.equal(exported["mix"], odd.build("odd").mix)  # it trained
+
+
+def test_initial_parameters_the_syncer_refuses_stop_the_learners_with_its_reason(tmp_path):
+    status, output, summary = run(tmp_path, "nan")
+    assert status != 0, output
+    assert summary["outcome"] == "failed" and summary["rounds_committed"] == 0
+    for learner in summary["learners"].values():
+        assert learner["state"] == "refused" and learner["restarts"] == 0
+        assert "non_finite" in learner["reason"] and "body.2.bias" in learner["reason"]
