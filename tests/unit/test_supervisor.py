@@ -25,6 +25,7 @@ import pytest
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive
+from ddiloco.runtime.learner_exits import describe_exit_with
 from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
 
 WAIT_S = 30.0
@@ -127,6 +128,8 @@ def fake_ddiloco() -> None:
                                    f"learner/{learner_id}/loss": 5.0 / (1 + state["inner_step"])}) + "\n")
         crash_at, crashes = behaviour.get("crash_at_step", total + 1), behaviour.get("crashes", 1)
         if state["inner_step"] >= crash_at and state["starts"] <= crashes:
+            if "crash_message" in behaviour:
+                print("Traceback (most recent call last):\n  ...\n" + behaviour["crash_message"], flush=True)
             os._exit(1)
     status("done" if state["inner_step"] >= total else "disconnected")
     if behaviour.get("abort_after_done") and state["starts"] == 1:
@@ -208,7 +211,7 @@ def test_learners_run_to_done_then_the_syncer_is_stopped(tmp_path, fake_command)
 
 
 def test_crashed_learner_is_restarted_after_backoff_and_resumes(tmp_path, fake_command):
-    plan = {"learners": {"1": {"crash_at_step": 5}}}
+    plan = {"learners": {"1": {"crash_at_step": 5, "crash_message": "RuntimeError: my data loader broke"}}}
     launcher = make_run(tmp_path, fake_command, plan=plan)
     events = []
     supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
@@ -216,6 +219,8 @@ def test_crashed_learner_is_restarted_after_backoff_and_resumes(tmp_path, fake_c
     crashed = supervisor.learners[1]
     assert crashed.state == ChildState.DONE
     assert crashed.restarts == 1 and crashed.exit_codes == [1, 0]
+    exited = [e.message for e in events if e.kind == "exited" and e.name == "learner-1"]
+    assert exited == ["exited with exit code 1: RuntimeError: my data loader broke"]  # why, without the log
     checkpoint = read_json_object(launcher.paths.learner_dir(1) / "fake_checkpoint.json")
     assert checkpoint == {"inner_step": 20, "starts": 2}  # resumed at step 5, not from scratch
     scheduled = [e for e in events if e.kind == "restart_scheduled"]
@@ -508,3 +513,11 @@ def test_run_refuses_a_negative_standby_count_before_starting_anything(tmp_path,
     assert main(["run", "--run-dir", str(run_dir), "--no-progress", "--standby-learners", "-1"]) == 2
     assert "--standby-learners=-1 is invalid: expected an integer >= 0" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_an_exit_message_quotes_the_last_line_of_an_error_exit_only():
+    assert describe_exit_with(1, ["Traceback ...", "ValueError: bad shard"]) == "exit code 1: ValueError: bad shard"
+    assert describe_exit_with(-9, ["[learner 0] step 40"]) == "signal SIGKILL"  # the log's last line is not why
+    assert describe_exit_with(1, []) == "exit code 1"
+    long = describe_exit_with(1, ["x" * 1000])
+    assert long.startswith("exit code 1: xxx") and long.endswith("...") and len(long) < 400

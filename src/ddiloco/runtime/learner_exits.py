@@ -30,6 +30,20 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+MAX_REASON_CHARS = 300
+"""The most of a log line an exit message quotes."""
+
+
+def describe_exit_with(code: int, tail: list[str]) -> str:
+    """`exit code 1: RuntimeError: my data loader broke`: an error exit with the last line its process logged (a
+    Python exception's own line), so that the console says why without opening the log; a signal as
+    `describe_exit` (the log's last line then is whatever ran before it, not the reason)."""
+    if code <= 0 or not tail:
+        return describe_exit(code)
+    last = tail[-1].strip()
+    return f"{describe_exit(code)}: {last if len(last) <= MAX_REASON_CHARS else last[:MAX_REASON_CHARS] + '...'}"
+
+
 def status_since(status_path: Path, started_wall: float) -> dict[str, Any]:
     """The learner's status file if the process started at `started_wall` (wall-clock seconds) wrote it; {} if it
     wrote none (a stale one from an earlier start, or an earlier run before `--resume`, does not count)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import Launcher
-from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit
+from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit, describe_exit_with
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
@@ -229,6 +229,8 @@ class RaySupervisor(SupervisionLoop):
             code = result["previous_exit"]
             how = describe_exit(code) if code is not None else "its Ray actor's death"
             slot.exit_codes.append(code if code is not None else -1)
+            if code is not None:
+                how = describe_exit_with(code, result["previous_log_tail"])
             self._emit("exited", slot, f"exited with {how}", exit_code=code, log_tail=result["previous_log_tail"])
             for _ in range(incarnation - known):  # Ray may have restarted it more than once
                 slot.restarts += 1

@@ -45,6 +45,7 @@ from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
     crash_loop_reason,
     describe_exit,
+    describe_exit_with,
     exits_before_session,
     finished_session,
     started_wall,
@@ -353,7 +354,7 @@ class Supervisor(SupervisionLoop):
         assert slot.process is not None
         slot.exit_codes.append(code)
         tail = slot.process.log_tail()
-        self._emit("exited", slot, f"exited with {describe_exit(code)}", exit_code=code,
+        self._emit("exited", slot, f"exited with {describe_exit_with(code, tail)}", exit_code=code,
                    log_tail=tail)
         if code in (EXIT_USAGE, EXIT_REFUSED) or slot.restarts >= self.config.max_restarts:
             slot.state = ChildState.FAILED
@@ -397,7 +398,7 @@ class Supervisor(SupervisionLoop):
             slot.state, slot.reason = ChildState.FAILED, reason
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
-            self._emit("exited", slot, f"exited with {describe_exit(code)}", exit_code=code,
+            self._emit("exited", slot, f"exited with {describe_exit_with(code, tail)}", exit_code=code,
                        log_tail=tail)
             self._schedule_restart(slot, now)
 
