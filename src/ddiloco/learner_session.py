@@ -373,6 +373,10 @@ class Session(SessionLifecycle):
             return
         done = self.learner.inner_step >= self.config.inner_steps
         state = "failed" if failed else ("done" if done else "stopped")
+        if state == "stopped" and not self._stop.is_set():
+            logger.warning("[learner %d | inner %d] its loop ended before the run's budget of %d inner steps "
+                           "(sync.done was False): its last work is sent, and it stops here", self.learner_id,
+                           self.learner.inner_step, self.config.inner_steps)
         self._finish(state, flush=not failed and not self._stop.is_set())
 
     def _finish(self, state: str, *, flush: bool) -> None:

@@ -221,3 +221,14 @@ def test_initial_parameters_holding_nan_are_refused_naming_the_tensor():
     with (pytest.raises(JoinRefusedError, match="'lm_head.weight' holds NaN or Inf"),
           ddiloco.session(model, optimizer, hub=hub(), learner_id=0)):
         pass
+
+
+def test_a_loop_that_ends_before_the_budget_stops_the_session_with_a_warning(caplog):
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING), ddiloco.session(model, optimizer, hub=hub(), learner_id=0,
+                                                           inner_steps=8) as sync:
+        for batch in make_batches(3, seed=0):  # the user's data ran out
+            sync.step(tokens=train_step(model, optimizer, batch))
+    assert sync.final_state == "stopped" and sync.inner_step == 3
+    assert "its loop ended before the run's budget of 8 inner steps" in caplog.text

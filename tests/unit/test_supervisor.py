@@ -118,7 +118,7 @@ def fake_ddiloco() -> None:
                                      "loss": 5.0 / (1 + state["inner_step"]), "tokens_per_s": 1000.0,
                                      "tokens": 10 * state["inner_step"], "updates_accepted": 0})
 
-    while state["inner_step"] < total and not stop:
+    while state["inner_step"] < min(total, behaviour.get("loop_ends_at_step", total)) and not stop:
         time.sleep(step_s)
         state["inner_step"] += 1
         write(checkpoint, state)
@@ -131,7 +131,8 @@ def fake_ddiloco() -> None:
             if "crash_message" in behaviour:
                 print("Traceback (most recent call last):\n  ...\n" + behaviour["crash_message"], flush=True)
             os._exit(1)
-    status("done" if state["inner_step"] >= total else "disconnected")
+    status("done" if state["inner_step"] >= total else "stopped" if "loop_ends_at_step" in behaviour
+           else "disconnected")
     if behaviour.get("abort_after_done") and state["starts"] == 1:
         os.abort()  # a native library's crash at interpreter exit, after the session had finished
     sys.exit(0)
@@ -521,3 +522,16 @@ def test_an_exit_message_quotes_the_last_line_of_an_error_exit_only():
     assert describe_exit_with(1, []) == "exit code 1"
     long = describe_exit_with(1, ["x" * 1000])
     assert long.startswith("exit code 1: xxx") and long.endswith("...") and len(long) < 400
+
+
+def test_a_learner_whose_loop_ends_before_the_budget_is_done_and_says_so(tmp_path, fake_command):
+    launcher = make_run(tmp_path, fake_command, plan={"learners": {"1": {"loop_ends_at_step": 7}}})
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    assert [s.state for s in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
+    assert supervisor.learners[1].restarts == 0
+    done = {e.name: e.message for e in events if e.kind == "done"}
+    assert done["learner-0"] == "exited (done)"
+    assert done["learner-1"] == ("exited (done: its loop ended at inner step 7 of 20, before the budget; "
+                                 "not restarted)")

@@ -57,6 +57,16 @@ def started_wall(started_monotonic: float) -> float:
     return time.time() - (time.monotonic() - started_monotonic)
 
 
+def stopped_early(status: dict[str, Any]) -> str:
+    """How a learner that exited with status 0 ended, from its status (`status_since`): `done`, or, when its own
+    loop ended before the run's budget (its session says `stopped`), at which step of how many. Not restarted
+    either way: the script ended its loop itself, and a restart would run the same script to the same end."""
+    step, budget = status.get("inner_step"), status.get("inner_steps")
+    if status.get("state") == "stopped" and isinstance(step, int) and isinstance(budget, int) and step < budget:
+        return f"done: its loop ended at inner step {step} of {budget}, before the budget; not restarted"
+    return "done"
+
+
 def finished_session(status: dict[str, Any]) -> bool:
     """The status (from `status_since`) of a process that finished its session before it exited."""
     return status.get("state") == "done"

@@ -50,6 +50,7 @@ from ddiloco.runtime.learner_exits import (
     finished_session,
     started_wall,
     status_since,
+    stopped_early,
 )
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 from ddiloco.runtime.supervision_loop import SupervisionLoop
@@ -384,7 +385,8 @@ class Supervisor(SupervisionLoop):
         tail = slot.process.log_tail()
         if code == EXIT_DONE:
             slot.state = ChildState.DONE
-            self._emit("done", slot, "exited (done)", exit_code=code)
+            how = stopped_early(self._status_since_start(slot)) if start is None else "done"  # None: a learner
+            self._emit("done", slot, f"exited ({how})", exit_code=code)
         elif code == EXIT_REFUSED:
             slot.state = ChildState.REFUSED
             slot.reason = tail[-1] if tail else "refused by the syncer"
