@@ -35,6 +35,7 @@ from torch import nn
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.checks import invalid
 from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.learner_group import unwrap
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.run_config import RunConfig
@@ -83,9 +84,10 @@ class Watcher:
         from ddiloco.transport.grpc_client import SyncerClient
         from ddiloco.transport.grpc_codec import WireModel
 
-        params = dict(model.named_parameters())
+        plain = unwrap(model)  # the run's names: without a DDP or torch.compile wrapper's prefix
+        params = dict(plain.named_parameters())
         plan = FragmentPlan.for_tensors(params, config.diloco,
-                                        embeddings=embedding_names(model, config.diloco.embedding_pattern))
+                                        embeddings=embedding_names(plain, config.diloco.embedding_pattern))
         wire = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.diloco.codec,
                          config.diloco.downlink_codec)
         self.client = SyncerClient(address, model=wire, diloco_config=config.diloco, token=token,
@@ -134,7 +136,7 @@ class Watcher:
             self._evaluate(welcome)
 
     def _evaluate(self, welcome: Welcome) -> None:
-        rounds = load_global(self.model, welcome)
+        rounds = load_global(unwrap(self.model), welcome)
         was_training = self.model.training
         self.model.eval()
         started = time.monotonic()

@@ -67,11 +67,18 @@ def is_distributed(group: Any = None) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DistributedDataParallel wrapper (the same parameter objects, without the
-    `module.` prefix in their names, so exported parameters load into the unwrapped model)."""
+    """The user's module inside DistributedDataParallel and `torch.compile` wrappers, in any nesting (the same
+    parameter objects, without the `module.` and `_orig_mod.` prefixes in their names: exported parameters load
+    into the plain model, and compiled and plain learners of one model join one run)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = inner
+        else:
+            return model
 
 
 def _dtensor_type() -> type | None:

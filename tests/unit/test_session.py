@@ -232,3 +232,16 @@ def test_a_loop_that_ends_before_the_budget_stops_the_session_with_a_warning(cap
             sync.step(tokens=train_step(model, optimizer, batch))
     assert sync.final_state == "stopped" and sync.inner_step == 3
     assert "its loop ended before the run's budget of 8 inner steps" in caplog.text
+
+
+def test_a_compiled_model_syncs_under_its_plain_names_beside_a_plain_learner():
+    # torch.compile wraps the module: its parameters are named `_orig_mod.*`. Under those names the export did not
+    # load into the plain model, and a compiled learner was refused by a run of plain ones.
+    shared = hub()
+    compiled, plain = torch.compile(TinyNet(seed=1), backend="eager"), TinyNet(seed=2)
+    assert all(name.startswith("_orig_mod.") for name, _ in compiled.named_parameters())
+    with (ddiloco.session(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), hub=shared, learner_id=0),
+          ddiloco.session(plain, torch.optim.SGD(plain.parameters(), lr=0.1), hub=shared, learner_id=1)):
+        names = [t.name for t in shared.syncer.spec.tensors]
+        assert sorted(names) == sorted(name for name, _ in plain.named_parameters())
+        assert all(torch.equal(p, q) for p, q in zip(compiled.parameters(), plain.parameters(), strict=True))
