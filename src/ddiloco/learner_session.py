@@ -77,6 +77,9 @@ EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
 """Exit status of a learner process whose syncer never answered within `LearnerConfig.connect_timeout_s` (the
 supervisor restarts it like a crash: under `ddiloco run` its syncer is local, and on its way back)."""
+UNBOUNDED_STEPS = 2**62
+"""The inner-step budget of a session without a run config (`ddiloco.session` in process, no `inner_steps`): `done`
+never turns true by itself, and a loop that ends is no early end."""
 STOP_FLUSH_S = 1.0
 """After a stop request (SIGTERM), how long queued updates may take to go out before the learner leaves."""
 
@@ -373,7 +376,7 @@ class Session(SessionLifecycle):
             return
         done = self.learner.inner_step >= self.config.inner_steps
         state = "failed" if failed else ("done" if done else "stopped")
-        if state == "stopped" and not self._stop.is_set():
+        if state == "stopped" and not self._stop.is_set() and self.config.inner_steps < UNBOUNDED_STEPS:
             logger.warning("[learner %d | inner %d] its loop ended before the run's budget of %d inner steps "
                            "(sync.done was False): its last work is sent, and it stops here", self.learner_id,
                            self.learner.inner_step, self.config.inner_steps)

@@ -56,7 +56,8 @@ class SessionLifecycle:
         if not self._entered or self._closed:
             raise RuntimeError("sync.step() outside the session: call it inside `with ddiloco.session(...)`")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise invalid("tokens", tokens, "an int >= 0 (tokens or samples in this step)")
+            hint = " (a tensor: pass int(t))" if hasattr(tokens, "item") else ""
+            raise invalid("tokens", tokens, f"an int >= 0 (tokens or samples in this step){hint}")
 
     def _restore_sigterm(self) -> None:
         """The SIGTERM handler from before the session, back in place."""

@@ -20,7 +20,7 @@ from ddiloco.follower_session import FollowerSession
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner_checkpoint import Stateful
 from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
-from ddiloco.learner_session import Session
+from ddiloco.learner_session import UNBOUNDED_STEPS, Session
 from ddiloco.run_config import RunConfig
 
 
@@ -107,10 +107,10 @@ def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: L
         return RunConfig.load(config)
     if isinstance(config, DilocoConfig):
         learners = _HUB_LEARNERS if hub is not None else env.num_learners
-        return RunConfig(diloco=config, num_learners=learners, inner_steps=_UNBOUNDED)
+        return RunConfig(diloco=config, num_learners=learners, inner_steps=UNBOUNDED_STEPS)
     if hub is not None:
         return RunConfig(diloco=hub.config, quorum=hub.quorum, learner=LearnerConfig(), num_learners=_HUB_LEARNERS,
-                         inner_steps=_UNBOUNDED)
+                         inner_steps=UNBOUNDED_STEPS)
     if env.config is not None:
         return RunConfig.load(env.config)
     if env.run_dir is not None and (env.run_dir / "config.json").is_file():
@@ -118,7 +118,5 @@ def _resolve_config(config: RunConfig | DilocoConfig | str | Path | None, env: L
     return RunConfig(num_learners=env.num_learners)
 
 
-_UNBOUNDED = 2**62
-"""The inner-step budget of a session without a run config: `done` never turns true by itself."""
 _HUB_LEARNERS = 2**31 - 1
 """An in-process hub takes any number of learners (pass config=RunConfig(...) to say how many)."""

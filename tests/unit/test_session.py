@@ -245,3 +245,14 @@ def test_a_compiled_model_syncs_under_its_plain_names_beside_a_plain_learner():
         names = [t.name for t in shared.syncer.spec.tensors]
         assert sorted(names) == sorted(name for name, _ in plain.named_parameters())
         assert all(torch.equal(p, q) for p, q in zip(compiled.parameters(), plain.parameters(), strict=True))
+
+
+def test_a_session_without_a_budget_ends_its_loop_without_a_warning(caplog):
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING), ddiloco.session(model, optimizer, hub=hub(), learner_id=0) as sync:
+        for batch in make_batches(3, seed=0):
+            sync.step(tokens=train_step(model, optimizer, batch))
+        with pytest.raises(ValueError, match=r"tokens=tensor\(4\) is invalid.*pass int\(t\)"):
+            sync.step(tokens=torch.tensor(4))
+    assert sync.final_state == "stopped" and "budget" not in caplog.text
