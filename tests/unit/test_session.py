@@ -256,3 +256,13 @@ def test_a_session_without_a_budget_ends_its_loop_without_a_warning(caplog):
         with pytest.raises(ValueError, match=r"tokens=tensor\(4\) is invalid.*pass int\(t\)"):
             sync.step(tokens=torch.tensor(4))
     assert sync.final_state == "stopped" and "budget" not in caplog.text
+
+
+def test_a_lazy_module_not_yet_run_is_refused_with_what_to_do():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not initialized yet .* run one forward pass"):
+        ddiloco.session(model, optimizer, hub=hub(), learner_id=0)
+    model(torch.zeros(1, 3))  # its shapes are known now
+    with ddiloco.session(model, optimizer, hub=hub(), learner_id=0) as sync:
+        assert sync.learner.plan.num_fragments >= 1
