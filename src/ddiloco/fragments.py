@@ -1,11 +1,11 @@
 """Cutting a model into fragments, and the schedule on which fragments are synchronised.
 
 A fragment is a set of whole parameter tensors, named by parameter name, so the model itself knows
-nothing about fragments. The plan is a pure function of the names and sizes, so every learner and
-the syncer compute the same plan independently. Strategies (Decoupled DiLoCo, arXiv 2604.21428;
-Streaming DiLoCo, arXiv 2501.18512):
+nothing about fragments. The plan is a pure function of the names and sizes (in values, whatever a
+learner's dtypes), so every learner and the syncer compute the same plan independently. Strategies
+(Decoupled DiLoCo, arXiv 2604.21428; Streaming DiLoCo, arXiv 2501.18512):
 
-- balanced: largest tensor first, each into the currently lightest fragment by bytes (flat peak
+- balanced: largest tensor first, each into the currently lightest fragment by values (flat peak
   bandwidth per round; the paper's choice);
 - strided: transformer block i goes to fragment i mod P (Streaming DiLoCo), other tensors bin-packed;
 - single: the whole model is one fragment (plain DiLoCo).
@@ -49,7 +49,7 @@ def _in_model_order(sizes: Mapping[str, int], bins: list[list[str]]) -> list[lis
 
 
 def balanced(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:
-    """Bin-pack whole tensors (name -> bytes) into `num_fragments` lists of nearly equal bytes."""
+    """Bin-pack whole tensors (name -> size) into `num_fragments` lists of nearly equal size."""
     _check_count(sizes, num_fragments)
     bins: list[list[str]] = [[] for _ in range(num_fragments)]
     _pack(sizes, bins, [0] * num_fragments, list(sizes))
@@ -63,14 +63,14 @@ def strided(sizes: Mapping[str, int], num_fragments: int, *,
     bins: list[list[str]] = [[] for _ in range(num_fragments)]
     loads = [0] * num_fragments
     rest = []
-    for name, nbytes in sizes.items():
+    for name, size in sizes.items():
         match = re.search(block_pattern, name)
         if match is None:
             rest.append(name)
             continue
         index = int(match.group(1)) % num_fragments
         bins[index].append(name)
-        loads[index] += nbytes
+        loads[index] += size
     _pack(sizes, bins, loads, rest)
     if any(not names for names in bins):
         raise ValueError(f"strided fragmentation left a fragment empty with num_fragments={num_fragments}: "
@@ -113,7 +113,9 @@ class FragmentPlan:
         """`embeddings`: the parameters merged by plain weighted mean (see `embedding_names`); with
         `config.embedding_pattern` set, the names it matches instead."""
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
-        sizes = {name: t.numel() * t.element_size() for name, t in items}
+        # Sized in values, not bytes: the syncer holds every tensor in float32 whatever the learner's dtype, and a
+        # learner with some layers in bf16 must cut its model where the syncer does (in bytes their plans differed).
+        sizes = {name: t.numel() for name, t in items}
         if config.fragment_strategy == "strided":
             bins = strided(sizes, config.num_fragments)
         else:

@@ -93,3 +93,13 @@ def test_embeddings_are_found_by_module_type_whatever_their_names():
     with pytest.raises(ValueError, match="not a parameter"):
         FragmentPlan.for_tensors(params, DilocoConfig(num_fragments=2, codec="fp32"), embeddings=["nope.weight"])
 
+
+
+def test_a_model_with_some_layers_in_bf16_is_cut_where_its_float32_copy_is():
+    # The syncer holds every tensor in float32; a learner with a bf16 layer cut its model by bytes, elsewhere, and
+    # every fragment it was sent then "carried the wrong tensors": it never joined.
+    mixed = {"a": torch.zeros(1000), "b": torch.zeros(1000, dtype=torch.bfloat16), "c": torch.zeros(900)}
+    as_float = {name: t.float() for name, t in mixed.items()}
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    assert FragmentPlan.for_tensors(as_float, config).fragments == (("a", "c"), ("b",))
+    assert FragmentPlan.for_tensors(mixed, config) == FragmentPlan.for_tensors(as_float, config)

@@ -266,3 +266,16 @@ def test_a_lazy_module_not_yet_run_is_refused_with_what_to_do():
     model(torch.zeros(1, 3))  # its shapes are known now
     with ddiloco.session(model, optimizer, hub=hub(), learner_id=0) as sync:
         assert sync.learner.plan.num_fragments >= 1
+
+
+def test_a_model_with_one_layer_in_bf16_joins_and_syncs():
+    # Its fragments were cut by bytes, so not where the syncer's float32 copy was: it never joined.
+    shared = hub()
+    model = TinyNet(seed=1)
+    model.blocks[0].to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=8) as sync:
+        while not sync.done:
+            sync.step(tokens=4)
+    assert sync.final_state == "done" and shared.syncer.rounds_committed >= 4
+    assert model.blocks[0].weight.dtype == torch.bfloat16
