@@ -17,6 +17,7 @@ from torch import nn
 
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
 from ddiloco.session_lifecycle import SessionLifecycle
 
@@ -35,7 +36,7 @@ class FollowerSession(SessionLifecycle):
         self.model = model
         self.optimizer = optimizer
         self.group = group
-        self.state = dict(state or {})
+        self.state = stateful_objects(state)
         self._learner_id = learner_id
         self.inner_steps = inner_steps
         """The run's inner-step budget, as rank 0's `Session.inner_steps`."""

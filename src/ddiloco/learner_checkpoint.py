@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_state
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
@@ -32,6 +34,34 @@ class Stateful(Protocol):
 
     def state_dict(self) -> Any: ...
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+class GeneratorState:
+    """A `torch.Generator` as a `state=` entry: its state is its random state (a data order drawn from it resumes
+    where it stopped)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"rng_state": self.generator.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["rng_state"])
+
+
+def stateful_objects(state: Mapping[str, Any] | None) -> dict[str, Stateful]:
+    """The user's `state=` as the checkpoint keeps it: a `torch.Generator` as `GeneratorState`; anything else must
+    have state_dict() and load_state_dict() (TypeError naming the entry)."""
+    objects: dict[str, Stateful] = {}
+    for name, obj in (state or {}).items():
+        if isinstance(obj, torch.Generator):
+            obj = GeneratorState(obj)
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"state[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict() "
+                            "(or is a torch.Generator)")
+        objects[name] = obj
+    return objects
 
 
 class LearnerCheckpoint:

@@ -59,7 +59,7 @@ from torch import nn
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
-from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful
+from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful, stateful_objects
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.learner_status import StatusReporter
@@ -140,10 +140,7 @@ class Session(SessionLifecycle):
         if not any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer that trains "
                              "this model")
-        self.state = dict(state or {})
-        for name, obj in self.state.items():
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"state[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict()")
+        self.state = stateful_objects(state)
         self.config = config
         self.model = model
         self.optimizer = optimizer

@@ -279,3 +279,23 @@ def test_a_model_with_one_layer_in_bf16_joins_and_syncs():
             sync.step(tokens=4)
     assert sync.final_state == "done" and shared.syncer.rounds_committed >= 4
     assert model.blocks[0].weight.dtype == torch.bfloat16
+
+
+def test_a_generator_in_state_resumes_its_draws(tmp_path):
+    # A torch.Generator has get_state/set_state, not state_dict: it was refused as state.
+    shared, model = hub(), TinyNet(seed=1)
+    generator = torch.Generator().manual_seed(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddiloco.session(model, optimizer, state={"order": generator}, hub=shared, learner_id=0, inner_steps=4,
+                         run_dir=tmp_path) as sync:
+        while not sync.done:
+            torch.randint(0, 100, (3,), generator=generator)
+            sync.step(tokens=4)
+    expected = torch.randint(0, 100, (3,), generator=generator)  # the draw after the checkpoint's
+    again, model2 = torch.Generator().manual_seed(123), TinyNet(seed=1)
+    with ddiloco.session(model2, torch.optim.SGD(model2.parameters(), lr=0.1), state={"order": again},
+                         hub=shared, learner_id=0, inner_steps=6, run_dir=tmp_path) as resumed:
+        assert resumed.inner_step == 4
+        assert torch.equal(torch.randint(0, 100, (3,), generator=again), expected)
+    with pytest.raises(TypeError, match=r"state\['x'\] \(object\) needs state_dict\(\) and load_state_dict\(\)"):
+        ddiloco.session(model, optimizer, state={"x": object()}, hub=hub(), learner_id=0)
