@@ -57,7 +57,7 @@ def started_wall(started_monotonic: float) -> float:
     return time.time() - (time.monotonic() - started_monotonic)
 
 
-def stopped_early(status: dict[str, Any]) -> str:
+def describe_done(status: dict[str, Any]) -> str:
     """How a learner that exited with status 0 ended, from its status (`status_since`): `done`, or, when its own
     loop ended before the run's budget (its session says `stopped`), at which step of how many. Not restarted
     either way: the script ended its loop itself, and a restart would run the same script to the same end."""

@@ -44,13 +44,13 @@ from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, st
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
     crash_loop_reason,
+    describe_done,
     describe_exit,
     describe_exit_with,
     exits_before_session,
     finished_session,
     started_wall,
     status_since,
-    stopped_early,
 )
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 from ddiloco.runtime.supervision_loop import SupervisionLoop
@@ -385,7 +385,7 @@ class Supervisor(SupervisionLoop):
         tail = slot.process.log_tail()
         if code == EXIT_DONE:
             slot.state = ChildState.DONE
-            how = stopped_early(self._status_since_start(slot)) if start is None else "done"  # None: a learner
+            how = describe_done(self._status_since_start(slot)) if start is None else "done"  # None: a learner
             self._emit("done", slot, f"exited ({how})", exit_code=code)
         elif code == EXIT_REFUSED:
             slot.state = ChildState.REFUSED
