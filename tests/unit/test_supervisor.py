@@ -521,7 +521,7 @@ def test_an_exit_message_quotes_the_last_line_of_an_error_exit_only():
     assert describe_exit_with(-9, ["[learner 0] step 40"]) == "signal SIGKILL"  # the log's last line is not why
     assert describe_exit_with(1, []) == "exit code 1"
     long = describe_exit_with(1, ["x" * 1000])
-    assert long.startswith("exit code 1: xxx") and long.endswith("...") and len(long) < 400
+    assert long.startswith("exit code 1: xxx") and long.endswith("... (1000 characters)") and len(long) < 400
 
 
 def test_a_learner_whose_loop_ends_before_the_budget_is_done_and_says_so(tmp_path, fake_command):

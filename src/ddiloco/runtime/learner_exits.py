@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checkpoint import read_json_object
+from ddiloco.transport.grpc_codec import shortened
 
 
 def describe_exit(code: int) -> str:
@@ -40,8 +41,7 @@ def describe_exit_with(code: int, tail: list[str]) -> str:
     `describe_exit` (the log's last line then is whatever ran before it, not the reason)."""
     if code <= 0 or not tail:
         return describe_exit(code)
-    last = tail[-1].strip()
-    return f"{describe_exit(code)}: {last if len(last) <= MAX_REASON_CHARS else last[:MAX_REASON_CHARS] + '...'}"
+    return f"{describe_exit(code)}: {shortened(tail[-1].strip(), MAX_REASON_CHARS)}"
 
 
 def status_since(status_path: Path, started_wall: float) -> dict[str, Any]:
