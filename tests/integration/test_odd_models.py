@@ -2,7 +2,9 @@
 
 A parameter with no values, one that is a strided view (`nn.Parameter(w.t())`): the run trains and exports them as
 any other. Initial parameters the syncer refuses (NaN): the learners stop at once with its reason, not retry for
-ever (they did: the run sat at inner step 0 until it was stopped).
+ever (they did: the run sat at inner step 0 until it was stopped). A script that fails at the same step at every
+restart (a learning-rate schedule shorter than the run): the learners are given up with its error after three
+restarts, not restarted up to `max_restarts` (100) times.
 """
 
 from __future__ import annotations
@@ -54,14 +56,18 @@ if __name__ == "__main__":
     model = build(sys.argv[1])
     assert not model.mix.is_contiguous() and model.none.numel() == 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # A schedule shorter than the run's budget: its step past the total raises, from its saved state too.
+    total = 12 if sys.argv[1] == "short_schedule" else 1000
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
     generator = torch.Generator().manual_seed(env.learner_id)
-    with ddiloco.session(model, optimizer) as sync:
+    with ddiloco.session(model, optimizer, state={"scheduler": scheduler}) as sync:
         while not sync.done:
             x = torch.randn(32, 4, generator=generator)
             loss = nn.functional.mse_loss(model(x), x[:, :3].sin())
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            scheduler.step()
             sync.step(tokens=len(x), loss=loss.item())
 '''
 
@@ -111,3 +117,15 @@ def test_initial_parameters_the_syncer_refuses_stop_the_learners_with_its_reason
     for learner in summary["learners"].values():
         assert learner["state"] == "refused" and learner["restarts"] == 0
         assert "non_finite" in learner["reason"] and "body.2.bias" in learner["reason"]
+
+
+def test_a_script_failing_at_the_same_step_at_every_restart_is_given_up_with_its_error(tmp_path):
+    status, output, summary = run(tmp_path, "short_schedule")
+    assert status != 0, output
+    assert summary["outcome"] == "failed", summary
+    for learner in summary["learners"].values():
+        assert learner["state"] == "failed" and learner["restarts"] == 3, learner
+        # The scheduler's count goes on from its saved state: 13, 14, 15, 16.
+        assert learner["reason"].startswith("ValueError: Tried to step 16 times. The specified number of total "
+                                            "steps is 12"), learner
+        assert "3 restarts in a row failed without training past inner step 12" in learner["reason"], learner

@@ -23,6 +23,7 @@ import pytest
 from ddiloco.checkpoint import RoundLog, read_json_object
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
+from tests.integration.test_odd_models import SCRIPT as ODD_SCRIPT
 
 pytest.importorskip("ray")
 
@@ -188,6 +189,25 @@ def test_a_learner_whose_script_fails_at_import_is_given_up_after_three_starts_n
     assert learner["reason"].startswith("ModuleNotFoundError: No module named 'my_model' (3 starts in a row ended "
                                         "before its session started, the last with exit code 1"), learner
     assert actor_state(run_dir, "learner-0")["incarnation"] == 2
+    assert_nothing_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_a_learner_failing_at_the_same_step_at_every_restart_is_given_up_not_restarted_by_ray(tmp_path):
+    # The local supervisor's second crash-loop rule (tests/integration/test_odd_models.py), through Ray: the count
+    # rides from one actor incarnation to the next.
+    script = tmp_path / "odd.py"
+    script.write_text(ODD_SCRIPT)
+    run_dir = tmp_path / "run"
+    run = RunWatch(run_dir, "--learners", "1", "--inner-steps", "40", "--no-evaluate", "--threads", "1", "--",
+                   sys.executable, str(script), "short_schedule", tiny=False)
+    out = watch_until_it_ends(run)
+    assert run.popen.returncode == 1, out
+    learner = read_json_object(RunPaths(run_dir).summary)["learners"]["0"]
+    assert learner["state"] == "failed" and learner["restarts"] == 3, learner
+    assert learner["reason"].startswith("ValueError: Tried to step 16 times"), learner
+    assert "3 restarts in a row failed without training past inner step 12" in learner["reason"], learner
+    assert actor_state(run_dir, "learner-0")["incarnation"] == 3
     assert_nothing_left(run)
 
 

@@ -119,6 +119,10 @@ def fake_ddiloco() -> None:
                                      "tokens": 10 * state["inner_step"], "updates_accepted": 0})
 
     while state["inner_step"] < min(total, behaviour.get("loop_ends_at_step", total)) and not stop:
+        if state["inner_step"] >= behaviour.get("stuck_at_step", total + 1):  # fails there at every start
+            status("failed")
+            print("Traceback (most recent call last):\n  ...\n" + behaviour["crash_message"], flush=True)
+            os._exit(1)
         time.sleep(step_s)
         state["inner_step"] += 1
         write(checkpoint, state)

@@ -1,6 +1,7 @@
-"""A learner that cannot start its session (a script that fails at import, a model that cannot be built) is given
-up after a few starts in a row, with its last log line as the reason, instead of crash-looping for minutes up to
-`max_restarts`. Real processes (the fake `ddiloco` of test_supervisor.py), real exits and signals."""
+"""A learner in a crash loop is given up with its last log line as the reason, instead of crash-looping for minutes up
+to `max_restarts`: one that cannot start its session (a script that fails at import, a model that cannot be built),
+and one that fails at the same inner step at every restart. Real processes (the fake `ddiloco` of
+test_supervisor.py), real exits and signals."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 
 import pytest
 
+from ddiloco.runtime.learner_exits import CrashLoop
 from ddiloco.runtime.supervisor import ChildState, Supervisor
 from tests.unit.test_supervisor import FAST, make_run, write_fake_command
 
@@ -58,6 +60,59 @@ def test_deaths_by_a_signal_before_the_session_are_faults_and_keep_being_restart
     (learner,) = supervisor.learners
     assert learner.state == ChildState.DONE
     assert learner.exit_codes == [-signal.SIGKILL] * 3 + [0] and learner.restarts == 3
+
+
+SCHEDULER_ERROR = "ValueError: Tried to step 6 times. The specified number of total steps is 5"
+
+
+def test_a_learner_failing_at_the_same_step_at_every_restart_is_given_up_with_its_error(tmp_path, fake_command):
+    # Each restart resumes from the checkpoint at step 5 and fails there again (a scheduler stepped past its total
+    # fails the same way from its saved state); before, it was restarted up to max_restarts (100) times.
+    plan = {"learners": {"1": {"stuck_at_step": 5, "crash_message": SCHEDULER_ERROR}}}
+    launcher = make_run(tmp_path, fake_command, plan=plan)
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
+    supervisor.run()
+    ok, stuck = supervisor.learners
+    assert ok.state == ChildState.DONE
+    # The first start trained to step 5 and failed there: progress. Three restarts then failed at step 5 again.
+    assert stuck.state == ChildState.FAILED and stuck.exit_codes == [1, 1, 1, 1] and stuck.restarts == 3
+    assert stuck.reason.startswith(SCHEDULER_ERROR)
+    assert "3 restarts in a row failed without training past inner step 5, the last with exit code 1" in stuck.reason
+    assert str(launcher.paths.log("learner-1")) in stuck.reason
+    (failed,) = [e for e in events if e.kind == "failed"]
+    assert failed.learner_id == 1 and SCHEDULER_ERROR in failed.message
+
+
+def test_a_learner_that_trains_further_before_each_failure_keeps_being_restarted(tmp_path, fake_command):
+    # It fails five times, each a step further than the last: a fault that passes, not a loop.
+    plan = {"learners": {"0": {"crash_at_step": 3, "crashes": 5}}}
+    launcher = make_run(tmp_path, fake_command, learners=1, plan=plan)
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    (learner,) = supervisor.learners
+    assert learner.state == ChildState.DONE and learner.exit_codes == [1] * 5 + [0]
+
+
+def test_the_crash_loop_counts():
+    loop = CrashLoop()
+    give_up = lambda: loop.give_up_reason(1, ["E: x"], tmp_log, max_before_session=2, max_without_progress=2)
+    tmp_log = "DIR/logs/learner-0.log"
+    loop.count(1, {"inner_step": 10})  # the first failure in a session: the furthest step so far
+    assert (loop.without_progress, loop.furthest_step) == (0, 10) and give_up() is None
+    loop.count(-signal.SIGKILL, {"inner_step": 10})  # a signal: where it got, not counted
+    loop.count(1, {"inner_step": 8})  # resumed from an older checkpoint, failed before step 10
+    assert loop.without_progress == 1 and give_up() is None
+    loop.count(1, {"inner_step": 10})
+    assert give_up() == ("E: x (2 restarts in a row failed without training past inner step 10, the last with exit "
+                         "code 1; its log: DIR/logs/learner-0.log)")
+    loop.count(1, {"inner_step": 11})  # further: a fresh count
+    assert (loop.without_progress, loop.furthest_step) == (0, 11)
+    loop.count(1, {})
+    loop.count(1, {})  # no session twice
+    assert give_up().startswith("E: x (2 starts in a row ended before its session started")
+    assert CrashLoop.from_json(loop.as_json()) == loop
+    assert CrashLoop.from_json(None) == CrashLoop() == CrashLoop.from_json({"before_session": "x"})
 
 
 def test_a_start_that_fails_halfway_stops_what_it_started(tmp_path, fake_command, monkeypatch):

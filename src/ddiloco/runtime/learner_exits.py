@@ -4,16 +4,22 @@ of `ray_actor.RoleActor` through Ray): the two rules that keep a restart from be
 - **Done, then crashed**: the learner's `status.json`, written by the process that just exited, says done. A native
   library aborting at interpreter exit (gloo or NCCL teardown can) loses no work, and a restart would only finish
   again: the learner is done.
-- **A crash loop before the session**: `max_exits_before_session` starts in a row ended with an error before the
-  process wrote its status file (a script that fails at import, a model that cannot be built). The same start would
-  fail again: the learner is given up, with the last line of its log as the reason. A death by a signal is a fault,
-  not the script's: it does not count, and like a start that reached its session it starts the count again.
+- **A crash loop** (`CrashLoop`), two ways, each given up with the last line of the learner's log as the reason:
+  - *before the session*: `max_exits_before_session` starts in a row ended with an error before the process wrote
+    its status file (a script that fails at import, a model that cannot be built). A death by a signal is a fault,
+    not the script's: it does not count, and like a start that reached its session it starts the count again.
+  - *without progress*: `max_exits_without_progress` starts in a row reached their session and ended with an error
+    without training past the furthest inner step any start of the learner had reached (an error at the same step
+    at every restart: a learning-rate scheduler stepped past its total, a batch that always fails). Each restart
+    resumes from the checkpoint and fails again where the last one did. A start that trains further starts the
+    count again; a death by a signal is not counted either way (it still tells how far the learner got).
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +78,57 @@ def finished_session(status: dict[str, Any]) -> bool:
     return status.get("state") == "done"
 
 
-def exits_before_session(code: int, status: dict[str, Any], in_a_row: int) -> int:
-    """The count of starts in a row that ended with an error before the session began, after this exit."""
-    return in_a_row + 1 if code > 0 and not status else 0
+@dataclass
+class CrashLoop:
+    """What one learner's failed exits have shown so far, across its processes (module docstring): the counts of the
+    two crash-loop rules and the furthest inner step a start reached. The local supervisor keeps one per learner; a
+    Ray role carries it from one actor incarnation to the next in its state file (`as_json`, `from_json`)."""
 
+    before_session: int = 0
+    """Starts in a row that exited with an error before their session began."""
+    without_progress: int = 0
+    """Starts in a row that exited with an error in their session without training past `furthest_step`."""
+    furthest_step: int | None = None
+    """The furthest inner step a start of this learner reported at its exit (None: none reported one yet)."""
 
-def crash_loop_reason(code: int, tail: list[str], in_a_row: int, log_path: Path) -> str:
-    """Why a learner is given up after `in_a_row` starts that ended before their session."""
-    return (f"{tail[-1] if tail else describe_exit(code)} ({in_a_row} starts in a row ended before its session "
-            f"started, the last with {describe_exit(code)}; its log: {log_path})")
+    def count(self, code: int, status: dict[str, Any]) -> None:
+        """Count an exit with `code` (not done, not refused) whose process wrote `status` (`status_since`; {}: none)."""
+        self.before_session = self.before_session + 1 if code > 0 and not status else 0
+        step = status.get("inner_step")
+        if not isinstance(step, int):
+            return
+        if self.furthest_step is None or step > self.furthest_step:
+            self.furthest_step, self.without_progress = step, 0
+        elif code > 0:
+            self.without_progress += 1
+
+    def give_up_reason(self, code: int, tail: list[str], log_path: Path, *, max_before_session: int,
+                       max_without_progress: int) -> str | None:
+        """Why the learner is given up after the exit just counted, or None: restart it."""
+        if self.before_session >= max_before_session:
+            why = f"{self.before_session} starts in a row ended before its session started"
+        elif self.without_progress >= max_without_progress:
+            why = (f"{self.without_progress} restarts in a row failed without training past inner step "
+                   f"{self.furthest_step}")
+        else:
+            return None
+        last = tail[-1] if tail else describe_exit(code)
+        return f"{last} ({why}, the last with {describe_exit(code)}; its log: {log_path})"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"before_session": self.before_session, "without_progress": self.without_progress,
+                "furthest_step": self.furthest_step}
+
+    @classmethod
+    def from_json(cls, data: Any) -> CrashLoop:
+        """From `as_json`'s output; anything else (an older state file) starts afresh."""
+        if not isinstance(data, dict):
+            return cls()
+        furthest = data.get("furthest_step")
+        counts = [data.get(name) for name in ("before_session", "without_progress")]
+        if not all(isinstance(n, int) and n >= 0 for n in counts) or not isinstance(furthest, int | None):
+            return cls()
+        return cls(counts[0], counts[1], furthest)
 
 
 DONE_AFTER_SESSION = "after its session had finished: done, not restarted"

@@ -10,8 +10,9 @@ new incarnation SIGKILLs what is left of the old process group on this node befo
 two processes never hold one learner id. An exit that a restart would not change (a learner done, exit 0;
 refused, 3; a usage error, 2) is kept and reported by `status()`: the driver ends the actor. So are a learner's
 two exits that the local supervisor keeps too (`learner_exits`): a crash after its session had finished (done), and
-the last of `max_exits_before_session` starts in a row that ended with an error before the session began (failed,
-with the log's last line; the count rides from one incarnation to the next in the role's state file).
+the last exit of a crash loop (`learner_exits.CrashLoop`: starts in a row that ended with an error before the session
+began, or restarts in a row that failed without training further; failed, with the log's last line; the counts ride
+from one incarnation to the next in the role's state file).
 
 Where the syncer serves is found through Ray: the syncer actor answers `address()` with the HOST:PORT its
 process wrote to `syncer.json` (a wildcard bind replaced by its node's address), and every learner actor
@@ -47,8 +48,7 @@ from ddiloco.runtime.launcher import (
     with_port,
 )
 from ddiloco.runtime.learner_exits import (
-    crash_loop_reason,
-    exits_before_session,
+    CrashLoop,
     finished_session,
     status_since,
 )
@@ -93,6 +93,8 @@ class RoleSpec:
     not by handle: an actor's constructor arguments must survive its restarts)."""
     max_exits_before_session: int = 3
     """A learner's starts in a row that may end with an error before its session began (`SupervisorConfig`)."""
+    max_exits_without_progress: int = 3
+    """A learner's restarts in a row that may end with an error without training further (`SupervisorConfig`)."""
 
     def __post_init__(self) -> None:
         if self.role not in (SYNCER, LEARNER, EVALUATOR):
@@ -134,7 +136,7 @@ class RoleActor:
         self._kept: dict[str, Any] | None = None
         """Set once the process has ended for good: `verdict` (done, failed; absent: its exit code decides) and
         `reason`."""
-        self._early_exits = int(previous.get("exits_before_session", 0))
+        self._crash_loop = CrashLoop.from_json(previous.get("crash_loop"))
         self._address: str | None = None
         self.syncer_address = self._wait_for_syncer() if spec.role != SYNCER else None
         # Started from the actor's main thread: PR_SET_PDEATHSIG fires when that thread (the worker) dies.
@@ -220,7 +222,7 @@ class RoleActor:
         self._kept = self._kept_exit(code)
         if self._kept is not None:
             return  # final: status() reports it, the driver ends the actor
-        self._write_state(exit_code=code, log_tail=self.child.log_tail(), exits_before_session=self._early_exits)
+        self._write_state(exit_code=code, log_tail=self.child.log_tail(), crash_loop=self._crash_loop.as_json())
         logger.warning("[%s] process %d exited with %s: ending the actor for Ray to restart it",
                        self.spec.name, self.child.pid, code)
         os._exit(EXIT_RESTART)
@@ -234,11 +236,11 @@ class RoleActor:
         status = status_since(self.paths.learner_status(self.spec.learner_id), self._started_wall)
         if finished_session(status):
             return {"verdict": "done"}
-        self._early_exits = exits_before_session(code, status, self._early_exits)
-        if self._early_exits >= self.spec.max_exits_before_session:
-            return {"verdict": "failed", "reason": crash_loop_reason(code, self.child.log_tail(), self._early_exits,
-                                                                      self.launcher.paths.log(self.spec.name))}
-        return None
+        self._crash_loop.count(code, status)
+        reason = self._crash_loop.give_up_reason(code, self.child.log_tail(), self.launcher.paths.log(self.spec.name),
+                                                 max_before_session=self.spec.max_exits_before_session,
+                                                 max_without_progress=self.spec.max_exits_without_progress)
+        return None if reason is None else {"verdict": "failed", "reason": reason}
 
     def _served_address(self) -> str | None:
         bound = self.launcher.syncer_address(self.child.pid)

@@ -144,7 +144,8 @@ class RaySupervisor(SupervisionLoop):
                         bind=self.launch.bind, cwd=os.getcwd(),
                         syncer_start_timeout_s=self.config.syncer_start_timeout_s,
                         syncer_wait_s=self.config.syncer_start_timeout_s, syncer_actor=self._actor_name(SYNCER),
-                        max_exits_before_session=self.config.max_exits_before_session)
+                        max_exits_before_session=self.config.max_exits_before_session,
+                        max_exits_without_progress=self.config.max_exits_without_progress)
 
     def _actor_name(self, name: str) -> str:
         return f"ddiloco-{self._session[:8]}-{name}"

@@ -15,6 +15,9 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
   which end the run. A learner's exit 4 (its syncer never answered within `connect_timeout_s`) is
   restarted like a crash: the syncer is this machine's own, and on its way back.
+- A learner in a crash loop is given up as failed, with its log's last line as the reason
+  (`learner_exits.CrashLoop`): starts in a row that fail before their session, or restarts in a row that fail
+  without training past the furthest step reached.
 - With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
   torch and the learner's modules imported, waiting for a role); a restart runs in one when one is
   waiting, so it costs no interpreter start and no imports (first starts are cold).
@@ -43,11 +46,10 @@ from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
-    crash_loop_reason,
+    CrashLoop,
     describe_done,
     describe_exit,
     describe_exit_with,
-    exits_before_session,
     finished_session,
     started_wall,
     status_since,
@@ -104,6 +106,11 @@ class SupervisorConfig:
     wrote its status file: a script that fails at import, a model that cannot be built) after which it is given
     up as failed, with the last line of its log as the reason: the same start would fail again. A death by a
     signal does not count (a fault, not the script's)."""
+    max_exits_without_progress: int = 3
+    """Restarts in a row of one learner that reached their session and exited with an error without training past
+    the furthest inner step it had reached (the same error at the same step each time: a scheduler stepped past its
+    total, a batch that always fails) after which it is given up as failed, with the last line of its log as the
+    reason (`learner_exits.CrashLoop`). A start that trains further starts the count again."""
     syncer_start_timeout_s: float = 120.0
     """Longest a started syncer may take to write syncer.json before it is killed and restarted."""
     learner_stop_timeout_s: float = 30.0
@@ -137,6 +144,7 @@ class SupervisorConfig:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts} is invalid: expected >= 0")
         require_int("max_exits_before_session", self.max_exits_before_session, minimum=1)
+        require_int("max_exits_without_progress", self.max_exits_without_progress, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -170,8 +178,8 @@ class Slot:
     """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
     starting_since: float = 0.0
     """When the syncer's current process was started or took over (its start timeout runs from here)."""
-    exits_before_session: int = 0
-    """Starts in a row that exited with an error before the learner's session began."""
+    crash_loop: CrashLoop = field(default_factory=CrashLoop)
+    """A learner's failed exits so far, as the crash-loop rules count them."""
 
     @property
     def pid(self) -> int | None:
@@ -407,14 +415,17 @@ class Supervisor(SupervisionLoop):
     def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
                         ) -> str | None:
         """Why a child that exited with a failure is not restarted, or None to restart it: a usage error, too many
-        restarts, or (learners) `max_exits_before_session` starts in a row that ended with an error before the
-        session began (no status file written by the process), which this call counts."""
-        slot.exits_before_session = 0 if start is not None else exits_before_session(
-            code, self._status_since_start(slot), slot.exits_before_session)
+        restarts, or (learners) a crash loop (`learner_exits.CrashLoop`, which this call counts)."""
         if code == EXIT_USAGE and tail:
             return tail[-1]
-        if slot.exits_before_session >= self.config.max_exits_before_session:
-            return crash_loop_reason(code, tail, slot.exits_before_session, self.launcher.paths.log(slot.name))
+        if start is None:
+            slot.crash_loop.count(code, self._status_since_start(slot))
+            reason = slot.crash_loop.give_up_reason(
+                code, tail, self.launcher.paths.log(slot.name),
+                max_before_session=self.config.max_exits_before_session,
+                max_without_progress=self.config.max_exits_without_progress)
+            if reason is not None:
+                return reason
         if code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
             return f"{describe_exit(code)} after {slot.restarts} restarts"
         return None
