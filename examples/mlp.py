@@ -20,7 +20,8 @@ TEACHER_SEED = 1234  # fixed: the task is the same for every learner and every r
 
 
 def build_model() -> nn.Module:
-    # LayerNorm, not BatchNorm: BatchNorm's running statistics are buffers, which are not synced.
+    # BatchNorm would train too (its running statistics stay each learner's own; the export and the evaluator
+    # average them over the learners: docs/your_model.md), but LayerNorm needs no statistics at all.
     return nn.Sequential(nn.Linear(IN_DIM, 256), nn.GELU(), nn.LayerNorm(256),
                          nn.Linear(256, 256), nn.GELU(), nn.Linear(256, OUT_DIM))
 

@@ -2,8 +2,9 @@
 
 An evaluator is a read-only subscriber. It never joins as a learner (the syncer does not count it, wait
 for it, or merge anything from it); it receives the whole global model every `every_s` seconds once
-new rounds have committed (the Watch call), loads it into the user's model and runs the user's
-function, which returns a loss or a dict of metrics:
+new rounds have committed (the Watch call), loads it into the user's model, with the model's buffers (BatchNorm's
+running statistics) averaged over the learners' latest (`ddiloco.model_buffers`, when it knows the run directory),
+and runs the user's function, which returns a loss or a dict of metrics:
 
 ```python
 if env.role == "evaluator":                 # ddiloco run --evaluate starts one such copy of the script
@@ -38,6 +39,7 @@ from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_group import unwrap
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.model_buffers import load_buffers, merged_buffers
 from ddiloco.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -95,7 +97,12 @@ class Watcher:
         self.model = model
         self.evaluate = evaluate
         self.every_s = every_s
+        self.run_dir = run_dir
         self.directory = run_dir / EVALUATOR_DIR if run_dir is not None else None
+        self.buffers_of: list[int] = []
+        """The learners whose buffers the latest evaluation averaged (none: the model's own were used)."""
+        self._buffers: dict[str, torch.Tensor] = {}
+        """The buffers the latest evaluation loaded."""
         self.sink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
         self._stop = threading.Event()
         self.evaluations = 0
@@ -132,11 +139,27 @@ class Watcher:
             welcome = next(iter(self.client.watch(min_interval_s=0.0)), None)
         except grpc.RpcError:
             welcome = None  # the syncer is gone already: the last evaluation stands
-        if welcome is not None and sum(s.version for s in welcome.fragments) != self.rounds:
+        # Also when only the buffers changed: the learners write their last ones as they finish, after their last round.
+        if welcome is None:
+            return
+        if sum(s.version for s in welcome.fragments) != self.rounds or self._buffers_changed():
             self._evaluate(welcome)
+
+    def _buffers_changed(self) -> bool:
+        if self.run_dir is None:
+            return False
+        buffers, _ = merged_buffers(self.run_dir)
+        return buffers.keys() != self._buffers.keys() or any(not torch.equal(t, self._buffers[n])
+                                                             for n, t in buffers.items())
 
     def _evaluate(self, welcome: Welcome) -> None:
         rounds = load_global(unwrap(self.model), welcome)
+        if self.run_dir is not None:
+            buffers, learners = merged_buffers(self.run_dir)
+            load_buffers(self.model, buffers)
+            if learners != self.buffers_of:
+                logger.info("[evaluator] the model's buffers: their mean over learners %s", learners)
+            self.buffers_of, self._buffers = learners, buffers
         was_training = self.model.training
         self.model.eval()
         started = time.monotonic()

@@ -19,6 +19,7 @@ from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
+from ddiloco.model_buffers import load_buffers, snapshot_buffers
 from ddiloco.session_lifecycle import SessionLifecycle
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ class FollowerSession(SessionLifecycle):
             raise SystemExit(exit_status)
 
     def _own_state(self) -> dict[str, Any]:
-        state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None}
+        state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None,
+                 "buffers": snapshot_buffers(self.model)}
         if self.group.sharded:
             state["optimizer"] = local_tensors(self.optimizer.state_dict())
         return state
@@ -104,6 +106,7 @@ class FollowerSession(SessionLifecycle):
             self.optimizer.load_state_dict(entry["optimizer"])
             if self.group.sharded:
                 reshard_optimizer(self.optimizer)
+        load_buffers(self.model, entry.get("buffers") or {})  # this rank's own (FSDP does not broadcast them)
         saved = entry.get("state", {})
         for name, obj in self.state.items():
             if name in saved:

@@ -1,13 +1,14 @@
 """The checkpoint of a learner session (`ddiloco.learner_session.Session`): `learners/N/checkpoint/`.
 
-Owns what a learner keeps across a restart and how: the learner core's state (its progress, schedule
-position and inner optimizer), every object the user passed as `state=` (a data loader, a scheduler), the
-other ranks' own objects and optimizer shards (`LearnerGroup.checkpoint`), and the totals the status
-reports (tokens, counters). The snapshot is taken between inner steps, on the training thread; writing and
-fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged
-and tried again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of
-them. When to checkpoint, and what a resumed learner does next, is the session's business; the file format
-is `ddiloco.checkpoint`'s.
+Owns what a learner keeps across a restart and how: the learner core's state (its progress, schedule position and
+inner optimizer), the model's buffers (`ddiloco.model_buffers`: not synchronised, the learner's own), every object
+the user passed as `state=` (a data loader, a scheduler), the other ranks' own objects, buffers and optimizer
+shards (`LearnerGroup.checkpoint`), and the totals the status reports (tokens, counters). Each checkpoint also
+writes the buffers to `learners/N/buffers.safetensors`, which export and the evaluator average. The snapshot is
+taken between inner steps, on the training thread; writing and fsyncing happen in a background thread, one write at
+a time, and a write that fails (a full disk) is logged and tried again at the next checkpoint. Restoring loads the
+latest readable checkpoint back into all of them. When to checkpoint, and what a resumed learner does next, is the
+session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_state
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_status import StatusReporter
+from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +88,21 @@ class LearnerCheckpoint:
         user = {name: obj.state_dict() for name, obj in self.state.items()}
         learner = self.learner.state_dict()
         ranks = self.group.checkpoint(learner) if self.group is not None else None
+        buffers = snapshot_buffers(self.learner.model)
         state = copy.deepcopy({"learner": learner, "state": user})
+        state["buffers"] = buffers
         if ranks is not None:
             state["ranks"] = ranks
         meta = {"tokens": self.reporter.progress.tokens, "counters": self.reporter.counters()}
         serial = self.learner.inner_step
+
+        def write() -> None:
+            save_state(self.directory, state, serial=serial, meta=meta)
+            write_buffers(self.directory.parent, buffers)
+
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
-        self._saver = threading.Thread(target=self._writes.attempt,
-                                       args=(lambda: save_state(self.directory, state, serial=serial, meta=meta),),
-                                       name="learner-checkpoint", daemon=True)
+        self._saver = threading.Thread(target=self._writes.attempt, args=(write,), name="learner-checkpoint",
+                                       daemon=True)
         self._saver.start()
         if wait:
             self._saver.join()
@@ -110,6 +118,8 @@ class LearnerCheckpoint:
             return False
         state, meta, _ = latest
         self.learner.load_state_dict(state["learner"])
+        # A checkpoint written before it kept them holds none: the buffers stay as the script built them.
+        load_buffers(self.learner.model, state.get("buffers", {}))
         if self.group is not None:
             self.group.restore_checkpoint(state.get("ranks"), self.learner.optimizer, learner_id=learner_id)
         saved = state.get("state", {})

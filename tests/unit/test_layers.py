@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
     (("session", ("ddiloco.learner_session", "ddiloco.session_setup", "ddiloco.session_transport",
                   "ddiloco.session_lifecycle", "ddiloco.learner_status", "ddiloco.learner_checkpoint",
                   "ddiloco.follower_session", "ddiloco.learner_group", "ddiloco.evaluator", "ddiloco.train_tinygpt",
-                  "ddiloco.environment", "ddiloco.work_ledger", "ddiloco.inprocess")),),
+                  "ddiloco.environment", "ddiloco.work_ledger", "ddiloco.inprocess", "ddiloco.model_buffers")),),
     (("learner rules", ("ddiloco.learner_rules",)),),
     (("learner core", ("ddiloco.learner", "ddiloco.publisher", "ddiloco.fragment_access", "ddiloco.round_schedule")),
      ("syncer core", ("ddiloco.syncer", "ddiloco.admission", "ddiloco.open_round", "ddiloco.round_timing",

@@ -258,7 +258,8 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
         "export", help="write a run's global model as a safetensors file",
         description="Write the global parameters of the latest committed round of RUN_DIR under the model's own "
-                    "parameter names (tied weights under each of their names), so that "
+                    "parameter names (tied weights under each of their names), and the model's buffers (BatchNorm's "
+                    "running statistics) as the mean of the learners' latest, so that "
                     "`model.load_state_dict(safetensors.torch.load_file(FILE))` restores them.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     export.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the parameters")
@@ -266,6 +267,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from ddiloco.checkpoint import atomic_write_bytes
+    from ddiloco.model_buffers import merged_buffers
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.syncer_state import exported_params
 
@@ -274,11 +276,17 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
     config = RunConfig.load(run_dir / "config.json")
     params, rounds = exported_params(run_dir, config.diloco)
+    buffers, learners = merged_buffers(run_dir)
     from safetensors.torch import save
 
     out = Path(args.out)
-    atomic_write_bytes(out, save({n: t.contiguous() for n, t in params.items()},
-                                 metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds)}))
+    tensors = {**{n: t.contiguous() for n, t in params.items()}, **buffers}
+    atomic_write_bytes(out, save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()),
+                                                    "rounds_committed": str(rounds),
+                                                    "buffers_of_learners": ",".join(map(str, learners))}))
     count = sum(t.numel() for n, t in params.items())
-    print(f"wrote {out}: {len(params)} tensors, {count:,} values, the global model after {rounds} rounds")
+    print(f"wrote {out}: {len(params)} parameters, {count:,} values, the global model after {rounds} rounds")
+    if buffers:
+        print(f"  and {len(buffers)} buffers, their mean over learners {', '.join(map(str, learners))} as of "
+              "their latest checkpoints (ddiloco.model_buffers)")
     return 0

@@ -1,0 +1,110 @@
+"""A model's buffers (BatchNorm's running statistics and batch count, ...): each learner's own, kept across its
+restarts, and averaged over the learners wherever one model is evaluated or exported.
+
+Rounds synchronise parameters only (`ddiloco.fragments`). A buffer changes in the forward pass and is read in
+evaluation mode, so training does not need the buffers synchronised: each learner keeps its own, as DDP ranks do
+with `broadcast_buffers=False`. A model evaluated or exported with the global parameters does need them: with the
+buffers it was built with (BatchNorm's mean 0 and variance 1) its evaluation-mode outputs are wrong. So:
+
+- a learner's checkpoint holds its buffers (`LearnerCheckpoint`), and a restarted learner takes them back (before,
+  it came back with the buffers its script built);
+- at each checkpoint it also writes them to `learners/N/buffers.safetensors` (`write_buffers`), a small file;
+- `ddiloco export` and the evaluator (`ddiloco.watch`) load their mean over the learners (`merged_buffers`):
+  floating-point buffers averaged value by value (in float64, then in the buffer's own dtype), the others (a batch
+  count) taken from the learner with the lowest id.
+
+The buffers are the module's persistent ones (those its `state_dict` holds: a rotary table registered with
+`persistent=False` is rebuilt by the module, not kept), under the plain module's names (without a DDP or
+torch.compile wrapper's prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddiloco.checkpoint import atomic_write_bytes
+from ddiloco.learner_group import unwrap
+
+logger = logging.getLogger(__name__)
+
+BUFFERS_FILE = "buffers.safetensors"
+"""A learner's latest buffers, in its directory of the run (`learners/N/`)."""
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model`'s state_dict holds, by the plain module's names (live tensors, not copies)."""
+    plain = unwrap(model)
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, module in plain.named_modules() for name in module._non_persistent_buffers_set}
+    return {name: buffer for name, buffer in plain.named_buffers() if name not in non_persistent}
+
+
+def snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s persistent buffers on the CPU (a checkpoint's; the training loop goes on changing them)."""
+    return {name: buffer.detach().to("cpu", copy=True) for name, buffer in persistent_buffers(model).items()}
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy `buffers` into `model`'s buffers of the same name and shape; returns the names of `model`'s persistent
+    buffers that `buffers` did not provide (kept as they were)."""
+    missing = []
+    for name, buffer in persistent_buffers(model).items():
+        value = buffers.get(name)
+        if value is None or tuple(value.shape) != tuple(buffer.shape):
+            missing.append(name)
+            continue
+        buffer.copy_(value)
+    return missing
+
+
+def write_buffers(directory: Path, buffers: Mapping[str, torch.Tensor]) -> None:
+    """`directory`/buffers.safetensors, replaced at once (a reader never sees half a file). Nothing without buffers."""
+    if not buffers:
+        return
+    from safetensors.torch import save
+
+    atomic_write_bytes(directory / BUFFERS_FILE, save({n: t.contiguous() for n, t in buffers.items()}), durable=False)
+
+
+def _learner_files(run_dir: Path) -> list[tuple[int, Path]]:
+    root = run_dir / "learners"
+    if not root.is_dir():
+        return []
+    found = [(int(d.name), d / BUFFERS_FILE) for d in root.iterdir() if d.name.isdigit()]
+    return sorted((learner_id, path) for learner_id, path in found if path.is_file())
+
+
+def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """(the mean of the learners' latest buffers, the learners it took them from, ascending) from the run's
+    `learners/N/buffers.safetensors` (module docstring). A file that cannot be read is logged and left out; a buffer
+    a learner holds with another shape or dtype than the lowest-id learner's is left out of that learner's share."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    read: list[tuple[int, dict[str, torch.Tensor]]] = []
+    for learner_id, path in _learner_files(Path(run_dir)):
+        try:
+            read.append((learner_id, load_file(path)))
+        except (OSError, SafetensorError) as exc:
+            logger.warning("[buffers] %s cannot be read (%s): learner %d's buffers are left out", path, exc,
+                           learner_id)
+    if not read:
+        return {}, []
+    merged = {}
+    for name, first in read[0][1].items():
+        if not first.is_floating_point():
+            merged[name] = first
+            continue
+        same = [buffers[name] for _, buffers in read
+                if name in buffers and buffers[name].shape == first.shape and buffers[name].dtype == first.dtype]
+        total = torch.zeros(first.shape, dtype=torch.float64)
+        for value in same:
+            total += value.to(torch.float64)
+        merged[name] = (total / len(same)).to(first.dtype)
+    return merged, [learner_id for learner_id, _ in read]
