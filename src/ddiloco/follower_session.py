@@ -18,7 +18,7 @@ from torch import nn
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_checkpoint import stateful_objects
-from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer
+from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
 from ddiloco.session_lifecycle import SessionLifecycle
 
@@ -41,9 +41,10 @@ class FollowerSession(SessionLifecycle):
         self._learner_id = learner_id
         self.inner_steps = inner_steps
         """The run's inner-step budget, as rank 0's `Session.inner_steps`."""
-        params = dict(model.named_parameters())
+        plain = unwrap(model)
+        params = dict(plain.named_parameters())
         # The same plan as rank 0's Learner: the fragments are named by index in the leader's commands.
-        embeddings = embedding_names(model, diloco.embedding_pattern)
+        embeddings = embedding_names(plain, diloco.embedding_pattern)
         group.fragments = FragmentPlan.for_tensors(params, diloco, embeddings=embeddings).fragments
         self._inner_step = 0
         self._done = False

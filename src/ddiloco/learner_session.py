@@ -60,7 +60,7 @@ from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful, stateful_objects
-from ddiloco.learner_group import LearnerGroup
+from ddiloco.learner_group import LearnerGroup, unwrap
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.learner_status import StatusReporter
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
@@ -143,6 +143,8 @@ class Session(SessionLifecycle):
         self.state = stateful_objects(state)
         self.config = config
         self.model = model
+        """The model as the user gave it (with its DDP or torch.compile wrapper: calling it trains as their loop
+        does); the run syncs the plain module inside (`learner_group.unwrap`)."""
         self.optimizer = optimizer
         self.clock = clock or MonotonicClock()
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -153,7 +155,7 @@ class Session(SessionLifecycle):
         self.flush_timeout_s = flush_timeout_s
         self.group = group
         """The learner's other torch.distributed ranks (`ddiloco.learner_group`), or None: a one-process learner."""
-        self.learner = Learner(config.diloco, learner_id=learner_id, model=model, optimizer=optimizer,
+        self.learner = Learner(config.diloco, learner_id=learner_id, model=unwrap(model), optimizer=optimizer,
                                max_tokens_per_step=max_tokens_per_step, access=group)
         if group is not None:
             group.fragments = self.learner.plan.fragments

@@ -51,12 +51,12 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     env = environment()
     run_config = _resolve_config(config, env, hub)
     learner_id = env.learner_id if learner_id is None else learner_id
-    model = unwrap(model)
-    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    plain = unwrap(model)  # what the run syncs; `sync.model` stays the model as given, wrapper and all
+    lazy = [name for name, p in plain.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ValueError(f"parameter {lazy[0]!r} is not initialized yet (a lazy module; {len(lazy)} in all): run "
                          "one forward pass before ddiloco.session(...), so that the run knows every shape")
-    learners_group = _learner_group(model, env, group) if hub is None else None
+    learners_group = _learner_group(plain, env, group) if hub is None else None
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
                                inner_steps=run_config.inner_steps, state=state,

@@ -240,11 +240,12 @@ def test_a_compiled_model_syncs_under_its_plain_names_beside_a_plain_learner():
     shared = hub()
     compiled, plain = torch.compile(TinyNet(seed=1), backend="eager"), TinyNet(seed=2)
     assert all(name.startswith("_orig_mod.") for name, _ in compiled.named_parameters())
-    with (ddiloco.session(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), hub=shared, learner_id=0),
+    with (ddiloco.session(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), hub=shared, learner_id=0) as sync,
           ddiloco.session(plain, torch.optim.SGD(plain.parameters(), lr=0.1), hub=shared, learner_id=1)):
         names = [t.name for t in shared.syncer.spec.tensors]
         assert sorted(names) == sorted(name for name, _ in plain.named_parameters())
         assert all(torch.equal(p, q) for p, q in zip(compiled.parameters(), plain.parameters(), strict=True))
+        assert sync.model is compiled  # as given: a loop that calls sync.model runs it compiled (it was the plain one)
 
 
 def test_a_session_without_a_budget_ends_its_loop_without_a_warning(caplog):
