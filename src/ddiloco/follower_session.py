@@ -17,6 +17,7 @@ from torch import nn
 
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.learner import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
@@ -89,11 +90,17 @@ class FollowerSession(SessionLifecycle):
             self._restore_sigterm()
 
     def _serve(self, *, tokens: int = 0) -> None:
-        self._inner_step, self._done, exit_status = self.group.serve(tokens=tokens, save=self._own_state,
-                                                                     restore=self._restore)
+        self._inner_step, self._done, exit_status = self.group.serve(
+            tokens=tokens, save=self._own_state, restore=self._restore, forget=self._forget)
         if exit_status:
             # Rank 0 was refused or found no syncer: this rank ends with the same status.
             raise SystemExit(exit_status)
+
+    def _forget(self) -> None:
+        """Rank 0 found its model not finite (`Learner.recover`): this rank's optimizer and statistics start again
+        where they are not finite too (its parameters come back from rank 0 with the fragments)."""
+        forget_non_finite_state(self.optimizer)
+        reset_non_finite_statistics(unwrap(self.model))
 
     def _own_state(self) -> dict[str, Any]:
         state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None,

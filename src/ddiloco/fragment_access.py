@@ -28,6 +28,11 @@ class FragmentAccess(Protocol):
         """Overwrite each parameter in place with its full value."""
         ...
 
+    def forget_non_finite_state(self) -> int:
+        """The other ranks' inner optimizers drop the state that is not finite (`Learner.recover`); this process's own
+        is the learner core's to clear. Returns how many parameter states this call dropped here (0)."""
+        ...
+
 
 class LocalParameters:
     """Every parameter in this process: a read is a float32 copy on the parameter's device, a write an in-place
@@ -44,3 +49,6 @@ class LocalParameters:
     def write(self, fragment: int, values: Mapping[str, torch.Tensor]) -> None:
         for name, value in values.items():
             self.params[name].copy_(value)
+
+    def forget_non_finite_state(self) -> int:
+        return 0  # no other ranks

@@ -90,6 +90,8 @@ class LearnerStats:
     downlink_resyncs: int = 0
     """Fragment changes this learner could not rebuild (another base version, a checksum that disagrees),
     each answered by joining again."""
+    non_finite_recoveries: int = 0
+    """Times the learner found its own model not finite and went back to the global value (`Learner.recover`)."""
 
 
 @dataclass(frozen=True)
@@ -448,6 +450,7 @@ class Learner:
                     self.stats.updates_withheld_non_finite += 1
                     logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
                                  self.learner_id, self.inner_step, name)
+                    self.recover()
                     return None
                 payload[name] = self._codec.encode(delta.cpu())
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
@@ -476,6 +479,36 @@ class Learner:
         if self._published_from[p] == update.base_version:
             self._published_from[p] = None
         self._at_publish[p] = None  # nothing of that work went out: none of it is carried as unpublished
+        self.recover()
+
+    @torch.no_grad()
+    def recover(self) -> None:
+        """After a pseudo-gradient that was not finite: the learner's own model is not (a NaN loss, an overflow), and
+        its inner optimizer's state with it. Left so, every later step is NaN again and every update withheld: the
+        learner would train on for nothing. So each fragment whose values are not finite goes back to the global value
+        the learner last received (its work since then is lost: it was NaN), the inner optimizer forgets the state of
+        every parameter whose state is not finite (on every rank: `FragmentAccess.forget_non_finite_state`), and
+        running statistics that are not finite start again (`reset_running_stats`). The learner then trains on from
+        the global model. Does nothing when all is finite (an update withheld earlier, already recovered from)."""
+        reset = []
+        for p, names in enumerate(self.plan.fragments):
+            current = self.access.read(p, names)
+            if all(bool(torch.isfinite(value).all()) for value in current.values()):
+                continue
+            self.access.write(p, self._base[p])
+            self.steps_since[p] = self.tokens_since[p] = 0
+            self.synced_at[p] = self.inner_step
+            self._at_publish[p] = None  # the value it would carry from is gone
+            reset.append(p)
+        forgotten = forget_non_finite_state(self.optimizer) + self.access.forget_non_finite_state()
+        restarted = reset_non_finite_statistics(self.model)
+        if not (reset or forgotten or restarted):
+            return
+        self.stats.non_finite_recoveries += 1
+        logger.error("[learner %d | inner %d] its model is not finite (a NaN loss, an overflow): fragments %s go back "
+                     "to the global value, the inner optimizer forgets the state of %d parameters, %d modules restart "
+                     "their running statistics; the work since their last results is lost", self.learner_id,
+                     self.inner_step, reset, forgotten, restarted)
 
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""
@@ -515,6 +548,38 @@ class Learner:
         self.schedule.load_state_dict(state)
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def forget_non_finite_state(optimizer: torch.optim.Optimizer) -> int:
+    """Drop the state of every parameter whose optimizer state holds a value that is not finite (AdamW's moments after
+    a NaN gradient): the optimizer starts that parameter's state afresh at its next step. Returns how many. A sharded
+    state (DTensor) is judged by this rank's shard."""
+    def finite(value: object) -> bool:
+        return not (isinstance(value, torch.Tensor) and value.is_floating_point()) or bool(
+            torch.isfinite(_local(value)).all())
+
+    dropped = [param for param, state in optimizer.state.items() if not all(finite(v) for v in state.values())]
+    for param in dropped:
+        del optimizer.state[param]
+    return len(dropped)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor: this rank's shard
+    return to_local() if callable(to_local) else tensor
+
+
+def reset_non_finite_statistics(model: nn.Module) -> int:
+    """Restart the running statistics (`reset_running_stats`: BatchNorm, InstanceNorm) of every module whose
+    floating-point buffers are not finite: an average that holds a NaN never forgets it. Returns how many."""
+    restarted = 0
+    for module in model.modules():
+        reset = getattr(module, "reset_running_stats", None)
+        buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+        if callable(reset) and any(not bool(torch.isfinite(b).all()) for b in buffers):
+            reset()
+            restarted += 1
+    return restarted
 
 
 def next_uncommitted_round(welcome: Welcome) -> int:

@@ -59,6 +59,8 @@ class Op(enum.IntEnum):
     """Sum (tokens, stop requests) over the ranks."""
     END = 6
     """(inner_step, done, exit_status): the session call is over."""
+    FORGET = 7
+    """Every rank's inner optimizer drops the state that is not finite (`Learner.recover`)."""
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -181,6 +183,11 @@ class LearnerGroup:
                    {**entry, "optimizer": entry.get("optimizer") if self.sharded else shared} for entry in ranks]
         self.restore(entries)
 
+    def forget_non_finite_state(self) -> int:
+        """The followers' inner optimizers drop the state that is not finite (the leader's own is its core's)."""
+        self._command(Op.FORGET)
+        return 0
+
     def step(self, tokens: int) -> tuple[int, bool]:
         """The tokens of every rank's batch, summed, and whether any rank was asked to stop."""
         self._command(Op.STEP)
@@ -216,10 +223,11 @@ class LearnerGroup:
     # ---- the followers' side -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def serve(self, *, tokens: int = 0, save: Any = None, restore: Any = None) -> tuple[int, bool, int]:
+    def serve(self, *, tokens: int = 0, save: Any = None, restore: Any = None, forget: Any = None
+              ) -> tuple[int, bool, int]:
         """A follower inside a session call: answer the leader's commands until END; returns (inner_step, done,
         exit_status). `tokens`: this rank's batch at STEP; `save()` gives its state at SAVE; `restore(state)`
-        takes it back at RESTORE."""
+        takes it back at RESTORE; `forget()` drops its optimizer's state that is not finite at FORGET."""
         while True:
             words = torch.zeros(COMMAND_WORDS, dtype=torch.int64, device=self.command_device)
             dist.broadcast(words, src=self.leader_global_rank, group=self.group)
@@ -239,6 +247,9 @@ class LearnerGroup:
                 dist.scatter_object_list(out, None, src=self.leader_global_rank, group=self.group)
                 if restore is not None and out[0] is not None:
                     restore(out[0])
+            elif op == Op.FORGET:
+                if forget is not None:
+                    forget()
             elif op == Op.STEP:
                 self._sum_step(tokens)
             elif op == Op.END:

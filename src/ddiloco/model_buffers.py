@@ -83,7 +83,8 @@ def _learner_files(run_dir: Path) -> list[tuple[int, Path]]:
 def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[int]]:
     """(the mean of the learners' latest buffers, the learners it took them from, ascending) from the run's
     `learners/N/buffers.safetensors` (module docstring). A file that cannot be read is logged and left out; a buffer
-    a learner holds with another shape or dtype than the lowest-id learner's is left out of that learner's share."""
+    a learner holds with another shape or dtype than the lowest-id learner's, or not finite, is left out of the
+    mean (a buffer no learner holds finite is left out of the result)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -102,7 +103,10 @@ def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[i
             merged[name] = first
             continue
         same = [buffers[name] for _, buffers in read
-                if name in buffers and buffers[name].shape == first.shape and buffers[name].dtype == first.dtype]
+                if name in buffers and buffers[name].shape == first.shape and buffers[name].dtype == first.dtype
+                and bool(torch.isfinite(buffers[name]).all())]  # a NaN statistic would make the mean NaN
+        if not same:
+            continue
         total = torch.zeros(first.shape, dtype=torch.float64)
         for value in same:
             total += value.to(torch.float64)

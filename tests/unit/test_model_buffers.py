@@ -78,6 +78,7 @@ def test_the_learners_buffers_are_averaged_floating_point_ones_value_by_value(tm
         save_file({"bn.running_mean": torch.tensor(mean), "bn.running_var": torch.ones(var_shape),
                    "bn.num_batches_tracked": torch.tensor(count)}, directory / BUFFERS_FILE)
 
+    write(5, [float("nan"), 1.0], 3)  # a learner whose statistics went NaN: left out of that mean
     write(2, [3.0, 5.0], 9)
     write(0, [1.0, 2.0], 7)
     write(1, [2.0, 2.0], 8, var_shape=(3,))  # another shape: left out of that buffer's mean
@@ -86,7 +87,7 @@ def test_the_learners_buffers_are_averaged_floating_point_ones_value_by_value(tm
     (tmp_path / "learners" / "4").mkdir()  # a learner that has not checkpointed yet
     with caplog.at_level(logging.WARNING):
         merged, learners = merged_buffers(tmp_path)
-    assert learners == [0, 1, 2]
+    assert learners == [0, 1, 2, 5]
     assert "learner 3's buffers are left out" in caplog.text
     assert torch.equal(merged["bn.running_mean"], torch.tensor([2.0, 3.0]))
     assert torch.equal(merged["bn.running_var"], torch.ones(2))

@@ -1,0 +1,99 @@
+"""A learner whose loss is NaN at one step, under `ddiloco run`: real processes, real gRPC, and (DDP) a real gloo
+group of two ranks. The learner goes back to the global model and contributes again (`Learner.recover`); before, its
+inner optimizer's state stayed NaN and it withheld every update until its budget, contributing nothing.
+
+The examples run unchanged: a wrapper makes `F.mse_loss` return NaN once, on learner 0's 20th training step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddiloco.checkpoint import RoundLog
+from ddiloco.runtime.launcher import RunPaths
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).parents[2]
+RUN_TIMEOUT_S = 240
+NAN_AT_CALL = 20
+
+WRAPPER = f'''
+import runpy, sys
+import torch
+import torch.nn.functional as F
+import ddiloco
+
+env = ddiloco.environment()
+real, calls = F.mse_loss, [0]
+
+
+def mse_loss(input, target, *args, **kwargs):
+    loss = real(input, target, *args, **kwargs)
+    if torch.is_grad_enabled() and env.role != "evaluator" and env.learner_id == 0:
+        calls[0] += 1
+        if calls[0] == {NAN_AT_CALL} and env.rank == 0:
+            return loss * float("nan")  # one bad step (under DDP its NaN gradients reach every rank)
+    return loss
+
+
+F.mse_loss = mse_loss
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def run(tmp_path: Path, example: str, *flags: str) -> tuple[Path, str]:
+    wrapper = tmp_path / "nan_once.py"
+    wrapper.write_text(WRAPPER)
+    run_dir = tmp_path / "run"
+    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
+                              "--learners", "2", "--inner-steps", "80", "--num-fragments", "2", "--sync-every", "8",
+                              "--threads", "1", *flags, "--", sys.executable, str(wrapper), f"examples/{example}.py"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        output, _ = popen.communicate()
+        pytest.fail(f"ddiloco run still running after {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
+    assert popen.returncode == 0, output
+    return run_dir, output
+
+
+def assert_recovered_and_contributed(run_dir: Path) -> None:
+    summary = json.loads(RunPaths(run_dir).summary.read_text())
+    assert summary["outcome"] == "completed" and summary["learners"]["0"]["restarts"] == 0, summary
+    log = RunPaths(run_dir).log("learner-0").read_text()
+    assert log.count("its model is not finite (a NaN loss, an overflow)") == 1, log[-3000:]
+    withheld = [json.loads(line) for line in (RunPaths(run_dir).learner_dir(0) / "work.jsonl").read_text().splitlines()
+                if '"withheld"' in line]
+    assert len(withheld) == 1, withheld  # one update: the one with the NaN step in it
+    merged = [p["inner_step"] for line in RoundLog(run_dir).lines() for p in line["participants"]
+              if p["learner_id"] == 0]
+    after = [step for step in merged if step > NAN_AT_CALL + 8]
+    assert len(after) >= 10 and max(after) == 80, merged  # every round after it, to the end
+
+
+def test_a_learner_after_a_nan_step_goes_back_to_the_global_model_and_contributes_again(tmp_path):
+    run_dir, _ = run(tmp_path, "mlp")
+    assert_recovered_and_contributed(run_dir)
+
+
+def test_a_ddp_learner_after_a_nan_step_recovers_on_every_rank(tmp_path):
+    run_dir, _ = run(tmp_path, "ddp", "--nproc-per-learner", "2")
+    assert_recovered_and_contributed(run_dir)
+    # Every rank ends with the same finite model: rank 1's optimizer forgot its NaN state too (Op.FORGET).
+    log = RunPaths(run_dir).log("learner-0").read_text()
+    finals = [line for line in log.splitlines() if "learner 0 rank" in line and " final " in line]
+    assert len(finals) == 2 and "nan" not in " ".join(finals)
+    assert finals[0].split(" final ")[1] == finals[1].split(" final ")[1], finals
