@@ -150,6 +150,34 @@ def flip_bit_in_tensor_data(path, *, byte: int = 0, mask: int = 0x01) -> None:
     Path(path).write_bytes(bytes(data))
 
 
+SMALL_RUN = ("--learners", "2", "--num-fragments", "2", "--sync-every", "8", "--threads", "1", "--no-progress")
+"""`ddiloco run` flags of a small, fast run (add --inner-steps)."""
+
+
+def ddiloco_run(run_dir, *flags: str, command, timeout_s: float) -> tuple[int, str]:
+    """`ddiloco run --run-dir RUN_DIR FLAGS -- COMMAND` from the repository root, to its end: (exit status, output).
+    Past `timeout_s` its whole process group (the syncer and the learners too) is killed and the test fails."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *flags, "--",
+                              *command], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        output, _ = popen.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        output, _ = popen.communicate()
+        pytest.fail(f"ddiloco run still running after {timeout_s} s:\n{output[-3000:]}")
+    return popen.returncode, output
+
+
 class Processes:
     """Starts `ddiloco` subcommands as real processes (one torch thread each), logs each to a file,
     and kills every one it started, by PID, in `kill_all` (call it from a fixture's finally)."""

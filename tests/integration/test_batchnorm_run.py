@@ -9,8 +9,6 @@ was many times its training loss. The evaluator evaluated with those same initia
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.model_buffers import BUFFERS_FILE
+from tests.helpers import SMALL_RUN, ddiloco_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,18 +70,9 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
     script = tmp_path / "bn.py"
     script.write_text(SCRIPT)
     run_dir = tmp_path / "run"
-    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
-                              "--learners", "2", "--inner-steps", "80", "--num-fragments", "2", "--sync-every", "8",
-                              "--threads", "1", "--evaluate", "--", sys.executable, str(script)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    try:
-        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
-        output, _ = popen.communicate()
-        pytest.fail(f"ddiloco run still running after {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
-    assert popen.returncode == 0, output
+    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "80", "--evaluate",
+                                 command=(sys.executable, str(script)), timeout_s=RUN_TIMEOUT_S)
+    assert status == 0, output
 
     out = tmp_path / "model.safetensors"
     exported = subprocess.run([sys.executable, "-m", "ddiloco.cli", "export", str(run_dir), "--out", str(out)],

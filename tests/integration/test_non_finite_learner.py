@@ -8,9 +8,6 @@ The examples run unchanged: a wrapper makes `F.mse_loss` return NaN once, on lea
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,10 +15,10 @@ import pytest
 
 from ddiloco.checkpoint import RoundLog
 from ddiloco.runtime.launcher import RunPaths
+from tests.helpers import SMALL_RUN, ddiloco_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).parents[2]
 RUN_TIMEOUT_S = 240
 NAN_AT_CALL = 20
 
@@ -51,23 +48,15 @@ runpy.run_path(script, run_name="__main__")
 '''
 
 
-def run(tmp_path: Path, example: str, *flags: str) -> tuple[Path, str]:
+def run(tmp_path: Path, example: str, *flags: str) -> Path:
     wrapper = tmp_path / "nan_once.py"
     wrapper.write_text(WRAPPER)
     run_dir = tmp_path / "run"
-    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
-                              "--learners", "2", "--inner-steps", "80", "--num-fragments", "2", "--sync-every", "8",
-                              "--threads", "1", *flags, "--", sys.executable, str(wrapper), f"examples/{example}.py"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
-        output, _ = popen.communicate()
-        pytest.fail(f"ddiloco run still running after {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
-    assert popen.returncode == 0, output
-    return run_dir, output
+    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "80", *flags,
+                                 command=(sys.executable, str(wrapper), f"examples/{example}.py"),
+                                 timeout_s=RUN_TIMEOUT_S)
+    assert status == 0, output
+    return run_dir
 
 
 def assert_recovered_and_contributed(run_dir: Path) -> None:
@@ -85,12 +74,12 @@ def assert_recovered_and_contributed(run_dir: Path) -> None:
 
 
 def test_a_learner_after_a_nan_step_goes_back_to_the_global_model_and_contributes_again(tmp_path):
-    run_dir, _ = run(tmp_path, "mlp")
+    run_dir = run(tmp_path, "mlp")
     assert_recovered_and_contributed(run_dir)
 
 
 def test_a_ddp_learner_after_a_nan_step_recovers_on_every_rank(tmp_path):
-    run_dir, _ = run(tmp_path, "ddp", "--nproc-per-learner", "2")
+    run_dir = run(tmp_path, "ddp", "--nproc-per-learner", "2")
     assert_recovered_and_contributed(run_dir)
     # Every rank ends with the same finite model: rank 1's optimizer forgot its NaN state too (Op.FORGET).
     log = RunPaths(run_dir).log("learner-0").read_text()

@@ -10,8 +10,6 @@ restarts, not restarted up to `max_restarts` (100) times.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.helpers import SMALL_RUN, ddiloco_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,23 +73,13 @@ if __name__ == "__main__":
 
 
 def run(tmp_path: Path, mode: str) -> tuple[int, str, dict]:
-    """`ddiloco run` of the script in `mode`: (its exit status, its output, its summary). Past the timeout its whole
-    process group (the syncer and the learners too) is killed and the test fails."""
+    """`ddiloco run` of the script in `mode`: (its exit status, its output, its summary)."""
     script = tmp_path / "odd.py"
     script.write_text(SCRIPT)
     run_dir = tmp_path / "run"
-    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
-                              "--learners", "2", "--inner-steps", "40", "--num-fragments", "2", "--sync-every", "8",
-                              "--threads", "1", "--", sys.executable, str(script), mode],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    try:
-        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
-        output, _ = popen.communicate()
-        pytest.fail(f"ddiloco run still running after {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
-    return popen.returncode, output, json.loads((run_dir / "summary.json").read_text())
+    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "40",
+                                 command=(sys.executable, str(script), mode), timeout_s=RUN_TIMEOUT_S)
+    return status, output, json.loads((run_dir / "summary.json").read_text())
 
 
 def test_a_parameter_without_values_and_a_strided_one_train_and_export(tmp_path):
