@@ -62,6 +62,7 @@ def run(tmp_path: Path, example: str, *flags: str) -> Path:
 def assert_recovered_and_contributed(run_dir: Path) -> None:
     summary = json.loads(RunPaths(run_dir).summary.read_text())
     assert summary["outcome"] == "completed" and summary["learners"]["0"]["restarts"] == 0, summary
+    assert [summary["learners"][i]["non_finite_recoveries"] for i in ("0", "1")] == [1, 0], summary
     log = RunPaths(run_dir).log("learner-0").read_text()
     assert log.count("its model is not finite (a NaN loss, an overflow)") == 1, log[-3000:]
     withheld = [json.loads(line) for line in (RunPaths(run_dir).learner_dir(0) / "work.jsonl").read_text().splitlines()

@@ -126,6 +126,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "bytes_sent": status.get("bytes_sent"),
             "bytes_received": status.get("bytes_received"),
             "joins": from_syncer.get("joins", status.get("joins")),
+            "non_finite_recoveries": status.get("non_finite_recoveries", 0),
         }
     val_loss, val_time = final_val_loss(paths)
     total_wall_s = sum(float(e.get("wall_time_s", 0.0)) for e in events if e["event"] == "run_finished")
