@@ -32,7 +32,8 @@ def _check_count(sizes: Mapping[str, int], num_fragments: int) -> None:
         raise ValueError(f"num_fragments={num_fragments} is invalid: expected an integer >= 1")
     if num_fragments > len(sizes):
         raise ValueError(f"num_fragments={num_fragments} exceeds the {len(sizes)} tensors of the model: "
-                         "every fragment needs at least one whole tensor")
+                         f"every fragment needs at least one whole tensor (use --num-fragments {len(sizes)} or "
+                         "fewer; DilocoConfig.num_fragments in process)")
 
 
 def _pack(sizes: Mapping[str, int], bins: list[list[str]], loads: list[int], names: Sequence[str]) -> None:
