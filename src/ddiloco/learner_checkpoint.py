@@ -59,6 +59,10 @@ def stateful_objects(state: Mapping[str, Any] | None) -> dict[str, Stateful]:
     for name, obj in (state or {}).items():
         if isinstance(obj, torch.Generator):
             obj = GeneratorState(obj)
+        if isinstance(obj, torch.utils.data.DataLoader) and not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"state[{name!r}] is a torch DataLoader, which keeps no position to checkpoint: pass "
+                            "torchdata's StatefulDataLoader, or the torch.Generator its sampler draws from "
+                            "(DataLoader(..., generator=g), state={'order': g})")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"state[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict() "
                             "(or is a torch.Generator)")

@@ -300,3 +300,7 @@ def test_a_generator_in_state_resumes_its_draws(tmp_path):
         assert torch.equal(torch.randint(0, 100, (3,), generator=again), expected)
     with pytest.raises(TypeError, match=r"state\['x'\] \(object\) needs state_dict\(\) and load_state_dict\(\)"):
         ddiloco.session(model, optimizer, state={"x": object()}, hub=hub(), learner_id=0)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    with pytest.raises(TypeError, match=r"state\['data'\] is a torch DataLoader, which keeps no position.*"
+                                        r"StatefulDataLoader.*generator=g"):
+        ddiloco.session(model, optimizer, state={"data": loader}, hub=hub(), learner_id=0)
