@@ -137,7 +137,12 @@ class Syncer:
         self._fused_close = make_fused_close(self.outer, self._downlink, self.plan, self._global, self._threads)
         self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
-        self._open = [OpenRound(merge) for merge in self._merges]
+        self._reference: list[dict[str, float]] = [{} for _ in self._merges]
+        """Per fragment, each tensor's reference norm from its last committed round (`QuorumConfig.max_norm_ratio`);
+        empty until its second round and after a restart."""
+        self.capped_updates = 0
+        """Tensors of updates merged with their norm capped (`QuorumConfig.max_norm_ratio`)."""
+        self._open = [self._new_round(p) for p in range(self.plan.num_fragments)]
         self.learners: dict[int, LearnerInfo] = {}
         self.rejections: deque[RejectionRecord] = deque(maxlen=MAX_REJECTION_RECORDS)
         self.rejection_counts: Counter[str] = Counter()
@@ -359,7 +364,16 @@ class Syncer:
         if open_round.first_at is not None:
             self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
         self.rounds_committed += 1
-        self._open[p] = OpenRound(self._merges[p])
+        for learner_id, name, norm, cap in open_round.capped:
+            logger.warning("[syncer] round %d of fragment %d: learner %d's update to %s has norm %.3g, %.3g times the "
+                           "fragment's previous round: it counts as one of norm %.3g (max_norm_ratio)",
+                           record.round_index, p, learner_id, name, norm, norm / cap * self.quorum.max_norm_ratio, cap)
+        self.capped_updates += len(open_round.capped)
+        # Not from a fragment's first round: it covers the few steps before the schedule's first slot, at the start
+        # of the warm-up, and the next round's norms were up to 8.75 times its own (docs/protocol.md).
+        if record.version >= 2:
+            self._reference[p] = open_round.reference_norms or self._reference[p]
+        self._open[p] = self._new_round(p)
         actions: list[SyncerAction] = [Commit(record)]
         for learner_id in self.alive_learners():
             actions.append(Send(learner_id, broadcast))
@@ -367,6 +381,13 @@ class Syncer:
         logger.debug("[syncer] round %d: fragment %d -> version %d from learners %s",
                      record.round_index, p, self.versions[p], learner_ids)
         return actions
+
+    def _new_round(self, p: int) -> OpenRound:
+        """The next round of fragment `p`, capping each update's tensor norms at `max_norm_ratio` times the
+        fragment's reference norms (none without a reference)."""
+        ratio, reference = self.quorum.max_norm_ratio, self._reference[p]
+        caps = {name: ratio * norm for name, norm in reference.items()} if ratio > 0 and reference else None
+        return OpenRound(self._merges[p], caps=caps)
 
     def _margins(self, open_round: OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
         """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the round's
@@ -424,7 +445,7 @@ class Syncer:
         """A round that cannot be committed (its outer step would not be finite, or it cannot be made durable)
         is not a round: nothing changes, the fragment keeps its version, and each of its updates is rejected
         with the reason."""
-        self._open[p] = OpenRound(self._merges[p])
+        self._open[p] = self._new_round(p)
         actions: list[SyncerAction] = []
         for learner_id, update in zip(learner_ids, pending, strict=True):
             record = RejectionRecord(now, learner_id, p, update.base_version, reason, detail)
@@ -463,7 +484,8 @@ class Syncer:
         self._downlink.load_state_dict(state["downlink_residual"])
         if self._fused_close is not None:
             self._fused_close.forget()
-        self._open = [OpenRound(merge) for merge in self._merges]
+        self._reference = [{} for _ in self._merges]
+        self._open = [self._new_round(p) for p in range(self.plan.num_fragments)]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,
                                              merged_base={int(p): int(v) for p, v in bases.items()})
