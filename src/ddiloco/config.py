@@ -27,9 +27,9 @@ DEFAULT_MAX_TOKENS_PER_STEP = 2**24
 """16,777,216 tokens: at least the largest per-step batch published for LLM pre-training (Llama 3 405B ends at
 16 M tokens per step), so no honest learner is held back; an operator who knows the run's batch sets less."""
 DEFAULT_MAX_NORM_RATIO = 10.0
-"""An update's tensor counts with at most 10 times the norm its fragment's previous round had. In a healthy harness
-run (`quality`'s workload, 896 steps, 5 % jitter; docs/protocol.md, "An update's norm") the largest ratio was 2.54
-once a fragment had two rounds behind it (8.75 against its first round, which has no cap)."""
+"""An update counts with at most 10 times the norm its fragment's previous round had. In a healthy harness run
+(`quality`'s workload, 896 steps, 5 % jitter; docs/protocol.md, "An update's norm") the largest ratio was 1.94 once
+a fragment had two rounds behind it (7.30 against its first round, which is never a reference)."""
 DEFAULT_MAX_WEIGHT_RATIO = 16.0
 """A learner may weigh up to 16 times the mean of a round's other participants. The weight tokens^2 / steps is
 steps x (tokens per step)^2: honest rounds of one batch size reached 11 (real runtime: 33 inner steps beside two
@@ -196,12 +196,12 @@ class QuorumConfig:
     """The most one learner's merge weight may be, as a multiple of the mean weight of the round's other
     participants (`merge.cap_weights`); a heavier one is lowered to it. 1 makes every round an equal average."""
     max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
-    """The largest norm one update's tensor counts with in a round, as a multiple of that tensor's reference norm:
-    the weighted mean norm of the fragment's previous round (its updates that were not capped). A larger one counts
-    as if scaled down to it (`ddiloco.round_sum`), so a learner whose parameters were corrupted (a flipped bit in
-    memory: a value of 1e30) or that diverged moves the global model by no more than an ordinary round would. No
+    """The largest norm one update counts with in a round (over its fragment's tensors), as a multiple of the
+    fragment's reference norm: the mean norm of its previous round's updates that were not capped. A larger one
+    counts as if scaled down to it (`ddiloco.round_sum`), so a learner whose parameters were corrupted (a flipped bit
+    in memory: a value of 1e30) or that diverged moves the global model by no more than an ordinary round would. No
     cap in a fragment's first two rounds (the first covers a few warm-up steps: no reference), nor in the first
-    round after the syncer restarted. 0: no cap."""
+    round after the syncer restarted, nor against a reference of 0. 0: no cap."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.min_quorum, int) and self.min_quorum >= 1, "min_quorum",

@@ -69,8 +69,8 @@ class FragmentMerge:
         # A folded sum of finite values can still overflow: its norm is then inf, and the round does not commit.
         return {name: DecodedTensor(values, l2_norm(values, self.threads)) for name, values in total.items()}
 
-    def new_sum(self, caps: Mapping[str, float] | None = None) -> RoundSum:
-        return RoundSum(self.names, method=self.method, embeddings=self.embeddings, threads=self.threads, caps=caps)
+    def new_sum(self, cap: float | None = None) -> RoundSum:
+        return RoundSum(self.names, method=self.method, embeddings=self.embeddings, threads=self.threads, cap=cap)
 
 
 @dataclass
@@ -130,20 +130,20 @@ class OpenRound:
     rejections: list[tuple[int, str]] = field(default_factory=list)
     summed: RoundSum | None = None
     """The round's running sums (`ddiloco.round_sum`), from its first update on."""
-    caps: Mapping[str, float] | None = None
-    """Tensor name -> the most norm an update's tensor counts with in this round (`QuorumConfig.max_norm_ratio`
+    cap: float | None = None
+    """The most norm an update counts with in this round, over the fragment's tensors (`QuorumConfig.max_norm_ratio`
     times the fragment's reference norm when the round opened); None: no cap."""
-    reference_norms: dict[str, float] = field(default_factory=dict)
-    """Set by `record`: per tensor, the reference norm the round leaves for the next (`RoundSum.reference_norms`)."""
-    capped: list[tuple[int, str, float, float]] = field(default_factory=list)
-    """Set by `record`: (learner_id, tensor, norm, cap) of each tensor an update counted with a capped norm."""
+    reference_norm: float | None = None
+    """Set by `record`: the reference norm the round leaves for the next (`RoundSum.reference_norm`)."""
+    capped: list[tuple[int, float]] = field(default_factory=list)
+    """Set by `record`: (learner_id, norm) of each update that counted with a capped norm."""
 
     def hold(self, learner_id: int, pending: PendingUpdate, decoded: Mapping[str, DecodedTensor],
              weight: float) -> None:
         """Hold `pending` (its values `decoded`, its merge weight `weight`) for `learner_id`: added to the sums, or
         combined with the update of that learner held already (the sums are then summed again at the close)."""
         if self.summed is None:
-            self.summed = self.merge.new_sum(self.caps)
+            self.summed = self.merge.new_sum(self.cap)
         held = self.updates.get(learner_id)
         if held is None:
             self.summed.add(learner_id, decoded, weight)
@@ -185,9 +185,9 @@ class OpenRound:
         folded, or the cap lowered a weight; the sums used the weights as they arrived)."""
         summed = self.summed
         if summed is None or not summed.holds(summed_ids, weights):
-            summed = self.merge.new_sum(self.caps)
+            summed = self.merge.new_sum(self.cap)
             for learner_id, weight in zip(summed_ids, weights, strict=True):
                 summed.add(learner_id, self.merge.decode_chain(self.updates[learner_id].payloads), weight)
         self.summed = None
-        self.reference_norms, self.capped = summed.reference_norms(), summed.capped
+        self.reference_norm, self.capped = summed.reference_norm(), summed.capped
         return summed.result(self.merge.shapes)

@@ -16,12 +16,13 @@ reach 1e14, and the sums stay near the size of the values):
     weighted mean: S = sum of c_i d_i over i with c_i > 0                         float32, in order
                    result = S / C                        (zeros when C = 0)
 
-A cap on a tensor's norm (`caps`, from `QuorumConfig.max_norm_ratio`): an update whose tensor has norm n_i above
-the cap k counts as if its values were scaled to norm k. For an RDA tensor that is n_i -> k in N (its direction is a
-unit vector either way); for a weighted mean, the coefficient c_i becomes c_i * (k / n_i), rounded to float32 as
-any coefficient. `reference_norms` gives, per tensor, the weighted mean norm of the updates that were not capped
-(the cap itself when every one was): what the syncer keeps as the fragment's next reference. A capped update does
-not raise it, so one learner sending huge updates round after round keeps meeting the same cap.
+A cap on an update's norm (`cap`, from `QuorumConfig.max_norm_ratio`): an update whose norm over the whole fragment,
+u_i = sqrt(sum over its tensors of n_i^2), is above the cap k counts as if its values were scaled by s_i = k / u_i.
+For an RDA tensor that is n_i -> s_i n_i in N (its direction is a unit vector either way); for a weighted mean, the
+coefficient c_i becomes c_i s_i, rounded to float32 as any coefficient. `reference_norm` gives the weighted mean of
+u_i over the updates that were not capped (the cap itself when every one was): what the syncer keeps as the
+fragment's next reference. A capped update does not raise it, so one learner sending huge updates round after round
+keeps meeting the same cap.
 
 "In order" means: the first term is `d * a` (a new tensor), each later one `acc + (d * a)`, where a is the
 coefficient above rounded to float32, and the product and the sum are each rounded to float32 (no fused
@@ -33,6 +34,7 @@ round's merged tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import torch
@@ -50,20 +52,20 @@ class RoundSum:
     of its updates was replaced); later `add`s are then ignored and `holds` is False."""
 
     def __init__(self, names: Sequence[str], *, method: str = "rda", embeddings: Collection[str] = (),
-                 threads: KernelThreads = INLINE, caps: Mapping[str, float] | None = None) -> None:
-        """`threads`: where the sums' passes run (`ddiloco.kernel_threads`; the same bits on any number). `caps`:
-        tensor name -> the most norm an update's tensor counts with (module docstring); none: no cap."""
+                 threads: KernelThreads = INLINE, cap: float | None = None) -> None:
+        """`threads`: where the sums' passes run (`ddiloco.kernel_threads`; the same bits on any number). `cap`: the
+        most norm an update counts with, over all its tensors (module docstring); None: no cap."""
         if method not in MERGE_METHODS:
             raise invalid("method", method, "'rda' or 'mean'")
         self.names = list(names)
         self._rda = {name: method == "rda" and name not in embeddings for name in self.names}
-        self._caps = dict(caps or {})
-        self.capped: list[tuple[Hashable, str, float, float]] = []
-        """(key, tensor, norm, cap) of every tensor whose norm was capped, in the order they were added."""
+        self._cap = cap
+        self.capped: list[tuple[Hashable, float]] = []
+        """(key, norm) of every update whose norm was capped, in the order they were added."""
         self._sums: dict[str, torch.Tensor] | None = {}
         self._norm_sums = dict.fromkeys(self.names, 0.0)
-        self._uncapped = {name: [0.0, 0.0] for name in self.names}
-        """Tensor name -> [sum of c_i n_i, sum of c_i] over the updates whose norm was not capped."""
+        self._uncapped = [0.0, 0.0]
+        """[sum of c_i u_i, sum of c_i] over the updates whose norm was not capped."""
         self._reference: float | None = None
         self._total = 0.0
         self.keys: list[Hashable] = []
@@ -86,23 +88,23 @@ class RoundSum:
         self._total += coefficient
         if coefficient == 0.0:
             return
+        norm = math.sqrt(sum(tensors[name].norm ** 2 for name in self.names))
+        scale = 1.0
+        if self._cap is not None and norm > self._cap:
+            self.capped.append((key, norm))
+            scale = self._cap / norm
+        else:
+            self._uncapped[0] += coefficient * norm
+            self._uncapped[1] += coefficient
         terms = []
         for name in self.names:
             tensor = tensors[name]
-            norm, cap = tensor.norm, self._caps.get(name)
-            if cap is not None and norm > cap:
-                self.capped.append((key, name, norm, cap))
-                norm = cap
-            else:
-                self._uncapped[name][0] += coefficient * norm
-                self._uncapped[name][1] += coefficient
-            self._norm_sums[name] += coefficient * norm
             if self._rda[name]:
+                self._norm_sums[name] += coefficient * (tensor.norm * scale if scale != 1.0 else tensor.norm)
                 if tensor.norm > 0.0:
                     terms.append(self._term(name, tensor.values, coefficient / tensor.norm))
             else:
-                scale = 1.0 if norm == tensor.norm else norm / tensor.norm
-                terms.append(self._term(name, tensor.values, coefficient * scale))
+                terms.append(self._term(name, tensor.values, coefficient * scale if scale != 1.0 else coefficient))
         kernels.accumulate_all(terms, self._threads)  # every tensor of the update handed to the threads at once
 
     def _term(self, name: str, values: torch.Tensor | kernels.Int4Blocks, alpha: float) -> kernels.Term:
@@ -117,13 +119,13 @@ class RoundSum:
     def invalidate(self) -> None:
         self._sums = None
 
-    def reference_norms(self) -> dict[str, float]:
-        """Per tensor, the weighted mean norm of the updates added whose norm was not capped, or the cap when every
-        one was (module docstring); empty before a positive weight."""
+    def reference_norm(self) -> float | None:
+        """The weighted mean norm of the updates added that were not capped, or the cap when every one was (module
+        docstring); None before a positive weight."""
         if self._total == 0.0:
-            return {}
-        return {name: norms / total if total > 0.0 else self._caps[name]
-                for name, (norms, total) in self._uncapped.items()}
+            return None
+        norms, total = self._uncapped
+        return norms / total if total > 0.0 else self._cap
 
     def holds(self, keys: Sequence[Hashable], weights: Sequence[float]) -> bool:
         """Whether the sums are valid and hold exactly `keys` with `weights`, in this order."""

@@ -137,11 +137,11 @@ class Syncer:
         self._fused_close = make_fused_close(self.outer, self._downlink, self.plan, self._global, self._threads)
         self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
-        self._reference: list[dict[str, float]] = [{} for _ in self._merges]
-        """Per fragment, each tensor's reference norm from its last committed round (`QuorumConfig.max_norm_ratio`);
-        empty until its second round and after a restart."""
+        self._reference: list[float | None] = [None] * self.plan.num_fragments
+        """Per fragment, the reference norm from its last committed round (`QuorumConfig.max_norm_ratio`); None until
+        its second round, and after a restart."""
         self.capped_updates = 0
-        """Tensors of updates merged with their norm capped (`QuorumConfig.max_norm_ratio`)."""
+        """Updates merged with their norm capped (`QuorumConfig.max_norm_ratio`)."""
         self._open = [self._new_round(p) for p in range(self.plan.num_fragments)]
         self.learners: dict[int, LearnerInfo] = {}
         self.rejections: deque[RejectionRecord] = deque(maxlen=MAX_REJECTION_RECORDS)
@@ -364,15 +364,16 @@ class Syncer:
         if open_round.first_at is not None:
             self.quorum_time.observe(open_round.quorum_at - open_round.first_at)
         self.rounds_committed += 1
-        for learner_id, name, norm, cap in open_round.capped:
-            logger.warning("[syncer] round %d of fragment %d: learner %d's update to %s has norm %.3g, %.3g times the "
+        for learner_id, norm in open_round.capped:  # (a round with a cap: a positive one)
+            logger.warning("[syncer] round %d of fragment %d: learner %d's update has norm %.3g, %.3g times the "
                            "fragment's previous round: it counts as one of norm %.3g (max_norm_ratio)",
-                           record.round_index, p, learner_id, name, norm, norm / cap * self.quorum.max_norm_ratio, cap)
+                           record.round_index, p, learner_id, norm,
+                           norm / open_round.cap * self.quorum.max_norm_ratio, open_round.cap)
         self.capped_updates += len(open_round.capped)
         # Not from a fragment's first round: it covers the few steps before the schedule's first slot, at the start
         # of the warm-up, and the next round's norms were up to 8.75 times its own (docs/protocol.md).
-        if record.version >= 2:
-            self._reference[p] = open_round.reference_norms or self._reference[p]
+        if record.version >= 2 and open_round.reference_norm is not None:
+            self._reference[p] = open_round.reference_norm
         self._open[p] = self._new_round(p)
         actions: list[SyncerAction] = [Commit(record)]
         for learner_id in self.alive_learners():
@@ -386,8 +387,9 @@ class Syncer:
         """The next round of fragment `p`, capping each update's tensor norms at `max_norm_ratio` times the
         fragment's reference norms (none without a reference)."""
         ratio, reference = self.quorum.max_norm_ratio, self._reference[p]
-        caps = {name: ratio * norm for name, norm in reference.items()} if ratio > 0 and reference else None
-        return OpenRound(self._merges[p], caps=caps)
+        # A reference of 0 (every update of the round was zero: a fragment nobody trained) caps nothing.
+        cap = ratio * reference if ratio > 0 and reference else None
+        return OpenRound(self._merges[p], cap=cap)
 
     def _margins(self, open_round: OpenRound, on_time: Sequence[int]) -> tuple[float, ...] | None:
         """For each on-time learner (in `on_time`'s order): how many of its own inner steps were left of the round's
@@ -484,7 +486,7 @@ class Syncer:
         self._downlink.load_state_dict(state["downlink_residual"])
         if self._fused_close is not None:
             self._fused_close.forget()
-        self._reference = [{} for _ in self._merges]
+        self._reference = [None] * self.plan.num_fragments
         self._open = [self._new_round(p) for p in range(self.plan.num_fragments)]
         # Learners must join again; remembering what was merged keeps double counting impossible.
         self.learners = {int(i): LearnerInfo(alive=False, last_seen=0.0,

@@ -26,8 +26,10 @@ catch half-open connections. A learner that comes back subscribes again, which i
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 DISCARDED_AT_STOP = "syncer stopped with the round open"
 """Reason of the `discarded` event for each update held in an open round at a clean stop."""
 MIN_TIMER_WAIT_S = 1e-3
+EXIT_CORE_FAULT = 70
+"""The syncer process's exit status when its core raised (`SyncerService._core`): restarted like any crash."""
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
 
@@ -212,7 +216,7 @@ class SyncerService:
             refused = reason is not None
             if not refused:
                 assert self.syncer is not None
-                actions = self.syncer.receive(join, self.clock.now())
+                actions = self._core(self.syncer.receive, join)
                 refusals = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Refused)]
                 refused, reason = bool(refusals), (refusals[0].reason if refusals else None)
             if not refused:
@@ -285,7 +289,7 @@ class SyncerService:
             assert self.syncer is not None, "the wire layer refuses updates before the genesis"
             self._arriving, self._arrival_logged = update, False
             try:
-                actions = self.syncer.receive(update, self.clock.now())
+                actions = self._core(self.syncer.receive, update)
             finally:
                 self._arriving = None
             logged = self._arrival_logged  # read under the lock: another update may start as soon as it is free
@@ -332,7 +336,7 @@ class SyncerService:
         with self._cond:
             if self.syncer is None:
                 return False
-            actions = self.syncer.receive(heartbeat, self.clock.now())
+            actions = self._core(self.syncer.receive, heartbeat)
             self._cond.notify_all()
         return not any(isinstance(a, Send) and isinstance(a.message, Rejected) for a in actions)
 
@@ -340,7 +344,7 @@ class SyncerService:
         with self._cond:
             subscription = self._subscriptions.pop(leave.learner_id, None)
             if self.syncer is not None:
-                self._carry_out(self.syncer.receive(leave, self.clock.now()))
+                self._carry_out(self._core(self.syncer.receive, leave))
             self._cond.notify_all()
         if subscription is not None:
             subscription.close()
@@ -351,7 +355,7 @@ class SyncerService:
             if self._closing or self._subscriptions.get(subscription.learner_id) is not subscription:
                 return  # replaced by a newer subscription of the same learner, or shutting down
             del self._subscriptions[subscription.learner_id]
-            self._carry_out(self.syncer.receive(Leave(subscription.learner_id), self.clock.now()))
+            self._carry_out(self._core(self.syncer.receive, Leave(subscription.learner_id)))
             self._cond.notify_all()
         logger.warning("[syncer] learner %d disconnected", subscription.learner_id)
         self.sink.event("disconnect", learner_id=subscription.learner_id)
@@ -396,6 +400,23 @@ class SyncerService:
             if self.syncer is not None:
                 self.syncer.observe_sync_time(seconds)
 
+    # ---- the core (lock held) --------------------------------------------------------------------------------
+
+    def _core(self, call: Callable[[Any, float], list[SyncerAction]], message: Any) -> list[SyncerAction]:
+        """`call(message, now)` on the core. The core refuses bad input with actions and never raises on it: an
+        exception is a fault of the core's own, after which its state in memory cannot be trusted (it may have made
+        a round durable and not yet sent it). Left so, a gRPC call failed and a dead timer thread stalled the run.
+        The process ends instead, with EXIT_CORE_FAULT, and the supervisor restarts it from its durable state (the
+        round log is replayed bit for bit); the learners reconnect by themselves."""
+        try:
+            return call(message, self.clock.now())
+        except Exception:
+            logger.critical("[syncer] the syncer core failed on %s: ending the process, to restart from its durable "
+                            "state", type(message).__name__ if message is not None else "its timer", exc_info=True)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(EXIT_CORE_FAULT)
+
     # ---- carrying out actions (lock held) -----------------------------------------------------------------
 
     def _carry_out(self, actions: list[SyncerAction]) -> None:
@@ -435,7 +456,7 @@ class SyncerService:
                 now = self.clock.now()
                 deadline = self.syncer.next_deadline()
                 if deadline is not None and deadline <= now:
-                    self._carry_out(self.syncer.advance(now))
+                    self._carry_out(self._core(lambda _, at: self.syncer.advance(at), None))
                     deadline = self.syncer.next_deadline()
                 timeout = None if deadline is None else max(MIN_TIMER_WAIT_S, deadline - self.clock.now())
                 self._cond.wait(timeout)
