@@ -49,6 +49,11 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step").
     """
     env = environment()
+    if hub is None and env.role == "evaluator":
+        # Else it would join as learner 0 (the id its environment holds), and the real learner 0 be refused.
+        raise ValueError("this process is the run's evaluator (`ddiloco run --evaluate` starts one more copy of the "
+                         "script): call ddiloco.watch(model, evaluate) in it instead of ddiloco.session(...), e.g. "
+                         "`if ddiloco.environment().role == 'evaluator': ddiloco.watch(model, evaluate)`")
     run_config = _resolve_config(config, env, hub)
     learner_id = env.learner_id if learner_id is None else learner_id
     plain = unwrap(model)  # what the run syncs; `sync.model` stays the model as given, wrapper and all
@@ -56,6 +61,11 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     if lazy:
         raise ValueError(f"parameter {lazy[0]!r} is not initialized yet (a lazy module; {len(lazy)} in all): run "
                          "one forward pass before ddiloco.session(...), so that the run knows every shape")
+    meta = [name for name, p in plain.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"parameter {meta[0]!r} is on the meta device, without values ({len(meta)} in all): "
+                         "materialize the model before ddiloco.session(...) (model.to_empty(device=...), then "
+                         "initialize its parameters)")
     learners_group = _learner_group(plain, env, group) if hub is None else None
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,

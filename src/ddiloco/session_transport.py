@@ -138,6 +138,9 @@ class GrpcTransport:
         self.io.send(message)
 
     def take_ready(self) -> list[SyncerMessage]:
+        if self.io.failure is not None:
+            raise RuntimeError(f"the learner's connection to the syncer failed: {type(self.io.failure).__name__}: "
+                               f"{self.io.failure}") from self.io.failure
         self.io.inner_step = self.learner.inner_step
         return self.io.inbox.take_ready()
 

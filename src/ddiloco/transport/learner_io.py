@@ -166,12 +166,28 @@ class LearnerIO:
         """Set by a stop or a re-join request, so the receiver does not sit out its backoff."""
         self._generation = 0
         self._unknown_reported = -1
-        self._threads = [threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True),
-                         threading.Thread(target=self._send_loop, name="learner-send", daemon=True)]
+        self.failure: BaseException | None = None
+        """Set (and the inbox woken) when a background thread failed with an exception it does not handle (a model
+        whose values cannot be read, a bug): the main thread raises it (`SessionTransport.take_ready`) rather than
+        wait for a Welcome that the dead receiver would never deliver."""
+        self._threads = [threading.Thread(target=self._guarded, args=(self._receive_loop,), name="learner-recv",
+                                          daemon=True),
+                         threading.Thread(target=self._guarded, args=(self._send_loop,), name="learner-send",
+                                          daemon=True)]
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
+
+    def _guarded(self, loop: Callable[[], None]) -> None:
+        """Run a background thread's loop; an exception it does not handle is kept for the main thread (`failure`)."""
+        try:
+            loop()
+        except Exception as exc:
+            logger.error("[learner %d] the %s thread failed: %s", self.learner_id, threading.current_thread().name,
+                         exc, exc_info=True)
+            self.failure = exc
+            self.inbox.wake()
 
     def send(self, message: Update | Join) -> None:
         """From the main thread: queue an update, or ask to join again."""

@@ -1,0 +1,65 @@
+"""`ddiloco.session` refuses what cannot work with a message that says what to do, and a learner's network thread
+that fails does not leave the training thread waiting for ever. Each was found by running a user's script under
+`ddiloco run`, where it hung the run or broke another learner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ddiloco
+from ddiloco.messages import Join, ModelSpec
+from ddiloco.transport.learner_io import LearnerIO
+
+
+def test_a_model_on_the_meta_device_is_refused_before_it_joins():
+    # It joined, and the receiver thread died reading the genesis ("Cannot copy out of meta tensor"): the learner
+    # sat at "joining" until the run was stopped.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is on the meta device.*to_empty"):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), syncer="127.0.0.1:1", learner_id=0)
+
+
+def test_the_evaluator_process_is_told_to_watch_not_to_train(monkeypatch):
+    # A script that does not branch on the role: its evaluator copy joined as learner 0 (the id in its environment),
+    # trained, and the real learner 0 was refused as a duplicate; the run failed.
+    monkeypatch.setenv("DDILOCO_ROLE", "evaluator")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"this process is the run's evaluator.*ddiloco.watch\(model, evaluate\)"):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), syncer="127.0.0.1:1", learner_id=0)
+
+
+class BrokenClient:
+    """A `SyncerClient` whose subscription raises what the receiver does not handle (not a gRPC error)."""
+
+    address = "127.0.0.1:1"
+
+    def subscribe(self, join):
+        raise NotImplementedError("Cannot copy out of meta tensor")
+
+    def heartbeat(self, *args, **kwargs):
+        return None
+
+    def take_downlink_missed(self):
+        return False
+
+    def cancel_subscription(self):
+        pass
+
+    def leave(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_failed_network_thread_is_raised_on_the_training_thread():
+    io = LearnerIO(BrokenClient(), Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
+    io.start()
+    try:
+        io.inbox.wait(30.0)  # woken by the failure (before, the receiver died and nothing woke the learner)
+        assert isinstance(io.failure, NotImplementedError)
+    finally:
+        io.close(leave=False)
