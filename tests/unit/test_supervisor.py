@@ -85,6 +85,10 @@ def fake_ddiloco() -> None:
             time.sleep(step_s * 5)
         sys.exit(0)
     if role == "evaluator":
+        behaviour = plan.get("evaluator", {})
+        if "exit_code" in behaviour:  # before its first evaluation
+            print(behaviour.get("message", "fake evaluator failed"), file=sys.stderr)
+            sys.exit(behaviour["exit_code"])
         while not stop:
             time.sleep(step_s * 5)
         metrics = run / "evaluator" / "metrics.jsonl"

@@ -62,6 +62,20 @@ def test_deaths_by_a_signal_before_the_session_are_faults_and_keep_being_restart
     assert learner.exit_codes == [-signal.SIGKILL] * 3 + [0] and learner.restarts == 3
 
 
+def test_an_evaluator_failing_before_its_first_evaluation_is_given_up_and_the_run_goes_on(tmp_path, fake_command):
+    # A script whose evaluator copy calls ddiloco.session: it was restarted with backoff until the run ended.
+    error = "ValueError: this process is the run's evaluator"
+    launcher = make_run(tmp_path, fake_command, inner_steps=300,  # 3 s: longer than the evaluator's three starts
+                        plan={"evaluator": {"exit_code": 1, "message": error}})
+    supervisor = Supervisor(FAST, launcher=launcher)
+    supervisor.run()
+    evaluator = supervisor.evaluator
+    assert evaluator is not None and evaluator.state == ChildState.FAILED and evaluator.exit_codes == [1, 1, 1]
+    assert evaluator.reason.startswith(error) and "3 starts in a row ended before its session started" in \
+        evaluator.reason
+    assert [learner.state for learner in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
+
+
 SCHEDULER_ERROR = "ValueError: Tried to step 6 times. The specified number of total steps is 5"
 
 

@@ -231,10 +231,12 @@ class RoleActor:
         """How an exit of this role's process is kept ({} when its code decides), or None for Ray to restart it."""
         if not restarts_after(self.spec.role, code):
             return {}
-        if self.spec.role != LEARNER:
+        if self.spec.role == SYNCER:
             return None
-        status = status_since(self.paths.learner_status(self.spec.learner_id), self._started_wall)
-        if finished_session(status):
+        path = self.paths.learner_status(self.spec.learner_id) if self.spec.role == LEARNER else \
+            self.paths.evaluator_status  # the evaluator's "session" begins with its first evaluation
+        status = status_since(path, self._started_wall)
+        if self.spec.role == LEARNER and finished_session(status):
             return {"verdict": "done"}
         self._crash_loop.count(code, status)
         reason = self._crash_loop.give_up_reason(code, self.child.log_tail(), self.launcher.paths.log(self.spec.name),

@@ -415,26 +415,29 @@ class Supervisor(SupervisionLoop):
     def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
                         ) -> str | None:
         """Why a child that exited with a failure is not restarted, or None to restart it: a usage error, too many
-        restarts, or (learners) a crash loop (`learner_exits.CrashLoop`, which this call counts)."""
+        restarts, or (a learner, the evaluator) a crash loop (`learner_exits.CrashLoop`, which this call counts; the
+        evaluator's "session" is its first evaluation, the first write of its status file). A failed evaluator ends
+        nothing else: the run goes on without evaluations."""
         if code == EXIT_USAGE and tail:
             return tail[-1]
-        if start is None:
-            slot.crash_loop.count(code, self._status_since_start(slot))
-            reason = slot.crash_loop.give_up_reason(
-                code, tail, self.launcher.paths.log(slot.name),
-                max_before_session=self.config.max_exits_before_session,
-                max_without_progress=self.config.max_exits_without_progress)
-            if reason is not None:
-                return reason
+        slot.crash_loop.count(code, self._status_since_start(slot))
+        reason = slot.crash_loop.give_up_reason(
+            code, tail, self.launcher.paths.log(slot.name),
+            max_before_session=self.config.max_exits_before_session,
+            max_without_progress=self.config.max_exits_without_progress)
+        if reason is not None:
+            return reason
         if code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
             return f"{describe_exit(code)} after {slot.restarts} restarts"
         return None
 
     def _status_since_start(self, slot: Slot) -> dict[str, Any]:
-        """The learner's status file if its current process wrote it (a stale one from an earlier start, or an
-        earlier run before `--resume`, does not count), else {}."""
-        assert slot.process is not None and slot.learner_id is not None
-        return status_since(self.launcher.paths.learner_status(slot.learner_id), started_wall(slot.process.started_at))
+        """The learner's (or the evaluator's) status file if its current process wrote it (a stale one from an earlier
+        start, or an earlier run before `--resume`, does not count), else {}."""
+        assert slot.process is not None
+        paths = self.launcher.paths
+        path = paths.learner_status(slot.learner_id) if slot.learner_id is not None else paths.evaluator_status
+        return status_since(path, started_wall(slot.process.started_at))
 
     def _start_evaluator(self, slot: Slot) -> None:
         """The evaluator: started with the learners, supervised like one; done when it exits 0."""
