@@ -162,6 +162,12 @@ class Syncer:
         """A copy of the whole global model, by parameter name."""
         return {name: t.clone() for frag in self._global for name, t in frag.items()}
 
+    def fragment_shares(self) -> list[float]:
+        """Each fragment's share of the model's values (they sum to 1; all equal for a model without values)."""
+        counts = [sum(t.numel() for t in tensors.values()) for tensors in self._global]
+        total = sum(counts)
+        return [count / total if total else 1 / len(counts) for count in counts]
+
     def fragment_state(self, fragment: int) -> FragmentState:
         # A snapshot: later rounds update the global tensors in place, and a state may sit in a
         # simulated link (or a send queue) for a while before it is applied.

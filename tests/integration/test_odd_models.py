@@ -86,6 +86,8 @@ def test_a_parameter_without_values_and_a_strided_one_train_and_export(tmp_path)
     status, output, summary = run(tmp_path, "odd")
     assert status == 0, output
     assert summary["outcome"] == "completed" and summary["rounds_committed"] >= 4
+    for learner in summary["learners"].values():  # each token once (it read about P = 2 times the tokens trained)
+        assert 0.8 * learner["tokens"] <= learner["tokens_merged"] <= learner["tokens"] + 1, learner
     out = tmp_path / "model.safetensors"
     subprocess.run([sys.executable, "-m", "ddiloco.cli", "export", str(tmp_path / "run"), "--out", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)

@@ -231,12 +231,20 @@ class SyncerStore:
         """Write the full state (serial = rounds committed)."""
         save_state(self.state_dir, syncer.state_dict(), serial=syncer.rounds_committed, meta=meta)
 
-    def participation(self) -> dict[int, dict[str, int]]:
-        """Per learner, rounds it took part in and tokens merged, from the log."""
-        out: dict[int, dict[str, int]] = {}
+    def participation(self, shares: Sequence[float]) -> dict[int, dict[str, float]]:
+        """Per learner, rounds it took part in and tokens merged, from the log (`merged_tokens`; `shares`: each
+        fragment's share of the model, `FragmentPlan.shares`)."""
+        out: dict[int, dict[str, float]] = {}
         for line in self.log.lines():
             for p in line["participants"]:
-                tally = out.setdefault(int(p["learner_id"]), {"accepted": 0, "tokens_merged": 0})
+                tally = out.setdefault(int(p["learner_id"]), {"accepted": 0, "tokens_merged": 0.0})
                 tally["accepted"] += 1
-                tally["tokens_merged"] += int(p["tokens"])
+                tally["tokens_merged"] += merged_tokens(int(p["tokens"]), shares[int(line["fragment"])])
         return out
+
+
+def merged_tokens(tokens: int, share: float) -> float:
+    """The tokens of a participant's work that a round of one fragment merged: its tokens times the fragment's share
+    of the model. Each of the P fragments' updates counts the same inner steps' tokens, so summed without the share a
+    learner's merged tokens read P times what it trained."""
+    return tokens * share

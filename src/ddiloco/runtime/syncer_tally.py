@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddiloco.messages import RoundRecord
+from ddiloco.runtime.syncer_state import merged_tokens
 from ddiloco.syncer import Syncer
 from ddiloco.throttle import Throttle
 
@@ -42,7 +43,7 @@ def round_metrics(record: RoundRecord) -> dict[str, float]:
 class SyncerTally:
     """The service's counters, restored from a full state's `meta` and the round log's participation."""
 
-    def __init__(self, meta: Mapping[str, Any], participation: dict[int, dict[str, int]], *, num_learners: int,
+    def __init__(self, meta: Mapping[str, Any], participation: dict[int, dict[str, float]], *, num_learners: int,
                  refusal_log_period_s: float) -> None:
         self.num_learners = num_learners
         self.rejections: Counter[str] = Counter(meta.get("rejections", {}))
@@ -57,11 +58,11 @@ class SyncerTally:
         if learner_id is not None and 0 <= learner_id < self.num_learners:
             self.rejected[learner_id] += 1  # not per claimed id outside the run: one entry each would pile up
 
-    def count_commit(self, record: RoundRecord) -> None:
+    def count_commit(self, record: RoundRecord, shares: Sequence[float]) -> None:
         for p in record.participants:
-            tally = self.participation.setdefault(p.learner_id, {"accepted": 0, "tokens_merged": 0})
+            tally = self.participation.setdefault(p.learner_id, {"accepted": 0, "tokens_merged": 0.0})
             tally["accepted"] += 1
-            tally["tokens_merged"] += p.tokens
+            tally["tokens_merged"] += merged_tokens(p.tokens, shares[record.fragment])
 
     def meta(self, syncer: Syncer) -> dict[str, Any]:
         """The counters a full state keeps (`Restored.meta` when it is loaded)."""
@@ -88,7 +89,7 @@ class SyncerTally:
             info = s.learners.get(learner_id)
             learners[str(learner_id)] = {
                 "accepted": tally.get("accepted", 0), "rejected": self.rejected[learner_id],
-                "tokens_merged": tally.get("tokens_merged", 0), "joins": self.joins[learner_id],
+                "tokens_merged": round(tally.get("tokens_merged", 0)), "joins": self.joins[learner_id],
                 "alive": bool(info is not None and info.alive)}
         return {
             "time": time.time(), "pid": os.getpid(), "address": address, "genesis": True,
