@@ -53,10 +53,17 @@ Evaluate = Callable[[nn.Module], "float | Mapping[str, float]"]
 
 
 def _as_metrics(result: Any) -> dict[str, float]:
-    if isinstance(result, Mapping):
-        metrics = {str(k): float(v) for k, v in result.items()}
-    else:
-        metrics = {"val_loss": float(result)}
+    """`evaluate`'s result as named floats: a dict of numbers, or one number (the validation loss). Anything else
+    raises TypeError naming what was returned (a string or None gave float()'s message, naming nothing)."""
+    items = result.items() if isinstance(result, Mapping) else [("val_loss", result)]
+    metrics = {}
+    for key, value in items:
+        try:
+            metrics[str(key)] = float(value)
+        except (TypeError, ValueError):
+            where = f"metric {key!r}" if isinstance(result, Mapping) else "its result"
+            raise TypeError(f"ddiloco.watch: the evaluate function returned {value!r} as {where}: expected a number "
+                            "(a float, an int, a one-value tensor) or a dict of them") from None
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
         logger.warning("[evaluator] non-finite metric(s) %s", bad)

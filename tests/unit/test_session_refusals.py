@@ -63,3 +63,14 @@ def test_a_failed_network_thread_is_raised_on_the_training_thread():
         assert isinstance(io.failure, NotImplementedError)
     finally:
         io.close(leave=False)
+
+
+def test_an_evaluate_function_that_returns_something_else_than_numbers_is_named():
+    from ddiloco.evaluator import _as_metrics
+
+    assert _as_metrics({"val_loss": torch.tensor(0.5), "acc": 1}) == {"val_loss": 0.5, "acc": 1.0}
+    assert _as_metrics(2) == {"val_loss": 2.0}
+    with pytest.raises(TypeError, match=r"returned 'abc' as metric 'acc': expected a number"):
+        _as_metrics({"val_loss": 0.5, "acc": "abc"})  # was: could not convert string to float: 'abc'
+    with pytest.raises(TypeError, match=r"returned None as its result"):
+        _as_metrics(None)
