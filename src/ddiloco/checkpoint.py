@@ -6,9 +6,11 @@ cut) leaves either the old file or the new one, never a torn one. Tensors go int
 (no pickle: loading a checkpoint never runs code); everything else into JSON.
 
 - `save_state` / `load_latest_state`: a nested state dict (a syncer's global parameters and outer
-  momentum, a learner's AdamW state and data cursor) split into its tensors (one safetensors file)
-  and the rest (one JSON file that names the tensors file and records its checksum). The JSON file is
-  the commit point: written last, so a state exists exactly when its JSON does. The latest few are kept.
+  momentum, a learner's AdamW state and data cursor) split into its tensors and numpy arrays (one
+  safetensors file) and the rest (one JSON file that names the tensors file and records its checksum).
+  The JSON file is the commit point: written last, so a state exists exactly when its JSON does. The
+  latest few are kept. `split_state` may run apart from the write (`save_split_state`), so that a value
+  a checkpoint cannot keep is refused where the state was taken, not in the thread that writes it.
 - `RoundLog`: `rounds.jsonl` (one committed round per line, `RoundRecord.to_json()` plus the checksum
   of the round's tensors file) plus the merged pseudo-gradient of every round in
   `rounds/round_NNNNNN.safetensors`, enough to replay the global state bit for bit
@@ -38,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
@@ -55,6 +58,19 @@ CHECKSUM_KEY = "tensors_checksum"
 _TENSOR = "__tensor__"
 _ITEMS = "__items__"
 _TUPLE = "__tuple__"
+_NDARRAY = "__ndarray__"
+_NUMPY_SCALAR = "__numpy_scalar__"
+_MARKERS = frozenset({_TENSOR, _ITEMS, _TUPLE, _NDARRAY, _NUMPY_SCALAR})
+"""The keys of the placeholders in a state's JSON tree (`split_state`). A dict of the state that holds one of these
+keys is stored as items, so that it never reads back as a placeholder."""
+NUMPY_DTYPES = frozenset(np.dtype(name) for name in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
+    "complex64"))
+"""The numpy dtypes a checkpoint keeps, in native byte order: those both torch and safetensors hold, so that an array
+goes into the tensors file as it is and comes back with its dtype (complex128 is torch's, not safetensors')."""
+CHECKPOINTABLE = ("dicts, lists, tuples, None, bools, ints, floats, strings, torch tensors, and numpy arrays and "
+                  "scalars of dtype bool, int8-64, uint8-64, float16-64 or complex64")
+"""What a state may hold (`split_state`), as error messages say it."""
 
 
 # ---- atomic files --------------------------------------------------------------------------------
@@ -260,38 +276,69 @@ def load_tensors(path: str | Path, *, checksum: str | None = None) -> dict[str, 
 
 # ---- nested state dicts <-> (tensors, JSON) ------------------------------------------------------
 
+class UnsupportedStateError(TypeError):
+    """A value of a state that `split_state` cannot store. `keys` is where it sits (the dict keys and list indices
+    from the state's root), `what` says what it is (`set`, `ndarray of dtype object`)."""
+
+    def __init__(self, keys: tuple[Any, ...], what: str) -> None:
+        super().__init__(f"cannot checkpoint the {what} at {state_path(keys)}: a checkpoint keeps {CHECKPOINTABLE}")
+        self.keys = keys
+        self.what = what
+
+
+def state_path(keys: tuple[Any, ...]) -> str:
+    """A place in a state as `split_state` names it: `/state/data/seen`, `/` for the root."""
+    return "".join(f"/{key}" for key in keys) or "/"
+
+
 def split_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a nested state (dicts, lists, tuples, numbers, strings, tensors) into its tensors,
-    keyed by path, and a JSON-able tree holding a placeholder where each tensor was. Dicts with
-    non-string keys (torch optimizer states use int keys) and tuples keep their types."""
+    """Split a nested state (dicts, lists, tuples, numbers, strings, tensors, numpy arrays and scalars) into its
+    tensors, keyed by path, and a JSON-able tree holding a placeholder where each tensor was. Dicts with non-string
+    keys (torch optimizer states use int keys), tuples, numpy arrays and numpy scalars keep their types: an array or
+    scalar is stored as a tensor (`torch.from_numpy`, no copy) under its own placeholder. Anything else (a set, an
+    object, an array of strings) is an `UnsupportedStateError` naming where it is."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: Any, keys: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
+            path = state_path(keys)
             tensors[path] = value
             return {_TENSOR: path}
+        if isinstance(value, np.ndarray | np.generic) and value.dtype in NUMPY_DTYPES:
+            path = state_path(keys)
+            # A scalar as a 0-d array. np.require keeps 0-d (np.ascontiguousarray makes it 1-d) and copies only an
+            # array that is not C-contiguous (torch.from_numpy refuses negative strides).
+            tensors[path] = torch.from_numpy(np.require(value, requirements="C"))
+            return {_NDARRAY if isinstance(value, np.ndarray) else _NUMPY_SCALAR: path}
         if isinstance(value, dict):
-            if all(isinstance(k, str) for k in value) and not ({_TENSOR, _ITEMS, _TUPLE} & set(value)):
-                return {k: walk(v, f"{path}/{k}") for k, v in value.items()}
-            return {_ITEMS: [[k, walk(v, f"{path}/{k}")] for k, v in value.items()]}
+            if all(isinstance(k, str) for k in value) and not (_MARKERS & set(value)):
+                return {k: walk(v, (*keys, k)) for k, v in value.items()}
+            return {_ITEMS: [[k, walk(v, (*keys, k))] for k, v in value.items()]}
         if isinstance(value, tuple):
-            return {_TUPLE: [walk(v, f"{path}/{i}") for i, v in enumerate(value)]}
+            return {_TUPLE: [walk(v, (*keys, i)) for i, v in enumerate(value)]}
         if isinstance(value, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
-        if value is None or isinstance(value, bool | int | float | str):
+            return [walk(v, (*keys, i)) for i, v in enumerate(value)]
+        if value is None or isinstance(value, bool | int | float | str):  # (np.str_ is a str)
             return value
-        raise TypeError(f"cannot checkpoint {type(value).__name__} at {path or '/'}")
+        if isinstance(value, np.ndarray | np.generic):
+            raise UnsupportedStateError(keys, f"{type(value).__name__} of dtype {value.dtype}")
+        raise UnsupportedStateError(keys, type(value).__name__)
 
-    return tensors, walk(state, "")
+    return tensors, walk(state, ())
 
 
 def join_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of `split_state`."""
+    """The inverse of `split_state`. Reads the trees of every version (one written before numpy values were kept
+    holds none of their placeholders)."""
     if isinstance(tree, list):
         return [join_state(v, tensors) for v in tree]
     if isinstance(tree, dict):
         if set(tree) == {_TENSOR}:
             return tensors[tree[_TENSOR]]
+        if set(tree) == {_NDARRAY}:
+            return tensors[tree[_NDARRAY]].numpy()
+        if set(tree) == {_NUMPY_SCALAR}:
+            return tensors[tree[_NUMPY_SCALAR]].numpy()[()]  # a 0-d array's element: np.int64, np.float32, ...
         if set(tree) == {_ITEMS}:
             return {(k if isinstance(k, str) else int(k)): join_state(v, tensors) for k, v in tree[_ITEMS]}
         if set(tree) == {_TUPLE}:
@@ -314,9 +361,15 @@ def save_state(directory: str | Path, state: Any, *, serial: int, meta: dict[str
     """Write `state` durably as `state_<serial>.{safetensors,json}` and drop all but the newest
     KEEP_STATES. `serial` orders states (the syncer uses rounds committed, a learner its inner
     step); saving the same serial twice replaces it. Returns the JSON path (the commit point)."""
+    return save_split_state(directory, split_state(state), serial=serial, meta=meta)
+
+
+def save_split_state(directory: str | Path, split: tuple[dict[str, torch.Tensor], Any], *, serial: int,
+                     meta: dict[str, Any] | None = None) -> Path:
+    """`save_state` of a state `split_state` has already split: `split` is what it returned."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, tree = split_state(state)
+    tensors, tree = split
     stem = f"state_{serial:09d}"
     checksum = save_tensors(directory / f"{stem}.safetensors", tensors)
     json_path = directory / f"{stem}.json"

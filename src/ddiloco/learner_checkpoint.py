@@ -5,9 +5,11 @@ inner optimizer), the model's buffers (`ddiloco.model_buffers`: not synchronised
 the user passed as `state=` (a data loader, a scheduler), the other ranks' own objects, buffers and optimizer
 shards (`LearnerGroup.checkpoint`), and the totals the status reports (tokens, counters). Each checkpoint also
 writes the buffers to `learners/N/buffers.safetensors`, which export and the evaluator average. The snapshot is
-taken between inner steps, on the training thread; writing and fsyncing happen in a background thread, one write at
-a time, and a write that fails (a full disk) is logged and tried again at the next checkpoint. Restoring loads the
-latest readable checkpoint back into all of them. When to checkpoint, and what a resumed learner does next, is the
+taken between inner steps, on the training thread, and split there into tensors and JSON, so that a value the
+checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's loop, naming the entry; writing and
+fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
+again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
+state is known to fit this script's optimizer. When to checkpoint, and what a resumed learner does next, is the
 session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
@@ -22,7 +24,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_state
+from ddiloco.checkpoint import (
+    CHECKPOINTABLE,
+    UnsupportedStateError,
+    WriteTrouble,
+    load_latest_state,
+    save_split_state,
+    split_state,
+    state_path,
+)
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_status import StatusReporter
@@ -80,16 +90,31 @@ class LearnerCheckpoint:
         self.state = state
         self.group = group
         self.reporter = reporter
+        self.checked = False
+        """Whether `check()` has run (the session calls it once, at its first inner step)."""
         self._writes = WriteTrouble(f"learner {learner.learner_id}'s checkpoint")
         self._saver: threading.Thread | None = None
+        self._unsupported_raised = False
+        """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
+
+    def _user_state(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.state.items()}
+
+    def check(self) -> None:
+        """Raise TypeError, naming the entry and the place in it, when a `state=` object's state_dict() holds a value
+        a checkpoint cannot keep. The session calls it at its first inner step, so that such a state stops the loop at
+        once rather than at the first checkpoint (`checkpoint_every_s` in) or as the session ends."""
+        self.checked = True
+        self._split({"state": self._user_state()})
 
     def save(self, *, wait: bool = True) -> None:
-        """Checkpoint. The snapshot is taken here, between inner steps (a deep copy: the optimizer updates its
-        tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
-        checkpoint costs the training loop only the copy."""
+        """Checkpoint. The snapshot is taken and split here, between inner steps (a deep copy: the optimizer updates
+        its tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
+        checkpoint costs the training loop only the copy. A state that cannot be kept raises TypeError here (see
+        `_split`)."""
         if self._saver is not None:
             self._saver.join()  # one write at a time, in order
-        user = {name: obj.state_dict() for name, obj in self.state.items()}
+        user = self._user_state()
         learner = self.learner.state_dict()
         ranks = self.group.checkpoint(learner) if self.group is not None else None
         buffers = snapshot_buffers(self.learner.model)
@@ -97,11 +122,14 @@ class LearnerCheckpoint:
         state["buffers"] = buffers
         if ranks is not None:
             state["ranks"] = ranks
+        split = self._split(state)
+        if split is None:
+            return
         meta = {"tokens": self.reporter.progress.tokens, "counters": self.reporter.counters()}
         serial = self.learner.inner_step
 
         def write() -> None:
-            save_state(self.directory, state, serial=serial, meta=meta)
+            save_split_state(self.directory, split, serial=serial, meta=meta)
             write_buffers(self.directory.parent, buffers)
 
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
@@ -110,6 +138,36 @@ class LearnerCheckpoint:
         self._saver.start()
         if wait:
             self._saver.join()
+
+    def _split(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """`split_state(state)`, on the training thread. A value it cannot keep is a TypeError naming the entry the
+        first time; after that (the session's last checkpoint, as it closes after that very error) the checkpoint is
+        skipped with the reason logged, so that the error is not raised again over the first. None when skipped."""
+        try:
+            return split_state(state)
+        except UnsupportedStateError as exc:
+            reason = self._describe_unsupported(exc)
+            if not self._unsupported_raised:
+                self._unsupported_raised = True
+                raise TypeError(reason) from None
+            logger.error("[learner %d | inner %d] no checkpoint: %s", self.learner.learner_id, self.learner.inner_step,
+                         reason)
+            return None
+
+    def _describe_unsupported(self, exc: UnsupportedStateError) -> str:
+        """What the user reads when a checkpoint cannot keep a value: whose state_dict() holds it, where, what to do."""
+        keys = exc.keys
+        if keys[:1] == ("state",) and len(keys) >= 2:
+            owner, within = f"state[{keys[1]!r}].state_dict()", keys[2:]
+        elif keys[:1] == ("ranks",) and keys[2:3] == ("state",) and len(keys) >= 4:
+            owner, within = f"rank {keys[1]}'s state[{keys[3]!r}].state_dict()", keys[4:]
+        elif keys[:2] == ("learner", "optimizer"):
+            owner, within = "the optimizer's state_dict()", keys[2:]
+        else:
+            owner, within = "the learner's state", keys
+        return (f"learner {self.learner.learner_id} cannot checkpoint the {exc.what} at {state_path(within)} in "
+                f"{owner}. A checkpoint keeps {CHECKPOINTABLE}: have state_dict() return only those (a set as a sorted "
+                "list, an object as a dict of its fields) and load_state_dict() rebuild the rest")
 
     def restore(self) -> bool:
         """Load the latest readable checkpoint, if any; False when there is none."""
@@ -121,6 +179,7 @@ class LearnerCheckpoint:
                         learner_id, self.directory)
             return False
         state, meta, _ = latest
+        self._check_optimizer_fits(state["learner"]["optimizer"])
         self.learner.load_state_dict(state["learner"])
         # A checkpoint written before it kept them holds none: the buffers stay as the script built them.
         load_buffers(self.learner.model, state.get("buffers", {}))
@@ -134,3 +193,23 @@ class LearnerCheckpoint:
                 logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", learner_id, name)
         self.reporter.resume(tokens=int(meta.get("tokens", 0)), counters=meta.get("counters", {}))
         return True
+
+    def _check_optimizer_fits(self, saved: Mapping[str, Any]) -> None:
+        """Raise ValueError unless the checkpoint's optimizer state has this optimizer's parameter groups, each with
+        as many parameters. It is loaded before the join, where a changed model would be refused: without this check
+        torch's own error ("a parameter group that doesn't match the size of optimizer's group") ended every restart,
+        saying neither which learner nor why."""
+        saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+        sizes = [len(group["params"]) for group in self.learner.optimizer.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(
+                f"learner {self.learner.learner_id}'s checkpoint in {self.directory} holds optimizer state for "
+                f"{_parameter_groups(saved_sizes)}, but this script's optimizer has {_parameter_groups(sizes)}: the "
+                "model (or how its optimizer groups the parameters) changed since the run started. Resume with the "
+                "model the run started with, or start a new run (a new run directory)")
+
+
+def _parameter_groups(sizes: list[int]) -> str:
+    """`[6, 2]` as "2 parameter groups of 6 + 2 parameters"."""
+    groups = "1 parameter group" if len(sizes) == 1 else f"{len(sizes)} parameter groups"
+    return f"{groups} of {' + '.join(map(str, sizes))} parameters"

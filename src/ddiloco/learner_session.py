@@ -63,6 +63,7 @@ from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful, stateful_obj
 from ddiloco.learner_group import LearnerGroup, unwrap
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.learner_status import StatusReporter
+from ddiloco.messages import Update
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
@@ -201,6 +202,8 @@ class Session(SessionLifecycle):
                                                  group=group, reporter=self.reporter)
         self._last_checkpoint = 0.0
         self._step_started: float | None = None
+        self._warned_weightless = False
+        """Whether an update that counts no tokens was warned about (`_warn_if_weightless`)."""
         self.final_state: str | None = None
 
     # ---- what the loop reads -------------------------------------------------------------------------
@@ -273,7 +276,9 @@ class Session(SessionLifecycle):
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
         trained on (the syncer weights learners by it); `loss`, if given, is logged and shown."""
-        self._check_step(tokens)
+        tokens = self._check_step(tokens)
+        if self._checkpoint is not None and not self._checkpoint.checked:
+            self._checkpoint.check()  # a state= the checkpoint cannot keep stops the loop now, not 10 s in
         started = self._step_started or time.monotonic()
         if self.group is not None:
             tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch
@@ -300,10 +305,23 @@ class Session(SessionLifecycle):
         self._step_started = time.monotonic()
 
     def _send(self, message: Any) -> None:
+        if isinstance(message, Update):
+            self._warn_if_weightless(message)
         if self._publisher is not None:
             self._publisher.send(message)
         else:
             self.transport.send(message)
+
+    def _warn_if_weightless(self, update: Update) -> None:
+        """Warn, once, when an update counts no tokens: its merge weight is 0, so a loop that passes `tokens=0` at every
+        step trained a run whose export was its genesis, with nothing said."""
+        if update.tokens > 0 or self._warned_weightless:
+            return
+        self._warned_weightless = True
+        logger.warning("[learner %d | inner %d] its update of fragment %d counts 0 tokens over %d inner steps: the "
+                       "merge weights an update by tokens^2 / steps, so this one (and every other that counts none) "
+                       "weighs nothing and its training is lost. Pass sync.step(tokens=<tokens or samples in the "
+                       "batch>) (said once)", self.learner_id, self.learner.inner_step, update.fragment, update.steps)
 
     def _count_sent(self, update: Any) -> None:
         self.learner.stats.bytes_sent += update.payload_bytes  # (the publisher's thread: the one that writes it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -304,3 +305,111 @@ def test_a_generator_in_state_resumes_its_draws(tmp_path):
     with pytest.raises(TypeError, match=r"state\['data'\] is a torch DataLoader, which keeps no position.*"
                                         r"StatefulDataLoader.*generator=g"):
         ddiloco.session(model, optimizer, state={"data": loader}, hub=hub(), learner_id=0)
+
+
+class NumpyCursor:
+    """A data position kept in numpy: an array of counts and an np.int64 (a checkpoint skipped them, silently)."""
+
+    def __init__(self) -> None:
+        self.seen, self.batches = np.zeros(3, dtype=np.float32), np.int64(0)
+
+    def state_dict(self):
+        return {"seen": self.seen, "batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.seen, self.batches = state["seen"], state["batches"]
+
+
+def test_a_state_holding_numpy_values_is_checkpointed_and_resumes_as_it_was(tmp_path):
+    shared, model, cursor = hub(), TinyNet(seed=1), NumpyCursor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddiloco.session(model, optimizer, state={"data": cursor}, hub=shared, learner_id=0, inner_steps=4,
+                         run_dir=tmp_path) as sync:
+        while not sync.done:
+            cursor.seen += 1
+            cursor.batches += 1
+            sync.step(tokens=4)
+    again, model2 = NumpyCursor(), TinyNet(seed=1)
+    with ddiloco.session(model2, torch.optim.SGD(model2.parameters(), lr=0.1), state={"data": again}, hub=shared,
+                         learner_id=0, inner_steps=6, run_dir=tmp_path) as resumed:
+        assert resumed.inner_step == 4
+    assert type(again.seen) is np.ndarray and again.seen.dtype == np.float32 and again.seen.tolist() == [4.0] * 3
+    assert type(again.batches) is np.int64 and again.batches == 4
+
+
+class TaggedCursor(Cursor):
+    def state_dict(self):
+        return {"position": self.position, "tags": {"a", "b"}}
+
+
+def test_a_state_the_checkpoint_cannot_keep_stops_the_loop_at_its_first_step_naming_the_entry(tmp_path, caplog):
+    # The checkpoint thread raised it, so it only showed in the log and no checkpoint was ever written.
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (caplog.at_level(logging.ERROR),
+          pytest.raises(TypeError, match=r"learner 0 cannot checkpoint the set at /tags in state\['data'\]"
+                                         r"\.state_dict\(\)\. A checkpoint keeps dicts, .*a set as a sorted list"),
+          ddiloco.session(model, optimizer, state={"data": TaggedCursor()}, hub=hub(), learner_id=0,
+                          inner_steps=4, run_dir=tmp_path) as sync):
+        sync.step(tokens=4)
+    assert sync.final_state == "failed" and sync.inner_step == 0
+    assert "no checkpoint: learner 0 cannot checkpoint the set at /tags" in caplog.text  # the closing one, logged
+
+
+def test_a_run_resumed_with_a_changed_model_fails_saying_the_model_changed(tmp_path):
+    shared = hub()
+    _train(shared, tmp_path, inner_steps=2)
+    model = TinyNet(seed=1)
+    model.blocks.append(torch.nn.Linear(8, 8))  # a layer added to the script since the run started
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"learner 0's checkpoint in .* holds optimizer state for 1 parameter group "
+                                         r"of 6 parameters, but this script's optimizer has 1 parameter group of 8 "
+                                         r"parameters: the model .* changed since the run started. Resume with the "
+                                         r"model the run started with, or start a new run"):
+        ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=4, run_dir=tmp_path).start()
+
+
+def test_updates_that_count_no_tokens_are_warned_about_once(caplog):
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING), ddiloco.session(model, optimizer, hub=hub(), learner_id=0,
+                                                           inner_steps=12) as sync:
+        while not sync.done:
+            sync.step(tokens=0)
+    assert caplog.text.count("counts 0 tokens") == 1
+    assert "weighs nothing and its training is lost. Pass sync.step(tokens=<tokens or samples" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), ddiloco.session(model, optimizer, hub=hub(), learner_id=0,
+                                                           inner_steps=12) as sync:
+        while not sync.done:
+            sync.step(tokens=0 if sync.inner_step % 2 else 4)  # (accumulation micro-steps may count none)
+    assert "counts 0 tokens" not in caplog.text
+
+
+def test_numpy_integers_count_as_tokens_and_only_a_tensor_gets_the_tensor_hint():
+    model = TinyNet(seed=1)
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=0,
+                         max_tokens_per_step=32) as sync:
+        sync.step(tokens=np.int64(32))
+        sync.step(tokens=np.uint8(3))
+        assert sync.inner_step == 2 and sync.reporter.progress.tokens == 35
+        assert type(sync.reporter.progress.tokens) is int
+        with pytest.raises(ValueError, match=r"tokens=\S*32\.0\S* is invalid: expected an int >= 0 \(tokens or "
+                                             r"samples in this step\)$"):
+            sync.step(tokens=np.float64(32.0))
+        with pytest.raises(ValueError, match=r"tokens=\S*True\S* is invalid"):
+            sync.step(tokens=np.bool_(True))
+
+
+def test_a_step_after_the_budget_is_refused_naming_it():
+    model = TinyNet(seed=1)
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=0,
+                         inner_steps=3) as sync:
+        while not sync.done:
+            sync.step(tokens=4)
+        with pytest.raises(RuntimeError, match=r"sync.step\(\) after the run's budget of 3 inner steps: sync.done is "
+                                               r"true from there on"):
+            sync.step(tokens=4)
+        assert sync.inner_step == 3
+    assert sync.final_state == "done"

@@ -1,0 +1,60 @@
+"""What a state may hold (`ddiloco.checkpoint.split_state`): numpy arrays and scalars come back as they were, a value
+it cannot keep is refused naming where it is, and trees written before numpy values were kept still load."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ddiloco.checkpoint import UnsupportedStateError, join_state, load_latest_state, save_state, split_state
+
+
+def test_numpy_arrays_and_scalars_come_back_with_their_types_dtypes_and_values(tmp_path):
+    generator = np.random.default_rng(0)
+    state = {"seen": generator.standard_normal((2, 3)).astype(np.float32),
+             "order": np.arange(5, dtype=np.uint16)[::-1],  # negative strides: not contiguous
+             "flags": np.array([True, False]), "empty": np.zeros((2, 0, 3)), "zero_d": np.array(7, dtype=np.int8),
+             "n": np.int64(32), "lr": np.float32(0.1), "loss": np.float64(1.5), "on": np.bool_(True),
+             "rng": generator.bit_generator.state, "name": np.str_("shard-0")}
+    save_state(tmp_path, {"data": state}, serial=1)
+    back = load_latest_state(tmp_path)[0]["data"]
+
+    for key in ("seen", "order", "flags", "empty", "zero_d"):
+        assert type(back[key]) is np.ndarray, key
+        assert (back[key].dtype, back[key].shape) == (state[key].dtype, state[key].shape), key
+        assert np.array_equal(back[key], state[key]), key
+    for key in ("n", "lr", "loss", "on"):
+        assert (type(back[key]), back[key]) == (type(state[key]), state[key]), key
+    assert back["rng"] == state["rng"]  # a numpy Generator's state: a dict of (128-bit) Python ints
+    assert back["name"] == "shard-0"
+    back["seen"] += 1  # an array the loader goes on updating in place
+
+
+def test_a_dict_whose_key_is_a_placeholder_name_comes_back_as_a_dict():
+    state = {"a": {"__ndarray__": "/not/an/array"}, "b": {"__numpy_scalar__": 1}}
+    tensors, tree = split_state(state)
+    assert join_state(json.loads(json.dumps(tree)), tensors) == state
+
+
+def test_a_tree_written_before_numpy_values_were_kept_still_loads():
+    # As the previous version wrote an optimizer state and a cursor: tensor, items and tuple placeholders.
+    tree = {"optimizer": {"__items__": [[0, {"step": {"__tensor__": "/optimizer/0/step"}}]]},
+            "betas": {"__tuple__": [0.9, 0.95]}, "cursor": {"batches": 3}}
+    back = join_state(tree, {"/optimizer/0/step": torch.tensor(3.0)})
+    assert back["betas"] == (0.9, 0.95) and back["cursor"] == {"batches": 3}
+    assert list(back["optimizer"]) == [0] and back["optimizer"][0]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    ({"a"}, "set"),
+    (object(), "object"),
+    (np.array(["a", "b"]), "ndarray of dtype <U1"),
+    (np.zeros(2, dtype=">f4"), "ndarray of dtype >f4"),  # not the native byte order
+    (np.zeros(2, dtype=np.complex128), "ndarray of dtype complex128"),  # torch has it, safetensors not
+])
+def test_a_value_it_cannot_keep_is_refused_naming_where_it_is_and_what_is_kept(value, what):
+    with pytest.raises(UnsupportedStateError, match=rf"cannot checkpoint the {what} at /state/data/2/tags: a "
+                                                    r"checkpoint keeps dicts, .*numpy arrays and scalars") as caught:
+        split_state({"state": {"data": [1, 2, {"tags": value}]}})
+    assert caught.value.keys == ("state", "data", 2, "tags")
