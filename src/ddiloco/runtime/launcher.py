@@ -16,6 +16,8 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from ddiloco.transport.auth import learner_token
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "ddiloco.cli")
+"""How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
 BARE_PYTHON = frozenset({"python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}"})
 """A script's first word that means "the Python ddiloco runs in" (`in_this_interpreter`)."""
 
@@ -55,9 +58,27 @@ def in_this_interpreter(script: Sequence[str]) -> list[str]:
     if command and command[0] in BARE_PYTHON:
         command[0] = sys.executable
     return command
+
+
+def require_runnable(script: Sequence[str]) -> None:
+    """ValueError naming the learner command's program when this machine cannot start it (no such program on the
+    PATH, no such file, not executable): said once before any process starts, where the OS would otherwise refuse
+    it at every learner's start. What the program does with its arguments (a missing train.py) it reports itself."""
+    program = in_this_interpreter(script)[0]
+    if shutil.which(program) is not None:
+        return
+    if os.sep not in program:
+        why = f"there is no program {program!r} on the PATH"
+    elif not Path(program).exists():
+        why = f"{program} does not exist"
+    else:
+        why = f"{program} is not an executable file"
+    raise ValueError(f"the learner command `{shlex.join(script)}` cannot start: {why}; check the command after -- "
+                     "(e.g. -- python train.py)")
+
+
 ENV_PREFIX = "DDILOCO_"
 """Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
-"""How a child `ddiloco` is started: the launcher's own interpreter, so the run uses one install."""
 STOP_POLL_S = 0.05
 """Poll interval while waiting for a signalled process group to go."""
 PR_SET_PDEATHSIG = 1
@@ -114,6 +135,11 @@ class RunPaths:
     @property
     def processes(self) -> Path:
         return self.root / "launcher" / "processes.json"
+
+    @property
+    def learner_command(self) -> Path:
+        """The learner command the run last started with (`run_dir.record_learner_command`)."""
+        return self.root / "launcher" / "command.json"
 
     @property
     def metrics(self) -> Path:

@@ -266,20 +266,23 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """`ddiloco export`. A path that is not a run directory, or an `--out` that is a directory, is refused (ValueError:
+    one line, exit status 2) before the run's rounds are read."""
     from ddiloco.checkpoint import atomic_write_bytes
     from ddiloco.model_buffers import merged_buffers
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.syncer_state import exported_params
 
-    run_dir = Path(args.run_dir)
+    run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: give a file path such as {out / 'model.safetensors'}")
     config = RunConfig.load(run_dir / "config.json")
     params, rounds = exported_params(run_dir, config.diloco)
     buffers, learners = merged_buffers(run_dir)
     from safetensors.torch import save
 
-    out = Path(args.out)
     tensors = {**{n: t.contiguous() for n, t in params.items()}, **buffers}
     atomic_write_bytes(out, save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()),
                                                     "rounds_committed": str(rounds),

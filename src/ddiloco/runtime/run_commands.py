@@ -1,8 +1,10 @@
 """`ddiloco run`: the main job. One command starts a syncer and M learners on this machine.
 
 Resolves the run config (defaults, `--config FILE`, or the run directory's own `config.json` with
-`--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`), checks
-the run directory can be written, and only then writes `DIR/config.json`, which every child reads. Then it
+`--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`) and the
+learner command (on `--resume` without one, the run's own), checks the run directory can be written (and, on
+`--resume`, that the run is not still going) and the command's program exists, and only then writes
+`DIR/config.json`, which every child reads, and the command's record (`run_dir`). Then it
 supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
 SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
@@ -20,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,41 +72,72 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_run_config_flags(parser)
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Path, Any]:
-    """The run directory and its resolved RunConfig (written to DIR/config.json). Every check comes first, so a
-    refused command writes nothing: a `--resume` that would change what the run was made with (`check_resume`)
-    leaves its config.json as it was."""
-    from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
-    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What `ddiloco run` starts, once every check has passed and the run directory holds its config."""
 
+    run_dir: Path
+    config: RunConfig
+    script: tuple[str, ...]
+    """The learner command (`-- python train.py`): the one given, or on `--resume` without one the run's own; empty:
+    the built-in TinyGPT learner."""
+    script_note: str | None
+    """A line for the console when `--resume` did not simply run the command given (`resumed_learner_command`)."""
+
+
+def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) -> ResolvedRun:
+    """The run directory, its resolved RunConfig and the learner command, written to DIR/config.json and
+    DIR/launcher/command.json. Every check comes first, so a refused command writes nothing: a `--resume` of a run
+    that is still going, or one that would change what the run was made with (`check_resume`), leaves the directory
+    as it was. `local`: the learners start on this machine, so their program must be found here."""
+    from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
+    from ddiloco.runtime.launcher import RunPaths, require_runnable
+    from ddiloco.runtime.run_dir import (
+        prepare_run_dir,
+        record_learner_command,
+        require_directory,
+        require_not_running,
+        resumed_learner_command,
+    )
+
+    given = tuple(getattr(args, "script", ()) or ())
     if args.resume is not None:
-        run_dir = Path(args.resume)
+        run_dir, flag = Path(args.resume), "--resume"
         if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
             raise ValueError(f"--run-dir {args.run_dir} and --resume {args.resume} name different directories")
         if args.config is not None:
             raise ValueError("--config cannot be combined with --resume: the run keeps its own config.json")
-        require_directory(run_dir, flag="--resume")
+        require_directory(run_dir, flag=flag)
         if not (run_dir / "config.json").is_file():
             raise ValueError(f"--resume {run_dir}: no config.json there; is it a ddiloco run directory?")
-        prepare_run_dir(run_dir, flag="--resume")
+        require_not_running(run_dir)
         saved = RunConfig.load(run_dir / "config.json")
         config = run_config_from_args(args, saved)
         try:
             check_resume(saved, config)
         except ValueError as exc:
             raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
+        script, script_note = resumed_learner_command(run_dir, config, given)
     else:
-        run_dir = Path(args.run_dir) if args.run_dir is not None else (
-            DEFAULT_RUNS_DIR / time.strftime("run-%Y%m%d-%H%M%S"))
-        require_directory(run_dir, flag="--run-dir")
+        flag = "--run-dir"
+        run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(
+            "run-%Y%m%d-%H%M%S")
+        require_directory(run_dir, flag=flag)
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} already exists and is not empty: "
                              f"use --resume {run_dir} to continue it, or another --run-dir")
         base = RunConfig.load(args.config) if args.config is not None else None
         config = run_config_from_args(args, base)
-        prepare_run_dir(run_dir, flag="--run-dir")
+        script, script_note = given, None
+    if settings.nproc_per_learner > 1 and not script:
+        raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. -- "
+                         "python train.py): the built-in learner is one process")
+    if script and local:
+        require_runnable(script)
+    prepare_run_dir(run_dir, flag=flag)
     config.save(run_dir / "config.json")
-    return run_dir, config
+    record_learner_command(RunPaths(run_dir), script)
+    return ResolvedRun(run_dir, config, script, script_note)
 
 
 def run_settings_from_args(args: argparse.Namespace) -> RunSettings:
@@ -142,12 +176,12 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
     from rich.console import Console
 
-    from ddiloco.checkpoint import atomic_write_json
     from ddiloco.metrics import JsonlSink
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.ray_options import ray_options_from_args
     from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.run_dir import record_processes
     from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
 
     settings = run_settings_from_args(args)
@@ -156,23 +190,23 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     if settings.init is not None and not Path(settings.init).is_file():
         raise ValueError(f"--init {settings.init}: no such file")
-    script = tuple(getattr(args, "script", ()) or ())
-    if settings.nproc_per_learner > 1 and not script:
-        raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. -- "
-                         "python train.py): the built-in learner is one process")
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
-    run_dir, config = _resolve(args)
-    launch = launch_config(settings, config, run_dir, script=script, ray_options=ray_options,
+    resolved = _resolve(args, settings, local=ray_options is None)
+    run_dir, config = resolved.run_dir, resolved.config
+    paths = RunPaths(run_dir)
+    started: dict[str, list[int]] = {}
+    record_processes(paths, started)  # at once: a `--resume` of this directory now sees that the run is going
+    launch = launch_config(settings, config, run_dir, script=resolved.script, ray_options=ray_options,
                            command=tuple(command) if command is not None else DEFAULT_COMMAND)
     threads = launch.threads
     launcher = Launcher(launch)
-    paths = RunPaths(run_dir)
     console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
+    if resolved.script_note is not None:
+        console.print(resolved.script_note, highlight=False, soft_wrap=True)
     sink = JsonlSink(paths.launcher_metrics)
     sink.event("run_started", pid=os.getpid(), num_learners=config.num_learners, inner_steps=config.inner_steps,
                threads=threads, resume=args.resume is not None, child_command=list(launch.command))
     progress_holder: list[ProgressView] = []
-    started: dict[str, list[int]] = {}
 
     def on_event(event: Event) -> None:
         sink.event(event.kind, name=event.name, learner_id=event.learner_id, message=event.message,
@@ -180,7 +214,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         if event.kind == "started":
             # Every pid this session started (each also its process group id), for the operator and tests.
             started.setdefault(event.name, []).append(event.fields["pid"])
-            atomic_write_json(paths.processes, {"launcher_pid": os.getpid(), "children": started})
+            record_processes(paths, started)
         if progress_holder:
             progress_holder[0].on_event(event)
 

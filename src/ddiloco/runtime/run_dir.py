@@ -1,16 +1,39 @@
-"""Checks that a run directory can be used, made before any process starts.
+"""Checks that a run directory can be used, made before any process starts, and the launcher's own records there.
 
 Every process of a run writes there (config.json, logs, checkpoints, status files, the round log), so a
 path that is a file, cannot be created or cannot be written is a user's mistake to report in one line at
-once, not a traceback from whichever process writes first. What the files in it are is `launcher.RunPaths`.
+once, not a traceback from whichever process writes first. So is a `--resume` of a run that is still going:
+a second launcher would overwrite the first one's records and start a syncer that the first one's lock turns away.
+What the files in it are is `launcher.RunPaths`.
+
+The launcher records two things for later commands: who runs the directory now (`launcher/processes.json`: its
+pid and the kernel's start time of that pid, so a pid reused after the run ended is not taken for it), and the
+learner command the run was last started with (`launcher/command.json`), which a `--resume` without `-- COMMAND`
+runs again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shlex
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.ray_cluster import process_start_time
+from ddiloco.runtime.syncer_standby import SyncerLock
+from ddiloco.runtime.syncer_state import GENESIS_FILE
+
+if TYPE_CHECKING:
+    from ddiloco.run_config import RunConfig
+
+BUILT_IN_LEARNER = "the built-in TinyGPT learner"
+"""How a run without a learner command is named in messages."""
 
 PROBE_PREFIX = ".ddiloco-write-test-"
 """Name of the empty file written (and removed at once) to prove a directory can be written: permissions
@@ -41,3 +64,107 @@ def prepare_run_dir(path: Path, *, flag: str) -> None:
     os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(probe)
+
+
+# ---- who runs the directory now ---------------------------------------------------------------------------------
+
+def record_processes(paths: RunPaths, children: Mapping[str, list[int]]) -> None:
+    """Write `launcher/processes.json`: this launcher (pid and start time) and every child pid it started so far."""
+    pid = os.getpid()
+    atomic_write_json(paths.processes, {"launcher_pid": pid, "launcher_started": process_start_time(pid),
+                                        "children": dict(children)})
+
+
+def require_not_running(run_dir: Path) -> None:
+    """ValueError naming the live process when the run in `run_dir` is still going: its launcher (`ddiloco run`,
+    from `launcher/processes.json`) or a syncer serving it (one holds `syncer.lock` for as long as it lives, however
+    it was started). Files left by a run that ended, `kill -9` included, do not count: the recorded launcher pid must
+    still name the same process (and not this one: a process that asks is not running a run, `ddiloco run` called
+    again from Python), and the kernel releases a dead syncer's lock."""
+    paths = RunPaths(run_dir)
+    processes = read_json_object(paths.processes) or {}
+    pid, started = processes.get("launcher_pid"), processes.get("launcher_started")
+    if isinstance(pid, int) and pid != os.getpid() and started is not None and process_start_time(pid) == started:
+        live = f"its launcher, ddiloco run pid {pid}, is alive"
+    elif _held(lock := SyncerLock(run_dir)):
+        live = f"its syncer, pid {lock.holder()}, holds {lock.path}"
+    else:
+        return
+    raise ValueError(f"--resume {run_dir}: the run is still going ({live}): stop it first (Ctrl-C where it runs, or "
+                     f"kill it) and resume once it has ended")
+
+
+def _held(lock: SyncerLock) -> bool:
+    """True while a live process holds `lock`'s flock. Probed with a shared lock that is dropped at once (closing
+    the file drops it), so the probe keeps no syncer from taking the lock beyond these few calls."""
+    try:
+        fd = os.open(lock.path, os.O_RDONLY)
+    except OSError:  # no lock file: no syncer has served the directory
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+# ---- the learner command ------------------------------------------------------------------------------------------
+
+def _describe(script: Sequence[str]) -> str:
+    """A learner command as a user typed it after `--`, or the built-in learner's name."""
+    return shlex.join(script) if script else BUILT_IN_LEARNER
+
+
+def record_learner_command(paths: RunPaths, script: Sequence[str]) -> None:
+    """Write `launcher/command.json`: the learner command the run starts with (empty: the built-in learner) and the
+    directory it was given in, where its relative paths mean what the user meant."""
+    atomic_write_json(paths.learner_command, {"command": list(script), "cwd": os.getcwd()})
+
+
+def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str]) -> tuple[tuple[str, ...],
+                                                                                            str | None]:
+    """The learner command a `--resume` of `run_dir` runs, and a line for the console when it is not simply the one
+    given: without `-- COMMAND`, the run's recorded command; with one that differs, the one given. A run written
+    before commands were recorded keeps the one given, but one whose genesis shows a script's model is refused
+    without `-- COMMAND` (it would otherwise start the built-in TinyGPT learner against the script's model)."""
+    given = tuple(given)
+    record = read_json_object(RunPaths(run_dir).learner_command)
+    if record is None:
+        if not given and _genesis_is_a_script_model(run_dir, config):
+            raise ValueError(f"--resume {run_dir}: this run's model is not the built-in TinyGPT, so it was started "
+                             f"with a learner command, which its directory does not record: give it again after --, "
+                             f"e.g. ddiloco run --resume {run_dir} -- python train.py")
+        return given, None
+    recorded = tuple(str(word) for word in record.get("command") or ())
+    if not given:
+        if not recorded:
+            return (), None
+        note = f"resuming with the run's command: {_describe(recorded)}"
+        given_in = record.get("cwd")
+        if given_in is not None and given_in != os.getcwd():
+            note += f" (as given in {given_in}: its relative paths now start from {os.getcwd()})"
+        return recorded, note
+    if given != recorded:
+        return given, (f"resuming with {_describe(given)}, which differs from the command the run last ran with: "
+                       f"{_describe(recorded)}")
+    return given, None
+
+
+def _genesis_is_a_script_model(run_dir: Path, config: RunConfig) -> bool:
+    """True when the run's genesis holds a parameter the built-in TinyGPT of `config` does not have. False without a
+    readable genesis: then nothing tells (a damaged one is the syncer's to report)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from ddiloco.model import build_model
+
+    try:
+        with safe_open(str(run_dir / GENESIS_FILE), "pt") as genesis:
+            names = set(genesis.keys())
+    except (OSError, SafetensorError):
+        return False
+    with torch.device("meta"):  # names only: no memory, no initialisation
+        tinygpt = build_model(config.model)
+    return not names <= set(tinygpt.state_dict())

@@ -443,8 +443,12 @@ class Supervisor(SupervisionLoop):
         """The evaluator: started with the learners, supervised like one; done when it exits 0."""
         assert self.syncer_address is not None
         env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
-        slot.process = self.launcher.start(slot.name, self.launcher.evaluator_argv(self.syncer_address),
-                                           self.launcher.config.threads, env_extra=env)
+        argv = self.launcher.evaluator_argv(self.syncer_address)
+        try:
+            slot.process = self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
+        except OSError as exc:
+            self._cannot_start(slot, argv, exc)
+            return
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None
@@ -459,13 +463,25 @@ class Supervisor(SupervisionLoop):
         # the role was known) does not have: only the built-in learner, whose flags say it all, runs in one.
         warm = (self.standby.hand_out(slot.name, argv)
                 if slot.restarts > 0 and not self.launcher.config.script else None)
-        slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
+        try:
+            slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
+        except OSError as exc:
+            self._cannot_start(slot, argv, exc)
+            return
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None
         how = ", in a warm standby" if warm is not None else ""
         self._emit("started", slot, f"started (pid {slot.process.pid}{how})", pid=slot.process.pid,
                    restarts=slot.restarts, standby=warm is not None)
+
+    def _cannot_start(self, slot: Slot, argv: list[str], exc: OSError) -> None:
+        """The OS refused to start a learner's (or the evaluator's) command: its program is gone or not executable
+        (`ddiloco run` checks it before anything starts, but it can change during a run). The same start would fail
+        again, so the slot is failed with the reason, as a crash loop is, and the run goes on without it."""
+        slot.state = ChildState.FAILED
+        slot.reason = f"cannot start {argv[0]}: {exc.strerror or exc}"
+        self._emit("failed", slot, f"failed: {slot.reason}", reason=slot.reason)
 
     def _standby_started(self, child: ChildProcess) -> None:
         self._on_event(Event("started", child.name, None, f"standby started (pid {child.pid})",

@@ -1,0 +1,119 @@
+"""`ddiloco run --resume DIR` of a run that is still going is refused at once, naming the live process, before
+anything in DIR is written; the files a run leaves behind when it ends (`kill -9` included) never block a resume.
+
+Real processes: a `ddiloco run` with the fake children of test_supervisor.py, a process holding the syncer's lock,
+and this test's own process standing in for a launcher whose pid was reused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.ray_cluster import process_start_time
+from ddiloco.runtime.run_dir import require_not_running
+from tests.unit.test_supervisor import FAST, WAIT_S, run_parser, start_driver, wait_for_learners, write_fake_command
+
+
+@pytest.fixture
+def fake_command(tmp_path_factory) -> tuple[str, ...]:
+    return write_fake_command(tmp_path_factory.mktemp("fake"))
+
+
+def launcher_records(run_dir: Path) -> dict[str, bytes]:
+    """The files a second launcher used to overwrite, by path."""
+    paths = RunPaths(run_dir)
+    files = [paths.processes, paths.learner_command, paths.config, paths.summary,
+             *sorted((run_dir / "settings").glob("*.json"))]
+    return {str(path): path.read_bytes() for path in files if path.exists()}
+
+
+def resume_args(run_dir: Path):
+    """`ddiloco run --resume DIR` with a budget that a learner of the fake run has already reached: done at once."""
+    return run_parser().parse_args(["run", "--resume", str(run_dir), "--no-progress", "--inner-steps", "1"])
+
+
+def test_resume_of_a_run_whose_launcher_is_alive_is_refused_and_a_sigkilled_one_resumes(tmp_path, fake_command):
+    from ddiloco.runtime import run_commands
+
+    popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "100000")
+    children: list[int] = []
+    try:
+        children = wait_for_learners(run_dir, popen, 3)
+        before = launcher_records(run_dir)
+        with pytest.raises(ValueError) as refused:
+            run_commands.run(resume_args(run_dir), command=fake_command, supervisor_config=FAST)
+        assert str(refused.value) == (f"--resume {run_dir}: the run is still going (its launcher, ddiloco run pid "
+                                      f"{popen.pid}, is alive): stop it first (Ctrl-C where it runs, or kill it) and "
+                                      "resume once it has ended")
+        assert launcher_records(run_dir) == before  # a summary.json among them, had it written one
+
+        popen.kill()  # its records stay behind, naming a dead launcher
+        popen.communicate(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while any(process_group_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, "children outlived their launcher"
+            time.sleep(FAST.poll_interval_s)
+    finally:
+        for pid in [popen.pid, *children]:
+            if process_group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+        popen.wait()
+    assert run_commands.run(resume_args(run_dir), command=fake_command, supervisor_config=FAST) == 0
+    assert read_json_object(RunPaths(run_dir).processes)["launcher_pid"] == os.getpid()
+
+
+def test_a_recorded_launcher_pid_counts_only_while_it_names_the_same_process(tmp_path):
+    run_dir = tmp_path / "run"
+    paths = RunPaths(run_dir)
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        started = process_start_time(launcher.pid)
+        atomic_write_json(paths.processes, {"launcher_pid": launcher.pid, "launcher_started": started, "children": {}})
+        with pytest.raises(ValueError, match=f"its launcher, ddiloco run pid {launcher.pid}, is alive"):
+            require_not_running(run_dir)
+        # The same pid, reused by another process after the run ended: a different start time.
+        atomic_write_json(paths.processes, {"launcher_pid": launcher.pid, "launcher_started": started - 1,
+                                            "children": {}})
+        require_not_running(run_dir)
+        # This process, resuming a run it ran itself (`ddiloco run` called again from Python).
+        atomic_write_json(paths.processes, {"launcher_pid": os.getpid(), "launcher_started":
+                                            process_start_time(os.getpid()), "children": {}})
+        require_not_running(run_dir)
+    finally:
+        launcher.stdin.close()
+        launcher.wait(timeout=WAIT_S)
+
+
+HOLD_LOCK = """
+import sys
+from ddiloco.runtime.syncer_standby import SyncerLock
+assert SyncerLock(sys.argv[1]).try_acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_resume_of_a_directory_a_syncer_serves_is_refused_until_it_is_gone(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=f"its syncer, pid {holder.pid}, holds {run_dir / 'syncer.lock'}"):
+            require_not_running(run_dir)
+    finally:
+        holder.stdin.close()  # it exits; the kernel releases its lock
+        holder.wait(timeout=WAIT_S)
+    assert (run_dir / "syncer.lock").exists()
+    require_not_running(run_dir)
+
