@@ -178,6 +178,22 @@ def ddiloco_run(run_dir, *flags: str, command, timeout_s: float) -> tuple[int, s
     return popen.returncode, output
 
 
+def finish_run(popen, *, timeout_s: float, interrupt: bool = False) -> str:
+    """The output of a `ddiloco run` started in its own session, once it exits (after a SIGINT when `interrupt`).
+    Never leaves it running: past `timeout_s` its process group is killed (its children follow it)."""
+    import os
+    import signal
+
+    try:
+        if interrupt and popen.poll() is None:
+            popen.send_signal(signal.SIGINT)
+        return popen.communicate(timeout=timeout_s)[0]
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
+            popen.communicate()
+
+
 class Processes:
     """Starts `ddiloco` subcommands as real processes (one torch thread each), logs each to a file,
     and kills every one it started, by PID, in `kill_all` (call it from a fixture's finally)."""

@@ -9,7 +9,6 @@ built-in TinyGPT, which the syncer refused). Every wait has a hard deadline.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import RunPaths
+from tests.helpers import finish_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,18 +35,6 @@ def ddiloco_run(*args: str) -> subprocess.Popen:
     """`ddiloco run --no-progress ARGS` from the repository root, in its own session, output merged."""
     return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--no-progress", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(popen: subprocess.Popen, *, interrupt: bool = False) -> str:
-    """Its output once it exits (after a SIGINT when `interrupt`); never leaves it or its children running."""
-    try:
-        if interrupt and popen.poll() is None:
-            popen.send_signal(signal.SIGINT)
-        return popen.communicate(timeout=WAIT_S)[0]
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
-            popen.communicate()
 
 
 def inner_step(paths: RunPaths, learner_id: int) -> int:
@@ -72,7 +60,7 @@ def test_a_live_script_run_refuses_a_second_launcher_and_resumes_with_its_own_co
             time.sleep(POLL_S)
         before = records(paths)
         second = ddiloco_run("--resume", str(run_dir))
-        out = finish(second)
+        out = finish_run(second, timeout_s=WAIT_S)
         assert second.returncode == EXIT_USAGE, out
         assert out == (f"ddiloco run: error: --resume {run_dir}: the run is still going (its launcher, ddiloco run "
                        f"pid {first.pid}, is alive): stop it first (Ctrl-C where it runs, or kill it) and resume once "
@@ -80,12 +68,12 @@ def test_a_live_script_run_refuses_a_second_launcher_and_resumes_with_its_own_co
         assert records(paths) == before
         assert first.poll() is None  # the run goes on
     finally:
-        out = finish(first, interrupt=True)
+        out = finish_run(first, timeout_s=WAIT_S, interrupt=True)
     assert first.returncode == 128 + signal.SIGINT, out
 
     target = max(inner_step(paths, i) for i in range(2)) + 16
     resumed = ddiloco_run("--resume", str(run_dir), "--inner-steps", str(target), "--json")
-    out = finish(resumed)
+    out = finish_run(resumed, timeout_s=WAIT_S)
     assert resumed.returncode == 0, out
     assert out.startswith("resuming with the run's command: python examples/mlp.py\n"), out
     summary = read_json_object(paths.summary)

@@ -20,6 +20,7 @@ import pytest
 from ddiloco.checkpoint import load_latest_state, read_json_object
 from ddiloco.runtime.launcher import RunPaths, process_group_alive
 from ddiloco.training import InnerConfig, inner_lr
+from tests.helpers import finish_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -65,23 +66,11 @@ def started_pids(run_dir: Path) -> list[int]:
     return [pid for pids in processes["children"].values() for pid in pids]
 
 
-def finish(popen: subprocess.Popen, *, interrupt: bool = False) -> str:
-    """Wait for `ddiloco run` to end (after a SIGINT when `interrupt`); its output. Never leaves it running."""
-    try:
-        if interrupt and popen.poll() is None:
-            popen.send_signal(signal.SIGINT)
-        return popen.communicate(timeout=WAIT_S)[0]
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
-            popen.wait()
-
-
 @pytest.mark.timeout(300)
 def test_short_run_writes_the_run_directory_and_summary(tmp_path):
     run_dir = tmp_path / "run"
     popen = ddiloco_run(run_dir, "--learners", "2", "--inner-steps", "48", "--json")
-    out = finish(popen)
+    out = finish_run(popen, timeout_s=WAIT_S)
     assert popen.returncode == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary == json.loads((run_dir / "summary.json").read_text())
@@ -122,7 +111,7 @@ def test_ctrl_c_leaves_no_process_behind_and_resume_continues_the_run(tmp_path):
                  "both learners to train", popen)
         pids = started_pids(run_dir)
     finally:
-        out = finish(popen, interrupt=True)
+        out = finish_run(popen, timeout_s=WAIT_S, interrupt=True)
     assert popen.returncode == 128 + signal.SIGINT, out
     assert len(pids) == 4  # syncer, 2 learners, the built-in evaluator
     assert_all_gone(pids)
@@ -135,7 +124,7 @@ def test_ctrl_c_leaves_no_process_behind_and_resume_continues_the_run(tmp_path):
     resumed = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--resume", str(run_dir), "--no-progress",
                                 "--inner-steps", str(target), "--json"], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = finish(resumed)
+    out = finish_run(resumed, timeout_s=WAIT_S)
     assert resumed.returncode == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["outcome"] == "completed" and summary["sessions"] == 2
@@ -160,7 +149,7 @@ def test_a_sigkilled_learner_is_restarted_and_contributes_again(tmp_path):
         before = accepted(run_dir, 1)
         wait_for(lambda: accepted(run_dir, 1) > before, "the restarted learner's update to be accepted", popen)
     finally:
-        out = finish(popen, interrupt=True)
+        out = finish_run(popen, timeout_s=WAIT_S, interrupt=True)
     assert popen.returncode == 128 + signal.SIGINT, out
     summary = read_json_object(run_dir / "summary.json")
     assert summary["learners"]["1"]["restarts"] == 1
