@@ -17,10 +17,10 @@ from torch import nn
 
 from ddiloco.config import DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
-from ddiloco.learner import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
+from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.session_lifecycle import SessionLifecycle
 
 logger = logging.getLogger(__name__)

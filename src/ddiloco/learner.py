@@ -55,6 +55,7 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.publisher import DeferredPayload
 from ddiloco.round_schedule import EARLY_LEAD, RoundSchedule
 from ddiloco.training import InnerConfig
@@ -548,38 +549,6 @@ class Learner:
         self.schedule.load_state_dict(state)
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def forget_non_finite_state(optimizer: torch.optim.Optimizer) -> int:
-    """Drop the state of every parameter whose optimizer state holds a value that is not finite (AdamW's moments after
-    a NaN gradient): the optimizer starts that parameter's state afresh at its next step. Returns how many. A sharded
-    state (DTensor) is judged by this rank's shard."""
-    def finite(value: object) -> bool:
-        return not (isinstance(value, torch.Tensor) and value.is_floating_point()) or bool(
-            torch.isfinite(_local(value)).all())
-
-    dropped = [param for param, state in optimizer.state.items() if not all(finite(v) for v in state.values())]
-    for param in dropped:
-        del optimizer.state[param]
-    return len(dropped)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor: this rank's shard
-    return to_local() if callable(to_local) else tensor
-
-
-def reset_non_finite_statistics(model: nn.Module) -> int:
-    """Restart the running statistics (`reset_running_stats`: BatchNorm, InstanceNorm) of every module whose
-    floating-point buffers are not finite: an average that holds a NaN never forgets it. Returns how many."""
-    restarted = 0
-    for module in model.modules():
-        reset = getattr(module, "reset_running_stats", None)
-        buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
-        if callable(reset) and any(not bool(torch.isfinite(b).all()) for b in buffers):
-            reset()
-            restarted += 1
-    return restarted
 
 
 def next_uncommitted_round(welcome: Welcome) -> int:

@@ -135,6 +135,9 @@ class Syncer:
         self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
         self._downlink = make_downlink(config.downlink_codec, self.plan, shapes)
         self._fused_close = make_fused_close(self.outer, self._downlink, self.plan, self._global, self._threads)
+        counts = [sum(t.numel() for t in tensors.values()) for tensors in self._global]
+        self.fragment_shares = [count / sum(counts) if sum(counts) else 1 / len(counts) for count in counts]
+        """Each fragment's share of the model's values (they sum to 1; all equal for a model without values)."""
         self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
         self._reference: list[float | None] = [None] * self.plan.num_fragments
@@ -161,12 +164,6 @@ class Syncer:
     def global_params(self) -> dict[str, torch.Tensor]:
         """A copy of the whole global model, by parameter name."""
         return {name: t.clone() for frag in self._global for name, t in frag.items()}
-
-    def fragment_shares(self) -> list[float]:
-        """Each fragment's share of the model's values (they sum to 1; all equal for a model without values)."""
-        counts = [sum(t.numel() for t in tensors.values()) for tensors in self._global]
-        total = sum(counts)
-        return [count / total if total else 1 / len(counts) for count in counts]
 
     def fragment_state(self, fragment: int) -> FragmentState:
         # A snapshot: later rounds update the global tensors in place, and a state may sit in a

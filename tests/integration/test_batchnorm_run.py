@@ -88,7 +88,9 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
     learners = [load_file(run_dir / "learners" / str(i) / BUFFERS_FILE) for i in (0, 1)]
     means = [buffers["1.running_mean"] for buffers in learners]
     assert torch.allclose(tensors["1.running_mean"], (means[0] + means[1]) / 2)
-    assert tensors["1.num_batches_tracked"] == learners[0]["1.num_batches_tracked"] >= 80
+    # Not floating point: the lowest learner id's (a learner that joined late and took the run's schedule position
+    # trained fewer than the 80 steps, so no bound on the count itself).
+    assert tensors["1.num_batches_tracked"] == learners[0]["1.num_batches_tracked"] > 0
 
     model.eval()
     with torch.no_grad():

@@ -2,7 +2,9 @@
 group of two ranks. The learner goes back to the global model and contributes again (`Learner.recover`); before, its
 inner optimizer's state stayed NaN and it withheld every update until its budget, contributing nothing.
 
-The examples run unchanged: a wrapper makes `F.mse_loss` return NaN once, on learner 0's 20th training step.
+The examples run unchanged: a wrapper makes `F.mse_loss` return NaN once, on learner 0's 20th training step. That is
+not necessarily its inner step 20: a learner that joins late takes the run's schedule position (a DDP group of two
+ranks starts seconds after a one-process learner), so the test reads where the NaN step fell from the work ledger.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RUN_TIMEOUT_S = 240
 NAN_AT_CALL = 20
+BUDGET = 120
+"""Inner steps: room for rounds after the NaN step even when learner 0 joined late."""
 
 WRAPPER = f'''
 import runpy, sys
@@ -52,7 +56,7 @@ def run(tmp_path: Path, example: str, *flags: str) -> Path:
     wrapper = tmp_path / "nan_once.py"
     wrapper.write_text(WRAPPER)
     run_dir = tmp_path / "run"
-    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "80", *flags,
+    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", str(BUDGET), *flags,
                                  command=(sys.executable, str(wrapper), f"examples/{example}.py"),
                                  timeout_s=RUN_TIMEOUT_S)
     assert status == 0, output
@@ -67,11 +71,16 @@ def assert_recovered_and_contributed(run_dir: Path) -> None:
     assert log.count("its model is not finite (a NaN loss, an overflow)") == 1, log[-3000:]
     withheld = [json.loads(line) for line in (RunPaths(run_dir).learner_dir(0) / "work.jsonl").read_text().splitlines()
                 if '"withheld"' in line]
-    assert len(withheld) == 1, withheld  # one update: the one with the NaN step in it
+    # The updates that hold the NaN step: at most one per fragment (2), each published within a period (8 steps) of
+    # the first. Over gRPC the pseudo-gradient is checked on the publisher's thread, so the next fragment's update may
+    # go out before the training thread hears that the first was withheld; after the recovery none is.
+    assert 1 <= len(withheld) <= 2 and len({w["fragment"] for w in withheld}) == len(withheld), withheld
+    nan_step = min(w["inner_step"] for w in withheld)
+    assert all(w["inner_step"] <= nan_step + 8 for w in withheld), withheld
     merged = [p["inner_step"] for line in RoundLog(run_dir).lines() for p in line["participants"]
               if p["learner_id"] == 0]
-    after = [step for step in merged if step > NAN_AT_CALL + 8]
-    assert len(after) >= 10 and max(after) == 80, merged  # every round after it, to the end
+    after = [step for step in merged if step > nan_step + 8]
+    assert len(after) >= 5 and max(after) == BUDGET, (nan_step, merged)  # every round after it, to the end
 
 
 def test_a_learner_after_a_nan_step_goes_back_to_the_global_model_and_contributes_again(tmp_path):

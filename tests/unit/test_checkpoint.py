@@ -160,10 +160,10 @@ def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
             assert torch.equal(slot["momentum_buffer"], b["state"][index]["momentum_buffer"])
     assert {i: info.merged_base for i, info in restored_syncer.learners.items()} == \
         {i: info.merged_base for i, info in live.learners.items()}
-    participation = store.participation(live.fragment_shares())
+    participation = store.participation(live.fragment_shares)
     assert participation[0]["accepted"] == live.learners[0].accepted
     # Each token counted once, not once per fragment: tokens x the fragment's share of the model, summed.
-    shares = live.fragment_shares()
+    shares = live.fragment_shares
     assert participation[0]["tokens_merged"] == pytest.approx(sum(
         p.tokens * shares[r.fragment] for r in records for p in r.participants if p.learner_id == 0))
     assert sum(shares) == pytest.approx(1.0) and len(shares) == 2

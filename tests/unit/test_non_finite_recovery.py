@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ddiloco
-from ddiloco.learner import forget_non_finite_state, reset_non_finite_statistics
+from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from tests.helpers import TinyNet, make_batches
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")

@@ -125,7 +125,7 @@ class SyncerService:
         self._subscriptions: dict[int, Subscription] = {}
         self._threads: list[threading.Thread] = []
         self.tally = SyncerTally((restored or Restored()).meta,
-                                 store.participation(syncer.fragment_shares()) if syncer is not None else {},
+                                 store.participation(syncer.fragment_shares) if syncer is not None else {},
                                  num_learners=run_config.num_learners,
                                  refusal_log_period_s=self.config.refusal_log_period_s)
         self._rounds_at_save = 0
@@ -442,7 +442,7 @@ class SyncerService:
 
     def _committed(self, record: RoundRecord) -> None:
         assert self.syncer is not None, "commits come from the core"
-        self.tally.count_commit(record, self.syncer.fragment_shares())
+        self.tally.count_commit(record, self.syncer.fragment_shares)
         self.sink.log(round_metrics(record), step=record.round_index)
         self.sink.event("commit", round=record.round_index, fragment=record.fragment, version=record.version,
                         learners=[p.learner_id for p in record.participants])

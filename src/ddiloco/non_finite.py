@@ -1,0 +1,40 @@
+"""Starting again where a learner's own training stopped being finite (`Learner.recover`): the inner optimizer's state
+and the model's running statistics, which a NaN step leaves NaN for good (AdamW's moments feed every later step; an
+average that holds a NaN never forgets it). The parameters come back from the global model, which is the learner
+core's business."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def forget_non_finite_state(optimizer: torch.optim.Optimizer) -> int:
+    """Drop the state of every parameter whose optimizer state holds a value that is not finite (AdamW's moments after
+    a NaN gradient): the optimizer starts that parameter's state afresh at its next step. Returns how many. A sharded
+    state (DTensor) is judged by this rank's shard."""
+    dropped = [param for param, state in optimizer.state.items() if not all(_finite(v) for v in state.values())]
+    for param in dropped:
+        del optimizer.state[param]
+    return len(dropped)
+
+
+def _finite(value: object) -> bool:
+    """Whether an optimizer state entry is finite (anything that is not a floating-point tensor is)."""
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        return True
+    to_local = getattr(value, "to_local", None)  # a DTensor: this rank's shard
+    return bool(torch.isfinite(to_local() if callable(to_local) else value).all())
+
+
+def reset_non_finite_statistics(model: nn.Module) -> int:
+    """Restart the running statistics (`reset_running_stats`: BatchNorm, InstanceNorm) of every module whose
+    floating-point buffers are not finite. Returns how many."""
+    restarted = 0
+    for module in model.modules():
+        reset = getattr(module, "reset_running_stats", None)
+        buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+        if callable(reset) and any(not bool(torch.isfinite(b).all()) for b in buffers):
+            reset()
+            restarted += 1
+    return restarted
