@@ -15,7 +15,6 @@ runs again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shlex
 import tempfile
@@ -86,28 +85,12 @@ def require_not_running(run_dir: Path) -> None:
     pid, started = processes.get("launcher_pid"), processes.get("launcher_started")
     if isinstance(pid, int) and pid != os.getpid() and started is not None and process_start_time(pid) == started:
         live = f"its launcher, ddiloco run pid {pid}, is alive"
-    elif _held(lock := SyncerLock(run_dir)):
+    elif (lock := SyncerLock(run_dir)).held():
         live = f"its syncer, pid {lock.holder()}, holds {lock.path}"
     else:
         return
     raise ValueError(f"--resume {run_dir}: the run is still going ({live}): stop it first (Ctrl-C where it runs, or "
                      f"kill it) and resume once it has ended")
-
-
-def _held(lock: SyncerLock) -> bool:
-    """True while a live process holds `lock`'s flock. Probed with a shared lock that is dropped at once (closing
-    the file drops it), so the probe keeps no syncer from taking the lock beyond these few calls."""
-    try:
-        fd = os.open(lock.path, os.O_RDONLY)
-    except OSError:  # no lock file: no syncer has served the directory
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 # ---- the learner command ------------------------------------------------------------------------------------------

@@ -63,6 +63,21 @@ class SyncerLock:
         self._fd = fd
         return True
 
+    def held(self) -> bool:
+        """True while a live process holds the lock. Probed with a shared lock dropped at once (closing the file
+        drops it), so the probe keeps no syncer from taking the lock beyond this call."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # no lock file: no syncer has served the directory
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def holder(self) -> str:
         """The pid written by the process that holds (or last held) the lock, for messages."""
         try:
