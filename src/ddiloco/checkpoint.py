@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -133,12 +134,44 @@ class WriteTrouble:
         return True
 
 
+# ---- strict JSON ------------------------------------------------------------------------------------
+
+def finite_json(value: Any) -> tuple[Any, list[str]]:
+    """`value` with every float that is not finite (NaN, an infinity) replaced by None, and where each one was
+    (`/metrics/val_loss`). Dicts, lists and tuples are copied where they hold one; anything else is kept as it is."""
+    replaced: list[str] = []
+
+    def walk(item: Any, keys: tuple[Any, ...]) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):  # np.float64 is a float too
+            replaced.append(state_path(keys))
+            return None
+        if isinstance(item, dict):
+            return {k: walk(v, (*keys, k)) for k, v in item.items()}
+        if isinstance(item, list | tuple):
+            return [walk(v, (*keys, i)) for i, v in enumerate(item)]
+        return item
+
+    return walk(value, ()), replaced
+
+
+def strict_dumps(value: Any, **options: Any) -> tuple[str, list[str]]:
+    """`json.dumps(value, **options)` as strict JSON, and where a value that is not finite was written as null.
+    Python's json writes NaN and infinities as the bare words NaN and Infinity, which JSON does not have: jq,
+    JavaScript's JSON.parse and most other readers refuse the whole file. Only a value that holds one is copied."""
+    try:
+        return json.dumps(value, allow_nan=False, **options), []
+    except ValueError:
+        finite, replaced = finite_json(value)
+        return json.dumps(finite, allow_nan=False, **options), replaced
+
+
 class JsonLines:
     """An append-only file of JSON lines (metrics, a learner's work ledger), appended across restarts. Each
     line goes out whole in one write, so a kill -9 loses no line already appended and threads may append at
     once. A line that cannot be written (a full disk) is dropped whole, never torn, and the run goes on; once
     writing works again, a `{"event": "dropped_lines", "lines": n, "total": t}` line says how many were lost.
-    Appending after `close` does nothing."""
+    Appending after `close` does nothing. Lines are strict JSON: a value that is not finite (a NaN loss) is written
+    as null, and said once per file in the log."""
 
     def __init__(self, path: str | Path, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -149,11 +182,17 @@ class JsonLines:
         self._trouble = WriteTrouble(str(self.path))
         self.dropped = 0
         self._unreported = 0
+        self._nulls_told = False
 
     def append(self, record: Mapping[str, Any]) -> bool:
         """Append one line; False when it was dropped (or the file is closed)."""
-        data = (json.dumps(record, default=str) + "\n").encode()
+        text, replaced = strict_dumps(record, default=str)
+        data = (text + "\n").encode()
         with self._lock:
+            if replaced and not self._nulls_told:
+                self._nulls_told = True
+                logger.warning("%s: %s not finite (NaN or an infinity): written as null, since JSON has neither; "
+                               "said once per file", self.path, ", ".join(where[1:] for where in replaced))
             if self._fd is None:
                 return False
             if self._unreported:
@@ -189,8 +228,13 @@ class JsonLines:
                 self._fd = None
 
 
-def atomic_write_json(path: str | Path, value: Any, *, durable: bool = True) -> None:
-    atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode(), durable=durable)
+def atomic_write_json(path: str | Path, value: Any, *, durable: bool = True, allow_nan: bool = False) -> None:
+    """Replace `path` with `value` as JSON. Strict JSON (`strict_dumps`: a value that is not finite is written as
+    null) unless `allow_nan`, for a file only Python reads back that must keep its NaNs and infinities as they were
+    (a checkpoint's state)."""
+    text = json.dumps(value, indent=1, sort_keys=True) if allow_nan else \
+        strict_dumps(value, indent=1, sort_keys=True)[0]
+    atomic_write_bytes(path, (text + "\n").encode(), durable=durable)
 
 
 def read_json(path: str | Path) -> Any | None:
@@ -373,8 +417,9 @@ def save_split_state(directory: str | Path, split: tuple[dict[str, torch.Tensor]
     stem = f"state_{serial:09d}"
     checksum = save_tensors(directory / f"{stem}.safetensors", tensors)
     json_path = directory / f"{stem}.json"
+    # allow_nan: a state must come back as it was (ReduceLROnPlateau's `best` starts at inf).
     atomic_write_json(json_path, {"serial": serial, "tensors": f"{stem}.safetensors", CHECKSUM_KEY: checksum,
-                                  "state": tree, "meta": meta or {}})
+                                  "state": tree, "meta": meta or {}}, allow_nan=True)
     for _, old in _state_files(directory)[:-KEEP_STATES]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)

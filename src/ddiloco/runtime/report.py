@@ -14,8 +14,8 @@ sources only grow, and the merge is rewritten from them each time:
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl
+from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, strict_dumps
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes
 
@@ -64,7 +64,7 @@ def merge_metrics(paths: RunPaths) -> int:
     tmp = paths.metrics.with_name(paths.metrics.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as file:
         for record in records:
-            file.write(json.dumps(record, default=str) + "\n")
+            file.write(strict_dumps(record, default=str)[0] + "\n")
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, paths.metrics)
@@ -76,16 +76,22 @@ def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
 
 
 def final_val_loss(paths: RunPaths) -> tuple[float | None, float | None]:
-    """(latest validation loss, its wall time) from the evaluator's metrics, else its status file."""
-    latest: tuple[float | None, float | None] = (None, None)
+    """(latest validation loss, its wall time) from the evaluator's metrics, else its status file. A latest loss
+    that was not finite (null in the file, or NaN in one written before files were strict JSON) is None: the one
+    before it is not the final one."""
+    latest: tuple[float | None, float | None] | None = None
     for record in read_jsonl(paths.evaluator_metrics):
-        if isinstance(record.get(VAL_LOSS), int | float):
-            latest = (float(record[VAL_LOSS]), record.get("time"))
-    if latest[0] is None:
+        if VAL_LOSS in record:
+            latest = (_finite(record[VAL_LOSS]), record.get("time"))
+    if latest is None:
         status = read_json_object(paths.evaluator_status) or {}
-        if isinstance(status.get("val_loss"), int | float):
-            latest = (float(status["val_loss"]), status.get("time"))
+        value = status.get("val_loss")
+        latest = (_finite(value), status.get("time")) if isinstance(value, int | float) else (None, None)
     return latest
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def _launcher_events(paths: RunPaths) -> list[dict[str, Any]]:

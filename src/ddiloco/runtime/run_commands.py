@@ -16,7 +16,6 @@ children are Ray actors (`ray_supervisor`, docs/clusters.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -176,6 +175,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
     from rich.console import Console
 
+    from ddiloco.checkpoint import strict_dumps
     from ddiloco.metrics import JsonlSink
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
     from ddiloco.runtime.progress import ProgressView
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         console.print(f"continue it with: ddiloco run --resume {run_dir}", highlight=False, soft_wrap=True)
     if args.json:
         sys.stdout.flush()
-        print(json.dumps(summary, sort_keys=True), flush=True)
+        print(strict_dumps(summary, sort_keys=True)[0], flush=True)
     if outcome == "interrupted":
         return _signal_exit_code(supervisor.stop_reason)
     return 0 if outcome == "completed" else EXIT_FAILED

@@ -27,7 +27,6 @@ import collections
 import contextlib
 import functools
 import hmac
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +36,7 @@ from typing import NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from ddiloco.checkpoint import strict_dumps
 from ddiloco.messages import (
     SCHEMA_VERSION,
     FragmentDelta,
@@ -303,7 +303,7 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
     async def Status(self, request: wire_pb2.StatusRequest,
                      context: grpc.aio.ServicerContext) -> wire_pb2.StatusReply:
         await self._check_call(context)
-        status = await self._off_loop(lambda: json.dumps(self.handler.status(), sort_keys=True))
+        status = await self._off_loop(lambda: strict_dumps(self.handler.status(), sort_keys=True)[0])
         return wire_pb2.StatusReply(status_json=status)
 
     async def PushGenesis(self, request_iterator: AsyncIterator,
