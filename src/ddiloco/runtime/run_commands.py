@@ -98,6 +98,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
         require_not_running,
         resumed_learner_command,
     )
+    from ddiloco.runtime.syncer_state import GENESIS_FILE
 
     given = tuple(getattr(args, "script", ()) or ())
     if args.resume is not None:
@@ -133,10 +134,30 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
                          "python train.py): the built-in learner is one process")
     if script and local:
         require_runnable(script)
+    if settings.init is not None:
+        _check_init(Path(settings.init), config, built_in=not script, has_genesis=(run_dir / GENESIS_FILE).exists())
     prepare_run_dir(run_dir, flag=flag)
     config.save(run_dir / "config.json")
     record_learner_command(RunPaths(run_dir), script)
     return ResolvedRun(run_dir, config, script, script_note)
+
+
+def _check_init(path: Path, config: RunConfig, *, built_in: bool, has_genesis: bool) -> None:
+    """A ValueError unless the --init file is a readable safetensors file and, for the built-in learner of a run
+    that has no genesis yet, holds TinyGPT's parameters and nothing else. A script's model is known only when its
+    first learner joins, which the syncer then refuses naming the difference (`genesis_from_init`); a run that has
+    its genesis ignores --init (the syncer says so)."""
+    import torch
+
+    from ddiloco.model import build_model
+    from ddiloco.runtime.syncer_state import check_init_file
+
+    if not built_in or has_genesis:
+        check_init_file(path)
+        return
+    with torch.device("meta"):  # names and shapes only: no memory, no initialisation
+        model = build_model(config.model)
+    check_init_file(path, model)
 
 
 def run_settings_from_args(args: argparse.Namespace) -> RunSettings:
@@ -188,8 +209,6 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     if settings.link is not None:
         from ddiloco.transport.link import parse_link
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
-    if settings.init is not None and not Path(settings.init).is_file():
-        raise ValueError(f"--init {settings.init}: no such file")
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
     resolved = _resolve(args, settings, local=ray_options is None)
     run_dir, config = resolved.run_dir, resolved.config

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch import nn
 
 from ddiloco.checkpoint import (
     CHECKSUM_KEY,
@@ -122,9 +123,15 @@ def _checksummed(data: bytes) -> tuple[bytes, memoryview]:
     return json.dumps(meta, sort_keys=True).encode(), memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
 
 
+INIT_NAMED_AT_MOST = 10
+"""How many tensor names an --init refusal lists: a file of another model may differ in hundreds."""
+INIT_HOLDS = ("an --init file holds the model's parameters, dict(model.named_parameters()), and nothing else: "
+              "buffers such as BatchNorm's running statistics are not taken from it, each learner keeps its own")
+
+
 def load_init_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of an --init safetensors file (e.g. `safetensors.torch.save_model(model, path)` of a
-    pretrained model), or a ValueError that says what is wrong with it."""
+    """The tensors of an --init safetensors file (e.g. `safetensors.torch.save_file(dict(model.named_parameters()),
+    path)` of a pretrained model), or a ValueError that says what is wrong with it."""
     try:
         return load_safetensors(Path(path).read_bytes())
     except FileNotFoundError:
@@ -133,20 +140,76 @@ def load_init_file(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"--init {path} is not a readable safetensors file: {exc}") from None
 
 
+def check_init_file(path: str | Path, model: nn.Module | None = None) -> None:
+    """Raise a ValueError saying what is wrong unless `path` is a readable safetensors file that, given the `model`
+    the learners will train, holds its parameters and nothing else, in their shapes (`init_mismatch`). For
+    `ddiloco run` before it writes anything: it knows the built-in model; a script's is known at its first join
+    (`genesis_from_init`). Reads the file's header only."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}  # noqa: SIM118 (a safe_open handle is no dict: it cannot be iterated)
+    except FileNotFoundError:
+        raise ValueError(f"--init {path}: no such file") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"--init {path} is not a readable safetensors file: {exc}") from None
+    if model is None:
+        return
+    params = dict(model.named_parameters())
+    canonical = {id(p): name for name, p in params.items()}
+    aliases = tuple((alias, canonical[id(p)]) for alias, p in model.named_parameters(remove_duplicate=False)
+                    if canonical[id(p)] != alias)
+    reason = init_mismatch(shapes, {name: tuple(p.shape) for name, p in params.items()}, aliases)
+    if reason is not None:
+        raise ValueError(f"--init {path}: {reason}")
+
+
+def init_mismatch(held: Mapping[str, tuple[int, ...]], shapes: Mapping[str, tuple[int, ...]],
+                  aliases: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """Why an --init file holding tensors of the shapes `held` (by name) does not fit a model whose parameters have
+    `shapes` (in the model's order; `aliases`: (other name, parameter) of its tied weights, which the file may hold
+    instead of the parameter's own name), or None. Names every parameter the file lacks and every tensor it holds
+    that is no parameter, up to INIT_NAMED_AT_MOST of each; or else the first shape that differs."""
+    held = {**{name: held[alias] for alias, name in aliases if alias in held and name not in held}, **held}
+    missing = [name for name in shapes if name not in held]
+    extra = [name for name in held if name not in shapes and name not in dict(aliases)]
+    problems = []
+    if extra:
+        problems.append(f"holds {_count(extra, 'tensor')} the model has no parameter for: {_names(extra)}")
+    if missing:
+        what = "the model's parameter" if len(missing) == 1 else f"{len(missing)} of the model's parameters"
+        problems.append(f"lacks {what} {_names(missing)}")
+    if problems:
+        return f"the --init file {' and '.join(problems)} ({INIT_HOLDS})"
+    for name, shape in shapes.items():
+        if tuple(held[name]) != tuple(shape):
+            return f"the --init file holds {name!r} with shape {list(held[name])}, the model's is {list(shape)}"
+    return None
+
+
+def _count(names: Sequence[str], noun: str) -> str:
+    return f"{len(names)} {noun}{'' if len(names) == 1 else 's'}"
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(name) for name in names[:INIT_NAMED_AT_MOST])
+    return shown + (f" and {len(names) - INIT_NAMED_AT_MOST} more" if len(names) > INIT_NAMED_AT_MOST else "")
+
+
 def genesis_from_init(init: Mapping[str, torch.Tensor], order: Iterable[str], embeddings: Iterable[str],
                       shapes: Mapping[str, tuple[int, ...]], source: str,
                       aliases: tuple[tuple[str, str], ...] = ()) -> GenesisRecord | str:
     """The genesis a --init file gives a joining model (its parameter names and shapes, in its order), or
-    why it cannot: a parameter the file lacks, or holds with another shape."""
-    params = {}
+    why it cannot (`init_mismatch`: a parameter the file lacks, a tensor it holds that is no parameter, another
+    shape), or a tensor that is not finite floating point."""
+    order = list(order)
+    reason = init_mismatch({name: tuple(t.shape) for name, t in init.items()},
+                           {name: tuple(shapes[name]) for name in order}, aliases)
+    if reason is not None:
+        return reason
     init = {**{name: init[alias] for alias, name in aliases if alias in init and name not in init}, **init}
+    params = {}
     for name in order:
-        if name not in init:
-            return f"the --init file has no tensor {name!r} (the model's parameter)"
         tensor = init[name]
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            return (f"the --init file holds {name!r} with shape {list(tensor.shape)}, the model's is "
-                    f"{list(shapes[name])}")
         if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
             return f"the --init file's {name!r} is not a finite floating-point tensor"
         params[name] = tensor.to(torch.float32)
