@@ -69,8 +69,17 @@ NUMPY_DTYPES = frozenset(np.dtype(name) for name in (
     "complex64"))
 """The numpy dtypes a checkpoint keeps, in native byte order: those both torch and safetensors hold, so that an array
 goes into the tensors file as it is and comes back with its dtype (complex128 is torch's, not safetensors')."""
-CHECKPOINTABLE = ("dicts, lists, tuples, None, bools, ints, floats, strings, torch tensors, and numpy arrays and "
-                  "scalars of dtype bool, int8-64, uint8-64, float16-64 or complex64")
+TORCH_DTYPES = frozenset((
+    torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz))
+"""The torch dtypes a checkpoint keeps: those safetensors writes and reads back (the installed version's, checked
+dtype by dtype in tests/unit/test_checkpoint_state_values.py). Not complex128 or complex32, nor float8_e8m0fnu
+(written, but not read back), nor the sub-byte and quantized ones: a tensor of those is refused where the state is
+taken, not in the thread that writes it."""
+CHECKPOINTABLE = ("dicts, lists, tuples, None, bools, ints, floats, strings, torch tensors of dtype bool, int8-64, "
+                  "uint8-64, float16-64, bfloat16, float8 (e4m3, e5m2) or complex64, and numpy arrays and scalars of "
+                  "dtype bool, int8-64, uint8-64, float16-64 or complex64")
 """What a state may hold (`split_state`), as error messages say it."""
 
 
@@ -340,11 +349,14 @@ def split_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
     tensors, keyed by path, and a JSON-able tree holding a placeholder where each tensor was. Dicts with non-string
     keys (torch optimizer states use int keys), tuples, numpy arrays and numpy scalars keep their types: an array or
     scalar is stored as a tensor (`torch.from_numpy`, no copy) under its own placeholder. Anything else (a set, an
-    object, an array of strings) is an `UnsupportedStateError` naming where it is."""
+    object, an array of strings, a tensor of a dtype outside TORCH_DTYPES) is an `UnsupportedStateError` naming
+    where it is."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(value: Any, keys: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
+            if value.dtype not in TORCH_DTYPES:
+                raise UnsupportedStateError(keys, f"Tensor of dtype {str(value.dtype).removeprefix('torch.')}")
             path = state_path(keys)
             tensors[path] = value
             return {_TENSOR: path}

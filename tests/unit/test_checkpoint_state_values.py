@@ -2,12 +2,22 @@
 it cannot keep is refused naming where it is, and trees written before numpy values were kept still load."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
-from ddiloco.checkpoint import UnsupportedStateError, join_state, load_latest_state, save_state, split_state
+from ddiloco.checkpoint import (
+    TORCH_DTYPES,
+    UnsupportedStateError,
+    join_state,
+    load_latest_state,
+    save_state,
+    split_state,
+)
 
 
 def test_numpy_arrays_and_scalars_come_back_with_their_types_dtypes_and_values(tmp_path):
@@ -52,9 +62,29 @@ def test_a_tree_written_before_numpy_values_were_kept_still_loads():
     (np.array(["a", "b"]), "ndarray of dtype <U1"),
     (np.zeros(2, dtype=">f4"), "ndarray of dtype >f4"),  # not the native byte order
     (np.zeros(2, dtype=np.complex128), "ndarray of dtype complex128"),  # torch has it, safetensors not
+    (torch.zeros(2, dtype=torch.complex128), "Tensor of dtype complex128"),
+    (torch.zeros(2, dtype=torch.float8_e8m0fnu), "Tensor of dtype float8_e8m0fnu"),  # written, but not read back
 ])
 def test_a_value_it_cannot_keep_is_refused_naming_where_it_is_and_what_is_kept(value, what):
     with pytest.raises(UnsupportedStateError, match=rf"cannot checkpoint the {what} at /state/data/2/tags: a "
                                                     r"checkpoint keeps dicts, .*numpy arrays and scalars") as caught:
         split_state({"state": {"data": [1, 2, {"tags": value}]}})
     assert caught.value.keys == ("state", "data", 2, "tags")
+
+
+def _round_trips(dtype: torch.dtype) -> bool:
+    try:
+        with warnings.catch_warnings():  # complex32 is experimental, the quantized dtypes deprecated
+            warnings.simplefilter("ignore")
+            tensor = torch.zeros(2, dtype=dtype)
+        back = load_safetensors(save_safetensors({"x": tensor}))["x"]
+    except (KeyError, NotImplementedError):  # a dtype safetensors does not know; a quantized one torch cannot fill
+        return False
+    return back.dtype == dtype and back.shape == tensor.shape
+
+
+def test_the_tensor_dtypes_a_checkpoint_keeps_are_those_the_installed_safetensors_writes_and_reads_back():
+    dtypes = {value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    assert {dtype for dtype in dtypes if _round_trips(dtype)} == TORCH_DTYPES
+    tensors, _ = split_state({"x": [torch.zeros(2, dtype=dtype) for dtype in sorted(TORCH_DTYPES, key=str)]})
+    assert len(tensors) == len(TORCH_DTYPES)

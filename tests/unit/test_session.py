@@ -356,6 +356,25 @@ def test_a_state_the_checkpoint_cannot_keep_stops_the_loop_at_its_first_step_nam
     assert "no checkpoint: learner 0 cannot checkpoint the set at /tags" in caplog.text  # the closing one, logged
 
 
+class SpectrumCursor(Cursor):
+    def state_dict(self):
+        return {"position": self.position, "spectrum": torch.zeros(3, dtype=torch.complex128)}
+
+
+def test_a_tensor_of_a_dtype_the_checkpoint_cannot_keep_stops_the_loop_at_its_first_step(tmp_path, caplog):
+    # safetensors has no complex128: the background write failed, after the loop had gone on.
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (caplog.at_level(logging.ERROR),
+          pytest.raises(TypeError, match=r"learner 0 cannot checkpoint the Tensor of dtype complex128 at /spectrum in "
+                                         r"state\['data'\]\.state_dict\(\)\. A checkpoint keeps .*torch tensors of "
+                                         r"dtype .*complex64"),
+          ddiloco.session(model, optimizer, state={"data": SpectrumCursor()}, hub=hub(), learner_id=0,
+                          inner_steps=4, run_dir=tmp_path) as sync):
+        sync.step(tokens=4)
+    assert sync.final_state == "failed" and sync.inner_step == 0
+
+
 def test_a_run_resumed_with_a_changed_model_fails_saying_the_model_changed(tmp_path):
     shared = hub()
     _train(shared, tmp_path, inner_steps=2)
