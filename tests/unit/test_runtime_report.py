@@ -144,3 +144,19 @@ def test_rows_and_tables_render_what_the_contract_provides(tmp_path):
     text = console.export_text()
     assert "40/40" in text and "stale 1" in text and "3.0 kB / 9.0 kB" in text
     assert [format_bytes(n) for n in (12, 1_500, 2_500_000, 7e12)] == ["12 B", "1.5 kB", "2.5 MB", "7000.0 GB"]
+
+
+def test_the_live_view_shows_a_stop_wait_at_once(tmp_path):
+    # While the run stops no tick redraws the live view: the line saying whom the launcher waits for must.
+    from io import StringIO
+
+    from ddiloco.runtime.progress import ProgressView
+    from ddiloco.runtime.supervisor import Event
+
+    paths = fake_run(tmp_path)
+    supervisor = SimpleNamespace(syncer=slot(ChildState.RUNNING), learners=[slot(ChildState.RUNNING, pid=11)])
+    out = StringIO()
+    console = Console(file=out, width=200, force_terminal=True)
+    with ProgressView(paths, supervisor, console=console, live=True) as view:
+        view.on_event(Event("waiting", "run", None, "still waiting for learner-1 (pid 11) to stop"))
+        assert "still waiting for learner-1 (pid 11) to stop" in out.getvalue()

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def fake_ddiloco() -> None:
     args = argparse.Namespace(**json.loads(Path(parser.parse_args(sys.argv[2:]).settings).read_text()))
     run = Path(args.run_dir)
     plan_path = run / "fake_plan.json"
-    plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    # A `ddiloco run` makes its run directory itself: its children take their plan from the environment.
+    plan = json.loads(plan_path.read_text()) if plan_path.exists() else json.loads(os.environ.get("FAKE_PLAN", "{}"))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
@@ -453,15 +455,16 @@ sys.exit(run_commands.run(args, command=(sys.executable, sys.argv[1]),
 """
 
 
-def start_driver(tmp_path: Path, fake_command, *flags: str) -> tuple[subprocess.Popen, Path]:
+def start_driver(tmp_path: Path, fake_command, *flags: str, plan=None) -> tuple[subprocess.Popen, Path]:
     """`ddiloco run` with fake children, as a separate process (own session: signals reach only it)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = tmp_path / "run"
     argv = [sys.executable, str(driver), fake_command[1], "run", "--run-dir", str(run_dir), "--learners", "3",
             "--no-progress", *flags]
+    env = {**os.environ, "FAKE_PLAN": json.dumps(plan or {})}
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, cwd=Path(__file__).parents[2])
+                             start_new_session=True, cwd=Path(__file__).parents[2], env=env)
     return popen, run_dir
 
 
@@ -495,6 +498,67 @@ def test_a_signal_to_run_stops_every_child_and_writes_the_summary(tmp_path, fake
     summary = read_json_object(run_dir / "summary.json")
     assert summary["outcome"] == "interrupted"
     assert f"--resume {run_dir}" in out
+
+
+def test_a_stop_that_waits_for_a_learner_says_which_and_a_second_request_kills_it_at_once(tmp_path, fake_command):
+    # A learner inside a long section (no step() call) does not see its SIGTERM: the launcher waited out its stop
+    # timeout without a word, then SIGKILLed it.
+    launcher = make_run(tmp_path, fake_command, inner_steps=100_000, plan={"learners": {"0": {"ignore_sigterm": True}}})
+    events, waiting = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if event.kind == "waiting":
+            waiting.set()
+
+    supervisor = Supervisor(dataclasses.replace(FAST, learner_stop_timeout_s=600.0), launcher=launcher,
+                            on_event=on_event)
+    supervisor.start()
+    stopping = threading.Thread(target=supervisor.shutdown)
+    try:
+        poll_until(supervisor, lambda: all(launcher.paths.learner_status(i).exists() for i in (0, 1)),
+                   "the learners to train")
+        supervisor.request_stop("SIGINT")
+        stopping.start()
+        assert waiting.wait(WAIT_S), [event.message for event in events]
+        supervisor.request_stop("SIGINT")  # the second Ctrl-C
+        stopping.join(WAIT_S)
+        assert not stopping.is_alive(), "a second stop request did not kill at once"
+    finally:
+        if stopping.is_alive():
+            supervisor.request_stop("SIGINT")
+            stopping.join()
+        elif not stopping.ident:
+            supervisor.shutdown()
+    stubborn = supervisor.learners[0]
+    notice = next(event for event in events if event.kind == "waiting")
+    assert notice.message == (f"still waiting for learner-0 (pid {stubborn.pids[-1]}) to stop: a learner stops at its "
+                              "next step() call; SIGKILL 600 s after the SIGTERM, or at once on a second Ctrl-C")
+    assert stubborn.process.returncode == -signal.SIGKILL
+    assert_all_gone(all_pids(supervisor))
+
+
+def test_a_ctrl_c_of_run_that_waits_for_a_learner_prints_so_and_a_second_one_ends_it(tmp_path, fake_command):
+    popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "100000",
+                                  plan={"learners": {"0": {"ignore_sigterm": True}}})
+    lines = []
+    try:
+        wait_for_learners(run_dir, popen, 3)
+        popen.send_signal(signal.SIGINT)
+        # Bounded: without the notice the run ends by itself once its 30 s stop timeout SIGKILLs the learner.
+        while not lines or "still waiting for" not in lines[-1]:
+            line = popen.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        popen.send_signal(signal.SIGINT)
+        out, _ = popen.communicate(timeout=WAIT_S)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+    assert "[run] still waiting for learner-0 (pid " in lines[-1]
+    assert "SIGKILL 30 s after the SIGTERM, or at once on a second Ctrl-C" in lines[-1]
+    assert popen.returncode == 128 + signal.SIGINT, "".join(lines) + out
+    assert read_json_object(run_dir / "summary.json")["outcome"] == "interrupted"
 
 
 def test_children_die_with_a_sigkilled_launcher(tmp_path, fake_command):

@@ -81,6 +81,10 @@ ENV_PREFIX = "DDILOCO_"
 """Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
 STOP_POLL_S = 0.05
 """Poll interval while waiting for a signalled process group to go."""
+STOP_NOTICE_AFTER_S = 3.0
+"""How long after SIGTERM a child that is still running is said to be waited for (`stop_processes`' `on_wait`). A
+learner that stops cleanly flushes its updates (up to 1 s) and writes its checkpoint within about this; one that
+takes longer is most likely between two step() calls, which is where it notices the SIGTERM."""
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal the kernel sends a child when its parent thread dies."""
 LOOPBACK = "127.0.0.1"
@@ -267,15 +271,23 @@ class ChildProcess:
 
 def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
                    clock: Callable[[], float] = time.monotonic,
-                   kill_now: Callable[[], bool] = lambda: False) -> None:
+                   kill_now: Callable[[], bool] = lambda: False,
+                   on_wait: Callable[[list[ChildProcess]], None] = lambda pending: None) -> None:
     """SIGTERM every child's group at once; SIGKILL what is left after `timeout_s` (or as soon as
-    `kill_now()` turns true, e.g. on a second Ctrl-C). Returns once every group is gone."""
+    `kill_now()` turns true, e.g. on a second Ctrl-C). `on_wait(pending)` is called once with the children still
+    running STOP_NOTICE_AFTER_S after the SIGTERM, if any, so that the wait can be explained. Returns once every
+    group is gone."""
     for child in children:
         if child.poll() is None:
             child.signal_group(signal.SIGTERM)
-    deadline = clock() + timeout_s
+    started = clock()
+    deadline = started + timeout_s
+    noticed = False
     pending = [c for c in children if c.poll() is None]
     while pending and clock() < deadline and not kill_now():
+        if not noticed and clock() - started >= STOP_NOTICE_AFTER_S:
+            noticed = True
+            on_wait(pending)
         time.sleep(STOP_POLL_S)
         pending = [c for c in pending if c.poll() is None]
     for child in pending:

@@ -30,6 +30,8 @@ LINE_SUMMARY_EVERY_S = 15.0
 """In line mode, how often a one-line syncer summary is printed between events."""
 RECENT_EVENTS = 6
 """Events shown under the live tables."""
+SHUTDOWN_EVENTS = frozenset({"stopping", "waiting", "stopped"})
+"""Events after which the live view is redrawn at once: while the run stops, nothing else redraws it."""
 
 
 def format_bytes(count: float | None) -> str:
@@ -152,6 +154,8 @@ class ProgressView:
         line = f"{time.strftime('%H:%M:%S')} [{event.name}] {event.message}"
         if self._live is not None:
             self._events.append(line)
+            if event.kind in SHUTDOWN_EVENTS:  # no tick redraws the view while the run stops
+                self._live.update(self.render(), refresh=True)
         else:
             self._print(line)
 

@@ -66,6 +66,10 @@ EXIT_REFUSED = 3
 """A learner the syncer refused (different model, config, token or schema)."""
 SYNCER = "syncer"
 EVALUATOR = "evaluator"
+STOP_HINTS = {"learner": "a learner stops at its next step() call",
+              EVALUATOR: "the evaluator ends its evaluation first",
+              SYNCER: "the syncer makes its last round durable first"}
+"""What a child of each role does between its SIGTERM and its exit, for the line that says the launcher waits."""
 
 
 class ChildState(enum.StrEnum):
@@ -152,7 +156,8 @@ class Event:
     """Something the supervisor did or saw. `name` is "syncer" or "learner-N"."""
 
     kind: str
-    """started, address, exited, restart_scheduled, done, refused, failed, stopping, stopped."""
+    """started, address, exited, restart_scheduled, done, refused, failed, stopping, waiting (children still running
+    a while after their SIGTERM), stopped."""
     name: str
     learner_id: int | None
     message: str
@@ -277,7 +282,18 @@ class Supervisor(SupervisionLoop):
 
     def _stop(self, slots: list[Slot], timeout_s: float) -> None:
         processes = [s.process for s in slots if s.process is not None]
-        stop_processes(processes, timeout_s, kill_now=lambda: self._kill_now)
+
+        def waiting(pending: list[ChildProcess]) -> None:
+            # Said, or a learner between two step() calls (a long evaluation of its own) held the launcher in
+            # silence for the whole timeout.
+            still = [slot for slot in slots if any(slot.process is child for child in pending)]
+            who = ", ".join(f"{slot.name} (pid {slot.process.pid})" for slot in still if slot.process is not None)
+            hints = "; ".join(dict.fromkeys(STOP_HINTS["learner" if slot.learner_id is not None else slot.name]
+                                            for slot in still))
+            self._emit("waiting", None, f"still waiting for {who} to stop: {hints}; SIGKILL {timeout_s:.0f} s after "
+                       "the SIGTERM, or at once on a second Ctrl-C", names=[slot.name for slot in still])
+
+        stop_processes(processes, timeout_s, kill_now=lambda: self._kill_now, on_wait=waiting)
         for slot in slots:
             assert slot.process is not None
             self._emit("stopped", slot, f"stopped (exit {slot.process.returncode})",
