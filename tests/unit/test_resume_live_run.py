@@ -18,8 +18,9 @@ import pytest
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.process_lock import DirectoryLock
 from ddiloco.runtime.ray_cluster import process_start_time
-from ddiloco.runtime.run_dir import require_not_running
+from ddiloco.runtime.run_dir import claim_run_dir, require_not_running
 from tests.unit.test_supervisor import FAST, WAIT_S, run_parser, start_driver, wait_for_learners, write_fake_command
 
 
@@ -117,3 +118,111 @@ def test_resume_of_a_directory_a_syncer_serves_is_refused_until_it_is_gone(tmp_p
     assert (run_dir / "syncer.lock").exists()
     require_not_running(run_dir)
 
+
+
+LINED_UP_RESUME = """
+import functools
+import sys
+import time
+from pathlib import Path
+
+from ddiloco import cli
+from ddiloco.runtime import run_commands, run_dir
+from ddiloco.runtime.supervisor import SupervisorConfig
+
+fake, barrier, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+checked = run_dir.require_not_running
+
+
+def lined_up(directory):
+    # Both launchers pass the liveness check before either records its processes: the instant the race needs.
+    checked(directory)
+    (barrier / f"passed-{name}").touch()
+    while not (barrier / "go").exists():  # the test creates it once both passed, or one was refused
+        time.sleep(0.01)
+
+
+run_dir.require_not_running = lined_up
+run_commands.run = functools.partial(run_commands.run, command=(sys.executable, fake),
+                                     supervisor_config=SupervisorConfig(poll_interval_s=0.02, backoff_initial_s=0.05))
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+
+def test_two_resumes_started_in_the_same_instant_let_one_run_and_refuse_the_other_in_one_line(tmp_path, fake_command):
+    run_dir = tmp_path / "run"
+    driver, barrier = tmp_path / "lined_up_resume.py", tmp_path / "barrier"
+    driver.write_text(LINED_UP_RESUME)
+    barrier.mkdir()
+    # A run that ended, in a process of its own (one in this process would be a live launcher).
+    subprocess.run([sys.executable, str(driver), fake_command[1], str(barrier), "first", "run", "--run-dir",
+                    str(run_dir), "--learners", "2", "--inner-steps", "3", "--no-progress"], check=True,
+                   capture_output=True, timeout=WAIT_S, cwd=Path(__file__).parents[2])
+    resumes = {name: subprocess.Popen([sys.executable, str(driver), fake_command[1], str(barrier), name, "run",
+                                       "--resume", str(run_dir), "--no-progress", "--inner-steps", "1"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True, cwd=Path(__file__).parents[2])
+               for name in ("a", "b")}
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (all((barrier / f"passed-{name}").exists() for name in resumes)
+                   or any(popen.poll() is not None for popen in resumes.values())):
+            assert time.monotonic() < deadline, "neither launcher reached its liveness check"
+            time.sleep(FAST.poll_interval_s)
+        (barrier / "go").touch()
+        outputs = {name: popen.communicate(timeout=WAIT_S) for name, popen in resumes.items()}
+    finally:
+        for popen in resumes.values():
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+    codes = {name: popen.returncode for name, popen in resumes.items()}
+    assert sorted(codes.values()) == [0, 2], (codes, outputs)
+    winner, loser = sorted(resumes, key=lambda name: codes[name])
+    # The winner waits at its check, so it has not recorded itself: the loser knows it only by the lock.
+    assert outputs[loser][1] == (f"ddiloco run: error: --resume {run_dir}: the run is still going (another ddiloco run "
+                                 "started on it in the same instant and holds it): stop it first (Ctrl-C where it "
+                                 "runs, or kill it) and resume once it has ended\n")
+    assert read_json_object(RunPaths(run_dir).processes)["launcher_pid"] == resumes[winner].pid
+
+
+HOLD_RUN_DIR = """
+import sys
+from ddiloco.runtime.process_lock import DirectoryLock
+assert DirectoryLock(sys.argv[1]).try_acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_launcher_claims_its_directory_until_it_exits_writing_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, str(run_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=rf"--resume {run_dir}: the run is still going \(another ddiloco run "
+                                             r"started on it in the same instant and holds it\)"):
+            claim_run_dir(run_dir, resume=True)
+        # Once the holder has recorded itself, it is named.
+        atomic_write_json(RunPaths(run_dir).processes, {"launcher_pid": holder.pid,
+                                                        "launcher_started": process_start_time(holder.pid)})
+        with pytest.raises(ValueError, match=rf"the run is still going \(its launcher, ddiloco run pid {holder.pid}, "
+                                             r"is alive\)"):
+            claim_run_dir(run_dir, resume=True)
+        with pytest.raises(ValueError, match=rf"run directory {run_dir} is in use: another ddiloco run \(pid "
+                                             rf"{holder.pid}\) started in it at the same time; choose another"):
+            claim_run_dir(run_dir, resume=False)
+    finally:
+        holder.stdin.close()  # it exits; the kernel releases its lock
+        holder.wait(timeout=WAIT_S)
+    RunPaths(run_dir).processes.unlink()  # what this test wrote
+    RunPaths(run_dir).processes.parent.rmdir()
+    lock = claim_run_dir(run_dir, resume=True)
+    try:
+        assert not DirectoryLock(run_dir).try_acquire()  # one holder: another open of the directory is refused
+    finally:
+        lock.release()
+    assert DirectoryLock(run_dir).try_acquire()
+    assert [path.name for path in run_dir.iterdir()] == []

@@ -16,6 +16,7 @@ children are Ray actors (`ray_supervisor`, docs/clusters.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from ddiloco import interrupts
 if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser without them
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.launcher import LaunchConfig
+    from ddiloco.runtime.process_lock import DirectoryLock
     from ddiloco.runtime.ray_options import RayOptions
     from ddiloco.runtime.run_settings import RunSettings
 
@@ -82,64 +84,75 @@ class ResolvedRun:
     the built-in TinyGPT learner."""
     script_note: str | None
     """A line for the console when `--resume` did not simply run the command given (`resumed_learner_command`)."""
+    lock: DirectoryLock
+    """This launcher's claim on the run directory (`run_dir.claim_run_dir`), released when `ddiloco run` returns."""
 
 
 def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) -> ResolvedRun:
     """The run directory, its resolved RunConfig and the learner command, written to DIR/config.json and
-    DIR/launcher/command.json. Every check comes first, so a refused command writes nothing: a `--resume` of a run
-    that is still going, or one that would change what the run was made with (`check_resume`), leaves the directory
-    as it was. `local`: the learners start on this machine, so their program must be found here."""
+    DIR/launcher/command.json, and the directory claimed for this launcher (`run_dir.claim_run_dir`: held until
+    `ResolvedRun.lock` is released). Every check comes first, so a refused command writes nothing: a `--resume` of a
+    run that is still going, or one that would change what the run was made with (`check_resume`), leaves the
+    directory as it was. `local`: the learners start on this machine, so their
+    program must be found here."""
     from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
     from ddiloco.runtime.launcher import RunPaths, require_runnable
     from ddiloco.runtime.run_dir import (
+        claim_run_dir,
         prepare_run_dir,
         record_learner_command,
         require_directory,
-        require_not_running,
         resumed_learner_command,
     )
     from ddiloco.runtime.syncer_state import GENESIS_FILE
 
     given = tuple(getattr(args, "script", ()) or ())
-    if args.resume is not None:
-        run_dir, flag = Path(args.resume), "--resume"
-        if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
-            raise ValueError(f"--run-dir {args.run_dir} and --resume {args.resume} name different directories")
-        if args.config is not None:
-            raise ValueError("--config cannot be combined with --resume: the run keeps its own config.json")
-        require_directory(run_dir, flag=flag)
-        if not (run_dir / "config.json").is_file():
-            raise ValueError(f"--resume {run_dir}: no config.json there; is it a ddiloco run directory?")
-        require_not_running(run_dir)
-        saved = RunConfig.load(run_dir / "config.json")
-        config = run_config_from_args(args, saved)
-        try:
-            check_resume(saved, config)
-        except ValueError as exc:
-            raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
-        script, script_note = resumed_learner_command(run_dir, config, given)
-    else:
-        flag = "--run-dir"
-        run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(
-            "run-%Y%m%d-%H%M%S")
-        require_directory(run_dir, flag=flag)
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise ValueError(f"run directory {run_dir} already exists and is not empty: "
-                             f"use --resume {run_dir} to continue it, or another --run-dir")
-        base = RunConfig.load(args.config) if args.config is not None else None
-        config = run_config_from_args(args, base)
-        script, script_note = given, None
-    if settings.nproc_per_learner > 1 and not script:
-        raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. -- "
-                         "python train.py): the built-in learner is one process")
-    if script and local:
-        require_runnable(script)
-    if settings.init is not None:
-        _check_init(Path(settings.init), config, built_in=not script, has_genesis=(run_dir / GENESIS_FILE).exists())
-    prepare_run_dir(run_dir, flag=flag)
-    config.save(run_dir / "config.json")
-    record_learner_command(RunPaths(run_dir), script)
-    return ResolvedRun(run_dir, config, script, script_note)
+    with contextlib.ExitStack() as refused:  # a check that fails after the claim gives the directory back
+        if args.resume is not None:
+            run_dir, flag = Path(args.resume), "--resume"
+            if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
+                raise ValueError(f"--run-dir {args.run_dir} and --resume {args.resume} name different directories")
+            if args.config is not None:
+                raise ValueError("--config cannot be combined with --resume: the run keeps its own config.json")
+            require_directory(run_dir, flag=flag)
+            if not (run_dir / "config.json").is_file():
+                raise ValueError(f"--resume {run_dir}: no config.json there; is it a ddiloco run directory?")
+            lock = claim_run_dir(run_dir, resume=True)
+            refused.callback(lock.release)
+            saved = RunConfig.load(run_dir / "config.json")
+            config = run_config_from_args(args, saved)
+            try:
+                check_resume(saved, config)
+            except ValueError as exc:
+                raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
+            script, script_note = resumed_learner_command(run_dir, config, given)
+        else:
+            flag = "--run-dir"
+            run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(
+                "run-%Y%m%d-%H%M%S")
+            require_directory(run_dir, flag=flag)
+            if run_dir.exists() and any(run_dir.iterdir()):
+                raise ValueError(f"run directory {run_dir} already exists and is not empty: "
+                                 f"use --resume {run_dir} to continue it, or another --run-dir")
+            base = RunConfig.load(args.config) if args.config is not None else None
+            config = run_config_from_args(args, base)
+            script, script_note = given, None
+        if settings.nproc_per_learner > 1 and not script:
+            raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. "
+                             "-- python train.py): the built-in learner is one process")
+        if script and local:
+            require_runnable(script)
+        if settings.init is not None:
+            _check_init(Path(settings.init), config, built_in=not script,
+                        has_genesis=(run_dir / GENESIS_FILE).exists())
+        prepare_run_dir(run_dir, flag=flag)
+        if args.resume is None:  # two new runs given one directory at the same instant: the second stops here
+            lock = claim_run_dir(run_dir, resume=False)
+            refused.callback(lock.release)
+        config.save(run_dir / "config.json")
+        record_learner_command(RunPaths(run_dir), script)
+        refused.pop_all()
+    return ResolvedRun(run_dir, config, script, script_note, lock)
 
 
 def _check_init(path: Path, config: RunConfig, *, built_in: bool, has_genesis: bool) -> None:
@@ -194,16 +207,7 @@ def launch_config(settings: RunSettings, config: RunConfig, run_dir: Path, *, sc
 def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         supervisor_config: Any = None) -> int:
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
-    from rich.console import Console
-
-    from ddiloco.checkpoint import strict_dumps
-    from ddiloco.metrics import JsonlSink
-    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
-    from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.ray_options import ray_options_from_args
-    from ddiloco.runtime.report import print_summary, write_report
-    from ddiloco.runtime.run_dir import record_processes
-    from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
 
     settings = run_settings_from_args(args)
     if settings.link is not None:
@@ -211,6 +215,26 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
     resolved = _resolve(args, settings, local=ray_options is None)
+    try:
+        return _supervise(args, settings, resolved, ray_options=ray_options, command=command,
+                          supervisor_config=supervisor_config)
+    finally:
+        resolved.lock.release()
+
+
+def _supervise(args: argparse.Namespace, settings: RunSettings, resolved: ResolvedRun, *,
+               ray_options: RayOptions | None, command: Sequence[str] | None, supervisor_config: Any) -> int:
+    """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report."""
+    from rich.console import Console
+
+    from ddiloco.checkpoint import strict_dumps
+    from ddiloco.metrics import JsonlSink
+    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
+    from ddiloco.runtime.progress import ProgressView
+    from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.run_dir import record_processes
+    from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
+
     run_dir, config = resolved.run_dir, resolved.config
     paths = RunPaths(run_dir)
     started: dict[str, list[int]] = {}

@@ -6,10 +6,10 @@ once, not a traceback from whichever process writes first. So is a `--resume` of
 a second launcher would overwrite the first one's records and start a syncer that the first one's lock turns away.
 What the files in it are is `launcher.RunPaths`.
 
-The launcher records two things for later commands: who runs the directory now (`launcher/processes.json`: its
-pid and the kernel's start time of that pid, so a pid reused after the run ended is not taken for it), and the
-learner command the run was last started with (`launcher/command.json`), which a `--resume` without `-- COMMAND`
-runs again.
+The launcher holds an exclusive flock on the directory itself for as long as it runs it (`claim_run_dir`), and
+records two things for later commands: who runs the directory now (`launcher/processes.json`: its pid and the
+kernel's start time of that pid, so a pid reused after the run ended is not taken for it), and the learner command
+the run was last started with (`launcher/command.json`), which a `--resume` without `-- COMMAND` runs again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.process_lock import DirectoryLock
 from ddiloco.runtime.ray_cluster import process_start_time
 from ddiloco.runtime.syncer_standby import SyncerLock
 from ddiloco.runtime.syncer_state import GENESIS_FILE
@@ -74,23 +75,58 @@ def record_processes(paths: RunPaths, children: Mapping[str, list[int]]) -> None
                                         "children": dict(children)})
 
 
+def claim_run_dir(run_dir: Path, *, resume: bool) -> DirectoryLock:
+    """This launcher's hold on `run_dir`, until it releases it or exits: an exclusive flock on the directory itself,
+    taken before `require_not_running` (for a `resume`), so that the check and the claim are one step. Two launchers
+    started in the same instant both passed `require_not_running` before either had recorded its processes, and both
+    ran. ValueError naming the launcher that holds it (or what `require_not_running` finds); nothing is written."""
+    lock = DirectoryLock(run_dir)
+    if not lock.try_acquire():
+        launcher = _live_launcher(RunPaths(run_dir))
+        if not resume:
+            raise ValueError(f"run directory {run_dir} is in use: another ddiloco run"
+                             f"{f' (pid {launcher})' if launcher else ''} started in it at the same time; choose "
+                             "another --run-dir")
+        # Its records name it once it has written them: a launcher that won the same instant may not have yet.
+        raise ValueError(_still_going(run_dir, f"its launcher, ddiloco run pid {launcher}, is alive" if launcher else
+                                      "another ddiloco run started on it in the same instant and holds it"))
+    if resume:
+        try:
+            require_not_running(run_dir)  # a syncer serving it without a launcher, a launcher that took no lock
+        except ValueError:
+            lock.release()
+            raise
+    return lock
+
+
+def _live_launcher(paths: RunPaths) -> int | None:
+    """The pid of the launcher `launcher/processes.json` records, while that process lives (the same pid and start
+    time; not this process, which asks); else None."""
+    processes = read_json_object(paths.processes) or {}
+    pid, started = processes.get("launcher_pid"), processes.get("launcher_started")
+    if isinstance(pid, int) and pid != os.getpid() and started is not None and process_start_time(pid) == started:
+        return pid
+    return None
+
+
 def require_not_running(run_dir: Path) -> None:
     """ValueError naming the live process when the run in `run_dir` is still going: its launcher (`ddiloco run`,
     from `launcher/processes.json`) or a syncer serving it (one holds `syncer.lock` for as long as it lives, however
     it was started). Files left by a run that ended, `kill -9` included, do not count: the recorded launcher pid must
     still name the same process (and not this one: a process that asks is not running a run, `ddiloco run` called
     again from Python), and the kernel releases a dead syncer's lock."""
-    paths = RunPaths(run_dir)
-    processes = read_json_object(paths.processes) or {}
-    pid, started = processes.get("launcher_pid"), processes.get("launcher_started")
-    if isinstance(pid, int) and pid != os.getpid() and started is not None and process_start_time(pid) == started:
+    if (pid := _live_launcher(RunPaths(run_dir))) is not None:
         live = f"its launcher, ddiloco run pid {pid}, is alive"
     elif (lock := SyncerLock(run_dir)).held():
         live = f"its syncer, pid {lock.holder()}, holds {lock.path}"
     else:
         return
-    raise ValueError(f"--resume {run_dir}: the run is still going ({live}): stop it first (Ctrl-C where it runs, or "
-                     f"kill it) and resume once it has ended")
+    raise ValueError(_still_going(run_dir, live))
+
+
+def _still_going(run_dir: Path, live: str) -> str:
+    return (f"--resume {run_dir}: the run is still going ({live}): stop it first (Ctrl-C where it runs, or kill it) "
+            "and resume once it has ended")
 
 
 # ---- the learner command ------------------------------------------------------------------------------------------

@@ -21,16 +21,15 @@ the downlink's residual in memory.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
 from ddiloco.checkpoint import RoundLog, round_record_from_json
 from ddiloco.messages import RoundRecord
 from ddiloco.run_config import RunConfig
+from ddiloco.runtime.process_lock import ProcessLock
 from ddiloco.runtime.syncer_state import Restored, SyncerStore, read_genesis
 from ddiloco.syncer import Syncer
 
@@ -41,49 +40,11 @@ FOLLOW_POLL_S = 0.05
 """How often a standby looks for the lock and for new rounds."""
 
 
-class SyncerLock:
-    """The exclusive lock of the syncer serving a run directory. Held until the process exits."""
+class SyncerLock(ProcessLock):
+    """The exclusive lock of the syncer serving a run directory (`DIR/syncer.lock`). Held until the process exits."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / LOCK_FILE
-        self._fd: int | None = None
-
-    def try_acquire(self) -> bool:
-        """Take the lock if no live process holds it; True when this process holds it now."""
-        if self._fd is not None:
-            return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return True
-
-    def held(self) -> bool:
-        """True while a live process holds the lock. Probed with a shared lock dropped at once (closing the file
-        drops it), so the probe keeps no syncer from taking the lock beyond this call."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:  # no lock file: no syncer has served the directory
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
-
-    def holder(self) -> str:
-        """The pid written by the process that holds (or last held) the lock, for messages."""
-        try:
-            return self.path.read_text().strip() or "unknown"
-        except OSError:
-            return "unknown"
+        super().__init__(Path(run_dir) / LOCK_FILE)
 
 
 class LogFollower:
