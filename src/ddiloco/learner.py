@@ -55,6 +55,7 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
+from ddiloco.model_buffers import persistent_buffers
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.publisher import DeferredPayload
 from ddiloco.round_schedule import EARLY_LEAD, RoundSchedule
@@ -137,6 +138,8 @@ class Learner:
         every = model.named_parameters(remove_duplicate=False)
         self.aliases = tuple(sorted((alias, canonical[id(p)]) for alias, p in every if canonical[id(p)] != alias))
         """Tied weights: (state_dict key, parameter name) pairs for parameters known under two names."""
+        self.buffers = tuple(sorted(persistent_buffers(model)))
+        """The names of the model's persistent buffers, sent with the join (an --init file may hold them)."""
         self.plan = FragmentPlan.for_tensors(self._params, config, embeddings=self.embeddings)
         self._codec = get_codec(config.codec)
         num = self.plan.num_fragments
@@ -168,7 +171,7 @@ class Learner:
 
     def join_message(self) -> Join:
         return Join(self.learner_id, self.spec, self.config.fingerprint(), embeddings=tuple(sorted(self.embeddings)),
-                    aliases=self.aliases, max_tokens_per_step=self.max_tokens_per_step)
+                    aliases=self.aliases, max_tokens_per_step=self.max_tokens_per_step, buffers=self.buffers)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.learner_id, self.inner_step)

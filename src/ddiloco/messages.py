@@ -113,6 +113,9 @@ class Join:
     """The most tokens (or samples) one inner step of this learner counts, as it declares it: its updates may
     carry at most steps x this many tokens. 0: not declared, the run's `QuorumConfig.max_tokens_per_step`
     applies; more than that is refused."""
+    buffers: tuple[str, ...] = ()
+    """The names of the model's persistent buffers (`ddiloco.model_buffers`): an --init file may hold them beside
+    the parameters (an export of a model with buffers does); they are not taken from it."""
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,13 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
     lines = (run_dir / "evaluator" / "metrics.jsonl").read_text().splitlines()
     final = [json.loads(line)["eval/val_loss"] for line in lines if "eval/val_loss" in line][-1]
     assert final == pytest.approx(loss, rel=1e-5)  # the final evaluation: the exported model, buffers included
+
+    # The export starts a new run (`--init`): its buffers are not taken, and the run's genesis is its parameters.
+    again = tmp_path / "again"
+    status, output = ddiloco_run(again, *SMALL_RUN, "--inner-steps", "8", "--init", str(out),
+                                 command=(sys.executable, str(script)), timeout_s=RUN_TIMEOUT_S)
+    assert status == 0, output
+    genesis = load_file(again / "genesis.safetensors")
+    assert sorted(genesis) == sorted(name for name, _ in model.named_parameters())
+    assert all(torch.equal(genesis[name], tensors[name]) for name in genesis)
+    assert "holds 3 of the model's buffers" in (again / "logs" / "syncer.log").read_text()

@@ -5,16 +5,21 @@ first learner to join is refused before the genesis is written."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from ddiloco.cli import main
+from ddiloco.config import DilocoConfig
+from ddiloco.learner import Learner
 from ddiloco.messages import Join, ModelSpec
 from ddiloco.model import ModelConfig
 from ddiloco.run_config import DataConfig, RunConfig
 from ddiloco.runtime.syncer_admission import genesis_for_join
-from ddiloco.runtime.syncer_state import GenesisRecord, genesis_from_init
+from ddiloco.runtime.syncer_state import GenesisRecord, check_init_file, genesis_from_init
 from ddiloco.train_tinygpt import initial_params
+from ddiloco.transport.grpc_codec import decode_join, encode_join
 from tests.helpers import TINY_MODEL_FLAGS
 
 EXIT_USAGE = 2
@@ -28,15 +33,15 @@ def genesis(init: dict[str, torch.Tensor], aliases: tuple[tuple[str, str], ...] 
 
 def test_a_file_with_a_tensor_the_model_does_not_have_is_refused_naming_it():
     reason = genesis({**PARAMS, "extra.weight": torch.ones(2), "probe.bias": torch.ones(1)})
-    assert reason == ("the --init file holds 2 tensors the model has no parameter for: 'extra.weight', 'probe.bias' "
-                      "(an --init file holds the model's parameters, dict(model.named_parameters()), and nothing else: "
-                      "buffers such as BatchNorm's running statistics are not taken from it, each learner keeps its "
-                      "own)")
+    assert reason == ("the --init file holds 2 tensors the model has no parameter or buffer for: 'extra.weight', "
+                      "'probe.bias' (an --init file holds the model's parameters, dict(model.named_parameters()); it "
+                      "may hold the model's buffers too, as a state_dict or a ddiloco export does, which are not taken "
+                      "from it: each learner keeps its own)")
 
 
 def test_a_file_of_another_model_names_ten_tensors_and_counts_the_rest():
     reason = genesis({**PARAMS, **{f"other.{i:02d}": torch.ones(1) for i in range(12)}})
-    assert "holds 12 tensors the model has no parameter for: 'other.00', " in reason
+    assert "holds 12 tensors the model has no parameter or buffer for: 'other.00', " in reason
     assert "'other.09' and 2 more (" in reason and "'other.10'" not in reason
 
 
@@ -59,6 +64,37 @@ def test_the_first_join_of_a_script_is_refused_naming_the_extra_tensor():
     assert "'extra.weight'" in reason
 
 
+
+def test_the_models_buffers_in_the_file_are_accepted_and_not_taken(caplog):
+    """A state_dict, or a ddiloco export of a BatchNorm model, holds the buffers beside the parameters."""
+    buffers = {"norm.running_mean": torch.ones(2), "norm.num_batches_tracked": torch.tensor(7)}
+    with caplog.at_level("INFO", logger="ddiloco.runtime.syncer_state"):
+        made = genesis_from_init({**PARAMS, **buffers}, list(PARAMS), ["embed.weight"], SHAPES, "--init f",
+                                 buffers=["norm.running_mean", "norm.num_batches_tracked", "norm.running_var"])
+    assert isinstance(made, GenesisRecord) and list(made.params) == list(PARAMS)
+    assert "--init f holds 2 of the model's buffers ('norm.running_mean', 'norm.num_batches_tracked'): not taken" \
+        in caplog.text
+
+
+def test_a_learner_joins_with_its_buffers_names_and_the_wire_keeps_them():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    join = Learner(DilocoConfig(num_fragments=1), learner_id=0, model=model).join_message()
+    assert join.buffers == ("1.num_batches_tracked", "1.running_mean", "1.running_var")
+    decoded, _ = decode_join(encode_join(join, DilocoConfig(num_fragments=1)))
+    assert decoded.buffers == join.buffers
+    init = {**{name: p.detach() for name, p in model.named_parameters()}, **model.state_dict()}
+    assert isinstance(genesis_for_join(decoded, init, "--init f"), GenesisRecord)
+
+
+def test_check_init_file_accepts_a_state_dict_of_a_model_with_buffers(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    init = tmp_path / "init.safetensors"
+    save_file(model.state_dict(), str(init))
+    check_init_file(init, model)
+    save_file({**model.state_dict(), "2.weight": torch.ones(1)}, str(init))
+    with pytest.raises(ValueError, match="no parameter or buffer for: '2.weight'"):
+        check_init_file(init, model)
+
 def tiny_params() -> dict[str, torch.Tensor]:
     tiny = ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32)
     return initial_params(RunConfig(model=tiny, data=DataConfig(context_len=32, batch_size=4)))
@@ -72,7 +108,7 @@ def test_ddiloco_run_of_the_built_in_learner_refuses_an_extra_tensor_before_writ
                  "--init", str(init)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith(f"ddiloco run: error: --init {init}: the --init file holds 1 tensor the model has no "
-                          "parameter for: 'extra.weight'") and err.count("\n") == 1, err
+                          "parameter or buffer for: 'extra.weight'") and err.count("\n") == 1, err
     assert not run_dir.exists()
 
 

@@ -68,7 +68,7 @@ def genesis_for_join(join: Join, init: dict[str, torch.Tensor] | None, init_sour
         return NO_GENESIS
     by_name = join.model_spec.by_name()
     made = genesis_from_init(init, list(by_name), join.embeddings, {name: spec.shape for name, spec in by_name.items()},
-                             init_source, join.aliases)
+                             init_source, join.aliases, join.buffers)
     if isinstance(made, str):
         return f"model differs from the run's --init file: {made}"
     return made

@@ -45,6 +45,7 @@ from ddiloco.checkpoint import (
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import RoundRecord
+from ddiloco.model_buffers import persistent_buffers
 from ddiloco.syncer import Syncer, replay_rounds
 
 logger = logging.getLogger(__name__)
@@ -125,8 +126,9 @@ def _checksummed(data: bytes) -> tuple[bytes, memoryview]:
 
 INIT_NAMED_AT_MOST = 10
 """How many tensor names an --init refusal lists: a file of another model may differ in hundreds."""
-INIT_HOLDS = ("an --init file holds the model's parameters, dict(model.named_parameters()), and nothing else: "
-              "buffers such as BatchNorm's running statistics are not taken from it, each learner keeps its own")
+INIT_HOLDS = ("an --init file holds the model's parameters, dict(model.named_parameters()); it may hold the model's "
+              "buffers too, as a state_dict or a ddiloco export does, which are not taken from it: each learner keeps "
+              "its own")
 
 
 def load_init_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -158,23 +160,26 @@ def check_init_file(path: str | Path, model: nn.Module | None = None) -> None:
     canonical = {id(p): name for name, p in params.items()}
     aliases = tuple((alias, canonical[id(p)]) for alias, p in model.named_parameters(remove_duplicate=False)
                     if canonical[id(p)] != alias)
-    reason = init_mismatch(shapes, {name: tuple(p.shape) for name, p in params.items()}, aliases)
+    reason = init_mismatch(shapes, {name: tuple(p.shape) for name, p in params.items()}, aliases,
+                           buffers=tuple(persistent_buffers(model)))
     if reason is not None:
         raise ValueError(f"--init {path}: {reason}")
 
 
 def init_mismatch(held: Mapping[str, tuple[int, ...]], shapes: Mapping[str, tuple[int, ...]],
-                  aliases: tuple[tuple[str, str], ...] = ()) -> str | None:
+                  aliases: tuple[tuple[str, str], ...] = (), *, buffers: Iterable[str] = ()) -> str | None:
     """Why an --init file holding tensors of the shapes `held` (by name) does not fit a model whose parameters have
     `shapes` (in the model's order; `aliases`: (other name, parameter) of its tied weights, which the file may hold
-    instead of the parameter's own name), or None. Names every parameter the file lacks and every tensor it holds
-    that is no parameter, up to INIT_NAMED_AT_MOST of each; or else the first shape that differs."""
+    instead of the parameter's own name; `buffers`: the names of its persistent buffers, which the file may hold and
+    which are not taken from it), or None. Names every parameter the file lacks and every tensor it holds that is
+    neither a parameter nor a buffer, up to INIT_NAMED_AT_MOST of each; or else the first shape that differs."""
     held = {**{name: held[alias] for alias, name in aliases if alias in held and name not in held}, **held}
     missing = [name for name in shapes if name not in held]
-    extra = [name for name in held if name not in shapes and name not in dict(aliases)]
+    known = {*shapes, *dict(aliases), *buffers}
+    extra = [name for name in held if name not in known]
     problems = []
     if extra:
-        problems.append(f"holds {_count(extra, 'tensor')} the model has no parameter for: {_names(extra)}")
+        problems.append(f"holds {_count(extra, 'tensor')} the model has no parameter or buffer for: {_names(extra)}")
     if missing:
         what = "the model's parameter" if len(missing) == 1 else f"{len(missing)} of the model's parameters"
         problems.append(f"lacks {what} {_names(missing)}")
@@ -197,15 +202,20 @@ def _names(names: Sequence[str]) -> str:
 
 def genesis_from_init(init: Mapping[str, torch.Tensor], order: Iterable[str], embeddings: Iterable[str],
                       shapes: Mapping[str, tuple[int, ...]], source: str,
-                      aliases: tuple[tuple[str, str], ...] = ()) -> GenesisRecord | str:
-    """The genesis a --init file gives a joining model (its parameter names and shapes, in its order), or
-    why it cannot (`init_mismatch`: a parameter the file lacks, a tensor it holds that is no parameter, another
-    shape), or a tensor that is not finite floating point."""
-    order = list(order)
+                      aliases: tuple[tuple[str, str], ...] = (), buffers: Iterable[str] = ()) -> GenesisRecord | str:
+    """The genesis a --init file gives a joining model (its parameter names and shapes, in its order; `buffers`: the
+    names of its persistent buffers), or why it cannot (`init_mismatch`: a parameter the file lacks, a tensor it
+    holds that is neither parameter nor buffer, another shape), or a tensor that is not finite floating point. The
+    buffers the file holds are not taken (each learner keeps its own), and the log says so."""
+    order, buffers = list(order), tuple(buffers)
     reason = init_mismatch({name: tuple(t.shape) for name, t in init.items()},
-                           {name: tuple(shapes[name]) for name in order}, aliases)
+                           {name: tuple(shapes[name]) for name in order}, aliases, buffers=buffers)
     if reason is not None:
         return reason
+    skipped = [name for name in buffers if name in init]
+    if skipped:
+        logger.warning("[syncer] %s holds %s of the model's buffers (%s): not taken, each learner keeps its own",
+                    source, len(skipped), _names(skipped))
     init = {**{name: init[alias] for alias, name in aliases if alias in init and name not in init}, **init}
     params = {}
     for name in order:

@@ -124,7 +124,8 @@ def encode_join(join: Join, config: DilocoConfig) -> wire_pb2.JoinRequest:
         learner_id=join.learner_id, schema_version=join.schema_version,
         config_fingerprint=join.config_fingerprint, diloco_config_json=json.dumps(config.to_dict(), sort_keys=True),
         model_spec=spec_to_headers(join.model_spec), embeddings=list(join.embeddings),
-        aliases=[f"{alias}={name}" for alias, name in join.aliases], max_tokens_per_step=join.max_tokens_per_step)
+        aliases=[f"{alias}={name}" for alias, name in join.aliases], max_tokens_per_step=join.max_tokens_per_step,
+        buffers=list(join.buffers))
 
 
 def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
@@ -144,7 +145,7 @@ def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
     # max_tokens_per_step is passed as sent: the syncer core refuses a negative one, or one above the run's limit.
     join = Join(int(request.learner_id), spec, request.config_fingerprint, int(request.schema_version),
                 embeddings=tuple(sorted(set(request.embeddings))), aliases=decode_aliases(request.aliases, names),
-                max_tokens_per_step=int(request.max_tokens_per_step))
+                max_tokens_per_step=int(request.max_tokens_per_step), buffers=tuple(sorted(set(request.buffers))))
     return join, config
 
 
