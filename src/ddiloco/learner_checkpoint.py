@@ -24,19 +24,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ddiloco.checkpoint import (
-    CHECKPOINTABLE,
-    UnsupportedStateError,
-    WriteTrouble,
-    load_latest_state,
-    save_split_state,
-    split_state,
-    state_path,
-)
+from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_split_state
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_status import StatusReporter
 from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
+from ddiloco.state_tree import CHECKPOINTABLE, UnsupportedStateError, split_state, state_path
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,9 @@ from ddiloco.checkpoint import (
     RoundLog,
     atomic_write_json,
     bytes_checksum,
-    join_state,
     load_latest_state,
     read_json,
     save_state,
-    split_state,
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.runtime.syncer_standby import LogFollower
@@ -28,6 +26,7 @@ from ddiloco.runtime.syncer_state import (
     replay_onto,
     write_genesis,
 )
+from ddiloco.state_tree import join_state, split_state
 from ddiloco.syncer import Syncer, replay_rounds
 from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, make_system, params_of, train_step
 

@@ -1,4 +1,4 @@
-"""What a state may hold (`ddiloco.checkpoint.split_state`): numpy arrays and scalars come back as they were, a value
+"""What a state may hold (`ddiloco.state_tree.split_state`): numpy arrays and scalars come back as they were, a value
 it cannot keep is refused naming where it is, and trees written before numpy values were kept still load."""
 
 import json
@@ -10,14 +10,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ddiloco.checkpoint import (
-    TORCH_DTYPES,
-    UnsupportedStateError,
-    join_state,
-    load_latest_state,
-    save_state,
-    split_state,
-)
+from ddiloco.checkpoint import load_latest_state, save_state
+from ddiloco.state_tree import TORCH_DTYPES, UnsupportedStateError, join_state, split_state
 
 
 def test_numpy_arrays_and_scalars_come_back_with_their_types_dtypes_and_values(tmp_path):
