@@ -7,9 +7,12 @@ from torch import nn
 
 from ddiloco.clock import VirtualClock
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.data import DataConfig
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.messages import Update
+from ddiloco.model import ModelConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.syncer import Syncer
 
 
@@ -113,6 +116,10 @@ def train_two_steps(learner: Learner, seed: int) -> list[Update]:
 TINY_MODEL_FLAGS = ("--model-width", "32", "--model-num-heads", "2", "--model-num-layers", "1",
                     "--model-context-len", "32", "--data-context-len", "32", "--data-batch-size", "4")
 """A TinyGPT of about 20 k parameters: an inner step takes milliseconds, so rounds come fast."""
+TINY_RUN = RunConfig(model=ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32),
+                    data=DataConfig(context_len=32, batch_size=4), diloco=DilocoConfig(num_fragments=2, sync_every=8),
+                    num_learners=1)
+"""The run config of the same TinyGPT with one learner, for a syncer service started in the test's own process."""
 PROCESS_WAIT_S = 90.0
 """Hard limit on one wait in an integration test (starting a process that imports torch takes seconds
 on a loaded 2-core machine)."""
@@ -176,6 +183,56 @@ def ddiloco_run(run_dir, *flags: str, command, timeout_s: float) -> tuple[int, s
         output, _ = popen.communicate()
         pytest.fail(f"ddiloco run still running after {timeout_s} s:\n{output[-3000:]}")
     return popen.returncode, output
+
+
+ODD_MODEL_SCRIPT = '''
+import sys
+import torch
+from torch import nn
+import ddiloco
+
+
+class Odd(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.mix = nn.Parameter((torch.eye(3) + 0.01 * torch.randn(3, 3)).t())  # a strided view
+        self.none = nn.Parameter(torch.empty(0, 4))
+        if mode == "nan":
+            with torch.no_grad():
+                self.body[2].bias[1] = float("nan")
+
+    def forward(self, x):
+        return self.body(x) @ self.mix
+
+
+def build(mode):
+    torch.manual_seed(0)
+    return Odd(mode)
+
+
+if __name__ == "__main__":
+    env = ddiloco.environment()
+    model = build(sys.argv[1])
+    assert not model.mix.is_contiguous() and model.none.numel() == 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # A schedule shorter than the run's budget: its step past the total raises, from its saved state too.
+    total = 12 if sys.argv[1] == "short_schedule" else 1000
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
+    generator = torch.Generator().manual_seed(env.learner_id)
+    with ddiloco.session(model, optimizer, state={"scheduler": scheduler}) as sync:
+        while not sync.done:
+            x = torch.randn(32, 4, generator=generator)
+            loss = nn.functional.mse_loss(model(x), x[:, :3].sin())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            sync.step(tokens=len(x), loss=loss.item())
+'''
+"""A learner script (`python SCRIPT MODE`) whose model has a parameter with no values and a strided one. MODE "nan"
+puts a NaN in its initial parameters; "short_schedule" gives it a learning-rate schedule of 12 steps, shorter than
+a run's budget, so it fails at the same step at every restart; any other MODE, a schedule of 1000 steps."""
 
 
 def finish_run(popen, *, timeout_s: float, interrupt: bool = False) -> str:
@@ -243,6 +300,24 @@ def tiny_sim_workload(*, inner_steps: int = 16, batch_size: int = 2, eval_points
     return WorkloadConfig(model=model, data=DataConfig(batch_size=batch_size, context_len=16),
                           inner=InnerConfig(lr=lr, warmup_steps=0), inner_steps=inner_steps, eval_points=eval_points,
                           val_batches=1)
+
+
+DECOUPLED_DILOCO = DilocoConfig(num_fragments=4, sync_every=8, overlap_steps=2)
+"""`run_decoupled`'s default DiLoCo settings: four fragments, a round every 8 inner steps, 2 steps of overlap."""
+
+
+def run_decoupled(*, num=3, quorum=None, faults=None, steps=16, cluster=None, learner=None, diloco=DECOUPLED_DILOCO,
+                  seed=0):
+    """A Decoupled DiLoCo run of the virtual-time harness on `tiny_sim_workload`: (the sim, its result)."""
+    from ddiloco.config import LearnerConfig
+    from ddiloco.sim.cluster import ClusterConfig
+    from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
+
+    config = DecoupledSimConfig(workload=tiny_sim_workload(inner_steps=steps),
+                                cluster=cluster or ClusterConfig(num_learners=num), diloco=diloco,
+                                quorum=quorum or QuorumConfig(), learner=learner or LearnerConfig(), seed=seed)
+    sim = DecoupledSim(config, faults=faults)
+    return sim, sim.run()
 
 
 def assert_global_state_is_the_replay(run_dir) -> None:

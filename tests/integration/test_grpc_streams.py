@@ -31,7 +31,7 @@ from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, SCHEMA_KEY
 from ddiloco.transport.grpc_server import start_server
 from ddiloco.transport.syncer_servicer import UPLOADS_PER_LEARNER
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
-from tests.integration.test_learner_process import TINY_RUN
+from tests.helpers import TINY_RUN
 
 pytestmark = pytest.mark.integration
 

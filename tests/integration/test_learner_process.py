@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
-from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import Welcome
@@ -36,7 +35,7 @@ from ddiloco.transport.grpc_codec import WireModel
 from ddiloco.transport.grpc_server import start_server
 from ddiloco.transport.learner_io import LearnerIO
 from ddiloco.transport.link import EmulatedLink, parse_link
-from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, wait_until
+from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, TINY_RUN, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -141,11 +140,6 @@ def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_pa
     assert syncer.poll() is None  # and the syncer serves on, having counted each refusal
     wait_until(lambda: (r := (read_json(run_dir / "syncer_status.json") or {}).get("rejections", {}))
                and r.get("refused", 0) >= 2 and r.get("unauthenticated", 0) >= 1, "refusals counted", alive=[syncer])
-
-
-TINY_RUN = RunConfig(model=ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32),
-                    data=DataConfig(context_len=32, batch_size=4), diloco=DilocoConfig(num_fragments=2, sync_every=8),
-                    num_learners=1)
 
 
 @contextlib.contextmanager

@@ -18,64 +18,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import SMALL_RUN, ddiloco_run
+from tests.helpers import ODD_MODEL_SCRIPT, SMALL_RUN, ddiloco_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).parents[2]
 RUN_TIMEOUT_S = 120
 
-SCRIPT = '''
-import sys
-import torch
-from torch import nn
-import ddiloco
-
-
-class Odd(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
-        self.mix = nn.Parameter((torch.eye(3) + 0.01 * torch.randn(3, 3)).t())  # a strided view
-        self.none = nn.Parameter(torch.empty(0, 4))
-        if mode == "nan":
-            with torch.no_grad():
-                self.body[2].bias[1] = float("nan")
-
-    def forward(self, x):
-        return self.body(x) @ self.mix
-
-
-def build(mode):
-    torch.manual_seed(0)
-    return Odd(mode)
-
-
-if __name__ == "__main__":
-    env = ddiloco.environment()
-    model = build(sys.argv[1])
-    assert not model.mix.is_contiguous() and model.none.numel() == 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # A schedule shorter than the run's budget: its step past the total raises, from its saved state too.
-    total = 12 if sys.argv[1] == "short_schedule" else 1000
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
-    generator = torch.Generator().manual_seed(env.learner_id)
-    with ddiloco.session(model, optimizer, state={"scheduler": scheduler}) as sync:
-        while not sync.done:
-            x = torch.randn(32, 4, generator=generator)
-            loss = nn.functional.mse_loss(model(x), x[:, :3].sin())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            sync.step(tokens=len(x), loss=loss.item())
-'''
-
 
 def run(tmp_path: Path, mode: str) -> tuple[int, str, dict]:
     """`ddiloco run` of the script in `mode`: (its exit status, its output, its summary)."""
     script = tmp_path / "odd.py"
-    script.write_text(SCRIPT)
+    script.write_text(ODD_MODEL_SCRIPT)
     run_dir = tmp_path / "run"
     status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "40",
                                  command=(sys.executable, str(script), mode), timeout_s=RUN_TIMEOUT_S)

@@ -23,7 +23,7 @@ import pytest
 from ddiloco.checkpoint import RoundLog, read_json_object
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
-from tests.integration.test_odd_models import SCRIPT as ODD_SCRIPT
+from tests.helpers import ODD_MODEL_SCRIPT
 
 pytest.importorskip("ray")
 
@@ -197,7 +197,7 @@ def test_a_learner_failing_at_the_same_step_at_every_restart_is_given_up_not_res
     # The local supervisor's second crash-loop rule (tests/integration/test_odd_models.py), through Ray: the count
     # rides from one actor incarnation to the next.
     script = tmp_path / "odd.py"
-    script.write_text(ODD_SCRIPT)
+    script.write_text(ODD_MODEL_SCRIPT)
     run_dir = tmp_path / "run"
     run = RunWatch(run_dir, "--learners", "1", "--inner-steps", "40", "--no-evaluate", "--threads", "1", "--",
                    sys.executable, str(script), "short_schedule", tiny=False)

@@ -25,8 +25,8 @@ from ddiloco.goodput import (
 )
 from ddiloco.sim.accounting import core_metrics
 from ddiloco.sim.faults import FaultPlan
-from tests.unit.test_chaos_analysis import make_runtime_dir
-from tests.unit.test_sim_decoupled import run as run_decoupled
+from tests.helpers import run_decoupled
+from tests.runtime_dir import make_runtime_dir
 
 torch.set_num_threads(1)
 

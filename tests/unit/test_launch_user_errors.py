@@ -1,13 +1,12 @@
 """A learner command whose program cannot start, and an export to a directory: one line naming the mistake and
 exit status 2 before anything starts or is written, never a traceback. A program that disappears during a run fails
 its learner with the reason instead of ending the launcher with a traceback (real processes: the fake `ddiloco` of
-test_supervisor.py)."""
+tests/fake_learners.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,14 +15,9 @@ from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.supervisor import ChildState, Supervisor
 from ddiloco.runtime.syncer_state import GenesisRecord, write_genesis
-from tests.unit.test_supervisor import FAST, write_fake_command
+from tests.fake_learners import FAST
 
 EXIT_USAGE = 2
-
-
-@pytest.fixture
-def fake_command(tmp_path_factory) -> tuple[str, ...]:
-    return write_fake_command(tmp_path_factory.mktemp("fake"))
 
 
 def test_a_learner_command_whose_program_is_not_on_the_path_is_refused_before_anything_starts(tmp_path, capsys):

@@ -3,7 +3,7 @@ runs it again, saying so; one given that differs is used, and that is said too. 
 is resumed as before, unless its genesis shows a script's model: then a resume without `-- COMMAND` is refused
 instead of starting the built-in TinyGPT, which the syncer would refuse with a misleading error.
 
-Real processes: the fake syncer of test_supervisor.py and a learner script that notes how it was started.
+Real processes: the fake syncer of tests/fake_learners.py and a learner script that notes how it was started.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.run_dir import resumed_learner_command
-from tests.unit.test_supervisor import FAST, run_parser, write_fake_command
+from tests.fake_learners import FAST, run_parser
 
 EXIT_USAGE = 2
 LEARNER = """
@@ -30,11 +30,6 @@ with open("starts.jsonl", "a") as file:
     file.write(json.dumps({"learner_id": os.environ["DDILOCO_LEARNER_ID"], "argv": sys.argv[1:]}) + "\\n")
 """
 """A learner script that notes its arguments and is done at once (exit status 0)."""
-
-
-@pytest.fixture
-def fake_command(tmp_path_factory) -> tuple[str, ...]:
-    return write_fake_command(tmp_path_factory.mktemp("fake"))
 
 
 def run(fake_command: tuple[str, ...], *argv: str, script: tuple[str, ...] = ()) -> int:

@@ -1,7 +1,7 @@
 """`ddiloco run --resume DIR` of a run that is still going is refused at once, naming the live process, before
 anything in DIR is written; the files a run leaves behind when it ends (`kill -9` included) never block a resume.
 
-Real processes: a `ddiloco run` with the fake children of test_supervisor.py, a process holding the syncer's lock,
+Real processes: a `ddiloco run` with the fake children of tests/fake_learners.py, a process holding the syncer's lock,
 and this test's own process standing in for a launcher whose pid was reused.
 """
 
@@ -21,12 +21,7 @@ from ddiloco.runtime.launcher import RunPaths, process_group_alive
 from ddiloco.runtime.process_lock import DirectoryLock
 from ddiloco.runtime.ray_cluster import process_start_time
 from ddiloco.runtime.run_dir import claim_run_dir, require_not_running
-from tests.unit.test_supervisor import FAST, WAIT_S, run_parser, start_driver, wait_for_learners, write_fake_command
-
-
-@pytest.fixture
-def fake_command(tmp_path_factory) -> tuple[str, ...]:
-    return write_fake_command(tmp_path_factory.mktemp("fake"))
+from tests.fake_learners import FAST, WAIT_S, run_parser, start_driver, wait_for_learners
 
 
 def launcher_records(run_dir: Path) -> dict[str, bytes]:

@@ -9,31 +9,19 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.sim.accounting import HARNESS_CATEGORIES, PeakMeter, union_length
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
-from ddiloco.sim.decoupled import DecoupledSim, DecoupledSimConfig
 from ddiloco.sim.faults import FaultPlan
 from ddiloco.sim.links import LinkConfig
 from ddiloco.syncer import replay_rounds
-from tests.helpers import tiny_sim_workload
+from tests.helpers import DECOUPLED_DILOCO, run_decoupled
 
 torch.set_num_threads(1)
-
-DILOCO = DilocoConfig(num_fragments=4, sync_every=8, overlap_steps=2)
-
-
-def run(*, num=3, quorum=None, faults=None, steps=16, cluster=None, learner=None, diloco=DILOCO, seed=0):
-    config = DecoupledSimConfig(workload=tiny_sim_workload(inner_steps=steps),
-                                cluster=cluster or ClusterConfig(num_learners=num), diloco=diloco,
-                                quorum=quorum or QuorumConfig(), learner=learner or LearnerConfig(), seed=seed)
-    sim = DecoupledSim(config, faults=faults)
-    return sim, sim.run()
-
 
 def kinds(result, kind):
     return [entry for entry in result.log if entry["kind"] == kind]
 
 
 def test_a_run_without_failures_spends_the_budget_and_merges_every_round():
-    sim, result = run()
+    sim, result = run_decoupled()
     m = result.metrics
     budget = sim.config.workload.token_budget(3)
     assert m["tokens_processed"] == budget
@@ -59,7 +47,7 @@ def test_a_run_without_failures_spends_the_budget_and_merges_every_round():
 
 def test_work_categories_add_up_to_the_compute_time():
     faults = FaultPlan.of([(1, 5.5, 9.0)])
-    sim, result = run(faults=faults, cluster=ClusterConfig(num_learners=3, jitter=0.2))
+    sim, result = run_decoupled(faults=faults, cluster=ClusterConfig(num_learners=3, jitter=0.2))
     computed = sum(entry["duration_s"] for entry in kinds(result, "step"))
     booked = sum(sim.work.seconds.total(c) for c in HARNESS_CATEGORIES)
     # The step cut short by the crash was never completed and holds no work.
@@ -68,7 +56,7 @@ def test_work_categories_add_up_to_the_compute_time():
 
 
 def test_round_log_replays_to_the_final_global_parameters():
-    sim, result = run(faults=FaultPlan.of([(0, 3.0, 7.0)]))
+    sim, result = run_decoupled(faults=FaultPlan.of([(0, 3.0, 7.0)]))
     replayed = replay_rounds(sim.config.diloco, sim.initial_params, result.round_log)
     assert all(torch.equal(replayed[n], t) for n, t in result.final_params.items())
 
@@ -78,7 +66,7 @@ def test_a_failed_learner_loses_its_messages_and_rejoins_as_a_new_incarnation():
     cluster = ClusterConfig(num_learners=3, uplink=slow, downlink=slow)
     # Joining takes 6 s (Join up, Welcome down); learner 2 publishes fragment 1 at inner step 4
     # (t = 10) and fails 0.5 s later, while that update is still in flight.
-    sim, result = run(cluster=cluster, faults=FaultPlan.of([(2, 10.5, 16.0)]), steps=24)
+    sim, result = run_decoupled(cluster=cluster, faults=FaultPlan.of([(2, 10.5, 16.0)]), steps=24)
     dropped = [e for e in kinds(result, "drop_up") if e["learner"] == 2]
     assert any(e["message"]["type"] == "Update" for e in dropped)
     assert result.metrics["participation"]["2"]["incarnations"] == 2
@@ -93,7 +81,7 @@ def test_a_failed_learner_loses_its_messages_and_rejoins_as_a_new_incarnation():
 def test_k1_keeps_training_whenever_a_learner_is_alive():
     # Learners 0 and 1 fail in turn; learner 2 is never down: a round commits in every sync period.
     faults = FaultPlan.of([(0, 3.5, 9.0), (1, 6.0, 14.0)])
-    _, result = run(faults=faults, steps=24)
+    _, result = run_decoupled(faults=faults, steps=24)
     assert result.metrics["uptime"] == pytest.approx(1.0)
     assert result.metrics["uptime_while_alive"] == pytest.approx(1.0)
     assert result.metrics["goodput"] < 1.0
@@ -103,8 +91,8 @@ def test_uptime_is_the_share_of_sync_periods_in_which_a_round_commits():
     # K = M: learner 1 is down from 4.5 s to 30 s and the others wait for it; rounds commit at 2 and 4 s,
     # then none until it is back (31 s, the first round after its Welcome). Of the 8 s bins (H = 8 steps of
     # 1 s) from the first step's start, the second and third hold no commit.
-    _, result = run(quorum=QuorumConfig(min_quorum=3, grace="none"), faults=FaultPlan.of([(1, 4.5, 30.0)]),
-                    steps=24)
+    _, result = run_decoupled(quorum=QuorumConfig(min_quorum=3, grace="none"),
+                              faults=FaultPlan.of([(1, 4.5, 30.0)]), steps=24)
     events = result.events
     commits = [e["t"] for e in kinds(result, "commit")]
     assert [a.time_s for a in events.advances] == commits
@@ -115,8 +103,8 @@ def test_uptime_is_the_share_of_sync_periods_in_which_a_round_commits():
 
 def test_quorum_of_all_learners_waits_for_the_slow_one_and_k1_does_not():
     cluster = ClusterConfig(num_learners=3, slowdowns=(0.0, 0.0, 1.0))
-    _, sync = run(cluster=cluster, quorum=QuorumConfig(min_quorum=3, grace="none"))
-    _, k1 = run(cluster=cluster, quorum=QuorumConfig(min_quorum=1, grace="none"))
+    _, sync = run_decoupled(cluster=cluster, quorum=QuorumConfig(min_quorum=3, grace="none"))
+    _, k1 = run_decoupled(cluster=cluster, quorum=QuorumConfig(min_quorum=1, grace="none"))
     assert sync.metrics["blocked_fraction"] > 0.2
     assert k1.metrics["blocked_fraction"] == 0
     assert sync.metrics["goodput"] < k1.metrics["goodput"]
@@ -126,8 +114,8 @@ def test_quorum_of_all_learners_waits_for_the_slow_one_and_k1_does_not():
 
 def test_a_blocked_learner_stops_waiting_after_max_wait():
     cluster = ClusterConfig(num_learners=2, slowdowns=(0.0, 9.0))  # learner 1 takes 10 s per inner step
-    _, result = run(cluster=cluster, quorum=QuorumConfig(min_quorum=2, grace="none"),
-                    learner=LearnerConfig(max_wait_s=3.0))
+    _, result = run_decoupled(cluster=cluster, quorum=QuorumConfig(min_quorum=2, grace="none"),
+                              learner=LearnerConfig(max_wait_s=3.0))
     assert result.metrics["waits_abandoned"] > 0
     waits = [e for e in kinds(result, "stop_waiting") if e["learner"] == 0]
     blocked = [e for e in kinds(result, "blocked") if e["learner"] == 0]
@@ -136,7 +124,7 @@ def test_a_blocked_learner_stops_waiting_after_max_wait():
 
 def test_synchronous_diloco_survives_a_failure_without_deadlock():
     faults = FaultPlan.of([(1, 4.5, 10.0)])
-    _, result = run(num=3, quorum=QuorumConfig(min_quorum=3, grace="none"), faults=faults, steps=32)
+    _, result = run_decoupled(num=3, quorum=QuorumConfig(min_quorum=3, grace="none"), faults=faults, steps=32)
     m = result.metrics
     assert m["waits_abandoned"] == 0
     assert m["participation"]["1"]["incarnations"] == 2
@@ -149,8 +137,8 @@ def test_synchronous_diloco_survives_a_failure_without_deadlock():
 def test_heartbeats_keep_a_learner_known_and_silence_times_it_out():
     # Learner 1 is down for longer than the heartbeat timeout: the syncer forgets it, then it rejoins.
     quorum = QuorumConfig(heartbeat_timeout_s=4.0)
-    sim, result = run(quorum=quorum, faults=FaultPlan.of([(1, 2.5, 12.0)]), steps=24,
-                      learner=LearnerConfig(heartbeat_every_s=1.0))
+    sim, result = run_decoupled(quorum=quorum, faults=FaultPlan.of([(1, 2.5, 12.0)]), steps=24,
+                                learner=LearnerConfig(heartbeat_every_s=1.0))
     sends = [e for e in kinds(result, "send_up") if e["message"]["type"] == "Heartbeat"]
     assert sends
     assert sim.syncer.learners[1].joins == 2
@@ -167,8 +155,8 @@ def test_step_times_follow_speed_and_jitter():
 
 
 def test_steady_state_peak_upload_is_one_fragment_per_step():
-    sim, result = run()
-    codec = get_codec(DILOCO.codec)
+    sim, result = run_decoupled()
+    codec = get_codec(DECOUPLED_DILOCO.codec)
     shapes = {n: t.numel() for n, t in sim.initial_params.items()}
     fragment_bytes = [sum(codec.encoded_nbytes(shapes[n]) for n in names) for names in sim.syncer.plan.fragments]
     assert result.metrics["peak_bytes_per_step_up"] == max(fragment_bytes)
@@ -202,7 +190,7 @@ def test_a_learner_back_from_a_failure_out_of_phase_with_the_rounds_is_brought_i
     # puts it ahead of the others, and with K = 1 it closes that round alone. Without the others moving their
     # schedules forward on a result that does not name them (`Learner._follow_close`), their updates reached
     # every later round after its close and were merged one version late (17 of the 20 rounds below).
-    sim, result = run(faults=FaultPlan.of([(2, 10.5, 14.5)]), steps=64)
+    sim, result = run_decoupled(faults=FaultPlan.of([(2, 10.5, 14.5)]), steps=64)
     later = [c for c in kinds(result, "commit") if c["t"] > 14.5 + 20]
     assert len(later) >= 16
     assert all(c["learners"] == [0, 1, 2] and c["staleness"] == [0, 0, 0] for c in later)
@@ -214,7 +202,7 @@ def test_without_overlap_learners_in_step_share_every_round():
     # together. Without it every round closed on its first update and the others rode one version late (and the
     # schedule moves that followed made a fragment due twice after one step, which the work ledger failed on).
     diloco = DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=1, overlap_steps=0)
-    _, result = run(diloco=diloco, steps=12)
+    _, result = run_decoupled(diloco=diloco, steps=12)
     m = result.metrics
     # One round a step; the first closes on its first update (no step time yet), every later one merges all three.
     assert (m["rounds_committed"], m["mean_staleness"]) == (12, 0)

@@ -1,7 +1,7 @@
 """A learner in a crash loop is given up with its last log line as the reason, instead of crash-looping for minutes up
 to `max_restarts`: one that cannot start its session (a script that fails at import, a model that cannot be built),
 and one that fails at the same inner step at every restart. Real processes (the fake `ddiloco` of
-test_supervisor.py), real exits and signals."""
+tests/fake_learners.py), real exits and signals."""
 
 from __future__ import annotations
 
@@ -14,14 +14,9 @@ import pytest
 
 from ddiloco.runtime.learner_exits import CrashLoop
 from ddiloco.runtime.supervisor import ChildState, Supervisor
-from tests.unit.test_supervisor import FAST, make_run, write_fake_command
+from tests.fake_learners import FAST, make_run
 
 IMPORT_ERROR = "ModuleNotFoundError: No module named 'my_model'"
-
-
-@pytest.fixture
-def fake_command(tmp_path_factory) -> tuple[str, ...]:
-    return write_fake_command(tmp_path_factory.mktemp("fake"))
 
 
 def test_a_learner_failing_before_its_session_three_starts_in_a_row_is_given_up_with_its_error(tmp_path,
