@@ -7,6 +7,7 @@ of several torch.distributed ranks, this learner's process group: rank 0 gets th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from ddiloco.learner_checkpoint import Stateful
 from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
 from ddiloco.learner_session import UNBOUNDED_STEPS, Session
 from ddiloco.run_config import RunConfig
+
+logger = logging.getLogger(__name__)
 
 
 def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mapping[str, Stateful] | None = None,
@@ -66,6 +69,7 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         raise ValueError(f"parameter {meta[0]!r} is on the meta device, without values ({len(meta)} in all): "
                          "materialize the model before ddiloco.session(...) (model.to_empty(device=...), then "
                          "initialize its parameters)")
+    _check_parameter_dtypes(plain)
     learners_group = _learner_group(plain, env, group) if hub is None else None
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
@@ -96,6 +100,40 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         tls = read_ca_file(tls_ca)
     return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
                    run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
+
+
+def _check_parameter_dtypes(model: nn.Module) -> None:
+    """The run keeps every parameter in float32 (the syncer's global state, joins, rounds): refuse those float32
+    cannot hold, and say once that float64 ones are synchronised at float32 precision. Without this a complex
+    parameter lost its imaginary part at every sync and an int64 one above 2^24 came back rounded, silently."""
+    params = list(model.named_parameters())
+    unfit = [(name, p.dtype) for name, p in params if p.is_complex() or not p.is_floating_point()]
+    if unfit:
+        name, dtype = unfit[0]
+        count = f"{len(unfit)} parameter{'s' if len(unfit) > 1 else ''} of a dtype float32 cannot hold"
+        names = ": " + ", ".join(repr(n) for n, _ in unfit) if len(unfit) > 1 else ""
+        what = _dtype_name(dtype)
+        if dtype.is_complex:
+            fix = ("ddiloco synchronises parameters in float32, which would drop the imaginary part at every sync. "
+                   "Keep it as a real parameter of pairs (nn.Parameter(torch.view_as_real(w)), and "
+                   "torch.view_as_complex(self.w) where the module uses it)")
+        else:
+            fix = ("ddiloco synchronises floating-point parameters only, in float32 (an integer above 2^24 would come "
+                   "back rounded). A value that is not trained belongs in a buffer: "
+                   f"module.register_buffer({name.rsplit('.', 1)[-1]!r}, tensor) (each learner keeps its own, and its "
+                   "checkpoint keeps it)")
+        raise TypeError(f"parameter {name!r} is {what} ({count}{names}): {fix}")
+    wide = [name for name, p in params if p.dtype == torch.float64]
+    if wide:
+        logger.warning("parameter %r is float64 (%d in all%s): it is synchronised in float32 (the syncer's global "
+                       "state, joins and rounds), so every sync rounds it to float32 precision (about 7 digits), "
+                       "though the learner trains it in float64 between syncs. Use float32 parameters to say so, or "
+                       "keep a value that needs float64 in a buffer", wide[0], len(wide),
+                       ": " + ", ".join(map(repr, wide)) if len(wide) > 1 else "")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any) -> LearnerGroup | None:
