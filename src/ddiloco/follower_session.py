@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddiloco.config import DilocoConfig
+from ddiloco.config import DEFAULT_MAX_TOKENS_PER_STEP, DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.session_lifecycle import SessionLifecycle
+from ddiloco.step_arguments import check_tokens_bound
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class FollowerSession(SessionLifecycle):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, diloco: DilocoConfig, learner_id: int,
                  group: LearnerGroup, inner_steps: int, state: Mapping[str, Any] | None = None,
-                 handle_sigterm: bool = True) -> None:
+                 handle_sigterm: bool = True, max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP) -> None:
         if group.leader:
             raise ValueError("rank 0 of a learner runs a Session, not a FollowerSession")
         super().__init__(handle_sigterm=handle_sigterm)
@@ -42,6 +43,9 @@ class FollowerSession(SessionLifecycle):
         self._learner_id = learner_id
         self.inner_steps = inner_steps
         """The run's inner-step budget, as rank 0's `Session.inner_steps`."""
+        self.max_tokens_per_step = max_tokens_per_step
+        """The run's bound on one inner step's tokens (`QuorumConfig.max_tokens_per_step`): this rank's count alone
+        must keep to it (rank 0 checks the sum)."""
         plain = unwrap(model)
         params = dict(plain.named_parameters())
         # The same plan as rank 0's Learner: the fragments are named by index in the leader's commands.
@@ -76,7 +80,8 @@ class FollowerSession(SessionLifecycle):
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """This rank's inner step is done: `tokens` are its own batch's (rank 0 sums every rank's)."""
-        self._check_step(tokens)
+        tokens = self._check_step(tokens)
+        check_tokens_bound(tokens, self.max_tokens_per_step)
         self._serve(tokens=tokens)
 
     def close(self, *, failed: bool = False) -> None:

@@ -69,6 +69,7 @@ from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_lifecycle import SessionLifecycle
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
+from ddiloco.step_arguments import check_tokens_bound, step_loss
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
@@ -277,11 +278,14 @@ class Session(SessionLifecycle):
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
         trained on (the syncer weights learners by it); `loss`, if given, is logged and shown."""
         tokens = self._check_step(tokens)
+        loss = step_loss(loss)
+        check_tokens_bound(tokens, self.config.quorum.max_tokens_per_step)
         if self._checkpoint is not None and not self._checkpoint.checked:
             self._checkpoint.check()  # a state= the checkpoint cannot keep stops the loop now, not 10 s in
         started = self._step_started or time.monotonic()
         if self.group is not None:
             tokens, stop = self.group.step(tokens)  # the learner trained on every rank's batch
+            check_tokens_bound(tokens, self.config.quorum.max_tokens_per_step)
             if stop:
                 self.request_stop()
         self._straggle(started)
@@ -291,10 +295,10 @@ class Session(SessionLifecycle):
             self._send(update)
         total = self.reporter.progress.tokens + tokens
         self.reporter.set(state="training" if self.transport.connected else "disconnected",
-                          loss=float(loss) if loss is not None else self.reporter.progress.loss, tokens=total)
+                          loss=loss if loss is not None else self.reporter.progress.loss, tokens=total)
         metrics = {f"{self.prefix}/tokens": total, f"{self.prefix}/step_s": step_s}
         if loss is not None:
-            metrics[f"{self.prefix}/loss"] = float(loss)
+            metrics[f"{self.prefix}/loss"] = loss
         self.sink.log(metrics, step=self.learner.inner_step)
         if self._checkpoint is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
             self._checkpoint.save(wait=False)

@@ -8,6 +8,7 @@ of several torch.distributed ranks, this learner's process group: rank 0 gets th
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddiloco.checks import invalid
 from ddiloco.config import DilocoConfig, LearnerConfig
 from ddiloco.environment import LearnerEnvironment, environment
 from ddiloco.follower_session import FollowerSession
@@ -59,6 +61,10 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
                          "`if ddiloco.environment().role == 'evaluator': ddiloco.watch(model, evaluate)`")
     run_config = _resolve_config(config, env, hub)
     learner_id = env.learner_id if learner_id is None else learner_id
+    if isinstance(learner_id, bool) or not isinstance(learner_id, numbers.Integral) or learner_id < 0:
+        # (in process the hub takes any number of learners: the Session's bound would read "2147483647 learners")
+        raise invalid("learner_id", learner_id, "an integer >= 0 (this learner's id)")
+    learner_id = int(learner_id)
     plain = unwrap(model)  # what the run syncs; `sync.model` stays the model as given, wrapper and all
     lazy = [name for name, p in plain.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
@@ -74,7 +80,8 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
                                inner_steps=run_config.inner_steps, state=state,
-                               handle_sigterm=options.get("handle_sigterm", True))
+                               handle_sigterm=options.get("handle_sigterm", True),
+                               max_tokens_per_step=run_config.quorum.max_tokens_per_step)
     if learners_group is not None:
         options["group"] = learners_group
     if hub is None:
