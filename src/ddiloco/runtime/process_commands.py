@@ -197,7 +197,7 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     service.start(address)
     atomic_write_json(run_dir / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
     logger.warning("[syncer] serving on %s (round %d)", address, service.rounds_committed)
-    stop.wait()
+    interrupts.wait_for(stop)  # in slices: a SIGTERM that a gRPC thread received is handled here
     service.close(server)
     logger.warning("[syncer] stopped after %d rounds", service.rounds_committed)
     return 0

@@ -42,6 +42,7 @@ import grpc
 from ddiloco.backoff import Backoff
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DEFAULT_CONNECT_TIMEOUT_S
+from ddiloco.interrupts import SIGNAL_CHECK_S
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
@@ -92,7 +93,7 @@ class Inbox:
             return ready
 
     def wait(self, timeout_s: float | None) -> None:
-        """Block until a message is ready, `wake()` is called, or `timeout_s` passes."""
+        """Block until a message is ready, `wake()` is called, or `timeout_s` passes (None: no bound)."""
         deadline = None if timeout_s is None else self.clock.now() + timeout_s
         with self._cond:
             while not self._woken:
@@ -102,7 +103,9 @@ class Inbox:
                 waits = [t - now for t in (deadline, self._heap[0][0] if self._heap else None) if t is not None]
                 if waits and min(waits) <= 0:
                     return
-                self._cond.wait(min(waits) if waits else None)
+                # In slices: the learner's main thread waits here, and runs a signal handler that fell due while
+                # another thread received the signal only once this returns (`ddiloco.interrupts`).
+                self._cond.wait(min([*waits, SIGNAL_CHECK_S]))
             self._woken = False
 
     def wake(self) -> None:
