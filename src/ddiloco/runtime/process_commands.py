@@ -266,8 +266,9 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """`ddiloco export`. A path that is not a run directory, or an `--out` that is a directory, is refused (ValueError:
-    one line, exit status 2) before the run's rounds are read."""
+    """`ddiloco export`. A path that is not a run directory, an `--out` that is a directory, lies inside the run
+    directory or cannot be written, is refused (ValueError: one line, exit status 2), all but a failing write before
+    the run's rounds are read."""
     from ddiloco.checkpoint import atomic_write_bytes
     from ddiloco.model_buffers import merged_buffers
     from ddiloco.run_config import RunConfig
@@ -278,18 +279,36 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory: give a file path such as {out / 'model.safetensors'}")
+    _check_destination(out, run_dir)
     config = RunConfig.load(run_dir / "config.json")
     params, rounds = exported_params(run_dir, config.diloco)
     buffers, learners = merged_buffers(run_dir)
     from safetensors.torch import save
 
     tensors = {**{n: t.contiguous() for n, t in params.items()}, **buffers}
-    atomic_write_bytes(out, save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()),
-                                                    "rounds_committed": str(rounds),
-                                                    "buffers_of_learners": ",".join(map(str, learners))}))
+    data = save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
+                                   "buffers_of_learners": ",".join(map(str, learners))})
+    try:
+        atomic_write_bytes(out, data)
+    except OSError as exc:  # what the checks before cannot see: /proc, a full disk, a read-only mount
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     count = sum(t.numel() for n, t in params.items())
     print(f"wrote {out}: {len(params)} parameters, {count:,} values, the global model after {rounds} rounds")
     if buffers:
         print(f"  and {len(buffers)} buffers, their mean over learners {', '.join(map(str, learners))} as of "
               "their latest checkpoints (ddiloco.model_buffers)")
     return 0
+
+
+def _check_destination(out: Path, run_dir: Path) -> None:
+    """ValueError when writing `out` would replace one of the run's own files (its config.json, its genesis: the run
+    could no longer be resumed or exported), or its directory cannot be made or written."""
+    target, root = out.resolve(), run_dir.resolve()
+    if target.is_relative_to(root):
+        raise ValueError(f"--out {out} is inside the run directory {run_dir}, whose files the run needs: write the "
+                         f"export elsewhere, e.g. --out {root.parent / 'model.safetensors'}")
+    existing = next(p for p in target.parents if p.exists())  # the directories below it are made by the write
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: cannot write there ({existing} is not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot write there ({existing} is not writable)")

@@ -1,0 +1,66 @@
+"""`ddiloco export RUN --out FILE`: a destination that would destroy the run, or that cannot be written, is refused in
+one line (exit status 2), and the run's files are left as they were. An --out of the run's own config.json once
+overwrote it with the export (exit 0), and the run could no longer be resumed or exported."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from ddiloco.cli import main
+from ddiloco.run_config import RunConfig
+from ddiloco.runtime.syncer_state import GENESIS_FILE, GenesisRecord, write_genesis
+
+EXIT_USAGE = 2
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunConfig().save(run_dir / "config.json")
+    params = {f"layer{i}.weight": torch.full((2, 3), float(i)) for i in range(RunConfig().diloco.num_fragments)}
+    write_genesis(run_dir, GenesisRecord(params, (), "a test", ()))
+    return run_dir
+
+
+def digest(directory) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("inside", ["config.json", GENESIS_FILE, "learners/0/model.safetensors",
+                                    "./sub/../config.json"])
+def test_an_out_inside_the_run_directory_is_refused_and_the_run_is_untouched(run_dir, capsys, inside):
+    before = digest(run_dir)
+    out = run_dir / inside
+    assert main(["export", str(run_dir), "--out", str(out)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == (f"ddiloco export: error: --out {out} is inside the run directory {run_dir}, whose files the run "
+                   f"needs: write the export elsewhere, e.g. --out {run_dir.resolve().parent / 'model.safetensors'}\n")
+    assert digest(run_dir) == before
+
+
+def test_an_out_reached_through_a_symlink_to_the_run_directory_is_refused(run_dir, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(run_dir)
+    before = digest(run_dir)
+    assert main(["export", str(run_dir), "--out", str(link / "config.json")]) == EXIT_USAGE
+    assert "is inside the run directory" in capsys.readouterr().err
+    assert digest(run_dir) == before
+
+
+@pytest.mark.parametrize("out", ["/proc/x.safetensors", "/dev/null/x.safetensors"])
+def test_an_out_that_cannot_be_written_is_one_line(run_dir, capsys, out):
+    assert main(["export", str(run_dir), "--out", out]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"ddiloco export: error: --out {out}: cannot write there (") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_an_out_next_to_the_run_directory_is_written(run_dir, tmp_path, capsys):
+    out = tmp_path / "exports" / "model.safetensors"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert out.is_file()
