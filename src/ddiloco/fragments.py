@@ -91,6 +91,15 @@ def embedding_names(model: nn.Module, pattern: str = "") -> frozenset[str]:
     return frozenset(name for name, param in names.items() if id(param) in ids)
 
 
+def persistent_buffer_names(module: nn.Module) -> list[str]:
+    """The names of the buffers `module`'s state_dict holds (BatchNorm's running statistics; not a buffer registered
+    with `persistent=False`), which rounds do not synchronise (`ddiloco.model_buffers`). `module` is the plain one,
+    not a DDP or torch.compile wrapper."""
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, sub in module.named_modules() for name in sub._non_persistent_buffers_set}
+    return [name for name, _ in module.named_buffers() if name not in non_persistent]
+
+
 def due_step(round_index: int, sync_every: int, num_fragments: int) -> int:
     """The inner step at which round `round_index` (syncing fragment round_index mod P) is due.
 

@@ -40,7 +40,7 @@ from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragment_access import FragmentAccess, LocalParameters
-from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.fragments import FragmentPlan, embedding_names, persistent_buffer_names
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -55,7 +55,6 @@ from ddiloco.messages import (
     Update,
     Welcome,
 )
-from ddiloco.model_buffers import persistent_buffers
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.publisher import DeferredPayload
 from ddiloco.round_schedule import EARLY_LEAD, RoundSchedule
@@ -94,6 +93,9 @@ class LearnerStats:
     each answered by joining again."""
     non_finite_recoveries: int = 0
     """Times the learner found its own model not finite and went back to the global value (`Learner.recover`)."""
+    publishes_waited: int = 0
+    """Fragments that fell due while the result for their last update was still owed, so their publish waited for it
+    (`Learner.after_inner_step`; with tau >= H, or after the schedule moved forward)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class Learner:
         every = model.named_parameters(remove_duplicate=False)
         self.aliases = tuple(sorted((alias, canonical[id(p)]) for alias, p in every if canonical[id(p)] != alias))
         """Tied weights: (state_dict key, parameter name) pairs for parameters known under two names."""
-        self.buffers = tuple(sorted(persistent_buffers(model)))
+        self.buffers = tuple(sorted(persistent_buffer_names(model)))
         """The names of the model's persistent buffers, sent with the join (an --init file may hold them)."""
         self.plan = FragmentPlan.for_tensors(self._params, config, embeddings=self.embeddings)
         self._codec = get_codec(config.codec)
@@ -165,6 +167,9 @@ class Learner:
         self.joined = False
         self.refused_reason: str | None = None
         self._outstanding: dict[int, _Outstanding] = {}
+        self._waiting_to_publish: set[int] = set()
+        """Fragments due while the result for their last update was still owed: published at the first step after it
+        arrives (or the learner stops waiting for it)."""
         self.stats = LearnerStats()
 
     # ---- joining -------------------------------------------------------------------------------
@@ -431,12 +436,26 @@ class Learner:
         # Where a period is as short as a move of the schedule (H = 1 or 2), one move can make a fragment due twice
         # after the same step: one update carries that work, a second would send the same work again.
         due = dict.fromkeys(r % self.plan.num_fragments for r in self.schedule.due_rounds(self.inner_step))
+        due.update(dict.fromkeys(sorted(self._waiting_to_publish)))
         updates = []
         for p in due:
+            if self._owed(p):
+                # Its last update's result is still owed (tau >= H, or the schedule moved forward). Published again
+                # from the same base, the second update is rejected if the first has been merged meanwhile, and the
+                # steps between the two are lost: it waits for the result instead.
+                self.stats.publishes_waited += p not in self._waiting_to_publish
+                self._waiting_to_publish.add(p)
+                continue
+            self._waiting_to_publish.discard(p)
             update = self._publish(p)
             if update is not None:
                 updates.append(update)
         return updates
+
+    def _owed(self, p: int) -> bool:
+        """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
+        outstanding = self._outstanding.get(p)
+        return outstanding is not None and outstanding.base_version == self.versions[p]
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:

@@ -23,7 +23,7 @@ from ddiloco.metrics import MetricSink
 from ddiloco.session_transport import SessionTransport
 
 COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
-            "bytes_sent", "bytes_received", "joins", "waits_abandoned", "non_finite_recoveries")
+            "bytes_sent", "bytes_received", "joins", "waits_abandoned", "non_finite_recoveries", "publishes_waited")
 """Counters reported in status.json, carried across restarts by the checkpoint."""
 
 
@@ -71,7 +71,7 @@ class StatusReporter:
         stats = self.learner.stats
         current = {"updates_sent": stats.updates_sent, "fragments_applied": stats.fragments_applied,
                    "waits_abandoned": stats.waits_abandoned, "non_finite_recoveries": stats.non_finite_recoveries,
-                   **self.transport.counters()}
+                   "publishes_waited": stats.publishes_waited, **self.transport.counters()}
         return {name: self.base[name] + current[name] for name in COUNTERS}
 
     def resume(self, *, tokens: int, counters: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ddiloco.checkpoint import atomic_write_bytes
+from ddiloco.fragments import persistent_buffer_names
 from ddiloco.learner_group import unwrap
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,8 @@ BUFFERS_FILE = "buffers.safetensors"
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers `model`'s state_dict holds, by the plain module's names (live tensors, not copies)."""
     plain = unwrap(model)
-    non_persistent = {f"{prefix}.{name}" if prefix else name
-                      for prefix, module in plain.named_modules() for name in module._non_persistent_buffers_set}
-    return {name: buffer for name, buffer in plain.named_buffers() if name not in non_persistent}
+    kept = set(persistent_buffer_names(plain))
+    return {name: buffer for name, buffer in plain.named_buffers() if name in kept}
 
 
 def snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
     (("building blocks", ("ddiloco.downlink", "ddiloco.update_values", "ddiloco.kernels", "ddiloco._kernels",
                           "ddiloco.kernel_threads", "ddiloco.checksums", "ddiloco.compression", "ddiloco.fragments",
                           "ddiloco.model", "ddiloco.data", "ddiloco.training", "ddiloco.clock", "ddiloco.checkpoint",
+                          "ddiloco.state_tree",
                           "ddiloco.metrics", "ddiloco.throttle", "ddiloco.backoff", "ddiloco.run_config",
                           "ddiloco.flags", "ddiloco.fault_control", "ddiloco.corpus", "ddiloco.goodput",
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",

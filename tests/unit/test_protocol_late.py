@@ -78,16 +78,18 @@ def test_a_late_update_waits_for_the_next_due_update_or_for_the_end():
 
 def test_the_same_work_continued_replaces_a_held_update():
     quorum = QuorumConfig(min_quorum=2, grace="none", heartbeat_timeout_s=100.0)
-    syncer, hub, clock, (a, b) = make_system(2, single_fragment(sync_every=2), quorum)
+    syncer, hub, clock, (a, b) = make_system(2, single_fragment(sync_every=2, overlap_steps=2), quorum)
     first = []
-    for batch in make_batches(4, seed=3):
+    for batch in make_batches(5, seed=3):
         first += a.after_inner_step(train_step(a.model, a.optimizer, batch))
-    assert [u.steps for u in first] == [2, 4]  # the learner's wait bound passed: it trained on
+        if not a.can_step:
+            assert a.stop_waiting() == [0]  # the learner's wait bound passed: it trains on
+    assert [u.steps for u in first] == [2, 5]  # the publish due at step 4 waited for the result, then for step 5
     for update in first:
         actions = syncer.receive(update, now=0.5)
         assert not [x for x in actions if isinstance(x, Send) and isinstance(x.message, Rejected)]
     (held,) = syncer.held_updates()
-    assert held.inner_step == 4
+    assert held.inner_step == 5
     # An update with the same base but no more steps is not the same work continued: refused.
     assert [x.message.reason for x in syncer.receive(first[0], now=0.6)
             if isinstance(x, Send) and isinstance(x.message, Rejected)] == [RejectReason.DUPLICATE]
@@ -173,13 +175,33 @@ def test_a_move_of_a_whole_period_publishes_each_fragment_once(fragments, sync_e
     # step. One update carries that work: the second used to send the same work again (the harness's work ledger
     # failed on it at H = 1, tau = 0).
     config = single_fragment(num_fragments=fragments, fragment_strategy="balanced", sync_every=sync_every)
-    _, _, _, (learner,) = make_system(1, config)
+    _, hub, _, (learner,) = make_system(1, config, QuorumConfig(min_quorum=1, grace="none"))
     batches = iter(make_batches(3, seed=0))
     for _ in range(sync_every):
-        learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches)))
+        for update in learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches))):
+            hub.send(update)  # its round closes at once: nothing is owed to the learner when the moves come
     next_round = learner.schedule.next_round
     for _ in range(moves):
         learner.schedule.late()
     updates = learner.after_inner_step(train_step(learner.model, learner.optimizer, next(batches)))
     assert [u.fragment for u in updates] == published
     assert learner.schedule.next_round == next_round + fragments + 1     # the rounds due all count as published
+
+
+def test_a_fragment_due_again_before_its_result_waits_for_it_and_no_work_is_lost():
+    # tau >= H (or a schedule that moved forward) makes a fragment due again while its last update is unanswered.
+    # Published again from the same base, the second update was rejected once the first had been merged ("base
+    # version 0 overlaps this learner's update from base version 0, already merged"), and the steps between the two
+    # publishes were lost: the learner carried only the work after the second onto the round's result.
+    quorum = QuorumConfig(min_quorum=1, grace="none", heartbeat_timeout_s=100.0)
+    syncer, hub, _, (learner,) = make_system(1, single_fragment(sync_every=2, overlap_steps=3), quorum)
+    (first,) = train_two_steps(learner, 1)
+    assert train_two_steps(learner, 2) == []          # due again, its result still owed: it waits
+    assert learner.can_step                             # not blocked yet: 2 steps of 3
+    hub.send(first)                                     # the round closes and its result reaches the learner
+    assert syncer.versions == [1] and learner.versions == [1]
+    (carried,) = train_two_steps(learner, 3)[:1]        # the first step after the result publishes what waited
+    assert (carried.base_version, carried.steps) == (1, 3), (carried.base_version, carried.steps)
+    hub.send(carried)
+    assert syncer.versions == [2] and not learner.stats.rejections
+    assert hub.round_log[-1].participants[0].steps == 3  # the two steps trained while waiting and one after

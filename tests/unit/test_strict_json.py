@@ -16,6 +16,7 @@ from torch import nn
 
 from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
 from ddiloco.evaluator import Watcher
+from ddiloco.learner import LearnerStats
 from ddiloco.learner_status import COUNTERS, StatusReporter
 from ddiloco.messages import FragmentState, Welcome
 from ddiloco.metrics import JsonlSink, NullSink
@@ -57,11 +58,10 @@ def test_an_evaluator_metric_that_is_not_finite_is_written_as_null(tmp_path, cap
 
 
 def test_a_learner_status_with_a_nan_loss_is_strict_json(tmp_path):
-    learner = SimpleNamespace(learner_id=0, inner_step=5, versions=[1, 2], stats=SimpleNamespace(
-        updates_sent=0, fragments_applied=0, waits_abandoned=0, non_finite_recoveries=0))
+    learner = SimpleNamespace(learner_id=0, inner_step=5, versions=[1, 2], stats=LearnerStats())
     transport = SimpleNamespace(connected=True, counters=lambda: {
         name: 0 for name in COUNTERS if name not in ("updates_sent", "fragments_applied", "waits_abandoned",
-                                                     "non_finite_recoveries")})
+                                                     "non_finite_recoveries", "publishes_waited")})
     reporter = StatusReporter(learner, transport, inner_steps=10, directory=tmp_path, every_s=1.0, sink=NullSink(),
                               prefix="learner/0")
     reporter.set(state="training", loss=float("nan"))
