@@ -21,6 +21,7 @@ from ddiloco.learner_checkpoint import stateful_objects
 from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
+from ddiloco.optimizer_restore import WaitingGroups, restore_optimizer
 from ddiloco.session_lifecycle import SessionLifecycle
 from ddiloco.step_arguments import check_tokens_bound
 
@@ -53,6 +54,8 @@ class FollowerSession(SessionLifecycle):
         group.fragments = FragmentPlan.for_tensors(params, diloco, embeddings=embeddings).fragments
         self._inner_step = 0
         self._done = False
+        self._waiting_groups: WaitingGroups | None = None
+        """Optimizer parameter groups of the restored checkpoint that the script has not added yet."""
 
     @property
     def learner_id(self) -> int:
@@ -101,6 +104,10 @@ class FollowerSession(SessionLifecycle):
             # Rank 0 was refused or found no syncer: this rank ends with the same status.
             raise SystemExit(exit_status)
 
+    def _reshard(self) -> None:
+        if self.group.sharded:
+            reshard_optimizer(self.optimizer)
+
     def _forget(self) -> None:
         """Rank 0 found its model not finite (`Learner.recover`): this rank's optimizer and statistics start again
         where they are not finite too (its parameters come back from rank 0 with the fragments)."""
@@ -110,15 +117,24 @@ class FollowerSession(SessionLifecycle):
     def _own_state(self) -> dict[str, Any]:
         state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None,
                  "buffers": snapshot_buffers(self.model)}
+        waiting = self._waiting_groups
+        if waiting is not None:
+            waiting.catch_up()
+            if waiting.done:
+                waiting.close()
+                self._waiting_groups = None
         if self.group.sharded:
-            state["optimizer"] = local_tensors(self.optimizer.state_dict())
+            # This rank's shard of the optimizer state; groups the script has not added again stay in it.
+            optimizer = self.optimizer.state_dict()
+            state["optimizer"] = local_tensors(waiting.append_to(optimizer) if waiting is not None else optimizer)
         return state
 
     def _restore(self, entry: Mapping[str, Any]) -> None:
         if entry.get("optimizer") is not None:
-            self.optimizer.load_state_dict(entry["optimizer"])
-            if self.group.sharded:
-                reshard_optimizer(self.optimizer)
+            # Rank 0 has checked that the checkpoint fits; groups the script adds later wait, as on rank 0.
+            self._waiting_groups = restore_optimizer(
+                self.optimizer, entry["optimizer"], where=f"learner {self.learner_id}'s checkpoint (rank "
+                f"{self.group.rank}'s part)", after_load=self._reshard)
         load_buffers(self.model, entry.get("buffers") or {})  # this rank's own (FSDP does not broadcast them)
         saved = entry.get("state", {})
         for name, obj in self.state.items():

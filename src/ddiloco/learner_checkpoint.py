@@ -9,7 +9,8 @@ taken between inner steps, on the training thread, and split there into tensors 
 checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's loop, naming the entry; writing and
 fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
 again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
-state is known to fit this script's optimizer. When to checkpoint, and what a resumed learner does next, is the
+state is known to fit this script's optimizer (`ddiloco.optimizer_restore`: parameter groups the script added during
+the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). When to checkpoint, and what a resumed learner does next, is the
 session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
@@ -26,9 +27,10 @@ import torch
 
 from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_split_state
 from ddiloco.learner import Learner
-from ddiloco.learner_group import LearnerGroup
+from ddiloco.learner_group import LearnerGroup, reshard_optimizer
 from ddiloco.learner_status import StatusReporter
 from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
+from ddiloco.optimizer_restore import WaitingGroups, restore_optimizer
 from ddiloco.state_tree import CHECKPOINTABLE, UnsupportedStateError, split_state, state_path
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,9 @@ class LearnerCheckpoint:
         self._writes = WriteTrouble(f"learner {learner.learner_id}'s checkpoint")
         self._saver: threading.Thread | None = None
         self._unsupported_raised = False
+        self.waiting_groups: WaitingGroups | None = None
+        """Optimizer parameter groups of the restored checkpoint that the script has not added yet
+        (`ddiloco.optimizer_restore`)."""
         """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
 
     def _user_state(self) -> dict[str, Any]:
@@ -109,6 +114,13 @@ class LearnerCheckpoint:
             self._saver.join()  # one write at a time, in order
         user = self._user_state()
         learner = self.learner.state_dict()
+        if self.waiting_groups is not None:
+            # Parameter groups the script has not added again since the restart stay in the checkpoint.
+            self.waiting_groups.catch_up()
+            learner["optimizer"] = self.waiting_groups.append_to(learner["optimizer"])
+            if self.waiting_groups.done:
+                self.waiting_groups.close()
+                self.waiting_groups = None
         ranks = self.group.checkpoint(learner) if self.group is not None else None
         buffers = snapshot_buffers(self.learner.model)
         state = copy.deepcopy({"learner": learner, "state": user})
@@ -172,12 +184,18 @@ class LearnerCheckpoint:
                         learner_id, self.directory)
             return False
         state, meta, _ = latest
-        self._check_optimizer_fits(state["learner"]["optimizer"])
-        self.learner.load_state_dict(state["learner"])
+        saved_optimizer = state["learner"]["optimizer"]
+        # The optimizer is loaded before the join, where a changed model would be refused: without the check in
+        # restore_optimizer torch's own error ("a parameter group that doesn't match the size of optimizer's group")
+        # ended every restart, saying neither which learner nor why.
+        self.waiting_groups = restore_optimizer(
+            self.learner.optimizer, saved_optimizer, where=f"learner {learner_id}'s checkpoint in {self.directory}",
+            load=lambda fits: self.learner.load_state_dict({**state["learner"], "optimizer": fits}),
+            after_load=self._reshard)
         # A checkpoint written before it kept them holds none: the buffers stay as the script built them.
         load_buffers(self.learner.model, state.get("buffers", {}))
         if self.group is not None:
-            self.group.restore_checkpoint(state.get("ranks"), self.learner.optimizer, learner_id=learner_id)
+            self.group.restore_checkpoint(state.get("ranks"), saved_optimizer, learner_id=learner_id)
         saved = state.get("state", {})
         for name, obj in self.state.items():
             if name in saved:
@@ -187,22 +205,7 @@ class LearnerCheckpoint:
         self.reporter.resume(tokens=int(meta.get("tokens", 0)), counters=meta.get("counters", {}))
         return True
 
-    def _check_optimizer_fits(self, saved: Mapping[str, Any]) -> None:
-        """Raise ValueError unless the checkpoint's optimizer state has this optimizer's parameter groups, each with
-        as many parameters. It is loaded before the join, where a changed model would be refused: without this check
-        torch's own error ("a parameter group that doesn't match the size of optimizer's group") ended every restart,
-        saying neither which learner nor why."""
-        saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
-        sizes = [len(group["params"]) for group in self.learner.optimizer.param_groups]
-        if saved_sizes != sizes:
-            raise ValueError(
-                f"learner {self.learner.learner_id}'s checkpoint in {self.directory} holds optimizer state for "
-                f"{_parameter_groups(saved_sizes)}, but this script's optimizer has {_parameter_groups(sizes)}: the "
-                "model (or how its optimizer groups the parameters) changed since the run started. Resume with the "
-                "model the run started with, or start a new run (a new run directory)")
-
-
-def _parameter_groups(sizes: list[int]) -> str:
-    """`[6, 2]` as "2 parameter groups of 6 + 2 parameters"."""
-    groups = "1 parameter group" if len(sizes) == 1 else f"{len(sizes)} parameter groups"
-    return f"{groups} of {' + '.join(map(str, sizes))} parameters"
+    def _reshard(self) -> None:
+        """After an optimizer load on a learner of FSDP2 shards: its state tensors become DTensors again."""
+        if self.group is not None and self.group.sharded:
+            reshard_optimizer(self.learner.optimizer)

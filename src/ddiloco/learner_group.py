@@ -166,19 +166,18 @@ class LearnerGroup:
             learner_state["optimizer"] = local_tensors(learner_state["optimizer"])
         return ranks
 
-    def restore_checkpoint(self, ranks: list[Any] | None, optimizer: torch.optim.Optimizer, *,
+    def restore_checkpoint(self, ranks: list[Any] | None, saved_optimizer: Mapping[str, Any], *,
                            learner_id: int) -> None:
         """The leader has loaded its checkpoint (its optimizer included): hand each follower its part. With
-        replicated parameters (DDP) the optimizer state is the same on every rank, so it is the leader's."""
-        if self.sharded:
-            reshard_optimizer(optimizer)
+        replicated parameters (DDP) the optimizer state is the same on every rank, so it is the leader's as saved
+        (`saved_optimizer`, every parameter group: also those the script adds later, `ddiloco.optimizer_restore`)."""
         if ranks is None or len(ranks) != self.size:
             logger.warning("[learner %d] the checkpoint holds the state of %s rank(s), this learner has %d: the "
                            "other ranks start their state=%s afresh", learner_id,
                            "no" if ranks is None else len(ranks), self.size,
                            " objects and optimizer shards" if self.sharded else " objects (the optimizer is rank 0's)")
             ranks = [None] * self.size
-        shared = None if self.sharded else optimizer.state_dict()
+        shared = None if self.sharded else saved_optimizer
         entries = [{"state": {}, "optimizer": shared} if entry is None else
                    {**entry, "optimizer": entry.get("optimizer") if self.sharded else shared} for entry in ranks]
         self.restore(entries)
