@@ -13,7 +13,15 @@ The public API (docs/your_model.md):
 - `ddiloco.InProcessHub`, `ddiloco.DilocoConfig`, `ddiloco.QuorumConfig`: the syncer in one process.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+"""Set before anything imports grpc. With gRPC's fork support on, every fork of a process whose gRPC threads run
+(a torch DataLoader starting its workers inside a session, each epoch) printed "Other threads are currently calling
+into gRPC, skipping fork() handlers" into the learner's log; no ddiloco process uses gRPC in a forked child. A value
+the environment already holds is kept."""
 
 _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {

@@ -1,0 +1,59 @@
+"""A torch DataLoader with worker processes, started inside a session each epoch: real processes, real gRPC.
+
+With gRPC's fork support on, every fork of a learner whose gRPC threads were running printed "Other threads are
+currently calling into gRPC, skipping fork() handlers" into its log (9 lines in a 40-step run). `import ddiloco`
+now turns that support off unless the environment says otherwise; training with the workers is unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import SMALL_RUN, ddiloco_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RUN_TIMEOUT_S = 120
+
+SCRIPT = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import ddiloco
+
+env = ddiloco.environment()
+torch.manual_seed(env.seed)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+x_all = torch.randn(256, 8, generator=torch.Generator().manual_seed(env.learner_id))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+epochs = 0
+with ddiloco.session(model, optimizer) as sync:
+    while not sync.done:
+        loader = DataLoader(TensorDataset(x_all, x_all[:, :2].sin()), batch_size=32, shuffle=True, num_workers=2)
+        for x, y in loader:  # the workers are forked here, with the session's gRPC threads running
+            if sync.done:
+                break
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            sync.step(tokens=len(x), loss=loss.item())
+        epochs += 1
+print(f"epochs {epochs}", flush=True)
+'''
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_dataloader_workers_forked_in_a_session_train_without_grpc_fork_noise(tmp_path):
+    script = tmp_path / "workers.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    status, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "40",
+                                 command=(sys.executable, str(script)), timeout_s=RUN_TIMEOUT_S)
+    assert status == 0, output
+    for learner in (0, 1):
+        log = (run_dir / "logs" / f"learner-{learner}.log").read_text()
+        assert "epochs " in log, log[-2000:]                 # the workers ran, epoch after epoch
+        assert "skipping fork() handlers" not in log, log[-2000:]
