@@ -6,13 +6,16 @@ tests/fake_learners.py)."""
 from __future__ import annotations
 
 import json
+import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LaunchConfig, Launcher
+from ddiloco.runtime.run_commands import PROCESS_MEMORY_FLOOR, require_memory_for
 from ddiloco.runtime.supervisor import ChildState, Supervisor
 from ddiloco.runtime.syncer_state import GenesisRecord, write_genesis
 from tests.fake_learners import FAST
@@ -67,3 +70,22 @@ def test_export_to_a_directory_is_refused_in_one_line(tmp_path, capsys):
     assert list(out.iterdir()) == []
     assert main(["export", str(run_dir), "--out", str(out / "model.safetensors")]) == 0  # the run itself exports
     assert load_file(out / "model.safetensors").keys() == params.keys()
+
+
+def test_more_learners_than_the_machines_memory_holds_are_refused_before_anything_starts(tmp_path, capsys):
+    # --learners 100000 forked learners until the OOM killer took the launcher, leaving the syncer and the learners
+    # started so far running.
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress", "--learners", "100000", "--", sys.executable,
+                 "train.py"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("ddiloco run: error: 100000 learner processes on this machine need at least 9766 GiB "
+                          "(100 MiB each before any model), and it has "), err
+    assert "run fewer (--learners, --nproc-per-learner, --standby-learners)" in err and err.count("\n") == 1
+    assert not run_dir.exists()
+
+
+def test_the_memory_floor_counts_every_process():
+    require_memory_for(8, available=8 * PROCESS_MEMORY_FLOOR)
+    with pytest.raises(ValueError, match="^9 learner processes on this machine need at least 1 GiB"):
+        require_memory_for(9, available=8 * PROCESS_MEMORY_FLOOR)

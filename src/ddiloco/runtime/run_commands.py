@@ -142,6 +142,8 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
                              "-- python train.py): the built-in learner is one process")
         if script and local:
             require_runnable(script)
+        if local:
+            require_memory_for(config.num_learners * settings.nproc_per_learner + settings.standby_learners)
         if settings.init is not None:
             _check_init(Path(settings.init), config, built_in=not script,
                         has_genesis=(run_dir / GENESIS_FILE).exists())
@@ -153,6 +155,35 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
         record_learner_command(RunPaths(run_dir), script)
         refused.pop_all()
     return ResolvedRun(run_dir, config, script, script_note, lock)
+
+
+PROCESS_MEMORY_FLOOR = 100 * 2**20
+"""Bytes no learner process can do without: Python, torch and gRPC imported, before any model (a learner of a small
+model holds about 250 MB resident, some of it shared). `ddiloco run` refuses, before it starts anything, more
+processes on this machine than its available memory holds at this floor."""
+
+
+def require_memory_for(processes: int, *, available: int | None = None) -> None:
+    """A ValueError when `processes` learner processes cannot fit this machine's available memory (MemAvailable) at
+    PROCESS_MEMORY_FLOOR each. `--learners 100000` forked learners until the kernel's OOM killer took the launcher
+    itself, which left the syncer and the learners started so far running. Nothing is checked where the available
+    memory is not known (not Linux)."""
+    if available is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            return
+        fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
+        if "MemAvailable" not in fields:
+            return
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    needed = processes * PROCESS_MEMORY_FLOOR
+    if needed > available:
+        raise ValueError(
+            f"{processes} learner processes on this machine need at least {needed / 2**30:.0f} GiB"
+            f" ({PROCESS_MEMORY_FLOOR // 2**20} MiB each before any model), and it has {available / 2**30:.1f} GiB "
+            "available: run fewer (--learners, --nproc-per-learner, --standby-learners), or spread them over machines "
+            "(--ray, docs/clusters.md)")
 
 
 def _check_init(path: Path, config: RunConfig, *, built_in: bool, has_genesis: bool) -> None:
