@@ -176,6 +176,8 @@ class Session(SessionLifecycle):
         self._ledger = ledger
         self.sink: MetricSink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
         self.transport: SessionTransport
+        self._run: tuple[str, Any] = ("hub", id(hub)) if hub is not None else ("syncer", syncer)
+        """The run this session takes part in, for the rule of one open session per learner (`_key`)."""
         if hub is not None:
             self.transport = HubTransport(hub, self.learner)
         else:
@@ -243,6 +245,9 @@ class Session(SessionLifecycle):
         self.transport.wake()
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    def _key(self) -> tuple[Any, ...]:
+        return "learner", self._run, self.learner_id
 
     def _open(self) -> None:
         """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded."""
@@ -431,7 +436,7 @@ class Session(SessionLifecycle):
         if state != "failed":
             # After a failure the group's collectives may be what failed: the followers end with this process.
             self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
-        self._restore_sigterm()
+        self._end()
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

@@ -1,10 +1,14 @@
 """The lifecycle every session object shares: rank 0's `Session` and the other ranks' `FollowerSession`.
 
-Owns the `with` block (`__enter__` starts, `__exit__` closes, `failed` when the block raised), the rule that
-a session starts once, SIGTERM turned into `request_stop()` while the session runs (installed only on the
-main thread, where Python delivers signals; the previous handler restored when the session ends), and the
-check of each `step()` call (inside the session, within the run's inner-step budget, `tokens` an integer >= 0).
-What starting, stepping, stopping and closing do is each session's own.
+Owns the `with` block (`__enter__` starts, `__exit__` closes, `failed` when the block raised), the rules that a
+session starts once and that a process holds one open session per learner (a second one inside the first joined as
+a second learner of the same id, which the syncer refused as a duplicate process), what the process's signals and
+what SIGTERM does while a session runs, and the check of each `step()` call (inside the session, within the run's
+inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping and closing do is each session's own.
+
+Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
+the session checkpoints and leaves. Python runs handlers on the main thread only, so the handler is installed only
+there; the previous handler is restored when the session ends.
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ import torch
 
 from ddiloco.checks import invalid
 
+_open_sessions: dict[tuple[Any, ...], SessionLifecycle] = {}
+"""The sessions open in this process, by `SessionLifecycle._key()`. Process-wide by nature: what it guards against is
+two sessions of one learner in one process."""
+_open_lock = threading.Lock()
+
 
 class SessionLifecycle:
     """Base of the session objects that `ddiloco.session()` returns. Subclasses implement `_open()` (what
-    `start()` does once the session is entered), `request_stop()` and `close(failed=...)`, and have `inner_step` and
-    `inner_steps` (the learner's inner steps so far and the run's budget)."""
+    `start()` does once the session is entered), `request_stop()` (safe from a signal handler) and
+    `close(failed=...)`, which ends with `_end()`, and have `learner_id`, `inner_step` and `inner_steps` (the learner's
+    inner steps so far and the run's budget)."""
 
+    learner_id: int
     inner_step: int
     inner_steps: int
 
@@ -32,22 +43,50 @@ class SessionLifecycle:
         self._previous_handler: Any = None
         self._entered = False
         self._closed = False
+        self._over = False
 
     def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(failed=exc_type is not None)
+        try:
+            self.close(failed=exc_type is not None)
+        finally:
+            self._end()
 
     def start(self) -> None:
         """Enter the session (once); what that does is the subclass's `_open()`."""
         if self._entered:
             raise RuntimeError("a session is started once")
+        self._claim()
         self._entered = True
-        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
-        self._open()
+        try:
+            self._take_sigterm()
+            self._open()
+        except BaseException:
+            self._end()
+            raise
+
+    def _key(self) -> tuple[Any, ...]:
+        """What two sessions of one learner share: the learner id (and, for `Session`, the syncer or hub)."""
+        return type(self).__name__, self.learner_id
+
+    def _claim(self) -> None:
+        """RuntimeError when a session of the same learner is open in this process already."""
+        with _open_lock:
+            other = _open_sessions.setdefault(self._key(), self)
+        if other is not self:
+            raise RuntimeError(f"a second ddiloco.session(...) of learner {self.learner_id} while the first is still "
+                               "open in this process: a process is one learner, with one session at a time. End the "
+                               "first `with ddiloco.session(...)` block before opening another (one after the other, "
+                               "each resumes where the last one stopped)")
+
+    def _take_sigterm(self) -> None:
+        """SIGTERM -> `request_stop()`, on the main thread (the only one Python runs handlers on)."""
+        if not self._handle_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
 
     def _open(self) -> None:
         raise NotImplementedError
@@ -77,3 +116,14 @@ class SessionLifecycle:
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
+
+    def _end(self) -> None:
+        """The session is over (closed, or its start failed): it is no longer open in this process, and SIGTERM's
+        handler from before it is back in place. Idempotent."""
+        if self._over:
+            return
+        self._over = True
+        with _open_lock:
+            if _open_sessions.get(self._key()) is self:
+                del _open_sessions[self._key()]
+        self._restore_sigterm()
