@@ -436,7 +436,7 @@ class Session(SessionLifecycle):
         if state != "failed":
             # After a failure the group's collectives may be what failed: the followers end with this process.
             self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
-        self._end()
+        self._end()  # last: a handler of the user's from before the session runs once it has checkpointed and left
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping 
 
 Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
 the session checkpoints and leaves. Python runs handlers on the main thread only, so the handler is installed only
-there; the previous handler is restored when the session ends.
+there.
+A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
+signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class SessionLifecycle:
     def __init__(self, *, handle_sigterm: bool) -> None:
         self._handle_sigterm = handle_sigterm
         self._previous_handler: Any = None
+        """SIGTERM's handler from before the session (None: one Python did not install)."""
+        self._sigterm_installed = False
+        self._deferred_signal: tuple[int, Any] | None = None
+        """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
         self._entered = False
         self._closed = False
         self._over = False
@@ -86,7 +92,14 @@ class SessionLifecycle:
         """SIGTERM -> `request_stop()`, on the main thread (the only one Python runs handlers on)."""
         if not self._handle_sigterm or threading.current_thread() is not threading.main_thread():
             return
-        self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop())
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # The session's clean stop first; the user's own handler waits for the end of the session (`_end`).
+        self.request_stop()
+        if self._deferred_signal is None and callable(self._previous_handler):
+            self._deferred_signal = (signum, frame)
 
     def _open(self) -> None:
         raise NotImplementedError
@@ -112,14 +125,16 @@ class SessionLifecycle:
         return int(tokens)
 
     def _restore_sigterm(self) -> None:
-        """The SIGTERM handler from before the session, back in place."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        """The SIGTERM handler from before the session, back in place (Python's default where the one before was not
+        Python's to give back)."""
+        if self._sigterm_installed:
+            self._sigterm_installed = False
+            previous = self._previous_handler
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def _end(self) -> None:
-        """The session is over (closed, or its start failed): it is no longer open in this process, and SIGTERM's
-        handler from before it is back in place. Idempotent."""
+        """The session is over (closed, or its start failed): it is no longer open in this process, SIGTERM's handler
+        from before it is back in place and, if a SIGTERM came meanwhile, called now, once. Idempotent."""
         if self._over:
             return
         self._over = True
@@ -127,3 +142,6 @@ class SessionLifecycle:
             if _open_sessions.get(self._key()) is self:
                 del _open_sessions[self._key()]
         self._restore_sigterm()
+        deferred, self._deferred_signal = self._deferred_signal, None
+        if deferred is not None:
+            self._previous_handler(*deferred)

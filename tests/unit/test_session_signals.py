@@ -1,7 +1,11 @@
-"""A session and the process's signals, over real gRPC to a syncer served in this process: a second session of the same
-learner inside the first is refused at its start."""
+"""A session and the process's signals, over real gRPC to a syncer served in this process: the user's own SIGTERM
+handler still runs (once, after the session has checkpointed and left), and a second session of the same learner
+inside the first is refused at its start."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
@@ -31,6 +35,16 @@ def syncer(tmp_path):
         service.close(server)
 
 
+@pytest.fixture
+def sigterm_handler():
+    """SIGTERM's handler as the test found it, back in place after the test."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield previous
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def model_and_optimizer():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -47,6 +61,39 @@ def train(sync, model, optimizer, *, on_step=lambda inner_step: None) -> None:
         optimizer.step()
         sync.step(tokens=len(x))
         on_step(sync.inner_step)
+
+
+def test_the_users_sigterm_handler_runs_once_after_the_session_checkpointed_and_left(syncer, tmp_path,
+                                                                                     sigterm_handler):
+    # A SLURM requeue handler, installed before the session, was replaced for the whole session and never called.
+    model, optimizer = model_and_optimizer()
+    calls = []
+    checkpoint = tmp_path / "run" / "learners" / "0" / "checkpoint"
+
+    def users_handler(signum, frame):
+        calls.append((signum, sync.final_state, checkpoint.is_dir(), frame is not None))
+
+    signal.signal(signal.SIGTERM, users_handler)
+    with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as sync:
+        def on_step(inner_step):
+            if inner_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # a second one: the user's handler still runs once
+                assert calls == [], "the user's handler ran inside the session, before its clean stop"
+
+        train(sync, model, optimizer, on_step=on_step)
+        assert sync.inner_step == 3  # the session's own stop came first: done after that step
+    assert calls == [(signal.SIGTERM, "stopped", True, True)]
+    assert signal.getsignal(signal.SIGTERM) is users_handler
+
+
+def test_without_a_handler_of_the_users_sigterm_only_stops_the_session(syncer, tmp_path, sigterm_handler):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    model, optimizer = model_and_optimizer()
+    with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as sync:
+        train(sync, model, optimizer, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGTERM))
+    assert sync.final_state == "stopped" and sync.inner_step == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_session_inside_an_open_session_of_the_same_learner_is_refused_at_its_start(syncer, tmp_path):
