@@ -8,13 +8,14 @@ inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping 
 
 Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
 the session checkpoints and leaves. Python runs handlers on the main thread only, so the handler is installed only
-there.
+there; a session on another thread says once, at its start, that a SIGTERM cannot stop it cleanly and what to do.
 A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
 import signal
 import threading
@@ -23,6 +24,8 @@ from typing import Any, Self
 import torch
 
 from ddiloco.checks import invalid
+
+logger = logging.getLogger(__name__)
 
 _open_sessions: dict[tuple[Any, ...], SessionLifecycle] = {}
 """The sessions open in this process, by `SessionLifecycle._key()`. Process-wide by nature: what it guards against is
@@ -89,8 +92,16 @@ class SessionLifecycle:
                                "each resumes where the last one stopped)")
 
     def _take_sigterm(self) -> None:
-        """SIGTERM -> `request_stop()`, on the main thread (the only one Python runs handlers on)."""
-        if not self._handle_sigterm or threading.current_thread() is not threading.main_thread():
+        """SIGTERM -> `request_stop()`, on the main thread; elsewhere, say once what that means."""
+        if not self._handle_sigterm:
+            return
+        thread = threading.current_thread()
+        if thread is not threading.main_thread():
+            logger.warning("[learner %d] ddiloco.session runs on thread %r, not the main thread: Python runs signal "
+                           "handlers on the main thread only, so a SIGTERM (ddiloco run's Ctrl-C, a scheduler's "
+                           "preemption) ends this process without a checkpoint or a Leave (a restart resumes from the "
+                           "last periodic checkpoint). Run the training loop on the main thread, or have the main "
+                           "thread's SIGTERM handler call sync.request_stop()", self.learner_id, thread.name)
             return
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._sigterm_installed = True

@@ -1,11 +1,13 @@
 """A session and the process's signals, over real gRPC to a syncer served in this process: the user's own SIGTERM
-handler still runs (once, after the session has checkpointed and left), and a second session of the same learner
-inside the first is refused at its start."""
+handler still runs (once, after the session has checkpointed and left), a session on another thread says that SIGTERM
+cannot stop it cleanly, and a second session of the same learner inside the first is refused at its start."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -94,6 +96,33 @@ def test_without_a_handler_of_the_users_sigterm_only_stops_the_session(syncer, t
         train(sync, model, optimizer, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGTERM))
     assert sync.final_state == "stopped" and sync.inner_step == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):
+    model, optimizer = model_and_optimizer()
+    opened = threading.Event()
+    result = {}
+
+    def loop():
+        with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
+                             run_dir=tmp_path / "run") as sync:
+            result["sync"] = sync
+            opened.set()
+            train(sync, model, optimizer)
+
+    thread = threading.Thread(target=loop, name="trainer")
+    with caplog.at_level(logging.WARNING, logger="ddiloco.session_lifecycle"):
+        thread.start()
+        assert opened.wait(WAIT_S)
+        result["sync"].request_stop()  # what the warning says the main thread's own handler may do
+        thread.join(WAIT_S)
+    assert not thread.is_alive() and result["sync"].final_state == "stopped"
+    warnings = [r.getMessage() for r in caplog.records if "not the main thread" in r.getMessage()]
+    assert warnings == ["[learner 0] ddiloco.session runs on thread 'trainer', not the main thread: Python runs "
+                        "signal handlers on the main thread only, so a SIGTERM (ddiloco run's Ctrl-C, a scheduler's "
+                        "preemption) ends this process without a checkpoint or a Leave (a restart resumes from the "
+                        "last periodic checkpoint). Run the training loop on the main thread, or have the main "
+                        "thread's SIGTERM handler call sync.request_stop()"]
 
 
 def test_a_session_inside_an_open_session_of_the_same_learner_is_refused_at_its_start(syncer, tmp_path):
