@@ -49,6 +49,18 @@ class LearnerEnvironment:
     """The learner's ranks (torchrun's WORLD_SIZE; `ddiloco run --nproc-per-learner`)."""
     local_rank: int = 0
     """torchrun's LOCAL_RANK: this rank's index on its machine (which GPU it takes)."""
+    launcher_pid: int | None = None
+    """The process that started this one (`ddiloco run`, or its Ray actor), which a session watches: once it is gone
+    the session stops as on SIGTERM (`ddiloco.launcher_watch`). None: not started by a launcher."""
+    launcher_started: int | None = None
+    """That process's start time (`launcher_watch.process_start_time`), so that a reused pid does not count."""
+
+    @property
+    def launcher(self) -> tuple[int, int] | None:
+        """(pid, start time) of the launcher to watch, or None."""
+        if self.launcher_pid is None or self.launcher_started is None:
+            return None
+        return self.launcher_pid, self.launcher_started
 
     @property
     def managed(self) -> bool:
@@ -86,7 +98,8 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
         checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0),
         rank=number("RANK", 0, prefix=""), world_size=number("WORLD_SIZE", 1, prefix=""),
-        local_rank=number("LOCAL_RANK", 0, prefix=""))
+        local_rank=number("LOCAL_RANK", 0, prefix=""), launcher_pid=number("LAUNCHER_PID", 0) or None,
+        launcher_started=number("LAUNCHER_STARTED", 0) or None)
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")

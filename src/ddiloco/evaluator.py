@@ -14,7 +14,8 @@ if env.role == "evaluator":                 # ddiloco run --evaluate starts one 
 Metrics go to `DIR/evaluator/metrics.jsonl` as `eval/NAME` (step = rounds committed) and the latest
 values to `DIR/evaluator/status.json`, which the live view, the report and the plots read. When the
 syncer goes away the evaluator reconnects (a restarted syncer serves the same run); SIGTERM (the end of
-the run) makes it evaluate the latest global model once more and return.
+the run) makes it evaluate the latest global model once more and return, and so does the death of the launcher that
+started it (`ddiloco.launcher_watch`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.checks import invalid
 from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.launcher_watch import watch_launcher
 from ddiloco.learner_group import unwrap
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
@@ -225,11 +227,15 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: watcher.request_stop())
+    # A launcher that is gone (killed) ends the run as its SIGTERM would, also behind a wrapper (launcher_watch).
+    launcher = watch_launcher(env.launcher, name="evaluator", on_gone=watcher.request_stop)
     try:
         watcher.run()
     except KeyboardInterrupt:
         pass
     finally:
+        if launcher is not None:
+            launcher.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return watcher

@@ -240,7 +240,8 @@ class Session(SessionLifecycle):
         return self.rules.next(self.clock.now()).action is Action.STEP
 
     def request_stop(self) -> None:
-        """Safe from a signal handler: `done` turns true and a wait in `step()` ends."""
+        """Safe from a signal handler and from any thread: `done` turns true and a wait in `step()` ends (a SIGTERM
+        does this; so does the watch of a launcher that is gone, `ddiloco.launcher_watch`)."""
         self._stop.set()
         self.transport.wake()
 

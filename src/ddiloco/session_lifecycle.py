@@ -3,7 +3,7 @@
 Owns the `with` block (`__enter__` starts, `__exit__` closes, `failed` when the block raised), the rules that a
 session starts once and that a process holds one open session per learner (a second one inside the first joined as
 a second learner of the same id, which the syncer refused as a duplicate process), what the process's signals and
-what SIGTERM does while a session runs, and the check of each `step()` call (inside the session, within the run's
+its launcher do while a session runs, and the check of each `step()` call (inside the session, within the run's
 inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping and closing do is each session's own.
 
 Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
@@ -11,6 +11,9 @@ the session checkpoints and leaves. Python runs handlers on the main thread only
 there; a session on another thread says once, at its start, that a SIGTERM cannot stop it cleanly and what to do.
 A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
+
+The launcher. A process that `ddiloco run` started names it in its environment (`ddiloco.environment()`); the
+session watches it (`ddiloco.launcher_watch`) and, once it is gone, stops as on SIGTERM, on any thread.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any, Self
 import torch
 
 from ddiloco.checks import invalid
+from ddiloco.environment import environment
+from ddiloco.launcher_watch import LauncherWatch, watch_launcher
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ _open_lock = threading.Lock()
 
 class SessionLifecycle:
     """Base of the session objects that `ddiloco.session()` returns. Subclasses implement `_open()` (what
-    `start()` does once the session is entered), `request_stop()` (safe from a signal handler) and
+    `start()` does once the session is entered), `request_stop()` (safe from a signal handler and from any thread) and
     `close(failed=...)`, which ends with `_end()`, and have `learner_id`, `inner_step` and `inner_steps` (the learner's
     inner steps so far and the run's budget)."""
 
@@ -50,6 +55,7 @@ class SessionLifecycle:
         self._sigterm_installed = False
         self._deferred_signal: tuple[int, Any] | None = None
         """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
+        self._launcher_watch: LauncherWatch | None = None
         self._entered = False
         self._closed = False
         self._over = False
@@ -72,6 +78,8 @@ class SessionLifecycle:
         self._entered = True
         try:
             self._take_sigterm()
+            self._launcher_watch = watch_launcher(environment().launcher, name=f"learner {self.learner_id}",
+                                                  on_gone=self.request_stop)
             self._open()
         except BaseException:
             self._end()
@@ -144,14 +152,17 @@ class SessionLifecycle:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def _end(self) -> None:
-        """The session is over (closed, or its start failed): it is no longer open in this process, SIGTERM's handler
-        from before it is back in place and, if a SIGTERM came meanwhile, called now, once. Idempotent."""
+        """The session is over (closed, or its start failed): it is no longer open in this process, its launcher
+        no longer watched, SIGTERM's handler from before it back in place and, if a SIGTERM came meanwhile, called
+        now, once. Idempotent."""
         if self._over:
             return
         self._over = True
         with _open_lock:
             if _open_sessions.get(self._key()) is self:
                 del _open_sessions[self._key()]
+        if self._launcher_watch is not None:
+            self._launcher_watch.stop()
         self._restore_sigterm()
         deferred, self._deferred_signal = self._deferred_signal, None
         if deferred is not None:

@@ -1,12 +1,15 @@
 """A session and the process's signals, over real gRPC to a syncer served in this process: the user's own SIGTERM
 handler still runs (once, after the session has checkpointed and left), a session on another thread says that SIGTERM
-cannot stop it cleanly, and a second session of the same learner inside the first is refused at its start."""
+cannot stop it cleanly, a second session of the same learner inside the first is refused at its start, and the watch
+of the launcher stops a session whose launcher is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import threading
 
 import pytest
@@ -15,8 +18,11 @@ from torch import nn
 
 import ddiloco
 from ddiloco.config import DilocoConfig
+from ddiloco.environment import environment
+from ddiloco.launcher_watch import EXIT_LAUNCHER_GONE, LauncherWatch, process_start_time
 from ddiloco.metrics import NullSink
 from ddiloco.run_config import RunConfig
+from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.syncer_service import SyncerService
 from ddiloco.runtime.syncer_state import SyncerStore
 from ddiloco.transport.grpc_server import start_server
@@ -138,3 +144,91 @@ def test_a_session_inside_an_open_session_of_the_same_learner_is_refused_at_its_
     assert outer.final_state == "stopped"
     with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as again:
         assert again.inner_step == 2  # one after the other is fine: it resumed from the first one's checkpoint
+
+
+# ---- the launcher's watch ---------------------------------------------------------------------------------------
+
+
+def test_the_launcher_names_itself_in_its_childrens_environment(tmp_path):
+    launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, use_token=False))
+    env = environment(launcher.learner_env(0, "127.0.0.1:1"))
+    assert env.launcher == (os.getpid(), process_start_time(os.getpid()))
+    assert environment({}).launcher is None  # a process not started by a launcher watches nothing
+
+
+@contextlib.contextmanager
+def a_process():
+    popen = subprocess.Popen(["sleep", "60"])
+    try:
+        yield popen
+    finally:
+        popen.kill()
+        popen.wait()
+
+
+def test_a_watch_stops_once_its_launcher_is_gone_and_exits_after_the_bound():
+    exited = []
+    ended = threading.Event()
+    gone = threading.Event()
+    with a_process() as launcher:
+        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=gone.set,
+                              poll_s=0.01, exit_after_s=0.05, exit=lambda code: (exited.append(code), ended.set()))
+        watch.start()
+        assert not gone.wait(0.1)  # alive: nothing happens
+        launcher.kill()
+        launcher.wait()
+        assert gone.wait(WAIT_S) and ended.wait(WAIT_S)
+    assert exited == [EXIT_LAUNCHER_GONE]
+
+
+def test_a_reused_pid_is_not_the_launcher_and_a_stopped_watch_does_nothing():
+    gone = threading.Event()
+    with a_process() as other:
+        reused = LauncherWatch(other.pid, process_start_time(other.pid) - 1, name="learner 0", on_gone=gone.set,
+                               poll_s=0.01, exit=lambda code: None)
+        reused.start()
+        assert gone.wait(WAIT_S)  # the same pid but another start time: the launcher is gone
+    stopped = threading.Event()
+    with a_process() as launcher:
+        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=stopped.set,
+                              poll_s=0.01, exit=lambda code: None)
+        watch.start()
+        watch.stop()
+        watch._thread.join(WAIT_S)
+    assert not stopped.is_set()
+
+
+def test_a_session_whose_launcher_is_gone_stops_as_on_sigterm(syncer, tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer()
+    with a_process() as launcher:
+        monkeypatch.setenv("DDILOCO_LAUNCHER_PID", str(launcher.pid))
+        monkeypatch.setenv("DDILOCO_LAUNCHER_STARTED", str(process_start_time(launcher.pid)))
+        monkeypatch.setattr("ddiloco.launcher_watch.LAUNCHER_GONE_EXIT_S", WAIT_S * 10)  # never within the test
+        with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
+                             run_dir=tmp_path / "run") as sync:
+            def on_step(inner_step):
+                if inner_step == 2:
+                    launcher.kill()
+                    launcher.wait()
+
+            train(sync, model, optimizer, on_step=on_step)
+    assert sync.final_state == "stopped" and 2 <= sync.inner_step < RUN.inner_steps
+
+
+def test_an_evaluator_whose_launcher_is_gone_returns(syncer, tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer()
+    with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as sync:
+        train(sync, model, optimizer, on_step=lambda s: s == 4 and sync.request_stop())  # a genesis and a round
+    with a_process() as launcher:
+        monkeypatch.setenv("DDILOCO_LAUNCHER_PID", str(launcher.pid))
+        monkeypatch.setenv("DDILOCO_LAUNCHER_STARTED", str(process_start_time(launcher.pid)))
+        monkeypatch.setattr("ddiloco.launcher_watch.LAUNCHER_GONE_EXIT_S", WAIT_S * 10)
+
+        def evaluate(model):
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+            return 1.0
+
+        watcher = ddiloco.watch(model, evaluate, syncer=syncer, config=RUN, every_s=0.05)
+    assert watcher.evaluations >= 1

@@ -4,7 +4,8 @@ Owns the command lines of the process contract with `ddiloco syncer` / `ddiloco 
 directory's paths, and the life of one child process: each child leads its own process group (so a
 Ctrl-C in the terminal reaches only `ddiloco run`, and stopping a child also stops anything it
 spawned), asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so even a
-SIGKILLed launcher leaves nothing running), and writes its stdout and stderr to `DIR/logs/`.
+SIGKILLed launcher leaves nothing running; a script behind a wrapper, which that signal does not reach, watches the
+launcher named in its environment: `ddiloco.launcher_watch`), and writes its stdout and stderr to `DIR/logs/`.
 Stopping is SIGTERM to the group, then SIGKILL after a timeout. What to start when, and restarts,
 belong to the supervisor.
 """
@@ -30,6 +31,7 @@ from typing import Any
 from ddiloco.checkpoint import read_json_object
 from ddiloco.checks import invalid
 from ddiloco.fault_control import control_path
+from ddiloco.launcher_watch import process_start_time
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
     DEFAULT_EVAL_EVERY_S,
@@ -463,6 +465,11 @@ class Launcher:
             env["LINK"] = self.config.link
         if self.config.chaos_control and role == "learner":
             env["CHAOS_CONTROL"] = str(control_path(self.paths.learner_dir(learner_id)))
+        # This process, which the child's session watches: PR_SET_PDEATHSIG reaches only a direct child, not a script
+        # run through a wrapper (`bash wrap.sh`, `uv run`), which would outlive a killed launcher (launcher_watch).
+        started = process_start_time(os.getpid())
+        if started is not None:
+            env.update(LAUNCHER_PID=str(os.getpid()), LAUNCHER_STARTED=str(started))
         return {ENV_PREFIX + name: value for name, value in env.items()}
 
     def start_syncer(self, bind: str, *, standby: bool = False) -> ChildProcess:

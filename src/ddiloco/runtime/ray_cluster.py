@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.launcher_watch import process_start_time
 from ddiloco.runtime.ray_options import RayOptions, import_ray
 
 logger = logging.getLogger(__name__)
@@ -30,17 +31,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0
 """How long the local instance's processes may take to exit after `ray.shutdown()` before SIGKILL."""
 POLL_S = 0.1
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), or None when it is gone or a zombie: with
-    the pid, it names one process even after the pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # "pid (comm) state ppid ...": comm may hold spaces
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def descendants(root: int) -> dict[int, int]:

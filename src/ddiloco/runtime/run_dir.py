@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.launcher_watch import process_start_time
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.process_lock import DirectoryLock
-from ddiloco.runtime.ray_cluster import process_start_time
 from ddiloco.runtime.syncer_standby import SyncerLock
 from ddiloco.runtime.syncer_state import GENESIS_FILE
 
