@@ -17,6 +17,12 @@ the session, `sync.step()`, leaving it):
 - **SAVE** / **RESTORE**: the leader's checkpoint holds every rank's `state=` objects (each rank's data
   position differs) and, for sharded parameters, each rank's shard of the optimizer state, gathered as
   objects; a restarted group scatters them back.
+- **CHECK p**: at the first read of fragment p (its publish) after the leader sent its value to every rank, every rank
+  fingerprints its replica of p's replicated parameters (evenly strided values, each parameter's sum and norm) and
+  one small all-reduce compares them. DDP keeps replicas equal; replicas that differ were trained apart (a script
+  without DDP or FSDP under `--nproc-per-learner`), and the publish, which reads rank 0's replica only, would throw
+  the other ranks' training away while their tokens count: every rank raises `ReplicasDivergedError`, naming the
+  cause. Sharded parameters (DTensors: FSDP2, tensor parallel) are each rank's own part and are not compared.
 - **STEP** / **END**: at `sync.step(tokens)` the ranks sum their tokens (the learner trained on all of
   them) and any rank's stop request (SIGTERM); at the end of every call the leader tells the followers the
   inner step and whether the loop is done, so every rank leaves the loop after the same inner step.
@@ -61,6 +67,25 @@ class Op(enum.IntEnum):
     """(inner_step, done, exit_status): the session call is over."""
     FORGET = 7
     """Every rank's inner optimizer drops the state that is not finite (`Learner.recover`)."""
+    CHECK = 8
+    """(fragment): every rank's replica of the fragment's replicated parameters is compared (`check_replicas`)."""
+
+
+REPLICA_SAMPLES = 1024
+"""Values of a fragment compared across the ranks one by one (evenly strided over its parameters), besides each
+parameter's sum and norm: a fingerprint of about 9 KB a rank in float64, reduced once per fragment."""
+REPLICA_TOLERANCE = 1e-6
+"""Relative difference between ranks' fingerprints that counts as replicas trained apart. Replicas that DDP keeps
+equal are equal to the bit on one kind of device (the same gradients after the all-reduce, the same optimizer step);
+this leaves about 8 float32 ulps for a reduction order that differs between devices. Replicas trained apart for the
+inner steps of one period differ by a learning rate's step or more."""
+REPLICA_TOLERANCE_ABS = 1e-12
+"""Absolute slack beside `REPLICA_TOLERANCE`, for values at or near 0."""
+
+
+class ReplicasDivergedError(RuntimeError):
+    """The ranks of one learner hold different values of parameters that are meant to be replicas: they trained
+    apart (no DistributedDataParallel or FSDP around the model). Raised on every rank at once."""
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -113,6 +138,10 @@ class LearnerGroup:
         """The learner's fragment plan (names per fragment), set by the session on every rank alike."""
         self.stop_requested = False
         """Set by this rank's SIGTERM handler; summed over the ranks at the next STEP."""
+        self._sent: set[int] = set()
+        """Fragments whose value the leader has sent to every rank (SET): their replicas were equal then."""
+        self._checked: set[int] = set()
+        """Fragments whose replicas have been compared since (CHECK): once per fragment, at its first publish."""
 
     @property
     def leader(self) -> bool:
@@ -127,7 +156,14 @@ class LearnerGroup:
 
     @torch.no_grad()
     def read(self, fragment: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """The fragment's full float32 value on the leader (a copy); gathers shards from every rank."""
+        """The fragment's full float32 value on the leader (a copy); gathers shards from every rank. At the fragment's
+        first read (its publish) after it was sent to every rank, its replicas are compared first (`check_replicas`):
+        once per fragment, as one comparison costs a read of the fragment and, on a GPU, a wait for the device."""
+        if fragment in self._sent and fragment not in self._checked:
+            self._checked.add(fragment)
+            if any(name not in self.sharded for name in names):
+                self._command(Op.CHECK, fragment)
+                self.check_replicas(fragment)
         if any(name in self.sharded for name in names):
             self._command(Op.GATHER, fragment)
         return {name: self._full(name) for name in names}
@@ -144,6 +180,7 @@ class LearnerGroup:
         self._command(Op.SET, fragment)
         for name in self.fragments[fragment]:
             self._receive_value(name, values[name])
+        self._sent.add(fragment)
 
     def save(self, own: Any) -> list[Any]:
         """Every rank's state (`own` is the leader's), in rank order."""
@@ -198,6 +235,41 @@ class LearnerGroup:
 
     # ---- shared by both sides ------------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def check_replicas(self, fragment: int) -> None:
+        """Collective: compare every rank's replica of the fragment's replicated parameters, by one all-reduce (MAX)
+        of each rank's fingerprint and its negation; raise `ReplicasDivergedError` on every rank when they differ."""
+        names = [name for name in self.fragments[fragment] if name not in self.sharded]
+        total = sum(self.params[name].numel() for name in names)
+        stride = max(1, total // REPLICA_SAMPLES)
+        parts, sizes = [], []
+        for name in names:
+            flat = self.params[name].detach().reshape(-1)
+            values = flat.float()
+            summary = torch.stack([values.sum(), torch.linalg.vector_norm(values)]) if flat.numel() else values
+            part = torch.cat([flat[::stride].to(torch.float64), summary.to(torch.float64)])
+            parts.append(part.to(self.command_device))
+            sizes.append(part.numel())
+        fingerprint = torch.cat(parts)
+        extremes = torch.cat([fingerprint, -fingerprint])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = extremes[:fingerprint.numel()], -extremes[fingerprint.numel():]
+        spread = (high - low).cpu()
+        bound = (REPLICA_TOLERANCE * torch.maximum(high.abs(), low.abs()) + REPLICA_TOLERANCE_ABS).cpu()
+        apart = spread > bound  # (NaN compares False: a non-finite replica is `Learner.recover`'s business)
+        if not bool(apart.any()):
+            return
+        first = int(apart.nonzero()[0])
+        offsets = torch.tensor(sizes).cumsum(0)
+        name = names[int((offsets <= first).sum())]
+        raise ReplicasDivergedError(
+            f"the {self.size} ranks of this learner hold different values of parameter {name!r} (fragment "
+            f"{fragment}: their sums, norms or sampled values differ by up to {float(spread.max()):.3g}, inner steps "
+            "after rank 0's value was sent to every rank): they trained apart, and ddiloco publishes rank 0's copy "
+            "only, so the other ranks' training would be thrown away at every sync while their tokens count. Wrap "
+            "the model in DistributedDataParallel (or shard it with FSDP2's fully_shard) so that the ranks train one "
+            "model together, or run one process per learner (no --nproc-per-learner; more --learners instead)")
+
     def _sum_step(self, tokens: int) -> tuple[int, bool]:
         counts = torch.tensor([tokens, int(self.stop_requested)], dtype=torch.int64, device=self.command_device)
         dist.all_reduce(counts, group=self.group)
@@ -246,6 +318,8 @@ class LearnerGroup:
                 dist.scatter_object_list(out, None, src=self.leader_global_rank, group=self.group)
                 if restore is not None and out[0] is not None:
                     restore(out[0])
+            elif op == Op.CHECK:
+                self.check_replicas(a)
             elif op == Op.FORGET:
                 if forget is not None:
                     forget()
