@@ -62,8 +62,12 @@ class StatusReporter:
         self._thread: threading.Thread | None = None
 
     def set(self, **changes: Any) -> None:
-        """Replace the progress: the learner's inner step and versions as they are now, with `changes`."""
-        values = {**self.progress.__dict__, "inner_step": self.learner.inner_step,
+        """Replace the progress: the learner's inner step and versions as they are now, with `changes`. The inner step
+        is reported at most at the budget: a learner with no checkpoint takes the run's schedule position when it joins
+        (`Learner.take_schedule_position`), past the budget if the others finished meanwhile, and is then done at once
+        without training; its position beyond the budget is no progress of its own (summary.json says what it trained,
+        `ddiloco.runtime.report`)."""
+        values = {**self.progress.__dict__, "inner_step": min(self.learner.inner_step, self.inner_steps),
                   "versions": list(self.learner.versions), **changes}
         self.progress = Progress(**values)
 

@@ -6,7 +6,8 @@ sources only grow, and the merge is rewritten from them each time:
 
 - `metrics.jsonl`: every line of `syncer/metrics.jsonl`, `learners/N/metrics.jsonl` and
   `launcher/metrics.jsonl`, tagged with its `source`, sorted by time.
-- `summary.json`: per learner restarts, updates accepted and rejected, rounds contributed, tokens;
+- `summary.json`: per learner restarts, updates accepted and rejected, rounds contributed, tokens, its inner step
+  (a position on the run's schedule, at most the budget) and the inner steps its processes trained;
   for the run rounds committed, final validation loss, wall time (this session and all sessions).
 - `val_loss.png` (validation loss vs time), `participation.png` (which learner was merged in which
   round), `bytes.png` (bytes per direction per learner), drawn with matplotlib's Agg backend.
@@ -118,11 +119,15 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         status = read_json_object(paths.learner_status(learner_id)) or {}
         from_syncer = per_learner_syncer.get(str(learner_id)) or {}
         state, reason = final_states.get(learner_id, (str(status.get("state", "unknown")), ""))
+        position, budget = status.get("inner_step"), status.get("inner_steps")
+        if isinstance(position, int) and isinstance(budget, int):
+            position = min(position, budget)  # (a status written before the learner capped it itself)
         learners[str(learner_id)] = {
             "state": state,
             "reason": reason,
             "restarts": restarts.get(f"learner-{learner_id}", 0),
-            "inner_step": status.get("inner_step"),
+            "inner_step": position,
+            "inner_steps_trained": inner_steps_trained(paths.learner_dir(learner_id), learner_id),
             "updates_sent": status.get("updates_sent"),
             "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
@@ -156,6 +161,40 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         },
         "learners": learners,
     }
+
+
+def inner_steps_trained(learner_dir: Path, learner_id: int) -> int | None:
+    """Inner steps the learner's processes trained, summed over its starts; None without a work ledger.
+
+    `inner_step` is a position on the run's schedule: a learner with no checkpoint of its own takes the run's when it
+    joins, so a learner whose first process trained 40 steps and crashed before any checkpoint, and whose next process
+    joined once the others had finished, reports the budget having trained 40. Each start is cut from the work ledger
+    (`learners/N/work.jsonl`, at each "start"): it trained from the step it began at (its checkpoint's, or the position
+    it took) to the last step it reached (its ledger's events and the step lines of `learners/N/metrics.jsonl` in its
+    time window: a process killed without a trace counts to its last step line). Steps trained again after a restart
+    from a checkpoint count again: this is work done, not progress."""
+    starts: list[list[dict[str, Any]]] = []
+    for event in read_jsonl(learner_dir / "work.jsonl"):
+        if event.get("event") == "start" or not starts:
+            starts.append([])
+        starts[-1].append(event)
+    if not starts:
+        return None
+    tokens_key = f"learner/{learner_id}/tokens"  # logged at every inner step
+    step_lines = [(float(m["time"]), int(m["step"])) for m in read_jsonl(learner_dir / "metrics.jsonl")
+                  if tokens_key in m and isinstance(m.get("step"), int) and isinstance(m.get("time"), int | float)]
+    trained = 0
+    for index, events in enumerate(starts):
+        begin = float(events[0].get("time", -math.inf))
+        end = float(starts[index + 1][0].get("time", math.inf)) if index + 1 < len(starts) else math.inf
+        first = int(events[0].get("inner_step", 0))
+        for event in events:
+            if event.get("event") == "position":  # the run's position, taken at the join, before any step
+                first = int(event["inner_step"])
+        reached = [int(e["inner_step"]) for e in events if isinstance(e.get("inner_step"), int)]
+        reached += [step for time, step in step_lines if begin <= time < end]
+        trained += max(0, max(reached, default=first) - first)
+    return trained
 
 
 def write_summary(paths: RunPaths, summary: Mapping[str, Any]) -> None:
@@ -279,9 +318,18 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
         state = row["state"] + (f" ({row['reason']})" if row.get("reason") else "")
         table.add_row(learner_id, state, str(row["restarts"]), _cell(row["updates_accepted"]),
-                      _cell(row["updates_rejected"]), str(row["rounds_contributed"]), _cell(row["inner_step"]),
+                      _cell(row["updates_rejected"]), str(row["rounds_contributed"]), _inner_step_cell(row),
                       _cell(row["tokens"], ","), format_bytes(row["bytes_sent"]), format_bytes(row["bytes_received"]))
     return table
+
+
+def _inner_step_cell(row: Mapping[str, Any]) -> str:
+    """`150`, or `150 (40 trained)` where the steps its processes trained differ from its position (see
+    `inner_steps_trained`)."""
+    position, trained = row.get("inner_step"), row.get("inner_steps_trained")
+    if trained is None or position is None or trained == position:
+        return _cell(position)
+    return f"{position} ({trained} trained)"
 
 
 def _cell(value: Any, spec: str = "") -> str:
