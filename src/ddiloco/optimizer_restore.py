@@ -56,9 +56,12 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
                     _parameter_groups(saved_sizes), len(sizes) - len(saved_sizes))
     if len(saved_sizes) <= len(sizes):
         return None
-    logger.info("%s holds %s; this script's optimizer has %d so far: the others are restored when the script adds "
-                "them (optimizer.add_param_group), at its next optimizer.step()", where,
-                _parameter_groups(saved_sizes), len(sizes))
+    # A warning: a script that adds the group at one inner step (`== 30`) never adds it again after resuming past it,
+    # and its layers would train frozen from here on with nothing said.
+    logger.warning("%s holds %s; this script's optimizer has %d so far: the others are restored when the script adds "
+                   "them again (optimizer.add_param_group), at its next optimizer.step(). A script that adds a group "
+                   "at one inner step must test sync.inner_step >= that step: a learner resumes past it", where,
+                   _parameter_groups(saved_sizes), len(sizes))
     later_ids = {i for group in saved_groups[shared:] for i in group["params"]}
     return WaitingGroups(optimizer, saved_groups[shared:], {i: s for i, s in saved["state"].items() if i in later_ids},
                          first=shared, where=where, after_load=after_load)

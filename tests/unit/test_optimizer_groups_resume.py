@@ -4,6 +4,8 @@ others when the script adds them again (in process, a real restart from the run 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def adam_steps(optimizer, param):
     return int(optimizer.state[param]["step"])
 
 
-def test_a_group_added_during_the_run_is_restored_when_the_restarted_script_adds_it(tmp_path):
+def test_a_group_added_during_the_run_is_restored_when_the_restarted_script_adds_it(tmp_path, caplog):
     # Every restart failed: "holds optimizer state for 2 parameter groups ... but this script's optimizer has 1".
     shared = hub()
     model, optimizer, _ = train(shared, tmp_path, inner_steps=8)
@@ -59,8 +61,12 @@ def test_a_group_added_during_the_run_is_restored_when_the_restarted_script_adds
     optimizer.param_groups[1]["lr"] = 3e-3  # (a schedule of the script's: the checkpoint below keeps it)
 
     # The script's own restart: the group is added back at its first step, and its state comes back with it.
-    again, again_optimizer, sync = train(shared, tmp_path, inner_steps=8)  # checkpoint at 8, nothing more to train
+    with caplog.at_level(logging.WARNING):
+        again, again_optimizer, sync = train(shared, tmp_path, inner_steps=8)  # at 8, nothing more to train
     assert sync.inner_step == 8 and len(again_optimizer.param_groups) == 1  # done at once: never re-added
+    assert ("holds 2 parameter groups of 4 + 2 parameters; this script's optimizer has 1 so far: the others are "
+            "restored when the script adds them again" in caplog.text)
+    assert "must test sync.inner_step >= that step" in caplog.text
     model, optimizer = frozen_model()
     with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=12, run_dir=tmp_path) as sync:
         assert sync.inner_step == 8 and len(optimizer.param_groups) == 1
