@@ -10,8 +10,8 @@ checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's 
 fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
 again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
 state is known to fit this script's optimizer (`ddiloco.optimizer_restore`: parameter groups the script added during
-the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). When to checkpoint, and what a resumed learner does next, is the
-session's business; the file format is `ddiloco.checkpoint`'s.
+the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). When to checkpoint, and
+what a resumed learner does next, is the session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
 from __future__ import annotations
