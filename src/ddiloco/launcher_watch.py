@@ -9,8 +9,8 @@ trained there. So the launcher names itself in each child's environment (`DDILOC
 reads them), and a session or `ddiloco.watch` started with them runs a `LauncherWatch`: a daemon thread that looks
 every `LAUNCHER_POLL_S` whether that process still lives. Once it is gone the watch asks for the stop a SIGTERM asks
 for (`done` turns true after the current step; the session checkpoints and leaves), from any thread, and ends the
-process if it still runs `LAUNCHER_GONE_EXIT_S` later (a loop that never reaches its next `step()`). A process
-started without them (by hand, by torchrun, by a scheduler) is not watched.
+process if the session has not ended `LAUNCHER_GONE_EXIT_S` later (a loop that never reaches its next `step()`, a
+stop that hangs). A process started without them (by hand, by torchrun, by a scheduler) is not watched.
 
 This module owns that watch and how a process is told apart from a later one with the same pid
 (`process_start_time`); what a stop does is the session's.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +29,8 @@ logger = logging.getLogger(__name__)
 LAUNCHER_POLL_S = 1.0
 """How often the watch looks for its launcher: one read of /proc/PID/stat, and how late a launcher's death is seen."""
 LAUNCHER_GONE_EXIT_S = 30.0
-"""How long after its launcher is found gone a process may still run before it ends itself: as long as the launcher
-gives a learner between its SIGTERM and its SIGKILL (`SupervisorConfig.learner_stop_timeout_s`)."""
+"""How long after its launcher is found gone a session may take to end before the process ends itself: as long as the
+launcher gives a learner between its SIGTERM and its SIGKILL (`SupervisorConfig.learner_stop_timeout_s`)."""
 EXIT_LAUNCHER_GONE = 128 + 15
 """The exit status of a process that ends itself that way: that of a process ended by the SIGTERM it would have had
 from the kernel as the launcher's direct child."""
@@ -55,9 +54,8 @@ def same_process(pid: int, started: int) -> bool:
 
 class LauncherWatch:
     """Watches the launcher `pid` (started at `started`, `process_start_time`) from a daemon thread; once it is gone,
-    calls `on_gone()` and, `exit_after_s` later, `exit(EXIT_LAUNCHER_GONE)` unless the process has ended by then.
-    `stop()` ends the watch while the launcher lives (the session is over); after it is gone nothing cancels the
-    exit."""
+    calls `on_gone()` and, `exit_after_s` later, `exit(EXIT_LAUNCHER_GONE)` unless `stop()` was called by then.
+    `stop()`: the session is over, so nothing is left to watch or to end."""
 
     def __init__(self, pid: int, started: int, *, name: str, on_gone: Callable[[], None],
                  poll_s: float = LAUNCHER_POLL_S, exit_after_s: float = LAUNCHER_GONE_EXIT_S,
@@ -93,11 +91,11 @@ class LauncherWatch:
                        "this process ends itself if it still runs %.0f s from now", self.name, self.pid,
                        self.exit_after_s)
         self.on_gone()
-        # Not cancelled by the session's end: what the script does after it (or a loop that never steps) must not
-        # outlive the run either.
-        time.sleep(self.exit_after_s)
-        logger.error("[%s] still running %.0f s after its launcher (pid %d) went: exiting now (the last checkpoint "
-                     "stands)", self.name, self.exit_after_s, self.pid)
+        if self._stop.wait(self.exit_after_s):
+            return  # the session ended (checkpointed, left): what the script does next is its own
+        logger.error("[%s] its session has not ended %.0f s after its launcher (pid %d) went (a loop that does not "
+                     "reach its next step()): exiting now (the last checkpoint stands)", self.name, self.exit_after_s,
+                     self.pid)
         self._exit(EXIT_LAUNCHER_GONE)
 
 

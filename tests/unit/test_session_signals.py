@@ -181,6 +181,18 @@ def test_a_watch_stops_once_its_launcher_is_gone_and_exits_after_the_bound():
     assert exited == [EXIT_LAUNCHER_GONE]
 
 
+def test_a_session_that_ends_once_its_launcher_is_gone_is_not_ended_by_the_watch():
+    exited = []
+    with a_process() as launcher:
+        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0",
+                              on_gone=lambda: watch.stop(), poll_s=0.01, exit_after_s=0.05, exit=exited.append)
+        watch.start()
+        launcher.kill()
+        launcher.wait()
+        watch._thread.join(WAIT_S)
+    assert watch.gone.is_set() and exited == []
+
+
 def test_a_reused_pid_is_not_the_launcher_and_a_stopped_watch_does_nothing():
     gone = threading.Event()
     with a_process() as other:
@@ -188,6 +200,7 @@ def test_a_reused_pid_is_not_the_launcher_and_a_stopped_watch_does_nothing():
                                poll_s=0.01, exit=lambda code: None)
         reused.start()
         assert gone.wait(WAIT_S)  # the same pid but another start time: the launcher is gone
+        reused.stop()
     stopped = threading.Event()
     with a_process() as launcher:
         watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=stopped.set,
@@ -203,7 +216,6 @@ def test_a_session_whose_launcher_is_gone_stops_as_on_sigterm(syncer, tmp_path, 
     with a_process() as launcher:
         monkeypatch.setenv("DDILOCO_LAUNCHER_PID", str(launcher.pid))
         monkeypatch.setenv("DDILOCO_LAUNCHER_STARTED", str(process_start_time(launcher.pid)))
-        monkeypatch.setattr("ddiloco.launcher_watch.LAUNCHER_GONE_EXIT_S", WAIT_S * 10)  # never within the test
         with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
                              run_dir=tmp_path / "run") as sync:
             def on_step(inner_step):
@@ -222,7 +234,6 @@ def test_an_evaluator_whose_launcher_is_gone_returns(syncer, tmp_path, monkeypat
     with a_process() as launcher:
         monkeypatch.setenv("DDILOCO_LAUNCHER_PID", str(launcher.pid))
         monkeypatch.setenv("DDILOCO_LAUNCHER_STARTED", str(process_start_time(launcher.pid)))
-        monkeypatch.setattr("ddiloco.launcher_watch.LAUNCHER_GONE_EXIT_S", WAIT_S * 10)
 
         def evaluate(model):
             if launcher.poll() is None:
