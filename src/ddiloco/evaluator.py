@@ -61,7 +61,7 @@ def _as_metrics(result: Any) -> dict[str, float]:
     metrics = {}
     for key, value in items:
         try:
-            metrics[str(key)] = float(value)
+            metrics[str(key)] = float(value.detach() if isinstance(value, torch.Tensor) else value)
         except (TypeError, ValueError):
             where = f"metric {key!r}" if isinstance(result, Mapping) else "its result"
             raise TypeError(f"ddiloco.watch: the evaluate function returned {value!r} as {where}: expected a number "
@@ -172,7 +172,8 @@ class Watcher:
         was_training = self.model.training
         self.model.eval()
         started = time.monotonic()
-        metrics = _as_metrics(self.evaluate(self.model))
+        with torch.no_grad():  # an evaluation keeps no activations for a backward (torch.enable_grad() inside for one)
+            metrics = _as_metrics(self.evaluate(self.model))
         self.model.train(was_training)
         self.rounds, self.latest = rounds, metrics
         self.evaluations += 1
@@ -191,8 +192,9 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
           config: RunConfig | str | Path | None = None, tls_ca: str | Path | None = None,
           tls_server_name: str | None = None) -> Watcher:
     """Evaluate the run's global model with `evaluate(model)` (a float loss, or a dict of metrics) every
-    `every_s` seconds until the run ends (SIGTERM); returns the finished `Watcher`. Where to connect comes
-    from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`)."""
+    `every_s` seconds until the run ends (SIGTERM); returns the finished `Watcher`. `evaluate` runs with the model in
+    eval mode and under `torch.no_grad()` (`torch.enable_grad()` inside it for a metric that needs gradients). Where
+    to connect comes from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`)."""
     from ddiloco.environment import environment
 
     env = environment()

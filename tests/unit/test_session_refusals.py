@@ -74,3 +74,33 @@ def test_an_evaluate_function_that_returns_something_else_than_numbers_is_named(
         _as_metrics({"val_loss": 0.5, "acc": "abc"})  # was: could not convert string to float: 'abc'
     with pytest.raises(TypeError, match=r"returned None as its result"):
         _as_metrics(None)
+
+
+def test_evaluate_runs_without_autograd_and_a_loss_with_its_graph_is_read_quietly(tmp_path):
+    # evaluate ran with autograd on: a large evaluation kept every activation for a backward nobody takes, and a loss
+    # returned with its graph warned at every evaluation ("Converting a tensor with requires_grad=True to a scalar").
+    import warnings
+
+    from ddiloco.evaluator import Watcher
+    from ddiloco.messages import FragmentState, Welcome
+    from ddiloco.run_config import RunConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    seen = []
+
+    def evaluate(m):
+        seen.append(torch.is_grad_enabled())
+        with torch.enable_grad():  # a metric that needs gradients asks for them
+            return m(torch.ones(3, 2)).pow(2).mean()
+
+    watcher = Watcher(model, evaluate, address="127.0.0.1:1", config=RunConfig(), run_dir=tmp_path)
+    welcome = Welcome(learner_id=-1, config_fingerprint="", fragments=(FragmentState(
+        fragment=0, version=1, tensors={n: p.detach().clone() for n, p in model.named_parameters()}),))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            watcher._evaluate(welcome)
+    finally:
+        watcher.sink.close()
+        watcher.client.close()
+    assert seen == [False] and watcher.latest["val_loss"] > 0
