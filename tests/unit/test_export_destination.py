@@ -32,14 +32,31 @@ def digest(directory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("inside", ["config.json", GENESIS_FILE, "learners/0/model.safetensors",
-                                    "./sub/../config.json"])
+                                    "./sub/../config.json", "summary.json", "model.pt"])
 def test_an_out_inside_the_run_directory_is_refused_and_the_run_is_untouched(run_dir, capsys, inside):
     before = digest(run_dir)
     out = run_dir / inside
     assert main(["export", str(run_dir), "--out", str(out)]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err == (f"ddiloco export: error: --out {out} is inside the run directory {run_dir}, whose files the run "
-                   f"needs: write the export elsewhere, e.g. --out {run_dir.resolve().parent / 'model.safetensors'}\n")
+    root = run_dir.resolve()
+    assert err == (f"ddiloco export: error: --out {out} would replace a file of the run directory {run_dir}, which the "
+                   f"run needs: write the export elsewhere, e.g. --out {root.parent / 'model.safetensors'}, or as a "
+                   f"new {root / 'export.safetensors'}\n")
+    assert digest(run_dir) == before
+
+
+def test_an_export_next_to_the_runs_files_may_be_written_again_but_no_other_safetensors_file_replaced(run_dir, capsys):
+    # RUN/export.safetensors, where the project's own tests and a user keep it, refused by the first version of this
+    # check; an existing .safetensors file that is no export stays the run's (or the user's).
+    out = run_dir / "export.safetensors"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0      # the same export, again
+    capsys.readouterr()
+    other = run_dir / "weights.safetensors"
+    other.write_bytes(out.read_bytes().replace(b"ddiloco_run", b"someone_run"))
+    before = digest(run_dir)
+    assert main(["export", str(run_dir), "--out", str(other)]) == EXIT_USAGE
+    assert "would replace a file of the run directory" in capsys.readouterr().err
     assert digest(run_dir) == before
 
 
@@ -48,7 +65,7 @@ def test_an_out_reached_through_a_symlink_to_the_run_directory_is_refused(run_di
     link.symlink_to(run_dir)
     before = digest(run_dir)
     assert main(["export", str(run_dir), "--out", str(link / "config.json")]) == EXIT_USAGE
-    assert "is inside the run directory" in capsys.readouterr().err
+    assert "would replace a file of the run directory" in capsys.readouterr().err
     assert digest(run_dir) == before
 
 

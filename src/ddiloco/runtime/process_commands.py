@@ -265,6 +265,23 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the parameters")
 
 
+def _export_may_go(target: Path, root: Path) -> bool:
+    """Whether an export may be written at `target`, a path inside the run directory `root` (`_check_destination`)."""
+    from safetensors import SafetensorError, safe_open
+
+    from ddiloco.runtime.syncer_state import GENESIS_FILE
+
+    if target.parent != root or target.suffix != ".safetensors" or target.name == GENESIS_FILE:
+        return False
+    if not target.exists():
+        return True
+    try:  # an earlier export of this run, written again
+        with safe_open(str(target), framework="pt") as file:
+            return "ddiloco_run" in (file.metadata() or {})
+    except (SafetensorError, OSError):
+        return False
+
+
 def run_export(args: argparse.Namespace) -> int:
     """`ddiloco export`. A path that is not a run directory, an `--out` that is a directory, lies inside the run
     directory or cannot be written, is refused (ValueError: one line, exit status 2), all but a failing write before
@@ -302,11 +319,15 @@ def run_export(args: argparse.Namespace) -> int:
 
 def _check_destination(out: Path, run_dir: Path) -> None:
     """ValueError when writing `out` would replace one of the run's own files (its config.json, its genesis: the run
-    could no longer be resumed or exported), or its directory cannot be made or written."""
+    could no longer be resumed or exported), or its directory cannot be made or written. Inside the run directory an
+    export may go only at its top level, as a `.safetensors` file that is not the genesis and is new or an earlier
+    export (`RUN/export.safetensors`, next to the run it came from): the run's other files and its subdirectories are
+    its own."""
     target, root = out.resolve(), run_dir.resolve()
-    if target.is_relative_to(root):
-        raise ValueError(f"--out {out} is inside the run directory {run_dir}, whose files the run needs: write the "
-                         f"export elsewhere, e.g. --out {root.parent / 'model.safetensors'}")
+    if target.is_relative_to(root) and not _export_may_go(target, root):
+        raise ValueError(f"--out {out} would replace a file of the run directory {run_dir}, which the run needs: write "
+                         f"the export elsewhere, e.g. --out {root.parent / 'model.safetensors'}, or as a new "
+                         f"{root / 'export.safetensors'}")
     existing = next(p for p in target.parents if p.exists())  # the directories below it are made by the write
     if not existing.is_dir():
         raise ValueError(f"--out {out}: cannot write there ({existing} is not a directory)")
