@@ -22,7 +22,7 @@ import pytest
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import Launcher, process_group_alive
-from ddiloco.runtime.learner_exits import describe_exit_with
+from ddiloco.runtime.learner_exits import describe_exit_with, reason_line
 from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
 from tests.fake_learners import (
     FAST,
@@ -400,6 +400,19 @@ def test_an_exit_message_quotes_the_last_line_of_an_error_exit_only():
     assert describe_exit_with(1, []) == "exit code 1"
     long = describe_exit_with(1, ["x" * 1000])
     assert long.startswith("exit code 1: xxx") and long.endswith("... (1000 characters)") and len(long) < 400
+
+
+def test_an_exit_message_quotes_the_error_before_the_lines_a_rank_group_logs_after_it():
+    # A learner of several ranks: its rank group logs that a rank exited after that rank's traceback, and the console
+    # quoted that line ("rank 1 (pid 5) exited with status 1"), not the error.
+    tail = ["    raise ReplicasDivergedError(",
+            "ddiloco.learner_group.ReplicasDivergedError: the 2 ranks of this learner hold different values",
+            "2026-12-05 11:08:19,001 W ddiloco.runtime.rank_group: [rank-group] rank 1 (pid 5) exited with status 1: "
+            "stopping the other ranks"]
+    assert describe_exit_with(1, tail) == ("exit code 1: ddiloco.learner_group.ReplicasDivergedError: the 2 ranks of "
+                                           "this learner hold different values")
+    assert reason_line(["[learner 0] refused: another model"]) == "[learner 0] refused: another model"
+    assert reason_line(["KeyboardInterrupt", "done"]) == "KeyboardInterrupt"
 
 
 def test_a_learner_whose_loop_ends_before_the_budget_is_done_and_says_so(tmp_path, fake_command):

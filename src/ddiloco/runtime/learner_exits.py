@@ -17,6 +17,7 @@ of `ray_actor.RoleActor` through Ray): the two rules that keep a restart from be
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -41,13 +42,26 @@ MAX_REASON_CHARS = 300
 """The most of a log line an exit message quotes."""
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)")
+"""A Python exception's own line at the end of a traceback: `ValueError: ...`, `torch.OutOfMemoryError: ...`."""
+
+
+def reason_line(tail: list[str]) -> str:
+    """The line of a process's last log lines that says why it ended: the last Python exception line among them (a
+    learner of several ranks logs, after a rank's traceback, that the rank exited), else the last line."""
+    for line in reversed(tail):
+        if _EXCEPTION_LINE.match(line.strip()):
+            return line.strip()
+    return tail[-1].strip()
+
+
 def describe_exit_with(code: int, tail: list[str]) -> str:
-    """`exit code 1: RuntimeError: my data loader broke`: an error exit with the last line its process logged (a
-    Python exception's own line), so that the console says why without opening the log; a signal as
-    `describe_exit` (the log's last line then is whatever ran before it, not the reason)."""
+    """`exit code 1: RuntimeError: my data loader broke`: an error exit with the line of its last log lines that says
+    why (`reason_line`: a Python exception's own line), so that the console says why without opening the log; a
+    signal as `describe_exit` (the log's last line then is whatever ran before it, not the reason)."""
     if code <= 0 or not tail:
         return describe_exit(code)
-    return f"{describe_exit(code)}: {shortened(tail[-1].strip(), MAX_REASON_CHARS)}"
+    return f"{describe_exit(code)}: {shortened(reason_line(tail), MAX_REASON_CHARS)}"
 
 
 def status_since(status_path: Path, started_wall: float) -> dict[str, Any]:
@@ -112,7 +126,7 @@ class CrashLoop:
                    f"{self.furthest_step}")
         else:
             return None
-        last = tail[-1] if tail else describe_exit(code)
+        last = reason_line(tail) if tail else describe_exit(code)
         return f"{last} ({why}, the last with {describe_exit(code)}; its log: {log_path})"
 
     def as_json(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from ddiloco.backoff import Backoff
 from ddiloco.runtime.launcher import Launcher
-from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit, describe_exit_with
+from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit, describe_exit_with, reason_line
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
@@ -263,7 +263,7 @@ class RaySupervisor(SupervisionLoop):
         assert slot.process is not None
         slot.process.returncode = code
         slot.exit_codes.append(code)
-        last = tail[-1] if tail else describe_exit(code)
+        last = reason_line(tail) if tail else describe_exit(code)
         if verdict == "done":
             slot.state = ChildState.DONE
             self._emit("done", slot, f"exited with {describe_exit(code)} {DONE_AFTER_SESSION}", exit_code=code,

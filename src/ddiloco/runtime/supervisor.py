@@ -51,6 +51,7 @@ from ddiloco.runtime.learner_exits import (
     describe_exit,
     describe_exit_with,
     finished_session,
+    reason_line,
     started_wall,
     status_since,
 )
@@ -383,7 +384,7 @@ class Supervisor(SupervisionLoop):
                    log_tail=tail)
         if code in (EXIT_USAGE, EXIT_REFUSED) or slot.restarts >= self.config.max_restarts:
             slot.state = ChildState.FAILED
-            slot.reason = tail[-1] if tail else describe_exit(code)
+            slot.reason = reason_line(tail) if tail else describe_exit(code)
             self.failure = f"the syncer cannot run: {slot.reason}"
             self._emit("failed", slot, self.failure, exit_code=code)
             return
@@ -435,7 +436,7 @@ class Supervisor(SupervisionLoop):
         evaluator's "session" is its first evaluation, the first write of its status file). A failed evaluator ends
         nothing else: the run goes on without evaluations."""
         if code == EXIT_USAGE and tail:
-            return tail[-1]
+            return reason_line(tail)
         slot.crash_loop.count(code, self._status_since_start(slot))
         reason = slot.crash_loop.give_up_reason(
             code, tail, self.launcher.paths.log(slot.name),
