@@ -7,6 +7,7 @@ and this test's own process standing in for a launcher whose pid was reused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,27 +90,35 @@ def test_a_recorded_launcher_pid_counts_only_while_it_names_the_same_process(tmp
         launcher.wait(timeout=WAIT_S)
 
 
-HOLD_LOCK = """
+HOLD = """
 import sys
-from ddiloco.runtime.syncer_standby import SyncerLock
-assert SyncerLock(sys.argv[1]).try_acquire()
+from ddiloco.runtime.{module} import {lock}
+assert {lock}(sys.argv[1]).try_acquire()
 print("held", flush=True)
 sys.stdin.read()
 """
+"""A process that takes a lock of the run directory, says so, and holds it until its stdin closes."""
+
+
+@contextlib.contextmanager
+def lock_held(run_dir, *, module: str, lock: str):
+    """Another process holding `module.lock` on `run_dir` for the block; gone, its lock released, after it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(module=module, lock=lock), str(run_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.stdin.close()  # it exits; the kernel releases its lock
+        holder.wait(timeout=WAIT_S)
 
 
 def test_resume_of_a_directory_a_syncer_serves_is_refused_until_it_is_gone(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(ValueError, match=f"its syncer, pid {holder.pid}, holds {run_dir / 'syncer.lock'}"):
-            require_not_running(run_dir)
-    finally:
-        holder.stdin.close()  # it exits; the kernel releases its lock
-        holder.wait(timeout=WAIT_S)
+    with lock_held(run_dir, module="syncer_standby", lock="SyncerLock") as holder, pytest.raises(
+            ValueError, match=f"its syncer, pid {holder.pid}, holds {run_dir / 'syncer.lock'}"):
+        require_not_running(run_dir)
     assert (run_dir / "syncer.lock").exists()
     require_not_running(run_dir)
 
@@ -181,22 +190,10 @@ def test_two_resumes_started_in_the_same_instant_let_one_run_and_refuse_the_othe
     assert read_json_object(RunPaths(run_dir).processes)["launcher_pid"] == resumes[winner].pid
 
 
-HOLD_RUN_DIR = """
-import sys
-from ddiloco.runtime.process_lock import DirectoryLock
-assert DirectoryLock(sys.argv[1]).try_acquire()
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_a_launcher_claims_its_directory_until_it_exits_writing_nothing(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, str(run_dir)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with lock_held(run_dir, module="process_lock", lock="DirectoryLock") as holder:
         with pytest.raises(ValueError, match=rf"--resume {run_dir}: the run is still going \(another ddiloco run "
                                              r"started on it in the same instant and holds it\)"):
             claim_run_dir(run_dir, resume=True)
@@ -209,9 +206,6 @@ def test_a_launcher_claims_its_directory_until_it_exits_writing_nothing(tmp_path
         with pytest.raises(ValueError, match=rf"run directory {run_dir} is in use: another ddiloco run \(pid "
                                              rf"{holder.pid}\) started in it at the same time; choose another"):
             claim_run_dir(run_dir, resume=False)
-    finally:
-        holder.stdin.close()  # it exits; the kernel releases its lock
-        holder.wait(timeout=WAIT_S)
     RunPaths(run_dir).processes.unlink()  # what this test wrote
     RunPaths(run_dir).processes.parent.rmdir()
     lock = claim_run_dir(run_dir, resume=True)
