@@ -117,12 +117,7 @@ class FollowerSession(SessionLifecycle):
     def _own_state(self) -> dict[str, Any]:
         state = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "optimizer": None,
                  "buffers": snapshot_buffers(self.model)}
-        waiting = self._waiting_groups
-        if waiting is not None:
-            waiting.catch_up()
-            if waiting.done:
-                waiting.close()
-                self._waiting_groups = None
+        waiting = self._waiting_groups = self._waiting_groups.settle() if self._waiting_groups is not None else None
         if self.group.sharded:
             # This rank's shard of the optimizer state; groups the script has not added again stay in it.
             optimizer = self.optimizer.state_dict()

@@ -90,10 +90,10 @@ class LearnerCheckpoint:
         self._writes = WriteTrouble(f"learner {learner.learner_id}'s checkpoint")
         self._saver: threading.Thread | None = None
         self._unsupported_raised = False
+        """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
         self.waiting_groups: WaitingGroups | None = None
         """Optimizer parameter groups of the restored checkpoint that the script has not added yet
         (`ddiloco.optimizer_restore`)."""
-        """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
 
     def _user_state(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self.state.items()}
@@ -113,14 +113,12 @@ class LearnerCheckpoint:
         if self._saver is not None:
             self._saver.join()  # one write at a time, in order
         user = self._user_state()
+        if self.waiting_groups is not None:  # first the groups added since, then the state with them
+            self.waiting_groups = self.waiting_groups.settle()
         learner = self.learner.state_dict()
         if self.waiting_groups is not None:
             # Parameter groups the script has not added again since the restart stay in the checkpoint.
-            self.waiting_groups.catch_up()
             learner["optimizer"] = self.waiting_groups.append_to(learner["optimizer"])
-            if self.waiting_groups.done:
-                self.waiting_groups.close()
-                self.waiting_groups = None
         ranks = self.group.checkpoint(learner) if self.group is not None else None
         buffers = snapshot_buffers(self.learner.model)
         state = copy.deepcopy({"learner": learner, "state": user})

@@ -118,6 +118,16 @@ class WaitingGroups:
         """Whether no group waits any more (every one restored, or refused)."""
         return not self.groups
 
+    def settle(self) -> WaitingGroups | None:
+        """Before a checkpoint takes the optimizer's state: the groups the script has added since loaded (`catch_up`;
+        the step pre-hook runs only at the next step), then this object while others still wait, else None (its hook
+        removed). The caller keeps what it returns and adds the waiting groups to the state with `append_to`."""
+        self.catch_up()
+        if not self.done:
+            return self
+        self.close()
+        return None
+
     def close(self) -> None:
         """Remove the step pre-hook. Not from the hook itself: torch iterates over its hooks as it calls them."""
         self._hook.remove()

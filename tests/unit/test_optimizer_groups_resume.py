@@ -130,3 +130,16 @@ def test_a_checkpoint_whose_first_groups_differ_is_still_refused_as_a_changed_mo
     with pytest.raises(ValueError, match=r"holds optimizer state for 2 parameter groups of 4 \+ 2 parameters, but "
                                          r"this script's optimizer has 1 parameter group of 6 parameters"):
         ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=12, run_dir=tmp_path).start()
+
+
+def test_a_group_added_back_just_before_a_checkpoint_keeps_its_state(tmp_path):
+    # The checkpoint took the optimizer's state before loading the group the script had just added (the step pre-hook
+    # had not run yet), so it kept that group without its state, and the next restart trained it from scratch.
+    shared = hub()
+    train(shared, tmp_path, inner_steps=8)  # the first block's AdamW state: 4 steps
+    model, optimizer = frozen_model()
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=12, run_dir=tmp_path) as sync:
+        unfreeze(model, optimizer)  # added back; the session ends, and checkpoints, before the next step
+        sync.request_stop()
+    model, optimizer, sync = train(shared, tmp_path, inner_steps=12, unfreeze_at=8)
+    assert sync.inner_step == 12 and adam_steps(optimizer, model.blocks[0].weight) == 4 + 4
