@@ -104,7 +104,8 @@ class Inbox:
                 if waits and min(waits) <= 0:
                     return
                 # In slices: the learner's main thread waits here, and runs a signal handler that fell due while
-                # another thread received the signal only once this returns (`ddiloco.interrupts`).
+                # another thread received the signal only between two waits (`ddiloco.interrupts`); the handler's
+                # wake() ends this loop (the condition's lock is reentrant).
                 self._cond.wait(min([*waits, SIGNAL_CHECK_S]))
             self._woken = False
 
