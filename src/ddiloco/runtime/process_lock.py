@@ -24,13 +24,23 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
-class ProcessLock:
-    """The exclusive lock on the file `path`, held until `release` or the process exits. The holder writes its pid
-    into the file, for messages."""
+class _HeldFlock:
+    """An exclusive flock on `path` that this process may hold: the descriptor it holds it through, and giving it up."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._fd: int | None = None
+
+    def release(self) -> None:
+        """Give the lock up (closing the descriptor drops it); nothing when not held."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class ProcessLock(_HeldFlock):
+    """The exclusive lock on the file `path`, held until `release` or the process exits. The holder writes its pid
+    into the file, for messages."""
 
     def try_acquire(self) -> bool:
         """Take the lock if no live process holds it; True when this process holds it now. Creates the file (not its
@@ -44,12 +54,6 @@ class ProcessLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return True
-
-    def release(self) -> None:
-        """Give the lock up (closing the file drops it); nothing when not held."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def held(self) -> bool:
         """True while a live process holds the lock. Probed with a shared lock dropped at once (closing the file
@@ -74,14 +78,10 @@ class ProcessLock:
             return "unknown"
 
 
-class DirectoryLock:
+class DirectoryLock(_HeldFlock):
     """The exclusive lock on the directory `path` itself, held until `release` or the process exits. Nothing is
     written for it, so a process that takes it and then refuses to go on leaves the directory as it was; who holds it
     is for the holder to record elsewhere."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._fd: int | None = None
 
     def try_acquire(self) -> bool:
         """Take the lock if no live process holds it; True when this process holds it now."""
@@ -90,9 +90,3 @@ class DirectoryLock:
             if _try_flock(fd):
                 self._fd = fd
         return self._fd is not None
-
-    def release(self) -> None:
-        """Give the lock up; nothing when not held."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
