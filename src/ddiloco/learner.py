@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
 from ddiloco.fragment_access import FragmentAccess, LocalParameters
 from ddiloco.fragments import FragmentPlan, embedding_names, persistent_buffer_names
+from ddiloco.learner_stats import LearnerStats
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -57,45 +58,13 @@ from ddiloco.messages import (
 )
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.publisher import DeferredPayload
-from ddiloco.round_schedule import EARLY_LEAD, RoundSchedule
+from ddiloco.round_schedule import RoundSchedule, next_uncommitted_round
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
-
-
-@dataclass
-class LearnerStats:
-    """Counters a driver reports as metrics."""
-
-    updates_sent: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    updates_withheld_non_finite: int = 0
-    updates_published_early: int = 0
-    """Updates sent because the round they belonged to closed first (`Learner._publish_before`)."""
-    phase_moves_late: int = 0
-    """Schedule moves forward of a learner whose update reached its round after the close (`_follow_close`)."""
-    phase_moves_margin: int = 0
-    """Schedule moves forward of a learner whose update was on time with less than `round_margin_steps` of the
-    grace window left."""
-    phase_moves_early: int = 0
-    """Schedule moves back of a paced learner whose update went out before the clock-setting learners'."""
-    fragments_applied: int = 0
-    fragments_ignored_stale: int = 0
-    rejections: dict[str, int] = field(default_factory=dict)
-    waits_abandoned: int = 0
-    joins: int = 0
-    downlink_resyncs: int = 0
-    """Fragment changes this learner could not rebuild (another base version, a checksum that disagrees),
-    each answered by joining again."""
-    non_finite_recoveries: int = 0
-    """Times the learner found its own model not finite and went back to the global value (`Learner.recover`)."""
-    publishes_waited: int = 0
-    """Fragments that fell due while the result for their last update was still owed, so their publish waited for it
-    (`Learner.after_inner_step`; with tau >= H, or after the schedule moved forward)."""
 
 
 @dataclass(frozen=True)
@@ -285,18 +254,9 @@ class Learner:
         return update
 
     def _follow_close(self, state: FragmentState) -> None:
-        """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"). The result of the round its last
-        update was for names the learners the round merged on time (`state.on_time`): not named, the update reached the
-        syncer after the close, so the rounds run to other learners' clocks (a learner back from a failure leads it in
-        phase, it started later, or its steps are slower) and its schedule moves a step forward: within the adaptive
-        grace window (at most two steps at the defaults), so the next update lands inside it; repeated while it is late,
-        one step more for each late result in a row (at most half a round's spacing), so a learner that falls behind by
-        more than a step per round catches up instead of settling at the close. A learner that paces itself
-        (`pace_rounds`, measured clearly slower than the rounds) also moves back a step when the result reaches it two
-        or more of its own inner steps after its update: that update went out before the clock-setting learners' and
-        probably opened the round itself, and a slow learner must never set the rounds' clock (publishing ever earlier
-        would close rounds earlier, and every learner's pace would read lower: the ratchet). Not where rounds wait for
-        everyone (K = M), and not after a fragment's first round (no grace window yet, see `_publish_before`)."""
+        """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"): the result of the round its last
+        update was for moves its schedule as `RoundSchedule.follow_result` says. Not where rounds wait for everyone
+        (K = M), and not after a fragment's first round (no grace window yet, see `_publish_before`)."""
         p = state.fragment
         if (not self.schedule.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):
@@ -304,24 +264,15 @@ class Learner:
         outstanding = self._outstanding.get(p)
         if outstanding is None or outstanding.base_version != self.versions[p]:
             return  # nothing published for this round (or that update was refused)
-        target, gain = self.config.round_margin_steps, self.config.round_margin_gain
-        if state.on_time is not None and self.learner_id not in state.on_time:
-            if target > 0 and state.margins is not None:
-                self.schedule.keep_margin(0.0, target=target, gain=gain, move_short=False)
-            self.schedule.late()
-            self.stats.phase_moves_late += 1
-            return
-        if state.on_time is not None:
-            self.schedule.on_time()
-            margin = (state.margins[state.on_time.index(self.learner_id)]
-                      if state.margins is not None and len(state.margins) == len(state.on_time) else None)
-            if margin is not None and target > 0:
-                if margin < target:
-                    self.stats.phase_moves_margin += 1
-                self.schedule.keep_margin(margin, target=target, gain=gain)
-        if self.schedule.reads_slow and self.inner_step - outstanding.published_at_step >= EARLY_LEAD:
-            self.schedule.early()  # a learner that read itself slow and leads publishes later
-            self.stats.phase_moves_early += 1
+        named = None if state.on_time is None else self.learner_id in state.on_time
+        margin = (state.margins[state.on_time.index(self.learner_id)]
+                  if named and state.margins is not None and len(state.margins) == len(state.on_time) else None)
+        moves = self.schedule.follow_result(named=named, margins_sent=state.margins is not None, margin=margin,
+                                            target=self.config.round_margin_steps, gain=self.config.round_margin_gain,
+                                            lead_steps=self.inner_step - outstanding.published_at_step)
+        self.stats.phase_moves_late += "late" in moves
+        self.stats.phase_moves_margin += "margin" in moves
+        self.stats.phase_moves_early += "early" in moves
 
     @torch.no_grad()
     def _apply_delta(self, delta: FragmentDelta) -> list[LearnerMessage]:
@@ -572,9 +523,3 @@ class Learner:
         self.synced_at = [self.inner_step] * self.plan.num_fragments
         self.optimizer.load_state_dict(state["optimizer"])
 
-
-def next_uncommitted_round(welcome: Welcome) -> int:
-    """The oldest round not yet committed, if every round commits once (K = M; see
-    `Learner.take_schedule_position`)."""
-    num = len(welcome.fragments)
-    return min(num * state.version + state.fragment for state in welcome.fragments)

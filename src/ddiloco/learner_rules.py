@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ddiloco.config import LearnerConfig
-from ddiloco.learner import Learner, next_uncommitted_round
+from ddiloco.learner import Learner
 from ddiloco.messages import FragmentDelta, FragmentState, LearnerMessage, Refused, SyncerMessage, Update, Welcome
+from ddiloco.round_schedule import next_uncommitted_round
 
 logger = logging.getLogger(__name__)
 

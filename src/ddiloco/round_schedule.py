@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ddiloco.fragments import due_step
+from ddiloco.messages import Welcome
 
 ROUND_PACE_SMOOTHING = 0.1
 """Weight of each new round in `RoundSchedule.round_pace`: about ten rounds (2.5 periods at P = 4) of memory, which
@@ -144,6 +145,41 @@ class RoundSchedule:
         if move_short and short > 0:
             self.phase += short
 
+    def follow_result(self, *, named: bool | None, margins_sent: bool, margin: float | None, target: float,
+                      gain: float, lead_steps: int) -> set[str]:
+        """The result of the round this learner's last update was for reached it (`Learner._follow_close`, which says
+        when this applies): move as that result says, and return the moves taken ("late", "margin", "early").
+        `named`: whether the result names this learner among those merged on time (None: it names nobody, an older
+        syncer); `margins_sent`: whether it carries margins at all; `margin`: this learner's, when named; `target`,
+        `gain`: `round_margin_steps` and `round_margin_gain`; `lead_steps`: this learner's inner steps since that
+        update went out.
+
+        Not named: the update reached the syncer after the close, so the rounds run to other learners' clocks (a
+        learner back from a failure leads it in phase, it started later, or its steps are slower), and the schedule
+        moves forward (`late`: within the adaptive grace window, so the next update lands inside it; one step more for
+        each late result in a row, so a learner that falls behind by more than a step per round catches up instead of
+        settling at the close); the drift learns from a margin of 0. Named: the late streak ends, and a margin short
+        of `target` moves it by the shortfall (`keep_margin`). A learner that paces itself and got the result
+        `EARLY_LEAD` or more of its steps after its update probably opened the round itself: it moves back (`early`),
+        since a slow learner must never set the rounds' clock (publishing ever earlier would close rounds earlier, and
+        every learner's pace would read lower: the ratchet)."""
+        moves = set()
+        if named is False:
+            if target > 0 and margins_sent:
+                self.keep_margin(0.0, target=target, gain=gain, move_short=False)
+            self.late()
+            return {"late"}
+        if named:
+            self.on_time()
+            if margin is not None and target > 0:
+                if margin < target:
+                    moves.add("margin")
+                self.keep_margin(margin, target=target, gain=gain)
+        if self.reads_slow and lead_steps >= EARLY_LEAD:
+            self.early()
+            moves.add("early")
+        return moves
+
     def early(self) -> None:
         """A paced learner's update probably opened its round: move back a step (below 0 too)."""
         self.phase -= PHASE_LOCK_STEP
@@ -183,3 +219,10 @@ class RoundSchedule:
         self.round_pace = float(state.get("round_pace", 1.0))
         self.drift = float(state.get("drift", 0.0))
         self._published_early.clear()
+
+
+def next_uncommitted_round(welcome: Welcome) -> int:
+    """The oldest round not yet committed, if every round commits once (K = M; see
+    `ddiloco.learner.Learner.take_schedule_position`)."""
+    num = len(welcome.fragments)
+    return min(num * state.version + state.fragment for state in welcome.fragments)

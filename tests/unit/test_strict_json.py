@@ -16,7 +16,7 @@ from torch import nn
 
 from ddiloco.checkpoint import atomic_write_json, load_latest_state, save_state
 from ddiloco.evaluator import Watcher
-from ddiloco.learner import LearnerStats
+from ddiloco.learner_stats import LearnerStats
 from ddiloco.learner_status import COUNTERS, StatusReporter
 from ddiloco.messages import FragmentState, Welcome
 from ddiloco.metrics import JsonlSink, NullSink
