@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.report import SETTINGS, summarize_invariants, write_report
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
     from ddiloco.checkpoint import atomic_write_json
+    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
 
     systems = _parse_systems(args.systems)
     config = _run_config(args)
@@ -153,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
     run_dir = Path(args.run_dir) if args.run_dir is not None else (
         DEFAULT_RUNS_DIR / time.strftime("chaos-%Y%m%d-%H%M%S"))
+    require_directory(run_dir, flag="--run-dir")
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"run directory {run_dir} already exists and is not empty: choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(run_dir, flag="--run-dir")
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
     atomic_write_json(run_dir / SETTINGS, dataclasses.asdict(settings))

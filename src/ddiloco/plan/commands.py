@@ -39,6 +39,17 @@ def _default_out() -> Path:
     return Path("runs") / time.strftime("plan-%Y%m%d-%H%M%S")
 
 
+def _plot_dir(args: argparse.Namespace) -> Path:
+    """Where the plots go, checked (made, written to) before any simulation, as `ddiloco run` checks its run
+    directory: a file there is one line now, not a traceback after the work. --no-plot writes nothing there."""
+    from ddiloco.runtime.run_dir import prepare_run_dir
+
+    out = args.out or _default_out()
+    if not args.no_plot:
+        prepare_run_dir(out, flag="--out")
+    return out
+
+
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("output")
     group.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
@@ -153,9 +164,9 @@ def _run_goodput(args: argparse.Namespace) -> int:
             sim = dataclasses.replace(grid_simulation(), **overrides)
         else:
             sim = config_from_args(SimulationConfig, args)
+        out = _plot_dir(args)
     except ValueError as exc:
         return _usage_error(args, _as_flag(exc, GOODPUT_CONFIGS))
-    out = args.out or _default_out()
     con = report.console()
     if args.paper_grid:
         started = time.perf_counter()
@@ -193,6 +204,7 @@ def _run_bandwidth(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(BandwidthConfig, args)
+        out = _plot_dir(args)
     except ValueError as exc:
         return _usage_error(args, _as_flag(exc, BANDWIDTH_CONFIGS))
     plan = plan_bandwidth(config)
@@ -203,7 +215,7 @@ def _run_bandwidth(args: argparse.Namespace) -> int:
     for line in plan.assumptions:
         con.print(f"  - {line}")
     if not args.no_plot:
-        con.print(f"plot: {report.plot_bandwidth(plan, (args.out or _default_out()) / 'plan_bandwidth.png')}")
+        con.print(f"plot: {report.plot_bandwidth(plan, out / 'plan_bandwidth.png')}")
     if args.json:
         _print_json(plan.to_dict())
     return 0

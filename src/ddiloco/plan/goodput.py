@@ -51,13 +51,19 @@ class Estimate:
     high: float
 
     @classmethod
-    def of(cls, values: np.ndarray) -> Estimate:
+    def of(cls, values: np.ndarray, *, lowest: float = -math.inf, highest: float = math.inf) -> Estimate:
+        """The Student t interval over `values`, cut to [lowest, highest], the values the quantity can take
+        (a share: [0, 1]). The t interval is symmetric, so with few replicas near a bound it reaches past it
+        (goodput -0.03 %); the quantity's true value lies inside the bounds, so cutting them off keeps every
+        value the interval covered and its coverage with them. A transformed interval (logit) would instead
+        fail on replicas at exactly 0 or 1, which are common (uptime 1 with quorum 1)."""
         values = np.asarray(values, dtype=np.float64)
         mean = float(values.mean())
         dof = len(values) - 1
         quantile = T_QUANTILE_975[dof - 1] if dof <= len(T_QUANTILE_975) else NORMAL_QUANTILE_975
         half = quantile * float(values.std(ddof=1)) / math.sqrt(len(values))
-        return cls(mean, mean - half, mean + half)
+        # min/max with the mean: a mean a rounding past a bound stays inside its own interval.
+        return cls(mean, min(max(mean - half, lowest), mean), max(min(mean + half, highest), mean))
 
     def to_dict(self) -> dict[str, float]:
         return {"mean": self.mean, "low": self.low, "high": self.high}
@@ -100,5 +106,6 @@ def simulate(system: str, scenario: Scenario, sim: SimulationConfig) -> GoodputR
     goodput = np.array([s.useful_chip_s / s.allocated_chip_s for s in samples])
     uptime = np.array([s.advancing_s / s.horizon_s for s in samples])
     tokens_per_hour = np.array([s.tokens / (s.horizon_s / SECONDS_PER_HOUR) for s in samples])
-    return GoodputResult(system, layout.chips, layout.learners, Estimate.of(goodput), Estimate.of(uptime),
-                         Estimate.of(tokens_per_hour), horizon_s)
+    return GoodputResult(system, layout.chips, layout.learners, Estimate.of(goodput, lowest=0.0, highest=1.0),
+                         Estimate.of(uptime, lowest=0.0, highest=1.0), Estimate.of(tokens_per_hour, lowest=0.0),
+                         horizon_s)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddiloco.checks import require, require_at_least
-from ddiloco.plan.failures import FailureModel
+from ddiloco.plan.failures import MAX_SLICES_DOWN, FailureModel, max_chips
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +125,11 @@ class Scenario:
     scavenge: ScavengeConfig = field(default_factory=ScavengeConfig)
 
     def __post_init__(self) -> None:
+        most = max_chips(self.failures)
+        if self.layout.chips > most:
+            raise ValueError(f"chips={self.layout.chips} is invalid: expected at most {most:.3g} chips with this "
+                             f"failure model (mtbi_s={self.failures.mtbi_s:g}), which has {MAX_SLICES_DOWN:.0e} "
+                             "slices down at once there, the most one draw can count; use fewer chips")
         if self.failures.chips_per_slice > self.layout.chips_per_learner:
             raise ValueError(f"chips_per_slice={self.failures.chips_per_slice} is invalid: a learner has only "
                              f"{self.layout.chips_per_learner:g} chips (chips={self.layout.chips}, "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.plan.failures import FailureModel, poisson_times, sample_recovery_s
+from ddiloco.plan.failures import FailureModel, poisson_times, sample_recovery_s, steady_state_down
 from ddiloco.plan.scenario import LayoutConfig, ReconfigurationCosts, ScavengeConfig, Scenario
 from ddiloco.plan.speed import SpeedProfile, learner_slowdowns, quorum_speed
 from ddiloco.plan.timeline import (
@@ -33,10 +33,6 @@ from ddiloco.plan.timeline import (
     segments,
     total_length,
 )
-
-WARMUP_RECOVERY_SCALES = 40.0
-"""Failures are drawn from this many recovery scales before t = 0, so the slices still down at the
-start are in steady state (the exponentiated Weibull survival is below 1e-8 there)."""
 
 
 @dataclass(frozen=True)
@@ -66,25 +62,24 @@ def group_hardware(rng: np.random.Generator, chips: float, model: FailureModel, 
                    on: StepFunction | None = None) -> GroupHardware:
     """Failures of `chips` chips on [0, horizon_s) and the returns of their slices.
 
-    An always-on group starts in steady state (slices that failed before 0 and are still down). A group
-    that is only sometimes present (`on`, 0 or 1) fails only while present and starts with nothing down.
+    An always-on group starts in steady state (slices that failed before 0 and are still down,
+    `steady_state_down`). A group that is only sometimes present (`on`, 0 or 1) fails only while present
+    and starts with nothing down.
     """
     rate = model.failure_rate_per_s(chips)
     failures = poisson_times(rng, rate, 0.0, horizon_s)
     if on is not None:
         failures = failures[on.values_at(failures) > 0]
     returns = failures + sample_recovery_s(rng, len(failures), model)
-    down_at_start = np.empty(0)
+    down_at_start, early_returns = 0, np.empty(0)
     if on is None:
-        earlier = poisson_times(rng, rate, -WARMUP_RECOVERY_SCALES * model.recovery_scale_s, 0.0)
-        back = earlier + sample_recovery_s(rng, len(earlier), model)
-        down_at_start = back[back > 0]
+        down_at_start, early_returns = steady_state_down(rng, rate, horizon_s, model)
     slice_chips = float(model.chips_per_slice)
-    down = StepFunction(np.concatenate([failures, returns, down_at_start]),
+    down = StepFunction(np.concatenate([failures, returns, early_returns]),
                         np.concatenate([np.full(len(failures), slice_chips), np.full(len(returns), -slice_chips),
-                                        np.full(len(down_at_start), -slice_chips)]),
-                        initial=slice_chips * len(down_at_start))
-    all_returns = np.concatenate([returns, down_at_start])
+                                        np.full(len(early_returns), -slice_chips)]),
+                        initial=slice_chips * down_at_start)
+    all_returns = np.concatenate([returns, early_returns])
     return GroupHardware(failures, np.sort(all_returns[all_returns < horizon_s]), down)
 
 

@@ -229,12 +229,14 @@ def genesis_from_init(init: Mapping[str, torch.Tensor], order: Iterable[str], em
 def exported_params(run_dir: str | Path, config: DilocoConfig) -> tuple[dict[str, torch.Tensor], int]:
     """The global parameters after the run's last committed round under every name the model's state_dict
     uses (tied weights under each of their names), and that round count; recomputed from the latest full
-    state and the round log, as a restarted syncer would (what `ddiloco export` writes)."""
+    state and the round log, as a restarted syncer would (what `ddiloco export` writes). Only reads the run
+    directory: a torn last line of the log is skipped, not cut, because on a live run it is the round the syncer
+    is appending, and cutting it could drop that round once committed."""
     genesis = read_genesis(run_dir)
     if genesis is None:
         raise ValueError(f"{run_dir} has no {GENESIS_FILE}: no learner has joined this run yet")
     syncer = genesis.syncer(config, QuorumConfig())
-    SyncerStore(run_dir).restore(syncer)
+    SyncerStore(run_dir).restore(syncer, repair=False)
     params = syncer.global_params()
     for alias, name in genesis.aliases:
         params[alias] = params[name].clone()

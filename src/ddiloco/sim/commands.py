@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from ddiloco.runtime.run_dir import prepare_run_dir
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ValueError(f"--seed={args.seed} is invalid: expected an integer >= 0")
     out_dir = args.out or Path("runs") / f"experiment-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Before the experiment, which takes minutes: a file, /dev/null or a read-only folder is one line now.
+    prepare_run_dir(out_dir, flag="--out")
     errors = Console(stderr=True)
     result = run_experiment(args.name, quick=args.quick, seed=args.seed,
                             progress=lambda line: errors.print(line, markup=False, highlight=False))

@@ -1,0 +1,108 @@
+"""The goodput simulator at the edges: cluster sizes far past a million chips, shares near 0.
+
+`plan goodput --chips 1e12` once allocated 23 GiB (a warm-up of 3e9 failures drawn before t = 0) and was killed;
+`--chips 1e22` ended in NumPy's "lam value too large"; and at 1e10 chips the 95 % intervals of goodput and uptime
+reached below 0."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.plan.failures import MAX_SLICES_DOWN, FailureModel, max_chips, steady_state_down
+from ddiloco.plan.goodput import SYSTEMS, Estimate, horizon_for, simulate
+from ddiloco.plan.scenario import LayoutConfig, ReconfigurationCosts, Scenario, SimulationConfig
+from ddiloco.plan.systems import group_hardware
+
+EXIT_USAGE = 2
+SMALL = SimulationConfig(failures=200, replicas=2, seed=3)
+BOUNDED_BYTES = 32 * 2**20
+"""Peak memory the simulator may trace at any cluster size with SMALL: its draws are of the order of the
+failures inside the horizon (200), not of the chips; the old warm-up needed ~1 GB at 1e10 chips."""
+
+
+@pytest.mark.parametrize("chips", [10**10, 10**15])
+def test_memory_does_not_grow_with_the_chip_count(chips):
+    scenario = Scenario(layout=LayoutConfig(chips=chips, learners=2))
+    tracemalloc.start()
+    try:
+        for system in SYSTEMS:
+            simulate(system, scenario, SMALL)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < BOUNDED_BYTES, f"{peak / 2**20:.0f} MiB at {chips:.0e} chips"
+
+
+@pytest.mark.parametrize("chips", [1_200_000, 10**12])
+def test_the_slices_down_at_the_start_are_in_steady_state(chips):
+    # Little's law: on average rate * mean recovery slices are down at any time, t = 0 included; and every
+    # return inside the horizon is one of those slices coming back (intensity rate * P(recovery > t)).
+    model = FailureModel()
+    rate = model.failure_rate_per_s(chips)
+    horizon_s = horizon_for(Scenario(layout=LayoutConfig(chips=chips)), SimulationConfig())
+    draws = [steady_state_down(np.random.default_rng(seed), rate, horizon_s, model) for seed in range(400)]
+    down = np.array([count for count, _ in draws], dtype=np.float64)
+    expected = rate * model.recovery_mean_s()
+    # 400 Poisson draws: the mean's standard deviation is sqrt(expected / 400), under 0.6 % of 136 here.
+    assert down.mean() == pytest.approx(expected, rel=0.03)
+    back = np.array([len(returns) for _, returns in draws], dtype=np.float64)
+    x = np.linspace(0.0, min(horizon_s, 60 * model.recovery_scale_s), 100_001)
+    s = 1.0 - model.recovery_cdf(x)
+    assert back.mean() == pytest.approx(rate * float(np.sum((s[1:] + s[:-1]) * np.diff(x)) / 2), rel=0.03)
+    assert all(np.all(np.diff(r) >= 0) and (len(r) == 0 or (r[0] >= 0 and r[-1] < horizon_s)) for _, r in draws)
+    assert np.all(back <= down)
+
+
+def test_a_group_of_a_trillion_chips_has_about_the_lost_capacity_down():
+    model = FailureModel()
+    chips = 10**12
+    hardware = group_hardware(np.random.default_rng(0), chips, model, 1.0)
+    assert hardware.down.initial / chips == pytest.approx(model.lost_capacity_fraction(), rel=1e-3)
+
+
+def test_the_largest_cluster_runs_and_one_more_chip_is_refused_in_one_line(capsys):
+    model = FailureModel()
+    most = int(max_chips(model))
+    assert most == pytest.approx(MAX_SLICES_DOWN * model.mtbi_s / model.recovery_mean_s(), rel=1e-4)
+    for system in SYSTEMS:
+        result = simulate(system, Scenario(layout=LayoutConfig(chips=most, learners=2)), SMALL)
+        assert 0.0 <= result.goodput.low <= result.goodput.mean <= result.goodput.high <= 1.0
+    assert main(["plan", "goodput", "--chips", str(most + 10**9), "--no-plot"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--chips={most + 10**9} is invalid: expected at most {most:.3g} chips" in err
+
+
+def test_a_failure_model_that_downs_more_slices_lowers_the_limit():
+    flaky = FailureModel(mtbi_s=1.0)
+    with pytest.raises(ValueError, match="^chips=10000000000000000 is invalid"):
+        Scenario(layout=LayoutConfig(chips=10**16), failures=flaky)
+    assert max_chips(flaky) < 10**15 < max_chips(FailureModel())
+
+
+# ---- intervals of shares ----------------------------------------------------------------------------------------
+
+
+def test_an_interval_is_cut_to_the_values_the_quantity_can_take():
+    # Student t with 2 degrees of freedom: mean 1/3000, half-width 4.303 * sd / sqrt(3), past 0 unless cut.
+    values = np.array([0.0, 0.0, 0.001])
+    free = Estimate.of(values)
+    assert free.low < 0
+    share = Estimate.of(values, lowest=0.0, highest=1.0)
+    assert (share.mean, share.low, share.high) == (free.mean, 0.0, free.high)
+    near_one = Estimate.of(1.0 - values, lowest=0.0, highest=1.0)
+    assert near_one.high == 1.0 and near_one.low == pytest.approx(1.0 - free.high)
+
+
+def test_simulated_goodput_uptime_and_tokens_stay_within_their_ranges():
+    # A downscale of a day: the first failure pauses the elastic job for the rest of the horizon, so uptime is the
+    # first failure's time over the horizon, near 0 and spread over replicas.
+    scenario = Scenario(costs=ReconfigurationCosts(downscale_s=86_400.0, upscale_s=86_400.0))
+    result = simulate("elastic_data_parallel", scenario, SimulationConfig(failures=10, replicas=2, seed=0))
+    for estimate in (result.goodput, result.uptime):
+        assert 0.0 <= estimate.low <= estimate.mean <= estimate.high <= 1.0, estimate
+    assert 0.0 <= result.tokens_per_hour.low <= result.tokens_per_hour.mean
