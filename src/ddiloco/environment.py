@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -103,8 +104,30 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")
+    if get("NUM_LEARNERS") is not None:
+        _check_run_learners(found)
     if not 0 <= found.rank < found.world_size:
         raise ValueError(f"RANK={found.rank} is invalid with WORLD_SIZE={found.world_size}: expected 0..WORLD_SIZE-1")
     if found.role not in ("learner", "evaluator"):
         raise ValueError(f"{ENV_PREFIX}ROLE={found.role!r} is invalid: expected learner or evaluator")
     return found
+
+
+def _check_run_learners(found: LearnerEnvironment) -> None:
+    """ValueError when `DDILOCO_NUM_LEARNERS` differs from M in the run's config.json (`DDILOCO_CONFIG`, else
+    `DDILOCO_RUN_DIR/config.json`): a script that shards its data by `environment().num_learners` would skip shards
+    (4 of a 2-learner run: half the data) or share them, and no other check would see it. Checked here, where every
+    script asks for its place in the run before it reads data. Only M is read, as plain JSON: a missing or damaged
+    file is left to `ddiloco.session`, which loads and checks the whole config."""
+    path = found.config or (found.run_dir / "config.json" if found.run_dir is not None else None)
+    if path is None:
+        return
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    learners = run.get("num_learners") if isinstance(run, dict) else None
+    if isinstance(learners, int) and learners != found.num_learners:
+        raise ValueError(f"{ENV_PREFIX}NUM_LEARNERS={found.num_learners} differs from the run's {path}, which says "
+                         f"num_learners {learners}: data sharded by environment().num_learners would not match the "
+                         f"run's learners; set {ENV_PREFIX}NUM_LEARNERS={learners}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.checks import require
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import VOCAB_SIZE, DataConfig
 from ddiloco.flags import add_config_flags, config_from_args, flag_of, setting
@@ -31,6 +32,10 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "data": (DataConfig, "data_"),
 }
 """Section name -> (config class, command-line flag prefix)."""
+MAX_SEED = 2**63 - 1
+"""The largest run seed. `torch.manual_seed` takes at most 2**64 - 1 (past it every learner failed with "Overflow
+when unpacking long long"); keeping the seed below 2**63 leaves room for the seeds a script derives from it
+(seed + learner_id, + a stride per restart), and matches the data's generator seeds (`ddiloco.data`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +56,8 @@ class RunConfig:
     """Seed of the global model's initialisation (done once, by the syncer)."""
 
     def __post_init__(self) -> None:
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= MAX_SEED,
+                "seed", self.seed, f"an integer in 0..{MAX_SEED} (2**63 - 1)")
         if self.num_learners < 1:
             raise ValueError(f"num_learners={self.num_learners} is invalid: expected an integer >= 1")
         if self.inner_steps < 1:
@@ -212,17 +219,23 @@ def flag_name(section: str | None, name: str) -> str:
 _RUN_FIELD = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
-def check_resume(saved: RunConfig, wanted: RunConfig) -> None:
-    """ValueError naming every setting that differs from the run's own (`saved`) but cannot change for an
-    existing run (see RESUMABLE), with both values."""
+def fixed_differences(saved: RunConfig, wanted: RunConfig) -> list[str]:
+    """Every setting of `wanted` that differs from the run's own (`saved`) but cannot change for an existing run
+    (see RESUMABLE), as its flag with both values: `--model-width 64 (the run has 32)`."""
     changed = [(None, name, getattr(saved, name), getattr(wanted, name))
                for name in RUN_FIELDS if name not in RESUMABLE]
     for section, (cls, _) in SECTIONS.items():
         if section not in RESUMABLE:
             changed += [(section, f.name, getattr(getattr(saved, section), f.name),
                          getattr(getattr(wanted, section), f.name)) for f in dataclasses.fields(cls)]
-    refused = [f"{flag_name(section, name)} {_shown(new)} (the run has {_shown(old)})"
-               for section, name, old, new in changed if old != new]
+    return [f"{flag_name(section, name)} {_shown(new)} (the run has {_shown(old)})"
+            for section, name, old, new in changed if old != new]
+
+
+def check_resume(saved: RunConfig, wanted: RunConfig) -> None:
+    """ValueError naming every setting that differs from the run's own (`saved`) but cannot change for an
+    existing run (`fixed_differences`), with both values."""
+    refused = fixed_differences(saved, wanted)
     if refused:
         raise ValueError(f"an existing run cannot change {', '.join(refused)}; only --inner-steps and the quorum and "
                          "learner settings (--min-quorum, --grace, --max-wait-s, ...) may change on --resume")

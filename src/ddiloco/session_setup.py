@@ -100,6 +100,10 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         from ddiloco.transport.auth import read_token_file
 
         token = read_token_file(token_file)
+    if token is not None:
+        from ddiloco.transport.auth import token_for_learner
+
+        token_for_learner(token, learner_id)  # another learner's token: refused here, not in the session's thread
     tls = tls_ca if isinstance(tls_ca, bytes) else None
     if isinstance(tls_ca, str | Path):
         from ddiloco.transport.auth import read_ca_file

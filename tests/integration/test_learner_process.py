@@ -126,14 +126,20 @@ def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_pa
     wrong_token = tmp_path / "wrong-token"
     wrong_token.write_text("not-the-run-token-at-all-0123")
     os.chmod(wrong_token, 0o600)
+    # Learners on other machines: a run directory of their own and a copy of the run's config, changed by their
+    # flags (one that shares DIR/config.json is refused before it connects: test_standalone_processes.py).
+    own_config = ("--config", str(run_dir / "config.json"))
     cases = {
-        "token": (("--token-file", str(wrong_token)), "wrong run token"),
-        "config": (("--token-file", str(token_file), "--outer-lr", "0.5"), "outer_lr is 0.5 on the learner"),
-        "model": (("--token-file", str(token_file), "--model-width", "64"), "model differs"),
+        "token": (run_dir, ("--token-file", str(wrong_token)), "wrong run token"),
+        "config": (tmp_path / "b", ("--token-file", str(token_file), *own_config, "--outer-lr", "0.5"),
+                   "outer_lr is 0.5 on the learner"),
+        "model": (tmp_path / "c", ("--token-file", str(token_file), *own_config, "--model-width", "64"),
+                  "model differs"),
     }
-    started = {name: start_learner(procs, run_dir, address, 0, *flags, name=name) for name, (flags, _) in cases.items()}
+    started = {name: start_learner(procs, directory, address, 0, *flags, name=name)
+               for name, (directory, flags, _) in cases.items()}
     bad_link = start_learner(procs, run_dir, address, 0, "--link", "fast", name="bad-link")
-    for name, (_, needle) in cases.items():
+    for name, (_, _, needle) in cases.items():
         assert started[name].wait(timeout=PROCESS_WAIT_S) == 3, procs.log(name)
         assert "refused by the syncer" in procs.log(name) and needle in procs.log(name)
     assert bad_link.wait(timeout=PROCESS_WAIT_S) == 2 and "BANDWIDTH,LATENCY" in procs.log("bad-link")

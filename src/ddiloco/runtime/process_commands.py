@@ -103,17 +103,35 @@ def resolve_run_config(settings: ProcessSettings, args: argparse.Namespace) -> R
     return run_config_from_args(args, base)
 
 
-def read_token(settings: ProcessSettings) -> str | None:
-    from ddiloco.transport.auth import check_token, read_token_file
+def fixed_settings_refused(run_dir: Path, run_config: RunConfig) -> str | None:
+    """The settings of `run_config` that differ from those the run in `run_dir` was made with (its config.json) and
+    cannot change for it (`run_config.fixed_differences`, what `ddiloco run --resume` refuses), each as its flag with
+    both values; None when they agree or the directory holds no run yet."""
+    from ddiloco.run_config import fixed_differences
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return None
+    refused = fixed_differences(RunConfig.load(path), run_config)
+    return ", ".join(refused) if refused else None
+
+
+def read_token(settings: ProcessSettings, *, run_token: bool = False) -> str | None:
+    """The token given (`--token-file` or `--token-env`), or None. `run_token`: it must be the run token (the
+    syncer's), not a learner's own."""
+    from ddiloco.transport.auth import check_token, read_token_file, require_run_token
 
     if settings.token_file:
-        return read_token_file(settings.token_file)
-    if settings.token_env:
+        token, source = read_token_file(settings.token_file), f"--token-file {settings.token_file}"
+    elif settings.token_env:
         value = os.environ.get(settings.token_env)
         if value is None:
             raise ValueError(f"--token-env {settings.token_env}: the environment variable is not set")
-        return check_token(value.strip(), f"environment variable {settings.token_env}")
-    return None
+        source = f"environment variable {settings.token_env}"
+        token = check_token(value.strip(), source)
+    else:
+        return None
+    return require_run_token(token, source) if run_token else token
 
 
 def _on_stop_signals(callback) -> None:
@@ -140,7 +158,13 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import check_bind, read_tls_files, split_host_port
 
     run_config = resolve_run_config(settings, args)
-    token = read_token(settings)
+    run_dir = Path(settings.run_dir)
+    refused = fixed_settings_refused(run_dir, run_config)
+    if refused:
+        raise ValueError(f"the run in {run_dir} cannot change {refused} (its config.json is unchanged); only "
+                         "--inner-steps and the quorum and learner settings (--min-quorum, --grace, --max-wait-s, ...) "
+                         "may change when its syncer restarts")
+    token = read_token(settings, run_token=True)
     check_bind(settings.bind, token, allow_no_token=settings.allow_no_token)
     tls = read_tls_files(settings.tls_cert, settings.tls_key)
     _set_threads(settings.threads)
@@ -153,10 +177,6 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.grpc_server import start_server
 
     service_config = SyncerServiceConfig(full_state_every_rounds=settings.full_state_every)
-    run_dir = Path(settings.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "config.json").exists():
-        run_config.save(run_dir / "config.json")
     genesis = read_genesis(run_dir)
     init = None
     if settings.init and genesis is not None:
@@ -192,6 +212,7 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored,
                             init=init, init_source=f"--init {settings.init}" if init is not None else "")
     server, port = start_server(service, settings.bind, token=token, tls=tls)
+    _save_run_config(run_dir, run_config)
     host, _ = split_host_port(settings.bind)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     service.start(address)
@@ -203,15 +224,31 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_run_config(run_dir: Path, run_config: RunConfig) -> None:
+    """Make DIR/config.json, what every learner reads, say what this syncer serves: a new run's settings, or the
+    ones a restart may change (`fixed_settings_refused` has refused the rest). Written once the syncer listens, so
+    that a start that fails (a port in use) leaves no config.json to hold the next start to its flags, and before
+    DIR/syncer.json, which says it serves."""
+    path = run_dir / "config.json"
+    if not path.is_file() or RunConfig.load(path) != run_config:
+        run_config.save(path)
+
+
 # ---- ddiloco learner ----------------------------------------------------------------------------------------
 
 def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
-    from ddiloco.transport.auth import read_ca_file
+    from ddiloco.transport.auth import read_ca_file, token_for_learner
     from ddiloco.transport.grpc_client import parse_addresses
     from ddiloco.transport.link import parse_link
 
     run_config = resolve_run_config(settings, args)
+    refused = fixed_settings_refused(Path(settings.run_dir), run_config)
+    if refused:  # else the first learner to join would make its own model the run's genesis
+        raise ValueError(f"this learner's settings differ from the run's {Path(settings.run_dir) / 'config.json'}: "
+                         f"{refused}; start it without those flags (it takes the run's config.json)")
     token = read_token(settings)
+    if token is not None:
+        token_for_learner(token, settings.learner_id)  # another learner's token: refused here, not in a thread
     parse_addresses(settings.syncer)
     if settings.link:
         parse_link(settings.link)

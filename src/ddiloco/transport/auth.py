@@ -77,6 +77,15 @@ def learner_of_token(run_token: str, presented: str) -> int | None:
         else None
 
 
+def require_run_token(token: str, source: str) -> str:
+    """`token` if it can be a run token (what the syncer serves with, and `ddiloco token` derives from); a learner's
+    own token is refused, naming `source`: it proves one learner and derives nothing."""
+    if token.startswith(LEARNER_TOKEN_PREFIX):
+        raise ValueError(f"{source} holds a learner's token, not the run token: give the run token (DIR/token), from "
+                         "which each learner's own is derived (`ddiloco token --token-file DIR/token --learner N`)")
+    return token
+
+
 def token_for_learner(token: str, learner_id: int) -> str:
     """What learner `learner_id` presents: its own token as given, or the one derived from a run token."""
     if token.startswith(LEARNER_TOKEN_PREFIX):

@@ -20,12 +20,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.transport.auth import LEARNER_TOKEN_PREFIX, learner_token, read_token_file
+    from ddiloco.transport.auth import learner_token, read_token_file, require_run_token
 
     if args.learner < 0:
         raise ValueError(f"--learner {args.learner} is invalid: expected a learner id >= 0")
-    token = read_token_file(args.token_file)
-    if token.startswith(LEARNER_TOKEN_PREFIX):
-        raise ValueError(f"{args.token_file} holds a learner's token, not the run token: derive from DIR/token")
+    token = require_run_token(read_token_file(args.token_file), f"--token-file {args.token_file}")
     print(learner_token(token, args.learner))
     return 0

@@ -1,0 +1,161 @@
+"""`ddiloco syncer` and `ddiloco learner` started by hand (docs/clusters.md, "By hand"): what each refuses at its
+start, in one line and before it writes or joins anything; and what a restarted syncer writes to config.json.
+
+Real processes, real gRPC on 127.0.0.1 with ephemeral ports, real signals; every wait has a hard deadline and the
+fixture kills every process it started, by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddiloco.checkpoint import read_json
+from ddiloco.runtime.syncer_state import GENESIS_FILE
+from ddiloco.transport.auth import learner_token
+from tests.helpers import SMALL_RUN, TINY_MODEL_FLAGS, ddiloco_run, wait_until
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "standalone-process-test-token-0123"
+RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--num-fragments", "2", "--sync-every", "8", "--max-wait-s", "0.5",
+             "--heartbeat-timeout-s", "3", "--heartbeat-every-s", "0.5")
+EXIT_WAIT_S = 40.0
+"""Hard limit on a process that should stop by itself at its start (it imports torch first)."""
+EXIT_USAGE = 2
+
+
+def write_token(path: Path, token: str) -> Path:
+    path.write_text(token)
+    os.chmod(path, 0o600)
+    return path
+
+
+@pytest.fixture
+def run_token(tmp_path):
+    return write_token(tmp_path / "token", TOKEN)
+
+
+def unused_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_syncer(procs, run_dir, token_file, *extra, name="syncer"):
+    """A syncer on a free port; its address, once its DIR/syncer.json names this process."""
+    popen = procs.start(name, "syncer", "--run-dir", str(run_dir), "--token-file", str(token_file), *extra)
+    info = wait_until(lambda: (read_json(run_dir / "syncer.json") or {}).get("pid") == popen.pid
+                      and read_json(run_dir / "syncer.json"), f"{name} serving", alive=[popen])
+    return popen, info["address"]
+
+
+def stop(popen) -> None:
+    popen.send_signal(signal.SIGTERM)
+    assert popen.wait(timeout=EXIT_WAIT_S) == 0
+
+
+def exits(procs, name: str, popen) -> tuple[int, str]:
+    """(exit status, log) of a process that must stop by itself within EXIT_WAIT_S."""
+    try:
+        code = popen.wait(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} still running after {EXIT_WAIT_S} s:\n{procs.log(name)[-2000:]}")
+    return code, procs.log(name)
+
+
+def error_line(log: str) -> str:
+    """The one line a refused command ends with; a traceback fails the test."""
+    assert "Traceback" not in log, log[-3000:]
+    return log.strip().splitlines()[-1]
+
+
+def test_a_learner_whose_model_differs_from_the_runs_config_is_refused_before_it_becomes_the_genesis(
+        procs, tmp_path, run_token):
+    run_dir = tmp_path / "run"
+    _, address = start_syncer(procs, run_dir, run_token, *RUN_FLAGS, "--inner-steps", "16")
+    rogue = procs.start("rogue", "learner", "--syncer", address, "--learner-id", "0", "--run-dir", str(run_dir),
+                        "--token-file", str(run_token), "--threads", "1", "--model-width", "64")
+    code, log = exits(procs, "rogue", rogue)
+    line = error_line(log)
+    assert code == EXIT_USAGE, log[-3000:]
+    assert "--model-width 64 (the run has 32)" in line and str(run_dir / "config.json") in line, line
+    assert not (run_dir / GENESIS_FILE).exists()
+    # The run's own settings (and a budget of its own, which may differ) are taken: this learner is the genesis.
+    own = procs.start("own", "learner", "--syncer", address, "--learner-id", "1", "--run-dir", str(run_dir),
+                      "--token-file", str(run_token), "--threads", "1", "--inner-steps", "8")
+    code, log = exits(procs, "own", own)
+    assert code == 0, log[-3000:]
+    assert (run_dir / GENESIS_FILE).exists()
+
+
+def test_a_restarted_syncer_writes_what_may_change_and_refuses_what_may_not_naming_both_values(
+        procs, tmp_path, run_token):
+    run_dir = tmp_path / "run"
+    first, _ = start_syncer(procs, run_dir, run_token, "--learners", "2", "--outer-lr", "0.7", "--inner-steps", "50")
+    stop(first)
+    again, _ = start_syncer(procs, run_dir, run_token, "--min-quorum", "2", "--inner-steps", "80", name="again")
+    saved = read_json(run_dir / "config.json")
+    assert saved["quorum"]["min_quorum"] == 2 and saved["inner_steps"] == 80, saved
+    assert saved["num_learners"] == 2 and saved["diloco"]["outer_lr"] == 0.7, saved
+    stop(again)
+    before = (run_dir / "config.json").read_bytes()
+    for name, flags, needle in (("lr", ("--outer-lr", "0.5"), "--outer-lr 0.5 (the run has 0.7)"),
+                                ("learners", ("--learners", "3", "--min-quorum", "3"), "--learners 3 (the run has 2)")):
+        popen = procs.start(name, "syncer", "--run-dir", str(run_dir), "--token-file", str(run_token), *flags)
+        code, log = exits(procs, name, popen)
+        line = error_line(log)
+        assert code == EXIT_USAGE and needle in line, log[-3000:]
+    assert (run_dir / "config.json").read_bytes() == before
+
+
+def test_a_syncer_that_cannot_bind_leaves_no_config_in_a_fresh_directory(procs, tmp_path, run_token):
+    run_dir = tmp_path / "run"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), "--token-file", str(run_token),
+                            "--bind", f"127.0.0.1:{port}", "--learners", "2")
+        code, log = exits(procs, "syncer", popen)
+    assert code == EXIT_USAGE and f"cannot listen on 127.0.0.1:{port}" in error_line(log), log[-3000:]
+    assert not (run_dir / "config.json").exists()
+    # ... so that the next start, with other flags, makes the run it asks for.
+    popen, _ = start_syncer(procs, run_dir, run_token, "--learners", "3", name="next")
+    assert read_json(run_dir / "config.json")["num_learners"] == 3
+    stop(popen)
+
+
+def test_a_syncer_given_a_learners_token_as_its_run_token_is_refused(procs, tmp_path, run_token):
+    learner_file = write_token(tmp_path / "learner0", learner_token(TOKEN, 0))
+    run_dir = tmp_path / "run"
+    popen = procs.start("syncer", "syncer", "--run-dir", str(run_dir), "--token-file", str(learner_file),
+                        "--learners", "2")
+    code, log = exits(procs, "syncer", popen)
+    line = error_line(log)
+    assert code == EXIT_USAGE and "holds a learner's token, not the run token" in line, log[-3000:]
+    assert not (run_dir / "config.json").exists()
+
+
+def test_a_learner_given_another_learners_token_is_refused_before_it_connects(procs, tmp_path):
+    learner_file = write_token(tmp_path / "learner1", learner_token(TOKEN, 1))
+    popen = procs.start("learner", "learner", "--syncer", f"127.0.0.1:{unused_port()}", "--learner-id", "0",
+                        "--run-dir", str(tmp_path / "run"), "--token-file", str(learner_file), "--threads", "1")
+    code, log = exits(procs, "learner", popen)
+    line = error_line(log)
+    assert code == EXIT_USAGE and "learner 1's, not learner 0's" in line, log[-3000:]
+
+
+def test_a_run_with_a_seed_torch_cannot_take_is_refused_before_it_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    code, output = ddiloco_run(run_dir, *SMALL_RUN, "--inner-steps", "30", "--no-evaluate",
+                               "--seed", str(2**64 + 1), command=[sys.executable, "-c", "pass"], timeout_s=EXIT_WAIT_S)
+    assert code == EXIT_USAGE and "seed=18446744073709551617 is invalid" in output, output[-3000:]
+    assert not (run_dir / "config.json").exists()
