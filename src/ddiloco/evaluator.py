@@ -12,21 +12,31 @@ if env.role == "evaluator":                 # ddiloco run --evaluate starts one 
 ```
 
 Metrics go to `DIR/evaluator/metrics.jsonl` as `eval/NAME` (step = rounds committed) and the latest
-values to `DIR/evaluator/status.json`, which the live view, the report and the plots read. When the
-syncer goes away the evaluator reconnects (a restarted syncer serves the same run); SIGTERM (the end of
-the run) makes it evaluate the latest global model once more and return, and so does the death of the launcher that
-started it (`ddiloco.launcher_watch`).
+values to `DIR/evaluator/status.json`, which the live view, the report and the plots read.
+
+It reaches the syncer as a learner does (`ConnectWatch`, the run config's `learner.connect_timeout_s`): each
+connection opens with a Status call, an answer even before the run has a genesis (a Watch sends nothing until then).
+A refusal (a wrong token or schema) ends it at once with `RefusedError` (exit status 3, the syncer's reason in its
+last log line); a syncer that never answered, with `UnreachableError` (exit status 4) after the connect timeout, with
+a warning naming the address after a few failed attempts. Once the syncer has answered, the evaluator reconnects
+without a bound (a restarted syncer, or its standby, serves the same run on the same address).
+
+SIGTERM (the end of the run) makes it evaluate the latest global model once more and return, and so does the death
+of the launcher that started it (`ddiloco.launcher_watch`). Whatever it waits for then, it stops within about
+`STATUS_TIMEOUT_S`: without a global model (no genesis) or a syncer to ask, there is no final evaluation (one line
+says why), and the final model's download is bounded by `FINAL_WELCOME_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +44,19 @@ import grpc
 import torch
 from torch import nn
 
+from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.checks import invalid
 from ddiloco.fragments import FragmentPlan, embedding_names
+from ddiloco.interrupts import SIGNAL_CHECK_S
 from ddiloco.launcher_watch import watch_launcher
 from ddiloco.learner_group import unwrap
+from ddiloco.learner_session import RefusedError, UnreachableError
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.model_buffers import load_buffers, merged_buffers
 from ddiloco.run_config import RunConfig
+from ddiloco.transport.grpc_client import ConnectWatch, Fault, classify, error_text
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +64,12 @@ DEFAULT_EVERY_S = 10.0
 EVALUATOR_DIR = "evaluator"
 RECONNECT_S = (0.2, 5.0)
 """(first, longest) delay between attempts to reach the syncer again."""
+STATUS_TIMEOUT_S = 2.0
+"""Deadline of the Status call that opens each connection and the final evaluation. A syncer answers it at once (it
+moves no tensor); the bound is how long a stop may wait on a syncer that does not answer."""
+FINAL_WELCOME_TIMEOUT_S = 30.0
+"""Longest the final evaluation waits for the global model once the syncer said it has one (it sends it at once):
+a syncer that hangs does not hold the evaluator until the launcher's SIGKILL (`syncer_stop_timeout_s`, 120 s)."""
 
 Evaluate = Callable[[nn.Module], "float | Mapping[str, float]"]
 
@@ -103,6 +123,8 @@ class Watcher:
                          config.diloco.downlink_codec)
         self.client = SyncerClient(address, model=wire, diloco_config=config.diloco, token=token,
                                    tls_root_certificates=tls_ca, tls_server_name=tls_server_name)
+        self._connect = ConnectWatch(self.client.address, connect_timeout_s=config.learner.connect_timeout_s,
+                                     started_at=time.monotonic())
         self.model = model
         self.evaluate = evaluate
         self.every_s = every_s
@@ -119,39 +141,121 @@ class Watcher:
         self.rounds = -1
 
     def request_stop(self) -> None:
+        """End the evaluation loop (from a signal handler or another thread): `_cancelled_when` ends the Watch."""
         self._stop.set()
-        threading.Thread(target=self.client.cancel_subscription, daemon=True).start()
 
     def run(self) -> None:
-        """Evaluate until stopped; then once more on the latest global model."""
-        delay = RECONNECT_S[0]
-        while not self._stop.is_set():
-            try:
-                for welcome in self.client.watch(min_interval_s=self.every_s):
-                    self._evaluate(welcome)
-                    delay = RECONNECT_S[0]
+        """Evaluate until stopped; then once more on the latest global model. Raises `RefusedError` (exit status 3)
+        when the syncer refuses the evaluator, `UnreachableError` (4) when it never answered within the run config's
+        `learner.connect_timeout_s`."""
+        backoff = Backoff(*RECONNECT_S)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._follow(backoff)
+                except grpc.RpcError as exc:
                     if self._stop.is_set():
                         break
-            except grpc.RpcError as exc:
-                if not self._stop.is_set():
-                    logger.info("[evaluator] syncer unreachable (%s); retrying", exc.code() if hasattr(exc, "code")
-                                else exc)
-            if self._stop.wait(delay):
-                break
-            delay = min(delay * 2, RECONNECT_S[1])
-        self._final()
-        self.client.close()
-        self.sink.close()
+                    self._failed(exc)
+                self._sleep(backoff.next_delay())
+            self._final()
+        finally:
+            self.client.close()
+            self.sink.close()
+
+    def _follow(self, backoff: Backoff) -> None:
+        """One connection: the Status call (the syncer's answer, with or without a genesis), then the Watch until it
+        ends or a stop is requested."""
+        status = self.client.status(timeout_s=STATUS_TIMEOUT_S)
+        self._connect.reached()
+        if not status.get("genesis", True):
+            logger.info("[evaluator] the syncer at %s has no global model yet (no genesis): waiting for it",
+                        self.client.address)
+        with self._cancelled_when(self._stop.is_set):
+            for welcome in self.client.watch(min_interval_s=self.every_s):
+                backoff.reset()
+                self._evaluate(welcome)
+                if self._stop.is_set():
+                    break
+
+    def _failed(self, error: grpc.RpcError) -> None:
+        """A connection that failed with `error`: the learner's rules (`ConnectWatch`). Raises when it gives up."""
+        text, address = error_text(error), self.client.address
+        fault = classify(error)
+        if fault is Fault.REFUSED:
+            logger.error("[evaluator] refused by the syncer at %s: %s", address, text)
+            raise RefusedError(text)
+        if fault is not Fault.TRANSIENT:  # an answer, if not a model
+            self._connect.reached()
+            logger.warning("[evaluator] the syncer at %s answered %s; retrying", address, text)
+            return
+        verdict = self._connect.failed(time.monotonic(), text)
+        if verdict.give_up is not None:
+            logger.error("[evaluator] %s", verdict.give_up)
+            raise UnreachableError(verdict.give_up)
+        if verdict.warning is not None:
+            logger.warning("[evaluator] %s", verdict.warning)
+        else:
+            logger.debug("[evaluator] syncer at %s unreachable (%s); retrying", address, text)
+        if self.client.next_address():  # several addresses: a syncer and its standbys
+            logger.warning("[evaluator] syncer at %s unreachable: trying %s", address, self.client.address)
+
+    def _sleep(self, delay_s: float) -> None:
+        """Wait `delay_s` or until a stop is requested, in slices: a SIGTERM that another thread received is
+        handled on this (main) thread between two (`ddiloco.interrupts`)."""
+        deadline = time.monotonic() + delay_s
+        while (left := deadline - time.monotonic()) > 0 and not self._stop.wait(min(left, SIGNAL_CHECK_S)):
+            pass
+
+    @contextlib.contextmanager
+    def _cancelled_when(self, due: Callable[[], bool]) -> Iterator[None]:
+        """Cancel the Watch opened inside once `due()` turns true, checked every `SIGNAL_CHECK_S` by a thread of
+        its own. Not from `request_stop`: a signal handler may run while this thread holds the client's lock, and
+        a stop that came while the call was being opened would find no call to cancel; here every check cancels
+        the call there is then, so it ends even when it was opened after the stop."""
+        done = threading.Event()
+
+        def guard() -> None:
+            while not done.wait(SIGNAL_CHECK_S):
+                if due():
+                    self.client.cancel_subscription()
+
+        thread = threading.Thread(target=guard, name="evaluator-watch-guard", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _final(self) -> None:
+        """Evaluate the latest global model once more if it is new, or only the learners' buffers are (they write
+        their last ones as they finish, after their last round). Skipped, in one line that says why, when the
+        syncer does not answer or the run has no global model."""
         try:
-            welcome = next(iter(self.client.watch(min_interval_s=0.0)), None)
-        except grpc.RpcError:
-            welcome = None  # the syncer is gone already: the last evaluation stands
-        # Also when only the buffers changed: the learners write their last ones as they finish, after their last round.
-        if welcome is None:
+            status = self.client.status(timeout_s=STATUS_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            logger.info("[evaluator] no final evaluation: the syncer at %s did not answer (%s)", self.client.address,
+                        error_text(exc))
             return
-        if sum(s.version for s in welcome.fragments) != self.rounds or self._buffers_changed():
+        if not status.get("genesis", True):
+            logger.warning("[evaluator] no final evaluation: the run has no global model yet (no learner made its "
+                           "genesis)")
+            return
+        deadline = time.monotonic() + FINAL_WELCOME_TIMEOUT_S
+        try:
+            with self._cancelled_when(lambda: time.monotonic() > deadline):
+                welcomes = self.client.watch(min_interval_s=0.0)
+                try:
+                    welcome = next(welcomes, None)
+                finally:
+                    welcomes.close()
+        except grpc.RpcError as exc:
+            logger.warning("[evaluator] no final evaluation: the syncer at %s sent no global model (%s; the wait is "
+                           "bounded by %g s)", self.client.address, error_text(exc), FINAL_WELCOME_TIMEOUT_S)
+            return
+        if welcome is not None and (sum(s.version for s in welcome.fragments) != self.rounds
+                                    or self._buffers_changed()):
             self._evaluate(welcome)
 
     def _buffers_changed(self) -> bool:

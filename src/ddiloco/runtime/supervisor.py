@@ -68,7 +68,7 @@ EXIT_REFUSED = 3
 SYNCER = "syncer"
 EVALUATOR = "evaluator"
 STOP_HINTS = {"learner": "a learner stops at its next step() call",
-              EVALUATOR: "the evaluator ends its evaluation first",
+              EVALUATOR: "the evaluator evaluates the final global model first, if the run has one",
               SYNCER: "the syncer makes its last round durable first"}
 """What a child of each role does between its SIGTERM and its exit, for the line that says the launcher waits."""
 
