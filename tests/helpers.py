@@ -79,6 +79,21 @@ def make_system(num_learners: int, config: DilocoConfig, quorum: QuorumConfig | 
     return syncer, hub, clock, learners
 
 
+def committed_rounds(rounds: int, config: DilocoConfig, *, syncer_seed: int = 100):
+    """(the syncer, its first `rounds` round records) of two learners of `make_system` (K = M) training on fixed
+    batches until that many rounds have committed."""
+    syncer, hub, _, learners = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"),
+                                           syncer_seed=syncer_seed)
+    batches = make_batches(64, seed=1)
+    step = 0
+    while syncer.rounds_committed < rounds:
+        for learner in learners:
+            tokens = train_step(learner.model, learner.optimizer, batches[step % len(batches)])
+            hub.after_inner_step(learner, tokens)
+        step += 1
+    return syncer, hub.round_log[:rounds]
+
+
 # ---- the protocol's tests (tests/unit/test_protocol*.py) ------------------------------------------------
 
 FP32 = dict(codec="fp32", downlink_codec="fp32")

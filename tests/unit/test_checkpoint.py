@@ -28,7 +28,7 @@ from ddiloco.runtime.syncer_state import (
 )
 from ddiloco.state_tree import join_state, split_state
 from ddiloco.syncer import Syncer, replay_rounds
-from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, make_system, params_of, train_step
+from tests.helpers import TinyNet, committed_rounds, flip_bit_in_tensor_data, make_batches, params_of, train_step
 
 
 def _adamw_after_steps(seed: int = 0, steps: int = 3):
@@ -92,21 +92,9 @@ def test_only_the_newest_states_are_kept_and_a_damaged_newest_falls_back(tmp_pat
     assert load_latest_state(tmp_path / "nothing") is None
 
 
-def _records(rounds: int, config: DilocoConfig):
-    syncer, hub, _, learners = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"))
-    batches = make_batches(64, seed=1)
-    step = 0
-    while syncer.rounds_committed < rounds:
-        for learner in learners:
-            tokens = train_step(learner.model, learner.optimizer, batches[step % len(batches)])
-            hub.after_inner_step(learner, tokens)
-        step += 1
-    return syncer, hub.round_log
-
-
 def test_round_log_round_trips_and_repairs_a_torn_line(tmp_path):
     config = DilocoConfig(num_fragments=2, sync_every=4)
-    _, records = _records(4, config)
+    _, records = committed_rounds(4, config)
     log = RoundLog(tmp_path)
     for record in records:
         log.append(record)
@@ -123,7 +111,7 @@ def test_round_log_round_trips_and_repairs_a_torn_line(tmp_path):
 
 def test_round_log_refuses_a_gap(tmp_path):
     config = DilocoConfig(num_fragments=2, sync_every=4)
-    _, records = _records(3, config)
+    _, records = committed_rounds(3, config)
     log = RoundLog(tmp_path)
     log.append(records[0])
     log.append(records[2])
@@ -134,7 +122,7 @@ def test_round_log_refuses_a_gap(tmp_path):
 def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
     """A full state at round 3 plus the log's rounds 3.. gives exactly the live syncer's state."""
     config = DilocoConfig(num_fragments=2, sync_every=4)
-    live, records = _records(9, config)
+    live, records = committed_rounds(9, config)
     initial = params_of(TinyNet(seed=100))  # make_system's syncer seed
 
     store = SyncerStore(tmp_path)
@@ -170,7 +158,7 @@ def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
 
 def test_replay_refuses_a_round_that_does_not_continue_the_state():
     config = DilocoConfig(num_fragments=2, sync_every=4)
-    _, records = _records(3, config)
+    _, records = committed_rounds(3, config)
     syncer = Syncer(config, QuorumConfig(), initial_params=params_of(TinyNet(seed=100)))
     with pytest.raises(ValueError, match="round log has round 1 where 0 was expected"):
         replay_onto(syncer, records[1:])
@@ -211,7 +199,7 @@ def test_a_state_without_a_checksum_is_not_loaded(tmp_path):
 
 
 def _committed(tmp_path, rounds: int, config: DilocoConfig):
-    live, records = _records(rounds, config)
+    live, records = committed_rounds(rounds, config)
     store = SyncerStore(tmp_path)
     for record in records:
         store.commit(record)

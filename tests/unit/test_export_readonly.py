@@ -11,27 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import GenesisRecord, SyncerStore, write_genesis
 from ddiloco.syncer import replay_rounds
-from tests.helpers import TinyNet, make_batches, make_system, params_of, train_step
+from tests.helpers import TinyNet, committed_rounds, params_of
 
 SYNCER_SEED = 100
 """make_system's syncer seed: the genesis the committed rounds start from."""
-
-
-def committed_rounds(rounds: int, config: DilocoConfig):
-    syncer, hub, _, learners = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"),
-                                           syncer_seed=SYNCER_SEED)
-    batches = make_batches(64, seed=1)
-    step = 0
-    while syncer.rounds_committed < rounds:
-        for learner in learners:
-            tokens = train_step(learner.model, learner.optimizer, batches[step % len(batches)])
-            hub.after_inner_step(learner, tokens)
-        step += 1
-    return hub.round_log[:rounds]
 
 
 def digest(directory) -> dict[str, str]:
@@ -47,7 +33,7 @@ def test_export_leaves_a_torn_round_log_byte_for_byte_and_exports_the_rounds_bef
     dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
     initial = params_of(TinyNet(seed=SYNCER_SEED))
     write_genesis(run_dir, GenesisRecord(initial, ("token_embedding.weight",), "a test"))
-    records = committed_rounds(3, config)
+    _, records = committed_rounds(3, config, syncer_seed=SYNCER_SEED)
     store = SyncerStore(run_dir)
     for record in records:
         store.commit(record)
