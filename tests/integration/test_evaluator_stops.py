@@ -172,16 +172,20 @@ def test_an_evaluator_with_a_wrong_token_exits_3_with_the_syncers_reason(tmp_pat
     assert "Traceback" not in log, log
 
 
-def test_an_evaluator_that_cannot_reach_its_syncer_warns_and_exits_4(tmp_path, procs):
+@pytest.mark.parametrize("bound", ["run config", "flag"])
+def test_an_evaluator_that_cannot_reach_its_syncer_warns_and_exits_4(tmp_path, procs, bound):
     import socket
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
     config = tmp_path / "config.json"
-    dataclasses.replace(TINY_RUN, learner=LearnerConfig(connect_timeout_s=3.0)).save(config)
+    # The bound from the run config's learner.connect_timeout_s, or from --connect-timeout-s over a run config of 120 s.
+    in_config = 3.0 if bound == "run config" else 120.0
+    dataclasses.replace(TINY_RUN, learner=LearnerConfig(connect_timeout_s=in_config)).save(config)
+    flag = () if bound == "run config" else ("--connect-timeout-s", "3")
     evaluator = procs.start("evaluator", "evaluator", "--syncer", address, "--run-dir", str(tmp_path / "run"),
-                            "--config", str(config))
+                            "--config", str(config), *flag)
     assert finished(evaluator, "an evaluator with a wrong address") == EXIT_UNREACHABLE, procs.log("evaluator")
     log = procs.log("evaluator")
     assert f"cannot reach the syncer at {address} for" in log, log  # the warning, after a few attempts

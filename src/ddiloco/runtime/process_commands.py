@@ -11,6 +11,7 @@ syncer, 4 a learner whose syncer never answered (`--connect-timeout-s`), 130 Ctr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -279,6 +280,9 @@ def run_evaluator(settings: EvaluatorSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.grpc_client import parse_addresses
 
     run_config = resolve_run_config(settings, args)
+    if settings.connect_timeout_s is not None:
+        run_config = dataclasses.replace(run_config, learner=dataclasses.replace(
+            run_config.learner, connect_timeout_s=settings.connect_timeout_s))
     token = read_token(settings)
     parse_addresses(settings.syncer)
     _set_threads(settings.threads)

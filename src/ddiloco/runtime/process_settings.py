@@ -133,11 +133,16 @@ class EvaluatorSettings(ProcessSettings):
     """torch threads"""
     device: str = "cpu"
     """torch device of the model"""
+    connect_timeout_s: float | None = setting(None, metavar="SECONDS")
+    """give up (exit status 4) on a syncer that never answered after this many seconds; 0: never; default: the run
+    config's learner.connect_timeout_s (120 s), as a learner"""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(isinstance(self.syncer, str) and bool(self.syncer.strip()), "syncer", self.syncer, "HOST:PORT")
         require_at_least("every_s", self.every_s, 0, "seconds")
+        if self.connect_timeout_s is not None:
+            require_at_least("connect_timeout_s", self.connect_timeout_s, 0, "seconds (0: never give up)")
         require_int("threads", self.threads, minimum=1)
         require(isinstance(self.device, str) and bool(self.device), "device", self.device, "a torch device")
 
