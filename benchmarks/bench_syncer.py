@@ -88,8 +88,9 @@ class CoreCase:
         # the round's updates are shared out over the process's threads, one after the other on each.
         self.threads = KernelThreads()
 
-    def round(self) -> tuple[float, float]:
-        """One round of the next fragment: (seconds decoding and checking, seconds in the core)."""
+    def round(self) -> tuple[float, float, float]:
+        """One round of the next fragment: (seconds decoding and checking, seconds in the core, of which the last
+        update's: its sum and the close)."""
         p = self.next_fragment
         self.next_fragment = (p + 1) % self.syncer.plan.num_fragments
         names = self.syncer.plan.fragments[p]
@@ -108,8 +109,10 @@ class CoreCase:
         self.threads.run([(decode, self.threads.split(self.learners, min_split=1))])
         middle = time.perf_counter()
         version = self.syncer.versions[p]
+        last = middle
         for learner_id, values in enumerate(decoded):
             assert not isinstance(values, tuple), values
+            last = time.perf_counter()
             self.syncer.receive(Update(learner_id, p, version, STEPS * (version + 1), STEPS, STEPS * TOKENS_PER_STEP,
                                        self.config.codec, payloads[learner_id], decoded=values), self.now)
         end = time.perf_counter()
@@ -117,7 +120,7 @@ class CoreCase:
             self.buffers.give(buffers)  # as the gRPC server does once the core has taken the update
         assert self.syncer.versions[p] == version + 1, "the round did not close"
         self.now += 1.0
-        return middle - start, end - middle
+        return middle - start, end - middle, end - last
 
     def floor(self) -> float:
         """One add_ pass over the round's learner-values: `learners` x fragment float32 values into one sum."""
@@ -133,7 +136,8 @@ def bench_core(params_list: list[int], fragments: int, learners: int, threads_li
     print(f"syncer core per round: int4 uplink, int8 downlink, {learners} learners, {fragments} fragments, best of "
           f"{repeats} rounds (torch {torch.__version__})")
     print(f"{'params':>8} {'threads':>7} {'values/round':>12} {'round s':>8} {'decode s':>8} {'core s':>7} "
-          f"{'floor s':>8} {'x floor':>7} {'Mvalues/s':>9}")
+          f"{'close s':>7} {'floor s':>8} {'x floor':>7} {'Mvalues/s':>9}   (the best round's; close: the last "
+          "update's sum and the close)")
     for params in params_list:
         case = CoreCase(params, fragments, learners)
         for _ in range(fragments):  # warm: every fragment's momentum and residual pages are touched once
@@ -146,15 +150,15 @@ def bench_core(params_list: list[int], fragments: int, learners: int, threads_li
             case.round()
             rounds = []
             for _ in range(repeats):
-                decode_s, core_s = case.round()
-                rounds.append((decode_s + core_s, decode_s, core_s))
+                decode_s, core_s, close_s = case.round()
+                rounds.append((decode_s + core_s, decode_s, core_s, close_s))
             floors = [case.floor() for _ in range(repeats)]
-            total, decode_s, core_s = min(rounds)
+            total, decode_s, core_s, close_s = min(rounds)
             floor = min(floors)
             values = learners * case.fragment_values
             best[threads] = total
             print(f"{params / 1e6:>7.0f}M {threads:>7} {values:>12,} {total:>8.3f} {decode_s:>8.3f} {core_s:>7.3f} "
-                  f"{floor:>8.3f} {total / floor:>7.2f} {values / total / 1e6:>9.0f}")
+                  f"{close_s:>7.3f} {floor:>8.3f} {total / floor:>7.2f} {values / total / 1e6:>9.0f}")
         if len(best) > 1:
             one = best[min(best)]
             for threads, seconds in sorted(best.items())[1:]:
