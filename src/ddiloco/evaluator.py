@@ -119,8 +119,10 @@ class Watcher:
         params = dict(plain.named_parameters())
         plan = FragmentPlan.for_tensors(params, config.diloco,
                                         embeddings=embedding_names(plain, config.diloco.embedding_pattern))
-        wire = WireModel(ModelSpec.from_named_tensors(params.items()), plan, config.diloco.codec,
-                         config.diloco.downlink_codec)
+        # The global model is float32 on the wire whatever the model trains in (as a learner's spec): a bfloat16 or
+        # float64 model takes the values cast (`load_global`).
+        wire = WireModel(ModelSpec.from_named_tensors(params.items()).in_dtype("float32"), plan,
+                         config.diloco.codec, config.diloco.downlink_codec)
         self.client = SyncerClient(address, model=wire, diloco_config=config.diloco, token=token,
                                    tls_root_certificates=tls_ca, tls_server_name=tls_server_name)
         self._connect = ConnectWatch(self.client.address, connect_timeout_s=config.learner.connect_timeout_s,

@@ -1,6 +1,6 @@
 """How an evaluator (`ddiloco.watch`, `ddiloco evaluator`) stops: on a SIGTERM whatever it waits for, on a refusal
-(exit status 3), on a syncer that never answered (exit status 4); and that one that has reached its syncer comes back
-to it after a restart however long that takes.
+(exit status 3), on a syncer that never answered (exit status 4); that one that has reached its syncer comes back
+to it after a restart however long that takes; and that it evaluates a model whose parameters are not float32.
 
 The Watcher tests run it in this process against a real gRPC server on 127.0.0.1 whose handler is a stub (a syncer
 before its genesis, or one that serves a fixed global model), to see each connection; the others start real
@@ -17,6 +17,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from ddiloco.checkpoint import read_json
 from ddiloco.config import DilocoConfig, LearnerConfig
@@ -191,3 +192,24 @@ def test_an_evaluator_that_cannot_reach_its_syncer_warns_and_exits_4(tmp_path, p
     assert f"cannot reach the syncer at {address} for" in log, log  # the warning, after a few attempts
     assert f"cannot reach the syncer at {address}: no answer in 3 s" in log, log
     assert "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_an_evaluator_evaluates_a_model_whose_parameters_are_not_float32(dtype):
+    served = params_of(TinyNet(seed=1))  # the syncer's global model is float32, whatever the learners train in
+    handler = Serving(served)
+    server, port = start_server(handler, "127.0.0.1:0", token=None)
+    model = TinyNet(seed=2).to(dtype)
+    seen = []
+    watcher = Watcher(model, lambda m: seen.append({n: p.detach().clone() for n, p in m.named_parameters()}) or 1.0,
+                      address=f"127.0.0.1:{port}", config=CONFIG, every_s=0.0)
+    thread = threading.Thread(target=watcher.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: watcher.evaluations >= 1 or not thread.is_alive(), "the first evaluation")
+        assert watcher.evaluations >= 1, "the evaluator stopped without evaluating"
+        assert all(torch.equal(seen[0][n], served[n].to(dtype)) for n in served)
+    finally:
+        watcher.request_stop()
+        server.stop(0)
+        thread.join(PROCESS_WAIT_S)
