@@ -99,8 +99,14 @@ class Learner:
         self.learner_id = learner_id
         self.model = model
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=DEFAULT_INNER_LR)
+        self.other_optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        """Optimizers besides `optimizer` that train this model (a GAN's second one, kept in the session's `state=`):
+        `recover` makes them forget their non-finite state too. Set by the session (`ddiloco.session_setup`)."""
         self._params = dict(model.named_parameters())
         self.access: FragmentAccess = access or LocalParameters(self._params)
+        # FSDP2 swaps a module's sharded parameters for unsharded ones around forward and backward (and leaves them so
+        # when resharding after backward is off): the identities change by design, so they are not checked there.
+        self._check_identities = not any(hasattr(p, "to_local") for p in self._params.values())
         # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
         # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
         self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
@@ -377,6 +383,7 @@ class Learner:
                                "first (see can_step)")
         if tokens < 0:
             raise ValueError(f"tokens={tokens} is invalid: expected >= 0")
+        self.check_parameters()
         if self.max_tokens_per_step and tokens > self.max_tokens_per_step:
             raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
                              "learner declared: declare the largest batch it trains on")
@@ -402,6 +409,26 @@ class Learner:
             if update is not None:
                 updates.append(update)
         return updates
+
+    def check_parameters(self) -> None:
+        """Raise ValueError naming each parameter replaced, added or removed since the learner started: the run syncs
+        the parameter objects the model had then, so a new one would train locally and never be synchronised (nor
+        exported). An identity comparison, no tensor work; freezing or unfreezing a parameter changes nothing here."""
+        if not self._check_identities:
+            return
+        current = dict(self.model.named_parameters())
+        if current.keys() == self._params.keys() and all(current[n] is p for n, p in self._params.items()):
+            return
+        changes = {"replaced": [n for n, p in self._params.items() if n in current and current[n] is not p],
+                   "added": [n for n in current if n not in self._params],
+                   "removed": [n for n in self._params if n not in current]}
+        named = "; ".join(f"{', '.join(map(repr, names))} ({what})" for what, names in changes.items() if names)
+        raise ValueError(f"the model's parameters changed after ddiloco.session(...) started: {named}. ddiloco "
+                         "synchronises the parameters the model had when the session started, so a new one would "
+                         "train on this learner alone and never be synchronised or exported. Build the whole model "
+                         "(every module, every parameter) before ddiloco.session(...); to train a part later, freeze "
+                         "it (requires_grad_(False)) and unfreeze it then (optimizer.add_param_group), and copy new "
+                         "values into a parameter in place (param.data.copy_(...)) rather than assigning a new one")
 
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
@@ -474,7 +501,8 @@ class Learner:
             self.synced_at[p] = self.inner_step
             self._at_publish[p] = None  # the value it would carry from is gone
             reset.append(p)
-        forgotten = forget_non_finite_state(self.optimizer) + self.access.forget_non_finite_state()
+        forgotten = sum(forget_non_finite_state(o) for o in (self.optimizer, *self.other_optimizers))
+        forgotten += self.access.forget_non_finite_state()
         restarted = reset_non_finite_statistics(self.model)
         if not (reset or forgotten or restarted):
             return

@@ -5,6 +5,9 @@ core's business."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,6 +20,24 @@ def forget_non_finite_state(optimizer: torch.optim.Optimizer) -> int:
     for param in dropped:
         del optimizer.state[param]
     return len(dropped)
+
+
+def optimizers_in(state: Any, *, leaving_out: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
+    """Every `torch.optim.Optimizer` among a session's `state=` values, top-level or nested in dicts, lists and tuples,
+    each once, in the order found, but `leaving_out` (the session's own optimizer): a GAN's second optimizer kept
+    there must forget its non-finite state with the first (`Learner.recover`), or every later step is NaN again."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    pending = [state]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.optim.Optimizer):
+            if value is not leaving_out:
+                found.setdefault(id(value), value)
+        elif isinstance(value, Mapping):
+            pending.extend(reversed(list(value.values())))
+        elif isinstance(value, list | tuple):
+            pending.extend(reversed(value))
+    return list(found.values())
 
 
 def _finite(value: object) -> bool:

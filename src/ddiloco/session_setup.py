@@ -24,6 +24,7 @@ from ddiloco.inprocess import InProcessHub
 from ddiloco.learner_checkpoint import Stateful
 from ddiloco.learner_group import LearnerGroup, is_distributed, unwrap
 from ddiloco.learner_session import UNBOUNDED_STEPS, Session
+from ddiloco.non_finite import optimizers_in
 from ddiloco.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,11 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         from ddiloco.transport.auth import read_ca_file
 
         tls = read_ca_file(tls_ca)
-    return Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
+    made = Session(model, optimizer, config=run_config, learner_id=learner_id, state=state, hub=hub, syncer=syncer,
                    run_dir=run_dir, token=token, link=link, tls_ca=tls, tls_server_name=tls_server_name, **options)
+    # A second optimizer kept in state= (a GAN's) forgets its non-finite state with the first when the learner recovers.
+    made.learner.other_optimizers = tuple(optimizers_in(state, leaving_out=optimizer))
+    return made
 
 
 def _check_parameter_dtypes(model: nn.Module) -> None:
