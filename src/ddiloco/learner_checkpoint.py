@@ -10,15 +10,23 @@ checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's 
 fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
 again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
 state is known to fit this script's optimizer (`ddiloco.optimizer_restore`: parameter groups the script added during
-the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). When to checkpoint, and
+the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). Each checkpoint records
+who wrote it (`writer`): the optimizer's class, this process, and which model and optimizer object. Its optimizer
+state is not loaded into an optimizer of another class (a warning names both), nor into another optimizer object than
+the one that wrote it when an earlier session of this same process wrote it with the same model (a script that
+switches optimizers between two sessions: the new one keeps its own hyperparameters). A restarted process, or a
+script that builds its model anew, gets the optimizer state back as saved. When to checkpoint, and
 what a resumed learner does next, is the session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import threading
+import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,10 +38,23 @@ from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup, reshard_optimizer
 from ddiloco.learner_status import StatusReporter
 from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
-from ddiloco.optimizer_restore import WaitingGroups, restore_optimizer
+from ddiloco.optimizer_restore import WaitingGroups, optimizer_class, restore_optimizer
 from ddiloco.state_tree import CHECKPOINTABLE, UnsupportedStateError, split_state, state_path
 
 logger = logging.getLogger(__name__)
+
+PROCESS = uuid.uuid4().hex
+"""This process, as its checkpoints record it: a checkpoint read back with this value was written by an earlier session
+of the same process (a restarted process has another)."""
+_serials: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_next_serial = itertools.count()
+
+
+def _serial(obj: Any) -> int:
+    """A number for `obj` unique in this process, never reused (an `id()` is, once the object is gone)."""
+    if obj not in _serials:
+        _serials[obj] = next(_next_serial)
+    return _serials[obj]
 
 
 class Stateful(Protocol):
@@ -123,6 +144,7 @@ class LearnerCheckpoint:
         buffers = snapshot_buffers(self.learner.model)
         state = copy.deepcopy({"learner": learner, "state": user})
         state["buffers"] = buffers
+        state["writer"] = self._writer()
         if ranks is not None:
             state["ranks"] = ranks
         split = self._split(state)
@@ -183,17 +205,24 @@ class LearnerCheckpoint:
             return False
         state, meta, _ = latest
         saved_optimizer = state["learner"]["optimizer"]
-        # The optimizer is loaded before the join, where a changed model would be refused: without the check in
-        # restore_optimizer torch's own error ("a parameter group that doesn't match the size of optimizer's group")
-        # ended every restart, saying neither which learner nor why.
-        self.waiting_groups = restore_optimizer(
-            self.learner.optimizer, saved_optimizer, where=f"learner {learner_id}'s checkpoint in {self.directory}",
-            load=lambda fits: self.learner.load_state_dict({**state["learner"], "optimizer": fits}),
-            after_load=self._reshard)
+        ranks = state.get("ranks")
+        if self._loads_optimizer(state.get("writer")):
+            # The optimizer is loaded before the join, where a changed model would be refused: without the check in
+            # restore_optimizer torch's own error ("a parameter group that doesn't match the size of optimizer's
+            # group") ended every restart, saying neither which learner nor why.
+            self.waiting_groups = restore_optimizer(
+                self.learner.optimizer, saved_optimizer, where=f"learner {learner_id}'s checkpoint in {self.directory}",
+                load=lambda fits: self.learner.load_state_dict({**state["learner"], "optimizer": fits}),
+                after_load=self._reshard)
+        else:  # the progress and schedule position as saved; the optimizer as the script built it
+            self.learner.load_state_dict({**state["learner"], "optimizer": self.learner.optimizer.state_dict()})
+            saved_optimizer = None
+            ranks = None if ranks is None else [entry if entry is None else {**entry, "optimizer": None}
+                                                for entry in ranks]
         # A checkpoint written before it kept them holds none: the buffers stay as the script built them.
         load_buffers(self.learner.model, state.get("buffers", {}))
         if self.group is not None:
-            self.group.restore_checkpoint(state.get("ranks"), saved_optimizer, learner_id=learner_id)
+            self.group.restore_checkpoint(ranks, saved_optimizer, learner_id=learner_id)
         saved = state.get("state", {})
         for name, obj in self.state.items():
             if name in saved:
@@ -201,6 +230,31 @@ class LearnerCheckpoint:
             else:
                 logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", learner_id, name)
         self.reporter.resume(tokens=int(meta.get("tokens", 0)), counters=meta.get("counters", {}))
+        return True
+
+    def _writer(self) -> dict[str, Any]:
+        """Who writes this checkpoint: the optimizer's class, this process, its model and optimizer object."""
+        return {"optimizer_class": optimizer_class(self.learner.optimizer), "process": PROCESS,
+                "model": _serial(self.learner.model), "optimizer": _serial(self.learner.optimizer)}
+
+    def _loads_optimizer(self, writer: Mapping[str, Any] | None) -> bool:
+        """Whether the checkpoint `writer` wrote holds this session's optimizer state (see the module docstring);
+        says why not when it does not. A checkpoint from before they recorded their writer (None) is loaded."""
+        if writer is None:
+            return True
+        learner_id, mine = self.learner.learner_id, self._writer()
+        if writer["optimizer_class"] != mine["optimizer_class"]:
+            logger.warning("[learner %d] the checkpoint in %s holds the optimizer state of a %s, but this session's "
+                           "optimizer is a %s: it is not loaded, and the optimizer starts afresh with its own "
+                           "hyperparameters (the inner step and state= objects resume as saved)", learner_id,
+                           self.directory, writer["optimizer_class"], mine["optimizer_class"])
+            return False
+        earlier_session = (writer["process"], writer["model"]) == (PROCESS, mine["model"])
+        if earlier_session and writer["optimizer"] != mine["optimizer"]:
+            logger.info("[learner %d] the checkpoint in %s was written by an earlier session of this process with "
+                        "another optimizer: this session's optimizer keeps its own hyperparameters and state",
+                        learner_id, self.directory)
+            return False
         return True
 
     def _reshard(self) -> None:

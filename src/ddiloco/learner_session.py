@@ -260,6 +260,7 @@ class Session(SessionLifecycle):
         self._gather_genesis()
         self.transport.start()
         self._settle()
+        self._warn_if_state_starts_afresh()
         if self._genesis is not None:
             # Joined: the full copy goes; the base copies of the global values stand in for it from now on.
             self._genesis = {name: base[name] for base in self.learner._base for name in base}
@@ -447,3 +448,15 @@ class Session(SessionLifecycle):
         self.rules.resumed = True
         logger.info("[learner %d | inner %d] resumed from its checkpoint", self.learner_id, self.learner.inner_step)
         self.sink.event("resume", learner_id=self.learner_id, inner_step=self.learner.inner_step)
+
+    def _warn_if_state_starts_afresh(self) -> None:
+        """Joined with no checkpoint of its own (a learner restarted before its first one), the learner took the run's
+        position (`Learner.take_schedule_position`): the `state=` objects start from nothing there, a scheduler warms
+        up again mid-run and the data starts over. Said once, as it cannot be undone here."""
+        if self._checkpoint is None or self.rules.resumed or self.learner.inner_step == 0 or not self.state:
+            return
+        logger.warning("[learner %d | inner %d] no checkpoint of its own: the learner took the run's position, inner "
+                       "step %d, and its state= objects (%s) start afresh there, as the script built them (a scheduler "
+                       "from its first step, the data from its start). A schedule driven from sync.inner_step follows "
+                       "the position", self.learner_id, self.learner.inner_step, self.learner.inner_step,
+                       ", ".join(repr(name) for name in self.state))

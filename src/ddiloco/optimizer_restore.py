@@ -12,7 +12,9 @@ changed since the run started: ValueError, naming it.
 
 Optimizer state dicts are torch's: `param_groups` (each with `params`, the ids of its parameters, numbered in order
 over the groups) and `state` (id -> that parameter's state). Which checkpoint to load, and when, is
-`ddiloco.learner_checkpoint`'s business.
+`ddiloco.learner_checkpoint`'s business; `optimizer_class` names what the checkpoint records of the optimizer that
+wrote it, so that one of another class is not loaded (torch would load AdamW's hyperparameters into an SGD, which
+then fails at its first step with `KeyError: 'momentum'`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 OptimizerState = dict[str, Any]
 """`torch.optim.Optimizer.state_dict()`: {"state": {id: ...}, "param_groups": [{"params": [id, ...], ...}, ...]}."""
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as a checkpoint records it: `torch.optim.adamw.AdamW`."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], *, where: str,
