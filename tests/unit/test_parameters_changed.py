@@ -27,11 +27,17 @@ def train(sync, model, optimizer, steps: int) -> None:
         sync.step(tokens=train_step(model, optimizer, batch))
 
 
-def test_a_replaced_parameter_refuses_the_next_step_naming_it():
+def two_steps_in():
+    """(model, optimizer, session) after two inner steps of a TinyNet."""
     model = TinyNet(seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sync = started_session(model, optimizer)
     train(sync, model, optimizer, 2)
+    return model, optimizer, sync
+
+
+def test_a_replaced_parameter_refuses_the_next_step_naming_it():
+    model, optimizer, sync = two_steps_in()
     new = nn.Parameter(model.lm_head.weight.detach().clone())
     optimizer.param_groups[0]["params"][-1] = new
     model.lm_head.weight = new
@@ -43,10 +49,7 @@ def test_a_replaced_parameter_refuses_the_next_step_naming_it():
 
 
 def test_an_added_module_refuses_the_next_step_naming_its_parameters():
-    model = TinyNet(seed=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = started_session(model, optimizer)
-    train(sync, model, optimizer, 2)
+    model, optimizer, sync = two_steps_in()
     model.extra = nn.Linear(8, 8)
     optimizer.add_param_group({"params": list(model.extra.parameters())})
     with pytest.raises(ValueError, match=r"'extra.weight', 'extra.bias' \(added\)"):
@@ -55,10 +58,7 @@ def test_an_added_module_refuses_the_next_step_naming_its_parameters():
 
 
 def test_a_removed_parameter_refuses_the_next_step_naming_it():
-    model = TinyNet(seed=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = started_session(model, optimizer)
-    train(sync, model, optimizer, 2)
+    model, optimizer, sync = two_steps_in()
     del model.blocks[1]
     with pytest.raises(ValueError, match=r"'blocks.1.weight', 'blocks.1.bias' \(removed\)"):
         sync.step(tokens=1)
