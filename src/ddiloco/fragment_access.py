@@ -9,6 +9,7 @@ shards), gathering to and sending from the rank that talks to the syncer.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -52,3 +53,55 @@ class LocalParameters:
 
     def forget_non_finite_state(self) -> int:
         return 0  # no other ranks
+
+
+class ParameterObjects:
+    """The parameter objects a model held when its learner started: a run syncs those, so one replaced, added or
+    removed since would train on this learner alone and never be synchronised (nor exported). `check` tells, at each
+    inner step (`Learner.after_inner_step`), from identities alone: each module's own registry of parameters and
+    submodules against what it held at the start, about a fifth of walking `named_parameters()` (25 against 113
+    microseconds a step for a 12-layer transformer's 147 parameters in 124 modules, measured on this machine)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._named = dict(model.named_parameters())
+        # FSDP2 swaps a module's sharded parameters for unsharded ones around forward and backward (and leaves them so
+        # when resharding after backward is off): the identities change by design, so they are not checked there.
+        self.checked = not any(hasattr(p, "to_local") for p in self._named.values())
+        self._structure = self._snapshot()
+
+    def _snapshot(self) -> tuple[list[torch.nn.Module], list]:
+        modules = list(self._model.modules())
+        return modules, self._held(modules)
+
+    @staticmethod
+    def _held(modules: list[torch.nn.Module]) -> list:
+        """What `modules` hold now, in order: each one's parameters, then its submodules (None for an unset one)."""
+        return [value for module in modules for registry in (module._parameters, module._modules)
+                for value in registry.values()]
+
+    def _unchanged(self) -> bool:
+        modules, then = self._structure
+        now = self._held(modules)
+        return len(now) == len(then) and all(map(operator.is_, now, then))
+
+    def check(self) -> None:
+        """Raise ValueError naming each parameter replaced, added or removed since the start; freezing or unfreezing
+        one changes nothing here. A module swapped for one that holds the same parameters (an activation, say) is no
+        change: the registries are read again and the check goes on from them."""
+        if not self.checked or self._unchanged():
+            return
+        current = dict(self._model.named_parameters())
+        changes = {"replaced": [n for n, p in self._named.items() if n in current and current[n] is not p],
+                   "added": [n for n in current if n not in self._named],
+                   "removed": [n for n in self._named if n not in current]}
+        if not any(changes.values()):
+            self._structure = self._snapshot()
+            return
+        named = "; ".join(f"{', '.join(map(repr, names))} ({what})" for what, names in changes.items() if names)
+        raise ValueError(f"the model's parameters changed after ddiloco.session(...) started: {named}. ddiloco "
+                         "synchronises the parameters the model had when the session started, so a new one would "
+                         "train on this learner alone and never be synchronised or exported. Build the whole model "
+                         "(every module, every parameter) before ddiloco.session(...); to train a part later, freeze "
+                         "it (requires_grad_(False)) and unfreeze it then (optimizer.add_param_group), and copy new "
+                         "values into a parameter in place (param.data.copy_(...)) rather than assigning a new one")

@@ -39,7 +39,7 @@ from ddiloco.checks import require_int
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
-from ddiloco.fragment_access import FragmentAccess, LocalParameters
+from ddiloco.fragment_access import FragmentAccess, LocalParameters, ParameterObjects
 from ddiloco.fragments import FragmentPlan, embedding_names, persistent_buffer_names
 from ddiloco.learner_stats import LearnerStats
 from ddiloco.messages import (
@@ -104,9 +104,7 @@ class Learner:
         `recover` makes them forget their non-finite state too. Set by the session (`ddiloco.session_setup`)."""
         self._params = dict(model.named_parameters())
         self.access: FragmentAccess = access or LocalParameters(self._params)
-        # FSDP2 swaps a module's sharded parameters for unsharded ones around forward and backward (and leaves them so
-        # when resharding after backward is off): the identities change by design, so they are not checked there.
-        self._check_identities = not any(hasattr(p, "to_local") for p in self._params.values())
+        self._parameter_objects = ParameterObjects(model)
         # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
         # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
         self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
@@ -411,24 +409,9 @@ class Learner:
         return updates
 
     def check_parameters(self) -> None:
-        """Raise ValueError naming each parameter replaced, added or removed since the learner started: the run syncs
-        the parameter objects the model had then, so a new one would train locally and never be synchronised (nor
-        exported). An identity comparison, no tensor work; freezing or unfreezing a parameter changes nothing here."""
-        if not self._check_identities:
-            return
-        current = dict(self.model.named_parameters())
-        if current.keys() == self._params.keys() and all(current[n] is p for n, p in self._params.items()):
-            return
-        changes = {"replaced": [n for n, p in self._params.items() if n in current and current[n] is not p],
-                   "added": [n for n in current if n not in self._params],
-                   "removed": [n for n in self._params if n not in current]}
-        named = "; ".join(f"{', '.join(map(repr, names))} ({what})" for what, names in changes.items() if names)
-        raise ValueError(f"the model's parameters changed after ddiloco.session(...) started: {named}. ddiloco "
-                         "synchronises the parameters the model had when the session started, so a new one would "
-                         "train on this learner alone and never be synchronised or exported. Build the whole model "
-                         "(every module, every parameter) before ddiloco.session(...); to train a part later, freeze "
-                         "it (requires_grad_(False)) and unfreeze it then (optimizer.add_param_group), and copy new "
-                         "values into a parameter in place (param.data.copy_(...)) rather than assigning a new one")
+        """Raise ValueError naming each parameter replaced, added or removed since the learner started
+        (`ParameterObjects.check`: identities only, no tensor work)."""
+        self._parameter_objects.check()
 
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
