@@ -443,7 +443,9 @@ class Session(SessionLifecycle):
     # ---- checkpoints ------------------------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        if self._checkpoint is None or not self._checkpoint.restore():
+        restored = self._checkpoint is not None and self._checkpoint.restore()
+        self.reporter.carry_over(restored=restored)
+        if not restored:
             return
         self.rules.resumed = True
         logger.info("[learner %d | inner %d] resumed from its checkpoint", self.learner_id, self.learner.inner_step)

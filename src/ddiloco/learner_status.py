@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.checkpoint import WriteTrouble, atomic_write_json
+from ddiloco.checkpoint import WriteTrouble, atomic_write_json, read_json_object
 from ddiloco.learner import Learner
 from ddiloco.metrics import MetricSink
 from ddiloco.session_transport import SessionTransport
 
 COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
             "bytes_sent", "bytes_received", "joins", "waits_abandoned", "non_finite_recoveries", "publishes_waited")
-"""Counters reported in status.json, carried across restarts by the checkpoint."""
+"""Counters reported in status.json, carried across restarts by the checkpoint and by the last status.json
+(`StatusReporter.carry_over`)."""
 
 
 @dataclass
@@ -83,6 +84,20 @@ class StatusReporter:
         self.base.update({k: int(v) for k, v in counters.items() if k in self.base})
         self.set(tokens=tokens)
         self._last_rate = (time.monotonic(), self.progress.tokens)
+
+    def carry_over(self, *, restored: bool) -> None:
+        """Count the learner's earlier processes as the status.json the last one left says, where that is more than
+        the checkpoint carried: a process killed before its first checkpoint (or work done after its last one) would
+        otherwise be forgotten by the next one's counters. Without a checkpoint (`restored` False) the tokens go on
+        from that file too: the learner took the run's position, and its tokens are those its processes trained."""
+        earlier = read_json_object(self.directory / "status.json") if self.directory is not None else None
+        if earlier is None or earlier.get("learner_id") != self.learner.learner_id:
+            return
+        for name in COUNTERS:
+            if isinstance(earlier.get(name), int):
+                self.base[name] = max(self.base[name], earlier[name])
+        if not restored and isinstance(earlier.get("tokens"), int):
+            self.resume(tokens=earlier["tokens"], counters={})
 
     def status(self) -> dict[str, Any]:
         progress = self.progress
