@@ -106,6 +106,10 @@ class Codec(Protocol):
         """Exactly len(encode(t)) for any t with t.numel() == numel."""
         ...
 
+    def zero_layout(self, numel: int) -> tuple[int, int]:
+        """(k, b): `encode` of `numel` zeros is k zero bytes (its scales), then byte b up to `encoded_nbytes`."""
+        ...
+
 
 def zero_nonfinite(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A copy of `tensor` with NaN and +-Inf set to 0, and how many values were replaced."""
@@ -202,6 +206,9 @@ class Fp32Codec:
     def encoded_nbytes(self, numel: int) -> int:
         return 4 * _check_numel(numel)
 
+    def zero_layout(self, numel: int) -> tuple[int, int]:
+        return 0, 0
+
     def encode(self, tensor: torch.Tensor) -> bytes:
         x = _flat_float32(tensor)
         _finite_absmax(x)
@@ -223,6 +230,9 @@ class Bf16Codec:
 
     def encoded_nbytes(self, numel: int) -> int:
         return 2 * _check_numel(numel)
+
+    def zero_layout(self, numel: int) -> tuple[int, int]:
+        return 0, 0
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         x = _flat_float32(tensor)
@@ -249,6 +259,9 @@ class Fp8Codec:
 
     def encoded_nbytes(self, numel: int) -> int:
         return SCALE_NBYTES + _check_numel(numel)
+
+    def zero_layout(self, numel: int) -> tuple[int, int]:
+        return SCALE_NBYTES, 0  # a scale of 0, then e4m3fn's +0 codes
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         x = _flat_float32(tensor)
@@ -320,6 +333,8 @@ class _BlockCodec:
         self.levels = 2 ** (self.bits - 1) - 1  # largest |q|: 127 for int8, 7 for int4, 1 for int2
         self.offset = 2 ** (self.bits - 1)  # code = q + offset, so codes are unsigned
         self.values_per_byte = 8 // self.bits
+        self.zero_code = sum(self.offset << (self.bits * k) for k in range(self.values_per_byte))
+        """A byte whose every field holds the code of zero (padding fields too)."""
 
     def _counts(self, numel: int) -> tuple[int, int]:
         """(number of blocks, number of code bytes) for `numel` values."""
@@ -331,6 +346,9 @@ class _BlockCodec:
 
     def buffer_numel(self, numel: int) -> int:
         return self._counts(_check_numel(numel))[0] * self.block_size
+
+    def zero_layout(self, numel: int) -> tuple[int, int]:
+        return SCALE_NBYTES * -(-_check_numel(numel) // self.block_size), self.zero_code  # scales of +0, then codes
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         return self._quantize(tensor, None)[0]

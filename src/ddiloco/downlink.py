@@ -42,6 +42,7 @@ from ddiloco.fragments import FragmentPlan
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import FragmentDelta, FragmentState
 from ddiloco.update_values import DecodeBuffers
+from ddiloco.zero_encodings import zero_names
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,8 @@ class DeltaDownlink:
         payload = {name: encoded[name][0] for name in names}
         self._give_back(previous, changes, outs)
         return FragmentDelta(fragment, version, version - 1, self._codec.name, payload,
-                             fragment_checksum(tensors, names))
+                             fragment_checksum(tensors, names),
+                             zero=zero_names(self._codec, payload, {name: tensors[name].numel() for name in names}))
 
     def _give_back(self, *buffers: dict[str, torch.Tensor]) -> None:
         for group in buffers:

@@ -31,6 +31,7 @@ from ddiloco.fragments import FragmentPlan
 from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import FragmentDelta
 from ddiloco.outer import SAFE_BOUND, OuterOptimizer
+from ddiloco.zero_encodings import zero_names
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,10 @@ class FusedClose:
             self._maxima[(fragment, name)] = (result.momentum_max, result.param_max, result.residual_max)
         payload = {name: memoryview(self._payloads[name]) for name in names}  # no copy: the arrays are this delta's
         self._payloads = {}
+        numels = {name: self._global[fragment][name].numel() for name in names}
         return FragmentDelta(fragment, version, version - 1, self._downlink.codec.name, payload,
-                             fragment_checksum(self._global[fragment], names, self._threads))
+                             fragment_checksum(self._global[fragment], names, self._threads),
+                             zero=zero_names(self._downlink.codec, payload, numels))
 
     def forget(self, fragment: int | None = None) -> None:
         """Something else wrote `fragment`'s state (every fragment's: None): its bounds no longer hold."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on any incompatible change to these messages or their wire encoding."""
 
 
@@ -153,10 +153,14 @@ class Update:
     """The payload already decoded and checked by the wire layer (`ddiloco.update_values.decode_payload`), outside
     the syncer's lock; None: the syncer core decodes it. Never sent: the wire carries `payload`. The values may sit
     in reused buffers: the core reads them during `Syncer.receive` and keeps no reference to them."""
+    zero: frozenset[str] = field(default=frozenset(), compare=False)
+    """The tensors whose bytes the wire layer found to be their codec's encoding of zeros (a frozen parameter's): they
+    travelled as their headers alone (`ddiloco.zero_encodings`). Empty until the update has been on the wire."""
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(data) for data in self.payload.values())
+        """The payload's bytes that travel (not the zero tensors')."""
+        return sum(len(data) for name, data in self.payload.items() if name not in self.zero)
 
 
 @dataclass(frozen=True)
@@ -216,10 +220,14 @@ class FragmentDelta:
     measures it) that were left of the round's grace window when its update arrived, 0 at or after its end: a
     learner with little left moves its schedule ahead before it is late (`Learner._follow_close`). None: not
     known (no window yet)."""
+    zero: frozenset[str] = field(default=frozenset(), compare=False)
+    """The tensors whose change is exactly zero, their bytes being the codec's encoding of zeros (a frozen
+    parameter's): they travel as their headers alone (`ddiloco.zero_encodings`)."""
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(data) for data in self.payload.values())
+        """The payload's bytes that travel (not the zero tensors')."""
+        return sum(len(data) for name, data in self.payload.items() if name not in self.zero)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from ddiloco.messages import (
 )
 from ddiloco.transport import wire_pb2
 from ddiloco.update_values import DecodeBuffers, decode_payload, reads_in_place
+from ddiloco.zero_encodings import with_zeros, zero_names
 
 CHUNK_BYTES = 1 << 20
 """Data bytes per chunk: large enough that per-chunk overhead is negligible (gRPC measured 0.6 GB/s
@@ -248,9 +249,16 @@ def crc32_of(blobs: Iterable[bytes | memoryview | bytearray]) -> int:
 
 
 def check_crc32(data: bytes | memoryview | bytearray, expected: int, what: str) -> None:
-    actual = zlib.crc32(data)
+    check_crc32_of((data,), expected, what)
+
+
+def check_crc32_of(blobs: Iterable[bytes | memoryview | bytearray], expected: int, what: str) -> None:
+    """The CRC32 of `blobs`' bytes back to back is `expected`, else the message is refused as corrupt."""
+    blobs = list(blobs)
+    actual = crc32_of(blobs)
     if actual != expected:
-        raise WireError(str(RejectReason.CORRUPT), f"{what}: CRC32 of its {len(data)} tensor bytes is "
+        nbytes = sum(memoryview(blob).nbytes for blob in blobs)
+        raise WireError(str(RejectReason.CORRUPT), f"{what}: CRC32 of its {nbytes} tensor bytes is "
                         f"{actual:#010x}, the header says {expected:#010x} (bytes changed in flight)")
 
 
@@ -371,15 +379,18 @@ def _float32_tensors(headers: Sequence[wire_pb2.TensorHeader], buffer: bytearray
 # ---- learner -> syncer updates ------------------------------------------------------------------------------
 
 def encode_update(update: Update, spec: ModelSpec, chunk_bytes: int = CHUNK_BYTES) -> Iterator[wire_pb2.UpdateChunk]:
+    """The chunks of `update`; a tensor whose bytes encode zeros (a frozen parameter's) travels as its header alone
+    (`ddiloco.zero_encodings`)."""
     shapes = spec.by_name()
     names = list(update.payload)
+    zero = zero_names(get_codec(update.codec), update.payload, {n: shapes[n].numel for n in names})
     header = wire_pb2.UpdateChunk(header=wire_pb2.UpdateHeader(
         learner_id=update.learner_id, fragment=update.fragment, base_version=update.base_version,
         inner_step=update.inner_step, steps=update.steps, tokens=update.tokens, codec=update.codec,
         final=update.final, tensors=[wire_pb2.TensorHeader(name=n, dtype=shapes[n].dtype, shape=list(shapes[n].shape),
-                                       nbytes=len(update.payload[n])) for n in names],
+                                       nbytes=len(update.payload[n]), zero=n in zero) for n in names],
         crc32=crc32_of(update.payload[n] for n in names)))
-    yield from _with_first_data(header, iter_data((update.payload[n] for n in names), chunk_bytes),
+    yield from _with_first_data(header, iter_data((update.payload[n] for n in names if n not in zero), chunk_bytes),
                                 wire_pb2.UpdateChunk)
 
 
@@ -420,7 +431,7 @@ class UpdateAssembler:
             self.model.check_tensor(header, self._codec.encoded_nbytes)
         _check_counters(h)
         self.header = h
-        self._receiver = _Receiver(sum(t.nbytes for t in h.tensors))
+        self._receiver = _Receiver(sum(t.nbytes for t in h.tensors if not t.zero))
         if chunk.data:
             self._receiver.add(chunk.data)
         return h
@@ -436,12 +447,10 @@ class UpdateAssembler:
         decode it again; with `buffers`, valid until `release`); its payload decodes to finite values."""
         assert self.header is not None and self._receiver is not None, "start() first"
         self._receiver.require_complete()
-        h, buffer = self.header, self._receiver.buffer
-        check_crc32(buffer, h.crc32, f"update of learner {h.learner_id} for fragment {h.fragment}")
-        payload, offset = {}, 0
-        for t in h.tensors:
-            payload[t.name] = bytes(buffer[offset:offset + t.nbytes])
-            offset += t.nbytes
+        h = self.header
+        payload = dict(with_zeros(self._codec, [(t.name, t.zero, t.nbytes, math.prod(t.shape)) for t in h.tensors],
+                                  self._receiver.buffer))
+        check_crc32_of(payload.values(), h.crc32, f"update of learner {h.learner_id} for fragment {h.fragment}")
         if self._buffers is not None and not reads_in_place(self._codec):
             self._taken = [self._buffers.take(self._codec.buffer_numel(math.prod(t.shape))) for t in h.tensors]
         decoded = decode_payload(self._codec, payload, list(payload), {t.name: tuple(t.shape) for t in h.tensors},
@@ -451,7 +460,8 @@ class UpdateAssembler:
             reason, detail = decoded
             raise WireError(str(reason), f"tensor {detail}")
         return Update(int(h.learner_id), int(h.fragment), int(h.base_version), int(h.inner_step), int(h.steps),
-                      int(h.tokens), h.codec, payload, final=bool(h.final), decoded=decoded)
+                      int(h.tokens), h.codec, payload, final=bool(h.final), decoded=decoded,
+                      zero=frozenset(t.name for t in h.tensors if t.zero))
 
     def release(self) -> None:
         """The decoded values are no longer needed (the syncer core has taken the update): their buffers go back."""

@@ -26,11 +26,13 @@ from ddiloco.transport.grpc_codec import (
     _Receiver,
     _with_first_data,
     check_crc32,
+    check_crc32_of,
     crc32_of,
     field_wire_bytes,
     iter_data,
     tensor_bytes,
 )
+from ddiloco.zero_encodings import with_zeros
 
 FLOAT32_NBYTES = 4
 
@@ -60,14 +62,15 @@ def _delta_header(delta: FragmentDelta) -> wire_pb2.FragmentDeltaHeader:
     # Name and byte length only: a change's shape is its parameter's, which the learner knows.
     return wire_pb2.FragmentDeltaHeader(
         fragment=delta.fragment, version=delta.version, base_version=delta.base_version, codec=delta.codec,
-        tensors=[wire_pb2.TensorHeader(name=name, nbytes=len(data)) for name, data in delta.payload.items()],
+        tensors=[wire_pb2.TensorHeader(name=name, nbytes=len(data), zero=name in delta.zero)
+                 for name, data in delta.payload.items()],
         crc32=crc32_of(delta.payload.values()), checksum=delta.checksum,
         on_time=_on_time(delta.on_time, delta.margins))
 
 
 def encode_syncer_message(message: SyncerMessage, chunk_bytes: int = CHUNK_BYTES) -> Iterator[wire_pb2.SyncerChunk]:
     """The chunks of one syncer->learner message (Refused is not a stream message: it ends the
-    Subscribe call with an error status)."""
+    Subscribe call with an error status). A FragmentDelta's changes of `zero` travel as their headers alone."""
     if isinstance(message, Rejected):
         yield wire_pb2.SyncerChunk(rejected=wire_pb2.RejectedMessage(
             learner_id=message.learner_id, fragment=message.fragment, base_version=message.base_version,
@@ -75,7 +78,7 @@ def encode_syncer_message(message: SyncerMessage, chunk_bytes: int = CHUNK_BYTES
         return
     if isinstance(message, FragmentDelta):
         header = wire_pb2.SyncerChunk(fragment_delta=_delta_header(message))
-        blobs: Iterator = iter(message.payload.values())
+        blobs: Iterator = (data for name, data in message.payload.items() if name not in message.zero)
     elif isinstance(message, FragmentState | Welcome):
         states: Sequence[FragmentState] = (message,) if isinstance(message, FragmentState) else message.fragments
         if isinstance(message, FragmentState):
@@ -124,7 +127,7 @@ class SyncerStreamDecoder:
         kind = chunk.WhichOneof("kind")
         if kind == "fragment_delta":
             _check_delta_header(self.model, chunk.fragment_delta)
-            total = sum(t.nbytes for t in chunk.fragment_delta.tensors)
+            total = sum(t.nbytes for t in chunk.fragment_delta.tensors if not t.zero)
         else:
             fragments = [chunk.fragment_state] if kind == "fragment_state" else list(chunk.welcome.fragments)
             total = 0
@@ -176,13 +179,13 @@ class SyncerStreamDecoder:
         kind = header.WhichOneof("kind")
         if kind == "fragment_delta":
             h = header.fragment_delta
-            check_crc32(buffer, h.crc32, f"the change of fragment {h.fragment} to version {h.version}")
-            payload, offset = {}, 0
-            for t in h.tensors:
-                payload[t.name] = bytes(buffer[offset:offset + t.nbytes])
-                offset += t.nbytes
+            specs = self.model.spec.by_name()
+            payload = dict(with_zeros(get_codec(h.codec), [(t.name, t.zero, t.nbytes, specs[t.name].numel)
+                                                           for t in h.tensors], buffer))
+            check_crc32_of(payload.values(), h.crc32, f"the change of fragment {h.fragment} to version {h.version}")
+            zero = frozenset(t.name for t in h.tensors if t.zero)
             return FragmentDelta(int(h.fragment), int(h.version), int(h.base_version), h.codec, payload,
-                                 int(h.checksum), *_read_on_time(h))
+                                 int(h.checksum), *_read_on_time(h), zero=zero)
         if kind == "fragment_state":
             frag = header.fragment_state
             check_crc32(buffer, frag.crc32, f"fragment {frag.fragment} version {frag.version}")
