@@ -13,7 +13,8 @@ A handler of the user's own installed before the session (a SLURM requeue handle
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
 
 The launcher. A process that `ddiloco run` started names it in its environment (`ddiloco.environment()`); the
-session watches it (`ddiloco.launcher_watch`) and, once it is gone, stops as on SIGTERM, on any thread.
+session watches it (`ddiloco.launcher_watch`) and, once it is gone, stops as on SIGTERM, on any thread, the user's
+handler included (a script behind a wrapper gets no SIGTERM from the kernel when the launcher dies).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class SessionLifecycle:
         try:
             self._take_sigterm()
             self._launcher_watch = watch_launcher(environment().launcher, name=f"learner {self.learner_id}",
-                                                  on_gone=self.request_stop)
+                                                  on_gone=self._on_launcher_gone)
             self._open()
         except BaseException:
             self._end()
@@ -119,6 +120,15 @@ class SessionLifecycle:
         self.request_stop()
         if self._deferred_signal is None and callable(self._previous_handler):
             self._deferred_signal = (signum, frame)
+
+    def _on_launcher_gone(self) -> None:
+        """What the kernel's SIGTERM does to the launcher's direct children, for a process behind a wrapper too: the
+        session's stop and, where the session took SIGTERM, the user's own handler from before it once the session has
+        ended (called with no frame)."""
+        if self._sigterm_installed:
+            self._on_sigterm(signal.SIGTERM, None)
+        else:
+            self.request_stop()
 
     def _open(self) -> None:
         raise NotImplementedError

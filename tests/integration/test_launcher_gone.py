@@ -24,12 +24,22 @@ from tests.helpers import SMALL_RUN, wait_until
 pytestmark = pytest.mark.integration
 
 SCRIPT = '''
+import signal
+import sys
 import time
+from pathlib import Path
 import torch
 from torch import nn
 import ddiloco
 
 env = ddiloco.environment()
+
+
+def on_sigterm(signum, frame):  # the script's own handler (a scheduler's requeue, a log flush), from before the session
+    Path(sys.argv[1], f"handled-{env.learner_id}").write_text(str(signum))
+
+
+signal.signal(signal.SIGTERM, on_sigterm)
 torch.manual_seed(env.seed)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -46,7 +56,7 @@ with ddiloco.session(model, optimizer) as sync:
 '''
 WRAPPER = '''#!/bin/bash
 echo "wrapper starting"
-"{python}" "{script}"
+"{python}" "{script}" "{marks}"
 echo "wrapper: python exited $?"
 '''
 """Runs the learner as its child (no exec): the learner is not the launcher's child, so PR_SET_PDEATHSIG misses it."""
@@ -73,7 +83,7 @@ def alive(pid: int) -> bool:
 def test_learners_behind_a_wrapper_stop_cleanly_when_the_launcher_is_killed(tmp_path):
     script, wrapper, run_dir = tmp_path / "train.py", tmp_path / "wrap.sh", tmp_path / "run"
     script.write_text(SCRIPT)
-    wrapper.write_text(WRAPPER.format(python=sys.executable, script=script))
+    wrapper.write_text(WRAPPER.format(python=sys.executable, script=script, marks=tmp_path))
     launcher = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
                                  "--inner-steps", "1000000", "--", "bash", str(wrapper)],
                                 cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -100,6 +110,9 @@ def test_learners_behind_a_wrapper_stop_cleanly_when_the_launcher_is_killed(tmp_
             assert status["state"] == "stopped", status  # a clean stop: checkpointed, not killed
             log = (run_dir / "logs" / f"learner-{i}.log").read_text()
             assert f"its launcher (ddiloco run, pid {launcher.pid}) is gone: stopping as on SIGTERM" in log
+            # As on SIGTERM, the script's own handler ran too, once the session had ended (a direct child of the
+            # launcher gets a real SIGTERM from the kernel, which runs it).
+            assert (tmp_path / f"handled-{i}").read_text() == str(int(signal.SIGTERM))
     finally:
         for pid in learners:
             with contextlib.suppress(ProcessLookupError):
