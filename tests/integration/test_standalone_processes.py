@@ -127,6 +127,7 @@ def test_a_syncer_that_cannot_bind_leaves_no_config_in_a_fresh_directory(procs, 
         code, log = exits(procs, "syncer", popen)
     assert code == EXIT_USAGE and f"cannot listen on 127.0.0.1:{port}" in error_line(log), log[-3000:]
     assert not (run_dir / "config.json").exists()
+    assert not run_dir.exists()  # nor its metrics or lock: `ddiloco run --run-dir` took it for a run to resume
     # ... so that the next start, with other flags, makes the run it asks for.
     popen, _ = start_syncer(procs, run_dir, run_token, "--learners", "3", name="next")
     assert read_json(run_dir / "config.json")["num_learners"] == 3

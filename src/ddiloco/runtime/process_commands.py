@@ -11,9 +11,11 @@ syncer, 4 a learner whose syncer never answered (`--connect-timeout-s`), 130 Ctr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -158,8 +160,9 @@ def _set_threads(threads: int) -> None:
 def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import check_bind, read_tls_files, split_host_port
 
-    run_config = resolve_run_config(settings, args)
     run_dir = Path(settings.run_dir)
+    held_before = set(os.listdir(run_dir)) if run_dir.is_dir() else None
+    run_config = resolve_run_config(settings, args)
     refused = fixed_settings_refused(run_dir, run_config)
     if refused:
         raise ValueError(f"the run in {run_dir} cannot change {refused} (its config.json is unchanged); only "
@@ -212,7 +215,13 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
                rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed)
     service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored,
                             init=init, init_source=f"--init {settings.init}" if init is not None else "")
-    server, port = start_server(service, settings.bind, token=token, tls=tls)
+    try:
+        server, port = start_server(service, settings.bind, token=token, tls=tls)
+    except ValueError:  # the address is in use or invalid
+        if genesis is None:
+            sink.close()
+            _forget_start(run_dir, held_before)
+        raise
     _save_run_config(run_dir, run_config)
     host, _ = split_host_port(settings.bind)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -223,6 +232,19 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     service.close(server)
     logger.warning("[syncer] stopped after %d rounds", service.rounds_committed)
     return 0
+
+
+def _forget_start(run_dir: Path, held_before: set[str] | None) -> None:
+    """A syncer of a new run that could not listen removes what its start wrote (its metrics directory and lock file;
+    the directory itself if the start made it), so that the directory reads as new to the next start (`ddiloco run
+    --run-dir` refused it as a run to resume)."""
+    for name in ("syncer", "syncer.lock"):
+        if held_before is None or name not in held_before:
+            path = run_dir / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    if held_before is None:
+        with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+            run_dir.rmdir()
 
 
 def _save_run_config(run_dir: Path, run_config: RunConfig) -> None:
