@@ -452,9 +452,10 @@ class Session(SessionLifecycle):
         self.sink.event("resume", learner_id=self.learner_id, inner_step=self.learner.inner_step)
 
     def _warn_if_state_starts_afresh(self) -> None:
-        """Joined with no checkpoint of its own (a learner restarted before its first one), the learner took the run's
-        position (`Learner.take_schedule_position`): the `state=` objects start from nothing there, a scheduler warms
-        up again mid-run and the data starts over. Said once, as it cannot be undone here."""
+        """Joined with no checkpoint of its own (a learner that joins a run under way, or one restarted before its first
+        checkpoint), the learner took the run's position (`Learner.take_schedule_position`): the `state=` objects start
+        from nothing there, a scheduler warms up again mid-run and the data starts over. Said once, as it cannot be
+        undone here."""
         if self._checkpoint is None or self.rules.resumed or self.learner.inner_step == 0 or not self.state:
             return
         logger.warning("[learner %d | inner %d] no checkpoint of its own: the learner took the run's position, inner "
