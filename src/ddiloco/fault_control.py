@@ -12,6 +12,11 @@ target; the target process, started with `--chaos-control PATH`, polls that file
 `until` is wall time (`time.time()`, the same clock in every process of one machine). A fault past
 its `until` is over even if the file still lists it, so a runner that dies cannot leave a process
 partitioned for ever. An absent, empty or unreadable file means "no faults".
+
+Faults of one kind may overlap (a chaos plan allows it); they combine (`strongest`): a process is
+partitioned while any partition in force lasts, and of several stragglers, latencies, bandwidth caps,
+drops or corruptions in force the strongest holds (the largest factor, latency or probability, the
+smallest bandwidth), each until its own `until`.
 """
 
 from __future__ import annotations
@@ -93,6 +98,26 @@ def value_valid(kind: str, value: float | None) -> bool:
     return value >= 0.0
 
 
+WEAKER_IS_LARGER = ("bandwidth",)
+"""Kinds whose parameter hurts more the smaller it is (a tighter cap); for the others a larger one is stronger."""
+
+
+def strongest(faults: Iterable[ActiveFault]) -> dict[str, ActiveFault]:
+    """kind -> the strongest of `faults` of that kind (see the module docstring); of equals, the one that lasts
+    longest, so that a partition holds for the union of the partitions given."""
+    best: dict[str, ActiveFault] = {}
+    for fault in faults:
+        current = best.get(fault.kind)
+        if current is None or _strength(fault) > _strength(current):
+            best[fault.kind] = fault
+    return best
+
+
+def _strength(fault: ActiveFault) -> tuple[float, float]:
+    value = 0.0 if fault.value is None else fault.value
+    return (-value if fault.kind in WEAKER_IS_LARGER else value, fault.until)
+
+
 def write_control(path: str | Path, faults: Iterable[ActiveFault]) -> None:
     """Replace a target's control file atomically (temp file + rename: readers never see half)."""
     path = Path(path)
@@ -111,7 +136,7 @@ class ChaosControl:
     refresh_s: float = DEFAULT_REFRESH_S
     seed: int | None = None
     """Seed of the draws for drop and corrupt (None: from the OS)."""
-    _faults: dict[str, ActiveFault] = field(default_factory=dict, init=False)
+    _faults: list[ActiveFault] = field(default_factory=list, init=False)
     _checked_at: float = field(default=-math.inf, init=False)
     _stamp: tuple[int, int] | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -121,19 +146,19 @@ class ChaosControl:
         self.rng = random.Random(self.seed)
 
     def active(self) -> dict[str, ActiveFault]:
-        """kind -> fault, for every fault switched on now."""
+        """kind -> the fault of that kind in force now (the strongest, where several overlap: `strongest`)."""
         now = self.clock()
         with self._lock:
             if now - self._checked_at >= self.refresh_s:
                 self._checked_at = now
                 self._reload()
-            return {kind: f for kind, f in self._faults.items() if f.until > now}
+            return strongest(f for f in self._faults if f.until > now)
 
     def _reload(self) -> None:
         try:
             stat = self.path.stat()
         except FileNotFoundError:
-            self._faults, self._stamp = {}, None
+            self._faults, self._stamp = [], None
             return
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp == self._stamp:
@@ -145,7 +170,7 @@ class ChaosControl:
             logger.warning("chaos control file %s unreadable (%s): no faults", self.path, exc)
             faults = []
         self._stamp = stamp
-        self._faults = {f.kind: f for f in faults}
+        self._faults = faults
 
     def _value(self, kind: str, default: float) -> float:
         fault = self.active().get(kind)

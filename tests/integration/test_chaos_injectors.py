@@ -327,7 +327,11 @@ def two_learners(tmp_path, control: Path):
 
 
 def _due_update(core: Learner):
-    """The next update of a joined learner core (no training needed: a zero pseudo-gradient is valid)."""
+    """The next update of a joined learner core, its model moved a little first: a zero pseudo-gradient is valid, but
+    its tensors travel as their headers alone (`ddiloco.zero_encodings`), leaving no byte for a fault to corrupt."""
+    with torch.no_grad():
+        for param in core.model.parameters():
+            param.add_(1e-3)
     while not (updates := core.after_inner_step(tokens=1)):
         pass
     return updates[0]

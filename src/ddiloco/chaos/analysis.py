@@ -14,7 +14,10 @@ schema:
 - **nominal step time**: the median interval between consecutive inner steps (step n, then n + 1) of
   a learner (data-parallel: of rank 0): a step at its normal pace, loop overhead included, the same
   measure for every system. Slowed, waiting or hung steps count only this much. Work is booked in
-  step-equivalents x nominal.
+  step-equivalents x the **booked step time**: the nominal one, but at most the window / the steps in it,
+  so a learner's steps never add up to more than the window they lie in (in a run of a few seconds a
+  median gap can exceed most of the gaps: six steps of gaps 0.3, 0.3, 0.3, 0.1, 0.1 in a 1.4 s window
+  would book 1.8 s) and no share exceeds 1.
 - **Decoupled / synchronous DiLoCo**, per learner:
   computed = inner steps logged in the window; lost step-equivalents (each fragment weighted by its
   share of the parameters): `rejected` (new steps of publishes refused by the syncer), `dropped`
@@ -32,8 +35,10 @@ schema:
   a + 1, all of the last attempt's); every rank books kept x nominal as `merged` and the rest as
   `rolled_back`. The global model advances with every step of rank 0 above every earlier step number.
 - **uptime bin**: `uptime_bin_s` of wall time (`--uptime-bin-s`, default 5 s).
-- per fault, **stall_s** and **rejoin_s** as `ddiloco.goodput` defines them; a learner contributes again
-  with the first commit after the fault's end that merges it, the syncer with the next commit, a
+- per fault, its span from the runner's record, its end at most the window's end (the runner records
+  when a fault was lifted, or the stop; older records gave the planned end); a fault the run did not
+  reach (no start) is not one. **stall_s** and **rejoin_s** as `ddiloco.goodput` defines them; a learner
+  contributes again with the first commit after the fault's end that merges it, the syncer with the next commit, a
   data-parallel rank with its first step after the end (in the next attempt if one started before that
   step).
 - **rounds_per_min**: commits per minute (data-parallel: kept steps per minute, `progress_unit` says
@@ -84,14 +89,21 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _faults(system_dir: Path, back=None) -> tuple[list[dict[str, Any]], list[FaultSpan]]:
-    """The injector's log and its faults in the `ddiloco.goodput` schema; `back(fault, started, ended)` gives
-    the time the target contributed again where the schema's rule from the advances does not apply."""
-    records = read_jsonl(system_dir / "chaos" / "faults.jsonl")
+def booked_step_s(nominal_s: float, steps: int, window_s: float) -> float:
+    """The time one step in the window is booked at: the nominal step time, but at most window / steps, so a
+    learner's (rank's) steps never add up to more than the window (see the module docstring)."""
+    return min(nominal_s, window_s / steps) if steps > 0 else nominal_s
+
+
+def _faults(system_dir: Path, end: float, back=None) -> tuple[list[dict[str, Any]], list[FaultSpan]]:
+    """The injector's log of the faults it executed and those faults in the `ddiloco.goodput` schema, each ended
+    at most at the window's `end`; `back(fault, started, ended)` gives the time the target contributed again
+    where the schema's rule from the advances does not apply."""
+    records = [r for r in read_jsonl(system_dir / "chaos" / "faults.jsonl") if r.get("started") is not None]
     faults = []
     for fault in records:
         started = float(fault["started"])
-        ended = float(fault.get("ended", started))
+        ended = max(started, min(float(fault.get("ended") if fault.get("ended") is not None else started), end))
         observed = None if back is None else back(fault, started, ended)
         faults.append(FaultSpan(target_index(fault.get("target")), started, ended, str(fault.get("kind")),
                             None if back is None else (math.inf if observed is None else observed)))
@@ -242,11 +254,13 @@ def _runtime(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, list[dict
     work: list[Work] = []
     per_learner = {}
     for learner_id, log in enumerate(logs):
-        nominal = log.nominal_step_s()
         computed = sum(1 for m in log.steps if start <= float(m["time"]) <= end)
+        measured = log.nominal_step_s()
+        nominal = booked_step_s(measured, computed, end - start)
         lost = _learner_losses(log, merged, learner_id)
         useful_steps = max(0.0, computed - sum(lost.values()))
-        per_learner[learner_id] = {"nominal_step_s": nominal, "computed_steps": computed,
+        per_learner[learner_id] = {"nominal_step_s": measured, "booked_step_s": nominal,
+                                   "computed_steps": computed,
                                    "lost_steps": lost, "useful_s": useful_steps * nominal,
                                    "incarnations": len(log.incarnations)}
         work.append(Work(learner_id, "kept", useful_steps * nominal))
@@ -260,7 +274,7 @@ def _runtime(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, list[dict
     commits = sorted((e for e in syncer_events if e.get("event") == "commit"), key=lambda e: float(e["time"]))
     advances = [Advance(float(e["time"]), tuple(int(i) for i in e.get("learners", [])))
                 for e in commits if start <= float(e["time"]) <= end]
-    fault_records, faults = _faults(system_dir)
+    fault_records, faults = _faults(system_dir, end)
     events = EventLog(num_learners=num_learners, start_s=start, end_s=end, uptime_bin_s=uptime_bin_s,
                       work=tuple(work), advances=tuple(advances), faults=tuple(faults),
                       categories=RUNTIME_CATEGORIES)
@@ -318,11 +332,12 @@ def _data_parallel(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, lis
     starts = [float(lines[0]["time"]) - float(lines[0][f"dp/{r}/step_s"]) for r, lines in ranks.items() if lines]
     start = min(starts, default=float(info["started"]))
     end = max(start, end)
-    nominal = _median(_step_gaps(rank0)) if len(rank0) > 1 else _median([float(m["dp/0/step_s"]) for m in rank0])
+    measured = _median(_step_gaps(rank0)) if len(rank0) > 1 else _median([float(m["dp/0/step_s"]) for m in rank0])
 
     events = read_jsonl(system_dir / "metrics.jsonl")
     attempt_starts = sorted((e for e in events if e.get("event") == "attempt_start"), key=lambda e: int(e["attempt"]))
     in_window = [m for m in rank0 if start <= float(m["time"]) <= end]
+    nominal = booked_step_s(measured, len(in_window), end - start)
     kept = account_steps([(int(m.get("attempt", 0)), int(m["step"])) for m in in_window],
                          {int(a["attempt"]): int(a["from_step"]) for a in attempt_starts}).kept
     advances, high = [], -math.inf
@@ -345,7 +360,7 @@ def _data_parallel(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, lis
                          and int(m.get("attempt", 0)) >= int(restarted["attempt"])), None)
         return None if step is None else float(step["time"])
 
-    fault_records, faults = _faults(system_dir, back)
+    fault_records, faults = _faults(system_dir, end, back)
     log = EventLog(num_learners=num_ranks, start_s=start, end_s=end, uptime_bin_s=uptime_bin_s, work=tuple(work),
                    advances=tuple(advances), faults=tuple(faults), categories=DATA_PARALLEL_CATEGORIES)
 
@@ -358,7 +373,8 @@ def _data_parallel(system_dir: Path, uptime_bin_s: float) -> tuple[EventLog, lis
         "system": info.get("system", DATA_PARALLEL), "num_learners": num_ranks,
         "work_s": {"computed": num_ranks * len(in_window) * nominal,
                    "rolled_back": num_ranks * (len(in_window) - kept) * nominal, "useful": useful},
-        "useful_learner_s": useful, "nominal_step_s": nominal, "kept_steps": kept, "computed_steps": len(in_window),
+        "useful_learner_s": useful, "nominal_step_s": measured, "booked_step_s": nominal, "kept_steps": kept,
+        "computed_steps": len(in_window),
         "val_loss": val_loss, "final_val_loss": val_loss[-1][1] if val_loss else summary.get("final_val_loss"),
         "rounds_per_min": _per_minute(kept, log.window_s), "progress_unit": "kept steps",
         "progress": [[float(m["time"]) - start, int(m["step"])] for m in in_window],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,16 @@ CHAOS_HEARTBEAT_TIMEOUT_S = 5.0
 CHAOS_HEARTBEAT_EVERY_S = 1.0
 SOAK_WATCHDOG_S = 60.0
 """A soak fails when no round commits for this long."""
+DEFAULT_DURATION_S = 120.0
+"""Seconds each system trains under a drawn plan (`--mtbi-per-chip`, `--soak`) without `--duration`."""
+DEFAULT_PLAN_SEED = 0
+DEFAULT_KILL_EVERY_S = 10.0
+DEFAULT_CHIPS_PER_LEARNER = 1
+DEFAULT_CRASH_RECOVERY = "held"
+DRAWN_ONLY = {"chips_per_learner": "--chips-per-learner", "recovery_scale_s": "--recovery-scale-s",
+              "crash_recovery": "--crash-recovery"}
+"""Flags that shape a plan drawn from the failure model, and mean nothing without `--mtbi-per-chip`. They default
+to None, so that one given with another plan is refused rather than ignored."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,18 +63,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "for --duration, with a watchdog (--watchdog-s) that fails the run if no round commits")
     source.add_argument("--mtbi-per-chip", type=float, default=None, metavar="SECONDS",
                         help="draw crashes from a failure model: mean time between interruptions of one chip")
-    parser.add_argument("--chips-per-learner", type=int, default=1,
+    parser.add_argument("--chips-per-learner", type=int, default=None,
                         help="with --mtbi-per-chip: chips per learner; a learner fails at chips / mtbi (default 1)")
     parser.add_argument("--recovery-scale-s", type=float, default=None,
                         help="with --mtbi-per-chip: scale of the exponentiated-Weibull recovery time")
-    parser.add_argument("--crash-recovery", choices=("held", "restart"), default="held",
+    parser.add_argument("--crash-recovery", choices=("held", "restart"), default=None,
                         help="with --mtbi-per-chip: 'held' keeps a crashed learner down for a drawn recovery time "
                              "(a machine being replaced); 'restart' restarts it at once (a process crash) "
                              "(default: held)")
     parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                         help="seconds each system trains under the plan (default: the plan's, or 120)")
-    parser.add_argument("--plan-seed", type=int, default=0, help="seed of a drawn plan and of drop/corrupt draws")
-    parser.add_argument("--kill-every-s", type=float, default=10.0,
+    parser.add_argument("--plan-seed", type=int, default=None,
+                        help="with --mtbi-per-chip or --soak: seed of the drawn plan (default 0)")
+    parser.add_argument("--kill-every-s", type=float, default=None,
                         help="with --soak: mean seconds between kills (default 10)")
     parser.add_argument("--systems", default=",".join(_systems()),
                         help="comma-separated systems to run (default: all: %(default)s)")
@@ -100,32 +112,87 @@ def _systems() -> tuple[str, ...]:
     return SYSTEMS
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse, in one line naming it, a flag the chosen plan or the chaos run would silently ignore."""
+    from ddiloco.run_config import MAX_SEED
+
+    if getattr(args, "inner_steps", None) is not None:
+        raise ValueError(f"--inner-steps {args.inner_steps} is invalid for ddiloco chaos: each system trains for the "
+                         "plan's duration, not an inner-step budget: give --duration SECONDS instead")
+    if args.mtbi_per_chip is None:
+        for name, flag in DRAWN_ONLY.items():
+            if getattr(args, name) is not None:
+                raise ValueError(f"{flag} applies only to a plan drawn with --mtbi-per-chip: drop it, or draw the "
+                                 "plan with --mtbi-per-chip SECONDS")
+    if args.kill_every_s is not None and not args.soak:
+        raise ValueError("--kill-every-s applies only to --soak: drop it, or run a soak with --soak")
+    if args.plan_seed is not None:
+        if args.mtbi_per_chip is None and not args.soak:
+            raise ValueError("--plan-seed seeds a drawn plan (--mtbi-per-chip, --soak): "
+                             + ("a plan file is not drawn: drop it" if args.plan is not None else
+                                "the --quick plan is fixed: drop it" if args.quick else "drop it"))
+        if not 0 <= args.plan_seed <= MAX_SEED:
+            raise ValueError(f"--plan-seed {args.plan_seed} is invalid: expected an integer in 0..{MAX_SEED} "
+                             "(2**63 - 1)")
+    checks = (("--duration", args.duration, "seconds > 0"), ("--mtbi-per-chip", args.mtbi_per_chip, "seconds > 0"),
+              ("--kill-every-s", args.kill_every_s, "seconds > 0"),
+              ("--recovery-scale-s", args.recovery_scale_s, "seconds > 0"))
+    for flag, value, expected in checks:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value:g} is invalid: expected {expected}")
+    if args.chips_per_learner is not None and args.chips_per_learner < 1:
+        raise ValueError(f"--chips-per-learner {args.chips_per_learner} is invalid: expected an integer >= 1")
+
+
 def _run_config(args: argparse.Namespace) -> Any:
+    """The run config every system starts from (`runner.unbounded`: a chaos run ends at its plan's duration, and the
+    saved config says so): `--config FILE` or the defaults, the chaos heartbeat defaults for whichever heartbeat field
+    the file does not set, then the flags."""
+    from ddiloco.chaos.runner import unbounded
     from ddiloco.run_config import RunConfig, run_config_from_args
 
     base = RunConfig.load(args.config) if args.config is not None else RunConfig()
-    if args.config is None:
+    raw = json.loads(args.config.read_text(encoding="utf-8")) if args.config is not None else {}
+    quorum, learner = raw.get("quorum"), raw.get("learner")
+    if not (isinstance(quorum, dict) and "heartbeat_timeout_s" in quorum):
         base = dataclasses.replace(
-            base, quorum=dataclasses.replace(base.quorum, heartbeat_timeout_s=CHAOS_HEARTBEAT_TIMEOUT_S),
-            learner=dataclasses.replace(base.learner, heartbeat_every_s=CHAOS_HEARTBEAT_EVERY_S))
-    return run_config_from_args(args, base)
+            base, quorum=dataclasses.replace(base.quorum, heartbeat_timeout_s=CHAOS_HEARTBEAT_TIMEOUT_S))
+    if not (isinstance(learner, dict) and "heartbeat_every_s" in learner):
+        base = dataclasses.replace(
+            base, learner=dataclasses.replace(base.learner, heartbeat_every_s=CHAOS_HEARTBEAT_EVERY_S))
+    return unbounded(run_config_from_args(args, base))
+
+
+def _drawn_duration_s(args: argparse.Namespace, source: str) -> float:
+    """The duration of a drawn plan: long enough for the quiet start and end it keeps (`--duration` named if not)."""
+    from ddiloco.chaos.plan import DRAWN_MARGIN_S, DRAWN_START_AFTER_S
+
+    duration_s = args.duration if args.duration is not None else DEFAULT_DURATION_S
+    shortest_s = DRAWN_START_AFTER_S + DRAWN_MARGIN_S
+    if duration_s <= shortest_s:
+        raise ValueError(f"--duration {duration_s:g} is too short for {source}: faults are drawn from "
+                         f"{DRAWN_START_AFTER_S:g} s after the start to {DRAWN_MARGIN_S:g} s before the end: expected "
+                         f"--duration > {shortest_s:g} s")
+    return duration_s
 
 
 def _plan(args: argparse.Namespace, num_learners: int) -> Any:
     from ddiloco.chaos import plan as plans
 
+    seed = DEFAULT_PLAN_SEED if args.plan_seed is None else args.plan_seed
     if args.plan is not None or args.quick:
-        plan = plans.load_plan(args.plan, num_learners) if args.plan is not None else plans.quick_plan(
-            num_learners, seed=args.plan_seed)
+        plan = plans.load_plan(args.plan, num_learners) if args.plan is not None else plans.quick_plan(num_learners)
         return plan if args.duration is None else dataclasses.replace(plan, duration_s=args.duration)
     if args.soak:
-        return plans.soak_plan(args.duration or 120.0, num_learners, kill_every_s=args.kill_every_s,
-                               seed=args.plan_seed)
+        kill_every_s = DEFAULT_KILL_EVERY_S if args.kill_every_s is None else args.kill_every_s
+        return plans.soak_plan(_drawn_duration_s(args, "--soak"), num_learners, kill_every_s=kill_every_s, seed=seed)
     if args.mtbi_per_chip is not None:
         extra = {} if args.recovery_scale_s is None else {"recovery_scale_s": args.recovery_scale_s}
-        return plans.model_plan(duration_s=args.duration or 120.0, num_learners=num_learners,
-                                mtbi_per_chip_s=args.mtbi_per_chip, chips_per_learner=args.chips_per_learner,
-                                seed=args.plan_seed, restart=args.crash_recovery == "restart", **extra)
+        chips = DEFAULT_CHIPS_PER_LEARNER if args.chips_per_learner is None else args.chips_per_learner
+        recovery = DEFAULT_CRASH_RECOVERY if args.crash_recovery is None else args.crash_recovery
+        return plans.model_plan(duration_s=_drawn_duration_s(args, "--mtbi-per-chip"), num_learners=num_learners,
+                                mtbi_per_chip_s=args.mtbi_per_chip, chips_per_learner=chips, seed=seed,
+                                restart=recovery == "restart", **extra)
     raise ValueError("no fault plan: give --plan FILE, --quick, --soak, or --mtbi-per-chip SECONDS")
 
 
@@ -147,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
 
     systems = _parse_systems(args.systems)
+    _check_flags(args)
     config = _run_config(args)
     plan = _plan(args, config.num_learners)
     settings = _chaos_settings(args)

@@ -51,8 +51,8 @@ _PLAN_KEYS = {"duration", "faults", "seed"}
 
 # ---- the user format ----------------------------------------------------------------------------------
 
-def parse_time_s(value: Any, what: str) -> float:
-    """A number of seconds, or a string with a unit: `200ms`, `20s`, `2min`."""
+def parse_time_s(value: Any, what: str, *, positive: bool = False) -> float:
+    """A number of seconds, or a string with a unit: `200ms`, `20s`, `2min`; finite, >= 0 (> 0 if `positive`)."""
     if isinstance(value, bool):
         raise ValueError(f"{what} {value!r} is invalid: expected seconds or a time such as 20s, 200ms, 2min")
     if isinstance(value, int | float):
@@ -62,8 +62,8 @@ def parse_time_s(value: Any, what: str) -> float:
         if match is None or match.group(2) not in _TIME_UNITS:
             raise ValueError(f"{what} {value!r} is invalid: expected seconds or a time such as 20s, 200ms, 2min")
         seconds = float(match.group(1)) * _TIME_UNITS[match.group(2)]
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{what} {value!r} is invalid: expected a time >= 0")
+    if not (math.isfinite(seconds) and (seconds > 0 if positive else seconds >= 0)):
+        raise ValueError(f"{what} {value!r} is invalid: expected a time {'>' if positive else '>='} 0")
     return seconds
 
 
@@ -120,7 +120,8 @@ def fault_from_user(entry: Any) -> Fault:
     elif kind == "bandwidth" and value is not None:
         value = parse_bandwidth_bytes_per_s(value)
     elif value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise ValueError(f"{VALUE_KEYS[kind]} {value!r} is invalid for {kind}: expected {VALUE_EXPECTED[kind]}")
+        raise ValueError(f"{VALUE_KEYS[kind]} {value!r} is invalid for {kind}: it is not a number{_text_hint(value)}; "
+                         f"expected {VALUE_EXPECTED[kind]}")
     restart = entry.get("restart", True)
     if not isinstance(restart, bool):
         raise ValueError(f"restart {restart!r} is invalid: expected true or false")
@@ -129,6 +130,15 @@ def fault_from_user(entry: Any) -> Fault:
     return Fault(at_s=parse_time_s(entry["at"], "at"), kind=kind, target=parse_target(entry.get("target"), kind),
                  duration_s=parse_time_s(entry.get("duration", 0), "duration"), restart=restart,
                  value=None if value is None else float(value))
+
+
+def _text_hint(value: Any) -> str:
+    """Why a number may have been read as text: YAML 1.1 takes an exponent without a dot (1e308) for a string."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return ""
+    return " (YAML reads a number with an exponent but no dot, such as 1e3, as text: write 1.0e3)"
 
 
 def load_plan(path: str | Path, num_learners: int) -> FaultPlan:
@@ -154,11 +164,9 @@ def load_plan(path: str | Path, num_learners: int) -> FaultPlan:
     if "duration" not in data:
         raise ValueError(f"{name}: duration is missing: expected how long each system runs, e.g. duration: 120s")
     try:
-        duration_s = parse_time_s(data["duration"], "duration")
+        duration_s = parse_time_s(data["duration"], "duration", positive=True)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
-    if duration_s <= 0:
-        raise ValueError(f"{name}: duration {data['duration']!r} is invalid: expected a time > 0")
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"{name}: seed {seed!r} is invalid: expected an integer")
@@ -211,6 +219,10 @@ def quick_plan(num_learners: int, *, seed: int = 0) -> FaultPlan:
 
 # ---- the failure model --------------------------------------------------------------------------------
 
+DRAWN_START_AFTER_S = 10.0
+"""A drawn plan (failure model, soak) injects nothing in its first seconds: start-up is set-up."""
+DRAWN_MARGIN_S = 10.0
+"""...nor in its last ones: the margin leaves time to see the last recovery."""
 DEFAULT_VALUES = {"straggler": 3.0, "latency": 0.2, "bandwidth": 1.25e6, "drop": 0.5, "corrupt": 0.5}
 """Parameters of drawn faults other than crash: 3x slower, 200 ms, 10 Mbit/s, half the messages."""
 DOWN_KINDS = ("crash", "hang")
@@ -218,7 +230,8 @@ DOWN_KINDS = ("crash", "hang")
 
 
 def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chips_per_learner: int, seed: int, *,
-               start_after_s: float = 10.0, margin_s: float = 10.0, recovery_scale_s: float = 10.0,
+               start_after_s: float = DRAWN_START_AFTER_S, margin_s: float = DRAWN_MARGIN_S,
+               recovery_scale_s: float = 10.0,
                recovery_shape: float = 0.8, recovery_exponent: float = 1.5, max_recovery_s: float = 300.0,
                max_down_at_once: int | None = None, kind_weights: Mapping[str, float] | None = None,
                restart: bool = False) -> FaultPlan:
@@ -296,7 +309,7 @@ def model_plan(duration_s: float, num_learners: int, mtbi_per_chip_s: float, chi
 # ---- the soak ------------------------------------------------------------------------------------------
 
 def soak_plan(duration_s: float, num_learners: int, *, kill_every_s: float, seed: int,
-              start_after_s: float = 10.0, margin_s: float = 10.0) -> FaultPlan:
+              start_after_s: float = DRAWN_START_AFTER_S, margin_s: float = DRAWN_MARGIN_S) -> FaultPlan:
     """Process kills at random for a soak run (`ddiloco chaos --soak`): gaps between kills exponential with mean
     `kill_every_s`, within [start_after_s, duration_s - margin_s], each a `kill -9` of a learner (restarted at
     once by the supervisor) or of the syncer (`syncer_crash`), the target uniform over the M learners and the

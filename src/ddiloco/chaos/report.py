@@ -28,7 +28,8 @@ DEFINITIONS = """\
   Welcome, accepted but never merged), each fragment weighted by its share of the parameters, times the
   learner's nominal step time. Data-parallel: steps kept (not rolled back by a restart) x nominal step
   time. Nominal step time: the median interval between consecutive steps, so slowed, waiting or hung
-  steps count only a normal step's worth.
+  steps count only a normal step's worth; at most the window / the steps in it, so that no learner is
+  booked more than the window.
 - **uptime**: share of the window's bins in which the global model advanced (a committed round; DP: a
   step above every earlier one); the definitions are `ddiloco.goodput`'s.
 - **stall**: from a fault's start to the next advance of the global model; **rejoin**: from its end to

@@ -38,16 +38,22 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from ddiloco.runtime.run_dir import prepare_run_dir
+    from ddiloco.run_config import MAX_SEED
+    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
 
     # One thread: the harness is deterministic per thread count, and the machine is shared (docs/architecture.md).
     torch.set_num_threads(1)
-    if args.seed < 0:
-        raise ValueError(f"--seed={args.seed} is invalid: expected an integer >= 0")
+    # The generators take 64-bit seeds: a larger one fails deep inside the first system's run.
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed {args.seed} is invalid: expected an integer in 0..{MAX_SEED} (2**63 - 1)")
     out_dir = args.out or Path("runs") / f"experiment-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # Before the experiment, which takes minutes: a file, /dev/null or a read-only folder is one line now.
+    # Before the experiment, which takes minutes: a file, /dev/null, a read-only folder or one holding another
+    # run's files (which this one's would mix with) is one line now.
+    require_directory(out_dir, flag="--out")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"run directory {out_dir} already exists and is not empty: choose another --out")
     prepare_run_dir(out_dir, flag="--out")
     errors = Console(stderr=True)
     result = run_experiment(args.name, quick=args.quick, seed=args.seed,
