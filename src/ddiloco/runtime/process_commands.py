@@ -262,7 +262,7 @@ def _save_run_config(run_dir: Path, run_config: RunConfig) -> None:
 def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import read_ca_file, token_for_learner
     from ddiloco.transport.grpc_client import parse_addresses
-    from ddiloco.transport.link import parse_link
+    from ddiloco.transport.link import check_link, parse_link
 
     run_config = resolve_run_config(settings, args)
     refused = fixed_settings_refused(Path(settings.run_dir), run_config)
@@ -274,7 +274,9 @@ def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
         token_for_learner(token, settings.learner_id)  # another learner's token: refused here, not in a thread
     parse_addresses(settings.syncer)
     if settings.link:
-        parse_link(settings.link)
+        # The Welcome's duration is the session's to say (it knows the model); the latency is refused here, before
+        # torch is set up, as a bad flag.
+        check_link(parse_link(settings.link), heartbeat_timeout_s=run_config.quorum.heartbeat_timeout_s)
     tls_ca = read_ca_file(settings.tls_ca)
     threads = settings.threads or max(1, (os.cpu_count() or 1) // run_config.num_learners)
     _set_threads(threads)  # before any torch work (docs/architecture.md)
@@ -299,6 +301,7 @@ def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
 # ---- ddiloco evaluator ------------------------------------------------------------------------------------
 
 def run_evaluator(settings: EvaluatorSettings, args: argparse.Namespace) -> int:
+    from ddiloco.transport.auth import read_ca_file
     from ddiloco.transport.grpc_client import parse_addresses
 
     run_config = resolve_run_config(settings, args)
@@ -307,11 +310,13 @@ def run_evaluator(settings: EvaluatorSettings, args: argparse.Namespace) -> int:
             run_config.learner, connect_timeout_s=settings.connect_timeout_s))
     token = read_token(settings)
     parse_addresses(settings.syncer)
+    read_ca_file(settings.tls_ca)  # a file that is not a PEM certificate: refused here, before torch is set up
     _set_threads(settings.threads)
     from ddiloco.train_tinygpt import evaluate_global
 
     evaluate_global(run_config, device=settings.device, syncer=settings.syncer, run_dir=Path(settings.run_dir),
-                    token=token, every_s=settings.every_s)
+                    token=token, every_s=settings.every_s, tls_ca=settings.tls_ca,
+                    tls_server_name=settings.tls_server_name)
     return 0
 
 

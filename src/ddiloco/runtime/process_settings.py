@@ -119,6 +119,7 @@ class LearnerSettings(ProcessSettings):
         require(isinstance(self.device, str) and bool(self.device), "device", self.device, "a torch device")
         require_positive("checkpoint_every_s", self.checkpoint_every_s, "seconds")
         require_positive("status_every_s", self.status_every_s, "seconds")
+        _check_tls_client(self.tls_ca, self.tls_server_name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +137,10 @@ class EvaluatorSettings(ProcessSettings):
     connect_timeout_s: float | None = setting(None, metavar="SECONDS")
     """give up (exit status 4) on a syncer that never answered after this many seconds; 0: never; default: the run
     config's learner.connect_timeout_s (120 s), as a learner"""
+    tls_ca: str | None = setting(None, metavar="FILE")
+    """PEM CA certificate: connect over TLS, verifying the syncer"""
+    tls_server_name: str | None = setting(None, metavar="NAME")
+    """name to verify in the syncer's certificate, if not the --syncer host"""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,6 +150,14 @@ class EvaluatorSettings(ProcessSettings):
             require_at_least("connect_timeout_s", self.connect_timeout_s, 0, "seconds (0: never give up)")
         require_int("threads", self.threads, minimum=1)
         require(isinstance(self.device, str) and bool(self.device), "device", self.device, "a torch device")
+        _check_tls_client(self.tls_ca, self.tls_server_name)
+
+
+def _check_tls_client(tls_ca: str | None, tls_server_name: str | None) -> None:
+    """A name to verify in the syncer's certificate means nothing without TLS: refused rather than ignored."""
+    if tls_server_name is not None and tls_ca is None:
+        raise invalid("tls_server_name", tls_server_name, "no tls_server_name without tls_ca: the name is verified "
+                      "only over TLS; give tls_ca too, or drop tls_server_name")
 
 
 # ---- the settings file -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import ssl
 import stat
 from pathlib import Path
 
@@ -128,21 +129,55 @@ def check_bind(bind: str, token: str | None, *, allow_no_token: bool) -> None:
 
 
 def read_tls_files(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
-    """(key PEM, certificate PEM) for the server, or None without TLS."""
+    """(key PEM, certificate PEM) for the server, or None without TLS. Both are parsed here, and the key checked
+    against the certificate, so that a wrong file is named at the start (gRPC's own error is "Failed to bind to
+    address", after a C-core line on stderr)."""
     if cert is None and key is None:
         return None
     if cert is None or key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     try:
-        return Path(key).read_bytes(), Path(cert).read_bytes()
+        key_pem, cert_pem = Path(key).read_bytes(), Path(cert).read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read TLS file: {exc}") from None
+    _check_certificates(cert_pem, f"--tls-cert {cert}")
+    _check_key_pair(cert, key, key_pem)
+    return key_pem, cert_pem
 
 
 def read_ca_file(path: str | None) -> bytes | None:
+    """The PEM certificates a client verifies the syncer with (`--tls-ca`), or None without TLS. A file that holds
+    no PEM certificate is refused here, not after the connect timeout ("Failed to create security handshaker")."""
     if path is None:
         return None
     try:
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read --tls-ca file: {exc}") from None
+    _check_certificates(data, f"--tls-ca {path}")
+    return data
+
+
+def _check_certificates(pem: bytes, source: str) -> None:
+    """ValueError naming `source` unless `pem` holds PEM certificates OpenSSL can parse."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError, ValueError):
+        raise ValueError(f"{source} holds no PEM certificate (expected a file starting with "
+                         "-----BEGIN CERTIFICATE-----)") from None
+
+
+def _check_key_pair(cert: str, key: str, key_pem: bytes) -> None:
+    """ValueError unless `key` is an unencrypted PEM private key that belongs to the certificate in `cert`."""
+    if b"ENCRYPTED" in key_pem:
+        raise ValueError(f"--tls-key {key} is encrypted: gRPC needs it without a passphrase "
+                         f"(`openssl pkey -in {key} -out plain.pem`)")
+    if b"PRIVATE KEY-----" not in key_pem:
+        raise ValueError(f"--tls-key {key} holds no PEM private key (expected a file starting with "
+                         "-----BEGIN PRIVATE KEY-----)")
+    try:
+        # The password callback only answers a key that asks for one (never a prompt on the terminal).
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, OSError):
+        raise ValueError(f"--tls-key {key} does not match --tls-cert {cert} (or is damaged): give the private key "
+                         "the certificate was made with") from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import secrets
 import socket
@@ -48,13 +49,17 @@ from ddiloco.transport.grpc_codec import (
     flip_data_byte,
 )
 from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, NO_GENESIS, REASON_KEY, SCHEMA_KEY, SESSION_KEY, TOKEN_KEY
-from ddiloco.transport.link import EmulatedLink, unlimited_link
+from ddiloco.transport.link import EmulatedLink, check_link, unlimited_link
 from ddiloco.transport.syncer_stream import SyncerStreamDecoder
+
+logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 """Deadline of the short calls (heartbeat, leave, status)."""
 PUSH_TIMEOUT_S = 60.0
 """Deadline of one update upload (generous: an emulated slow link takes its time)."""
+FLOAT32_BYTES = 4
+"""A Welcome carries the global model as float32."""
 
 
 class Fault(enum.Enum):
@@ -133,6 +138,37 @@ UNREACHABLE_WARN_AFTER = 3
 ordinary cost of a channel reconnecting, not news (each attempt is logged at DEBUG)."""
 UNREACHABLE_WARN_EVERY_S = 30.0
 """While the syncer stays unreachable the warning is repeated at most this often, not once per attempt."""
+HANDSHAKE_GIVE_UP_AFTER = 3
+"""Failed TLS handshakes of one kind after which a learner that never reached its syncer gives up, at once rather
+than after its connect timeout: a certificate, a name or a protocol that does not match stays so until someone
+changes a flag, whereas a syncer that restarts refuses connections for a while (`Connection refused`, retried).
+More than one: a syncer killed in the middle of a handshake cuts one short."""
+
+_HANDSHAKE_FAILURES = (
+    (("CERTIFICATE_VERIFY_FAILED",),
+     "the syncer's certificate is not signed by the CA this process trusts: give --tls-ca the certificate of the CA "
+     "that signed the syncer's --tls-cert (for a self-signed certificate, that certificate itself)"),
+    (("Hostname Verification Check failed", "is not in peer certificate"),
+     "the syncer's certificate does not name the host dialled: give --tls-server-name a name the certificate holds "
+     "(its subjectAltName), or dial the syncer by that name"),
+    (("WRONG_VERSION_NUMBER",),
+     "the syncer does not speak TLS but this process does: TLS is on one side only; drop --tls-ca, or start the "
+     "syncer with --tls-cert and --tls-key"),
+    (("Socket closed",),
+     "the syncer closes every connection before answering: if it serves TLS (--tls-cert), TLS is on one side only "
+     "and this process needs --tls-ca with the CA that signed its certificate; else check that the address is the "
+     "syncer's"),
+)
+"""(what gRPC's error says, the likely fix) of a handshake that will fail again the same way."""
+
+
+def handshake_failure(error: str) -> str | None:
+    """The likely fix when the transport error `error` is a TLS handshake that will fail again (an untrusted
+    certificate, a name it does not hold, TLS on one side only), else None."""
+    for marks, fix in _HANDSHAKE_FAILURES:
+        if any(mark in error for mark in marks):
+            return fix
+    return None
 
 
 @dataclass(frozen=True)
@@ -153,6 +189,11 @@ class ConnectWatch:
     that has had an answer retries forever: a syncer restarting mid-run comes back on the same address,
     and its learners must come back to it however long that takes. Either way it warns after
     `UNREACHABLE_WARN_AFTER` failed attempts in a row, then at most every `UNREACHABLE_WARN_EVERY_S`.
+
+    A TLS handshake that fails is not a syncer that is away (`handshake_failure`): one that never answered gives up
+    after `HANDSHAKE_GIVE_UP_AFTER` such failures of one kind, naming the likely fix (the CA file,
+    `--tls-server-name`, TLS on one side only); one that has answered before keeps retrying (a syncer restarted
+    with the wrong certificate can be restarted again with the right one), its warnings naming the fix.
     """
 
     def __init__(self, address: str, *, connect_timeout_s: float, started_at: float) -> None:
@@ -165,12 +206,15 @@ class ConnectWatch:
         self._failures = 0
         self._failing_since = started_at
         self._warned_at: float | None = None
+        self._handshakes: dict[str, int] = {}
+        """Failed TLS handshakes since the syncer last answered, by their likely fix."""
 
     def reached(self) -> None:
         """The syncer answered (a Welcome, or any reply that is not a transport error)."""
         self.ever_reached = True
         self._failures = 0
         self._warned_at = None
+        self._handshakes.clear()
 
     def failed(self, now: float, error: str) -> Verdict:
         """One more attempt failed with `error` (a transport error: the syncer did not answer)."""
@@ -178,9 +222,19 @@ class ConnectWatch:
             self._failing_since = now if self.ever_reached else self.started_at
         self._failures += 1
         waited_s = now - self._failing_since
+        fix = handshake_failure(error)
+        if fix is not None:
+            self._handshakes[fix] = self._handshakes.get(fix, 0) + 1
+            if not self.ever_reached and self._handshakes[fix] >= HANDSHAKE_GIVE_UP_AFTER:
+                return Verdict(give_up=f"cannot connect to the syncer at {self.address}: the TLS handshake failed "
+                                       f"{self._handshakes[fix]} times; {fix} (last error: {error})")
+        # A host name with several addresses may end on one that refuses (IPv6 ::1) after one that failed the
+        # handshake: the handshake is the news.
+        seen = f"; {max(self._handshakes, key=self._handshakes.__getitem__)}" if self._handshakes else ""
         if not self.ever_reached and self.connect_timeout_s > 0 and now - self.started_at >= self.connect_timeout_s:
             return Verdict(give_up=f"cannot reach the syncer at {self.address}: no answer in "
-                                   f"{self.connect_timeout_s:g} s ({self._failures} attempts; last error: {error}). "
+                                   f"{self.connect_timeout_s:g} s ({self._failures} attempts; last error: "
+                                   f"{error}{seen}). "
                                    f"Check the address, and that the syncer runs and can be reached from here; "
                                    f"the bound is the run config's learner.connect_timeout_s "
                                    f"(--connect-timeout-s; 0: none)")
@@ -191,11 +245,11 @@ class ConnectWatch:
         self._warned_at = now
         if self.ever_reached:
             return Verdict(warning=f"lost the syncer at {self.address} {_seconds(waited_s)} s ago ({self._failures} "
-                                   f"attempts; last error: {error}); retrying until it answers")
+                                   f"attempts; last error: {error}{seen}); retrying until it answers")
         bound = (f"giving up {self.connect_timeout_s:g} s after the start" if self.connect_timeout_s > 0
                  else "without a bound")
         return Verdict(warning=f"cannot reach the syncer at {self.address} for {_seconds(waited_s)} s "
-                               f"({self._failures} attempts; last error: {error}); retrying, {bound}")
+                               f"({self._failures} attempts; last error: {error}{seen}); retrying, {bound}")
 
 
 def _seconds(value_s: float) -> str:
@@ -219,12 +273,19 @@ class SyncerClient:
                  tls_root_certificates: bytes | None = None, tls_server_name: str | None = None,
                  link: EmulatedLink | None = None) -> None:
         """`address`: HOST:PORT, or several separated by commas (a syncer and its standbys on other hosts): the
-        client dials the first and moves to the next when one cannot be reached (`next_address`)."""
+        client dials the first and moves to the next when one cannot be reached (`next_address`).
+        `tls_server_name`: the name to verify in the syncer's certificate; only with `tls_root_certificates`."""
+        if tls_server_name and tls_root_certificates is None:
+            raise ValueError(f"--tls-server-name {tls_server_name} is given without --tls-ca: the name is verified "
+                             "only over TLS; give --tls-ca too (or drop --tls-server-name)")
         self.addresses = parse_addresses(address)
         self.address = self.addresses[0]
         self.model = model
         self.diloco_config = diloco_config
         self.link = link or unlimited_link()
+        slow = check_link(self.link.spec, model_bytes=sum(t.numel for t in model.spec.tensors) * FLOAT32_BYTES)
+        if slow is not None:
+            logger.warning("%s", slow)
         self._tls = (tls_root_certificates, tls_server_name)
         self._channel, self._stub = self._connect(self.address)
         self._token = token

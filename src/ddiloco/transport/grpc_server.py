@@ -121,7 +121,9 @@ class SyncerServer:
             else:
                 port = server.add_secure_port(bind, grpc.ssl_server_credentials([tls]))
         except RuntimeError as exc:
-            raise ValueError(f"cannot listen on {bind}: {exc}") from None
+            # `read_tls_files` has parsed the certificate and key and matched them: what is left is the address.
+            over = " over TLS" if tls is not None else ""
+            raise ValueError(f"cannot listen on {bind}{over}: {exc}") from None
         if port == 0:
             raise ValueError(f"cannot listen on {bind}: the address is in use or invalid")
         await server.start()

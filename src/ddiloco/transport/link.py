@@ -10,9 +10,10 @@ allowance) followed by a fixed one-way latency:
 
 Messages queue behind each other in the bucket, as on a real link, while latencies overlap (a
 message does not wait for the previous one's propagation). `parse_link("2.5gbit,40ms")` reads the
-command-line form. The link's config and its first-in-first-out queueing are `ddiloco.link_model`'s,
-shared with the virtual-time harness; this module adds the burst allowance, the faults and the clock,
-and the gRPC client applies it.
+command-line form, and `check_link` refuses a link on which a learner could never stay in its run (a latency
+past the heartbeat timeout) and warns of one that takes minutes to bring it the model. The link's config and
+its first-in-first-out queueing are `ddiloco.link_model`'s, shared with the virtual-time harness; this module
+adds the burst allowance, the faults and the clock, and the gRPC client applies it.
 
 Faults switched on while a process runs (a chaos run's control file, `ddiloco.fault_control`) reach
 the link through a `LinkFaults` object, queried per message: extra latency is added to the one-way
@@ -70,6 +71,55 @@ def parse_link(text: str) -> LinkConfig:
     if bandwidth <= 0:
         raise ValueError(f"link bandwidth {parts[0]!r} is invalid: expected more than 0")
     return LinkConfig(bandwidth_bps=bandwidth, latency_s=latency)
+
+
+WELCOME_WARN_S = 60.0
+"""A link that takes longer than this to bring a learner the global model (its Welcome) gets a warning at the
+learner's start: the learner stays `joining` all that time, and nothing else would say why."""
+
+
+def welcome_s(link: LinkConfig, model_bytes: int) -> float:
+    """Seconds `link` takes to bring a Welcome of `model_bytes` (the whole model as float32): its transfer at the
+    bandwidth, then the one-way latency."""
+    return link.transfer_time_s(model_bytes)
+
+
+def check_link(link: LinkConfig, *, heartbeat_timeout_s: float | None = None,
+               model_bytes: int | None = None) -> str | None:
+    """A learner's `--link` against its run, at the learner's start (and the launcher's, before it starts any).
+
+    Raises ValueError when the one-way latency is at least `heartbeat_timeout_s` (the run's
+    `quorum.heartbeat_timeout_s`): every message of the learner would reach the syncer after the syncer had
+    timed it out, so it would be dropped and re-join for ever, and the run make no round. Returns a warning line
+    when the Welcome of a model of `model_bytes` (float32) takes more than `WELCOME_WARN_S` over the link, else
+    None. Either check is skipped when its argument is None."""
+    if heartbeat_timeout_s is not None and link.latency_s >= heartbeat_timeout_s:
+        raise ValueError(f"link latency {_duration(link.latency_s)} is invalid: it must be below the run's heartbeat "
+                         f"timeout ({_duration(heartbeat_timeout_s)}), else the syncer drops the learner before its "
+                         "messages arrive and the run makes no round; use a shorter latency, or a longer "
+                         "--heartbeat-timeout-s")
+    if model_bytes is not None and (seconds := welcome_s(link, model_bytes)) > WELCOME_WARN_S:
+        return (f"the link ({_rate(link.bandwidth_bps)}, {_duration(link.latency_s)} one way) takes about "
+                f"{_duration(seconds)} to bring the global model ({model_bytes / 1e6:.3g} MB as float32, the Welcome), "
+                "at the start and at every re-join: the learner stays `joining` until it has arrived")
+    return None
+
+
+def _rate(bandwidth_bps: float) -> str:
+    for unit, scale in (("gbit/s", 1e9), ("mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bandwidth_bps >= scale:
+            return f"{bandwidth_bps / scale:.3g} {unit}"
+    return f"{bandwidth_bps:.3g} bit/s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 class LinkFaults(Protocol):
