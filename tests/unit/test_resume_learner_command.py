@@ -53,7 +53,8 @@ def test_resume_without_a_command_runs_the_runs_own_and_one_that_differs_is_used
     run_dir = tmp_path / "run"
     assert run(fake_command, "--run-dir", str(run_dir), script=("python", "learner.py", "first")) == 0
     assert json.loads(RunPaths(run_dir).learner_command.read_text()) == {"command": ["python", "learner.py", "first"],
-                                                                          "cwd": str(tmp_path)}
+                                                                          "cwd": str(tmp_path), "nproc_per_learner": 1,
+                                                                          "device": "cpu"}
     capsys.readouterr()
 
     assert run(fake_command, "--resume", str(run_dir)) == 0

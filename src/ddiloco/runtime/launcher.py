@@ -79,8 +79,18 @@ def require_runnable(script: Sequence[str]) -> None:
                      "(e.g. -- python train.py)")
 
 
+BARE_CUDA = "cuda"
+"""A CUDA device without an index: the process's current GPU (`Launcher.rank_devices`)."""
 ENV_PREFIX = "DDILOCO_"
 """Prefix of the variables that tell a learner script its place in the run (`ddiloco.environment()`)."""
+TORCH_DISTRIBUTED_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                   "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                                   "MASTER_PORT"})
+TORCH_DISTRIBUTED_PREFIX = "TORCHELASTIC_"
+"""The variables torchrun gives its workers, which put a process in a torch.distributed job (`init_process_group`'s
+env:// rendezvous, `ddiloco.session`, torchelastic's agent store). A `ddiloco run` started inside a torchrun or SLURM
+job has them; none of its children belongs to that job, so `Launcher.start` leaves them out (a learner of several
+ranks gets its own group's from `ddiloco.runtime.rank_group`)."""
 STOP_POLL_S = 0.05
 """Poll interval while waiting for a signalled process group to go."""
 STOP_NOTICE_AFTER_S = 3.0
@@ -174,6 +184,12 @@ class RunPaths:
     def settings(self, name: str) -> Path:
         """Child `name`'s settings file (`ddiloco syncer|learner|evaluator --settings FILE`)."""
         return self.root / "settings" / f"{name}.json"
+
+
+def without_torch_distributed(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the torch.distributed job's variables (TORCH_DISTRIBUTED_ENV, TORCHELASTIC_*)."""
+    return {name: value for name, value in env.items()
+            if name not in TORCH_DISTRIBUTED_ENV and not name.startswith(TORCH_DISTRIBUTED_PREFIX)}
 
 
 def connect_address(bound: str) -> str:
@@ -418,9 +434,14 @@ class Launcher:
         return self.config.devices[learner_id % len(self.config.devices)]
 
     def rank_devices(self, learner_id: int) -> list[str]:
-        """The device of each rank of learner `learner_id` (the run's devices dealt round-robin over all ranks)."""
+        """The device of each rank of learner `learner_id`: the run's devices dealt round-robin over all ranks, rank r
+        of learner i getting `devices[(i x N + r) mod len(devices)]`, except that a bare `cuda` dealt to rank r of a
+        learner of several ranks is `cuda:r`. Plain `cuda` is each process's current GPU, cuda:0, so every rank
+        would share one (NCCL refuses that); `--device cuda --nproc-per-learner N` puts each learner's ranks on GPUs
+        0..N-1 of what the learner sees, which under Ray is the actor's own GPUs (its CUDA_VISIBLE_DEVICES)."""
         n = self.config.nproc_per_learner
-        return [self.config.devices[(learner_id * n + r) % len(self.config.devices)] for r in range(n)]
+        dealt = [self.config.devices[(learner_id * n + r) % len(self.config.devices)] for r in range(n)]
+        return [f"{BARE_CUDA}:{r}" if device == BARE_CUDA and n > 1 else device for r, device in enumerate(dealt)]
 
     def ranks_file(self, learner_id: int) -> Path:
         """Where a learner of several ranks lists their pids (`ddiloco.runtime.rank_group`)."""
@@ -488,10 +509,12 @@ class Launcher:
     def start(self, name: str, argv: list[str], threads: int, *, stdin_pipe: bool = False,
               env_extra: Mapping[str, str] | None = None) -> ChildProcess:
         """Start any child the way the run's own are started: own process group, log file, thread limits,
-        death with the launcher (the data-parallel baseline starts its ranks with it). `stdin_pipe`: a pipe
-        to its stdin instead of /dev/null (a standby reads its role there)."""
+        death with the launcher (the data-parallel baseline starts its ranks with it), and none of the
+        torch.distributed variables of a job this launcher runs in (`without_torch_distributed`: each learner would
+        otherwise set up a process group on that job's MASTER_PORT). `stdin_pipe`: a pipe to its stdin instead of
+        /dev/null (a standby reads its role there)."""
         log_path = self.paths.log(name)
-        env = dict(os.environ)
+        env = without_torch_distributed(os.environ)
         # OpenMP/MKL pools sized before torch even starts, matching --threads (docs/architecture.md).
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         env.update(self.config.extra_env)

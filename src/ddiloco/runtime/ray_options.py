@@ -92,7 +92,7 @@ def ray_options_from_args(args: argparse.Namespace) -> RayOptions | None:
                          "restarts a dead learner's or syncer's actor itself")
     options = RayOptions(address=args.ray, cpus_per_learner=args.cpus_per_learner,
                          gpus_per_learner=args.gpus_per_learner)
-    if options.gpus_per_learner > 0 and args.device != "cpu":
+    if options.gpus_per_learner > 0 and args.device not in (None, "cpu"):  # None: not given (`ddiloco run`)
         raise ValueError(f"--device {args.device} cannot be combined with --gpus-per-learner: each learner uses the "
                          "GPUs Ray gives it (cuda, made visible by CUDA_VISIBLE_DEVICES)")
     import_ray()

@@ -1,11 +1,12 @@
 """`ddiloco run`: the main job. One command starts a syncer and M learners on this machine.
 
 Resolves the run config (defaults, `--config FILE`, or the run directory's own `config.json` with
-`--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`) and the
-learner command (on `--resume` without one, the run's own), checks the run directory can be written (and, on
-`--resume`, that the run is not still going) and the command's program exists, and only then writes
-`DIR/config.json`, which every child reads, and the command's record (`run_dir`). Then it
-supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
+`--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`), the
+learner command (on `--resume` without one, the run's own) and each learner's ranks and devices (on
+`--resume` without `--nproc-per-learner` or `--device`, the run's own: `run_dir.LAUNCH_SHAPE`), checks the
+run directory can be written (and, on `--resume`, that the run is not still going) and the command's
+program exists, and only then writes `DIR/config.json`, which every child reads, and the command's record
+(`run_dir`). Then it supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
 SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
 finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -46,6 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ddiloco.flags import add_config_flags
     from ddiloco.run_config import add_run_config_flags
     from ddiloco.runtime.ray_options import add_ray_flags
+    from ddiloco.runtime.run_dir import LAUNCH_SHAPE
     from ddiloco.runtime.run_settings import RunSettings
 
     parser = subparsers.add_parser(
@@ -61,14 +64,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="continue a stopped run from its directory (its config.json); --inner-steps and the "
-                             "quorum and learner flags may change it, any other config flag that differs is refused")
+                        help="continue a stopped run from its directory (its config.json), with its learner command, "
+                             "--nproc-per-learner and --device unless given; --inner-steps and the quorum and learner "
+                             "flags may change it, any other config flag that differs is refused")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
     parser.add_argument("--no-progress", action="store_true",
                         help="no live table: one line per learner event (automatic when stdout is not a terminal)")
     parser.add_argument("--json", action="store_true", help="print summary.json as the last line of stdout")
     add_config_flags(parser, RunSettings, title="run settings", keep_defaults=True)
+    # Left out, these are None rather than the default, so that a --resume keeps the run's own (run_dir.LAUNCH_SHAPE).
+    parser.set_defaults(**dict.fromkeys(LAUNCH_SHAPE))
     add_ray_flags(parser)
     add_run_config_flags(parser)
 
@@ -82,28 +88,36 @@ class ResolvedRun:
     script: tuple[str, ...]
     """The learner command (`-- python train.py`): the one given, or on `--resume` without one the run's own; empty:
     the built-in TinyGPT learner."""
-    script_note: str | None
-    """A line for the console when `--resume` did not simply run the command given (`resumed_learner_command`)."""
+    settings: RunSettings
+    """`ddiloco run`'s settings, with a `--resume`'s ranks and devices resolved (`run_dir.resumed_launch_shape`)."""
+    notes: tuple[str, ...]
+    """Lines for the console where `--resume` did not simply run what was given (`resumed_learner_command`,
+    `resumed_launch_shape`)."""
     lock: DirectoryLock
     """This launcher's claim on the run directory (`run_dir.claim_run_dir`), released when `ddiloco run` returns."""
 
 
-def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) -> ResolvedRun:
-    """The run directory, its resolved RunConfig and the learner command, written to DIR/config.json and
-    DIR/launcher/command.json, and the directory claimed for this launcher (`run_dir.claim_run_dir`: held until
-    `ResolvedRun.lock` is released). Every check comes first, so a refused command writes nothing: a `--resume` of a
-    run that is still going, or one that would change what the run was made with (`check_resume`), leaves the
-    directory as it was. `local`: the learners start on this machine, so their
-    program must be found here."""
+def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
+             gpus_per_learner: float = 0.0) -> ResolvedRun:
+    """The run directory, its resolved RunConfig, the learner command and how each learner starts (its ranks and
+    devices), written to DIR/config.json and DIR/launcher/command.json, and the directory claimed for this launcher
+    (`run_dir.claim_run_dir`: held until `ResolvedRun.lock` is released). Every check comes first, so a refused
+    command writes nothing: a `--resume` of a run that is still going, or one that would change what the run was made
+    with (`check_resume`), leaves the directory as it was. `local`: the learners start on this machine, so their
+    program must be found here. `gpus_per_learner`: the GPUs Ray gives each learner's actor (`--ray`), one for
+    each of its ranks."""
     from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
     from ddiloco.runtime.launcher import RunPaths, require_runnable
     from ddiloco.runtime.run_dir import (
+        LAUNCH_SHAPE,
         claim_run_dir,
         prepare_run_dir,
         record_learner_command,
         require_directory,
+        resumed_launch_shape,
         resumed_learner_command,
     )
+    from ddiloco.runtime.run_settings import RunSettings
     from ddiloco.runtime.syncer_state import GENESIS_FILE
 
     given = tuple(getattr(args, "script", ()) or ())
@@ -126,6 +140,14 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
             except ValueError as exc:
                 raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
             script, script_note = resumed_learner_command(run_dir, config, given)
+            kept, shape_notes = resumed_launch_shape(
+                run_dir, {name: getattr(args, name) for name in LAUNCH_SHAPE if getattr(args, name) is not None},
+                {name: getattr(RunSettings, name) for name in LAUNCH_SHAPE})
+            try:
+                settings = dataclasses.replace(settings, **kept)
+            except ValueError as exc:
+                raise ValueError(f"--resume {run_dir}: {RunPaths(run_dir).learner_command}: {exc}") from None
+            notes = (*([script_note] if script_note is not None else []), *shape_notes)
         else:
             flag = "--run-dir"
             run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(
@@ -136,10 +158,13 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
                                  f"use --resume {run_dir} to continue it, or another --run-dir")
             base = RunConfig.load(args.config) if args.config is not None else None
             config = run_config_from_args(args, base)
-            script, script_note = given, None
+            script, notes = given, ()
         if settings.nproc_per_learner > 1 and not script:
             raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a learner script after -- (e.g. "
                              "-- python train.py): the built-in learner is one process")
+        if settings.nproc_per_learner > 1 and 0 < gpus_per_learner < settings.nproc_per_learner:
+            raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a GPU for each rank: give "
+                             f"--gpus-per-learner {settings.nproc_per_learner} (not {gpus_per_learner:g})")
         if script and local:
             require_runnable(script)
         if local:
@@ -152,9 +177,9 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool) ->
             lock = claim_run_dir(run_dir, resume=False)
             refused.callback(lock.release)
         config.save(run_dir / "config.json")
-        record_learner_command(RunPaths(run_dir), script)
+        record_learner_command(RunPaths(run_dir), script, {name: getattr(settings, name) for name in LAUNCH_SHAPE})
         refused.pop_all()
-    return ResolvedRun(run_dir, config, script, script_note, lock)
+    return ResolvedRun(run_dir, config, script, settings, notes, lock)
 
 
 PROCESS_MEMORY_FLOOR = 100 * 2**20
@@ -245,16 +270,17 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         from ddiloco.transport.link import parse_link
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
-    resolved = _resolve(args, settings, local=ray_options is None)
+    resolved = _resolve(args, settings, local=ray_options is None,
+                        gpus_per_learner=ray_options.gpus_per_learner if ray_options is not None else 0.0)
     try:
-        return _supervise(args, settings, resolved, ray_options=ray_options, command=command,
+        return _supervise(args, resolved, ray_options=ray_options, command=command,
                           supervisor_config=supervisor_config)
     finally:
         resolved.lock.release()
 
 
-def _supervise(args: argparse.Namespace, settings: RunSettings, resolved: ResolvedRun, *,
-               ray_options: RayOptions | None, command: Sequence[str] | None, supervisor_config: Any) -> int:
+def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: RayOptions | None,
+               command: Sequence[str] | None, supervisor_config: Any) -> int:
     """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report."""
     from rich.console import Console
 
@@ -266,7 +292,7 @@ def _supervise(args: argparse.Namespace, settings: RunSettings, resolved: Resolv
     from ddiloco.runtime.run_dir import record_processes
     from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
 
-    run_dir, config = resolved.run_dir, resolved.config
+    run_dir, config, settings = resolved.run_dir, resolved.config, resolved.settings
     paths = RunPaths(run_dir)
     started: dict[str, list[int]] = {}
     record_processes(paths, started)  # at once: a `--resume` of this directory now sees that the run is going
@@ -275,8 +301,8 @@ def _supervise(args: argparse.Namespace, settings: RunSettings, resolved: Resolv
     threads = launch.threads
     launcher = Launcher(launch)
     console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
-    if resolved.script_note is not None:
-        console.print(resolved.script_note, highlight=False, soft_wrap=True)
+    for note in resolved.notes:
+        console.print(note, highlight=False, soft_wrap=True)
     sink = JsonlSink(paths.launcher_metrics)
     sink.event("run_started", pid=os.getpid(), num_learners=config.num_learners, inner_steps=config.inner_steps,
                threads=threads, resume=args.resume is not None, child_command=list(launch.command))

@@ -9,7 +9,8 @@ What the files in it are is `launcher.RunPaths`.
 The launcher holds an exclusive flock on the directory itself for as long as it runs it (`claim_run_dir`), and
 records two things for later commands: who runs the directory now (`launcher/processes.json`: its pid and the
 kernel's start time of that pid, so a pid reused after the run ended is not taken for it), and the learner command
-the run was last started with (`launcher/command.json`), which a `--resume` without `-- COMMAND` runs again.
+the run was last started with and how each learner was started (`launcher/command.json`: its ranks and devices,
+`LAUNCH_SHAPE`), which a `--resume` without `-- COMMAND` or those flags runs again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shlex
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.launcher_watch import process_start_time
@@ -136,10 +137,37 @@ def _describe(script: Sequence[str]) -> str:
     return shlex.join(script) if script else BUILT_IN_LEARNER
 
 
-def record_learner_command(paths: RunPaths, script: Sequence[str]) -> None:
-    """Write `launcher/command.json`: the learner command the run starts with (empty: the built-in learner) and the
-    directory it was given in, where its relative paths mean what the user meant."""
-    atomic_write_json(paths.learner_command, {"command": list(script), "cwd": os.getcwd()})
+LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device"}
+"""The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started: recorded beside its
+command, so that a `--resume` without the flag starts the learners as the run last ran them. A learner of 2 ranks
+resumed as one process crash-looped in `init_process_group`, without RANK."""
+
+
+def record_learner_command(paths: RunPaths, script: Sequence[str], shape: Mapping[str, Any]) -> None:
+    """Write `launcher/command.json`: the learner command the run starts with (empty: the built-in learner), the
+    directory it was given in, where its relative paths mean what the user meant, and `shape`, the LAUNCH_SHAPE
+    settings it starts with."""
+    atomic_write_json(paths.learner_command, {"command": list(script), "cwd": os.getcwd(),
+                                              **{name: shape[name] for name in LAUNCH_SHAPE}})
+
+
+def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
+                         defaults: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The LAUNCH_SHAPE settings a `--resume` of `run_dir` takes from the run's record, and lines for the console:
+    each one not `given` (a flag left out) is the run's recorded value, said when it is not the default; one given
+    that differs from the record is used, and that is said. A run recorded before the shape was (or none recorded)
+    takes nothing: the flags given and the defaults, as before."""
+    record = read_json_object(RunPaths(run_dir).learner_command) or {}
+    kept = {name: record[name] for name in LAUNCH_SHAPE if name not in given and name in record}
+    notes = []
+    if shown := [f"{LAUNCH_SHAPE[name]} {value}" for name, value in kept.items() if value != defaults[name]]:
+        notes.append(f"resuming with the run's {' '.join(shown)}")
+    differ = [name for name, value in given.items() if name in record and record[name] != value]
+    if differ:
+        notes.append(f"resuming with {' '.join(f'{LAUNCH_SHAPE[name]} {given[name]}' for name in differ)}, which "
+                     f"differs from what the run last ran with: "
+                     f"{' '.join(f'{LAUNCH_SHAPE[name]} {record[name]}' for name in differ)}")
+    return kept, tuple(notes)
 
 
 def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str]) -> tuple[tuple[str, ...],

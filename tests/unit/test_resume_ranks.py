@@ -1,0 +1,88 @@
+"""`ddiloco run --resume DIR` starts each learner as the ranks and on the devices the run last ran with
+(`launcher/command.json` records `--nproc-per-learner` and `--device` beside the learner command): a resume without
+those flags used to start every learner of a `--nproc-per-learner 2` run as one process, without RANK, and each
+crash-looped in `init_process_group`. A flag given on the resume is used, and the console says it differs; a run
+recorded before the shape was is resumed as before (one process per learner, the flags given).
+
+Real processes: the fake syncer of tests/fake_learners.py, `ddiloco.runtime.rank_group`, and a learner script that
+notes how each of its starts was placed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ddiloco.checkpoint import atomic_write_json
+from ddiloco.runtime.launcher import RunPaths
+from tests.fake_learners import FAST, run_parser
+
+LEARNER = """
+import json, os
+with open("starts.jsonl", "a") as file:
+    file.write(json.dumps({k: os.environ.get(k) for k in ("DDILOCO_LEARNER_ID", "RANK", "WORLD_SIZE",
+                                                           "DDILOCO_DEVICE")}) + "\\n")
+"""
+"""A learner script (every rank of it) that notes its place and device and is done at once (exit status 0)."""
+SCRIPT = ("python", "learner.py")
+
+
+def run(fake_command: tuple[str, ...], *argv: str, script: tuple[str, ...] = ()) -> int:
+    """`ddiloco run --learners 2 ARGV -- SCRIPT` with the fake syncer (the CLI cuts the script off at `--`)."""
+    from ddiloco.runtime import run_commands
+
+    args = run_parser().parse_args(["run", "--no-progress", "--learners", "2", "--threads", "1", *argv])
+    args.script = list(script)
+    return run_commands.run(args, command=fake_command, supervisor_config=FAST)
+
+
+def placements(directory: Path) -> list[tuple[str, str | None, str | None, str | None]]:
+    """(learner id, RANK, WORLD_SIZE, DDILOCO_DEVICE) of every start so far, sorted; the file is emptied."""
+    path = directory / "starts.jsonl"
+    found = sorted(tuple(json.loads(line).values()) for line in path.read_text().splitlines())
+    path.write_text("")
+    return found
+
+
+@pytest.fixture
+def ranked_run(tmp_path, fake_command, capsys, monkeypatch) -> Path:
+    """A run of 2 learners x 2 ranks on cuda:0,cuda:1 that has finished (its script needs no GPU)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "learner.py").write_text(LEARNER)
+    run_dir = tmp_path / "run"
+    assert run(fake_command, "--run-dir", str(run_dir), "--nproc-per-learner", "2", "--device", "cuda:0,cuda:1",
+               script=SCRIPT) == 0
+    assert placements(tmp_path) == [(learner, str(rank), "2", f"cuda:{rank}") for learner in "01" for rank in range(2)]
+    capsys.readouterr()
+    return run_dir
+
+
+def test_the_shape_is_recorded_and_a_resume_without_flags_runs_it_again_saying_so(ranked_run, fake_command, capsys):
+    assert run(fake_command, "--resume", str(ranked_run)) == 0
+    assert placements(ranked_run.parent) == [(learner, str(rank), "2", f"cuda:{rank}") for learner in "01"
+                                             for rank in range(2)]
+    out = capsys.readouterr().out
+    assert "resuming with the run's --nproc-per-learner 2 --device cuda:0,cuda:1\n" in out, out
+    record = json.loads(RunPaths(ranked_run).learner_command.read_text())
+    assert (record["nproc_per_learner"], record["device"]) == (2, "cuda:0,cuda:1")
+
+
+def test_a_flag_given_on_the_resume_is_used_and_said_to_differ(ranked_run, fake_command, capsys):
+    assert run(fake_command, "--resume", str(ranked_run), "--nproc-per-learner", "1") == 0
+    assert placements(ranked_run.parent) == [("0", None, None, "cuda:0"), ("1", None, None, "cuda:1")]
+    out = capsys.readouterr().out
+    assert ("resuming with --nproc-per-learner 1, which differs from what the run last ran with: "
+            "--nproc-per-learner 2\n") in out, out
+    assert "resuming with the run's --device cuda:0,cuda:1\n" in out, out
+    # What the resume ran with is what the next resume runs.
+    assert json.loads(RunPaths(ranked_run).learner_command.read_text())["nproc_per_learner"] == 1
+
+
+def test_a_run_recorded_before_the_shape_resumes_as_before(ranked_run, fake_command, capsys):
+    paths = RunPaths(ranked_run)
+    atomic_write_json(paths.learner_command, {"command": list(SCRIPT), "cwd": str(ranked_run.parent)})
+    assert run(fake_command, "--resume", str(ranked_run)) == 0
+    assert placements(ranked_run.parent) == [("0", None, None, "cpu"), ("1", None, None, "cpu")]
+    assert "--nproc-per-learner" not in capsys.readouterr().out
