@@ -103,9 +103,11 @@ class GrpcTransport:
         from ddiloco.transport.grpc_client import SyncerClient
         from ddiloco.transport.grpc_codec import WireModel
         from ddiloco.transport.learner_io import LearnerIO
-        from ddiloco.transport.link import NO_FAULTS, EmulatedLink, parse_link, unlimited_link
+        from ddiloco.transport.link import NO_FAULTS, EmulatedLink, check_link, parse_link, unlimited_link
 
         faults = chaos or NO_FAULTS
+        if link:  # a latency past the heartbeat timeout: the syncer would drop this learner before its messages arrive
+            check_link(parse_link(link), heartbeat_timeout_s=config.quorum.heartbeat_timeout_s)
         emulated = EmulatedLink(parse_link(link), faults=faults) if link else unlimited_link(faults=faults)
         wire = WireModel(learner.spec, learner.plan, config.diloco.codec, config.diloco.downlink_codec)
         self.client = SyncerClient(address, model=wire,

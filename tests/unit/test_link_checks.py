@@ -51,3 +51,25 @@ def test_a_learners_client_warns_once_of_a_slow_link(caplog):
         fast.close()
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(lines) == 1 and "27 min" in lines[0], lines
+
+
+def test_ddiloco_run_refuses_a_link_no_learner_could_stay_on_before_anything_starts(tmp_path, capsys):
+    from ddiloco.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress", "--learners", "2", "--link", "1gbit,40s"]) == 2
+    error = capsys.readouterr().err
+    assert "link latency 40 s is invalid: it must be below the run's heartbeat timeout (30 s)" in error
+    assert not run_dir.exists()
+
+
+def test_a_scripts_session_refuses_such_a_link_at_its_start():
+    import torch
+
+    import ddiloco
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(2)))  # four tensors: four fragments
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (pytest.raises(ValueError, match="link latency 40 s is invalid"),
+          ddiloco.session(model, optimizer, syncer="127.0.0.1:1", learner_id=0, link="1gbit,40s")):
+        pass

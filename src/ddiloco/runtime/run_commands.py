@@ -165,6 +165,9 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         if settings.nproc_per_learner > 1 and 0 < gpus_per_learner < settings.nproc_per_learner:
             raise ValueError(f"--nproc-per-learner {settings.nproc_per_learner} needs a GPU for each rank: give "
                              f"--gpus-per-learner {settings.nproc_per_learner} (not {gpus_per_learner:g})")
+        if settings.link is not None:  # a link no learner could stay in the run over: refused before any starts
+            from ddiloco.transport.link import check_link, parse_link
+            check_link(parse_link(settings.link), heartbeat_timeout_s=config.quorum.heartbeat_timeout_s)
         if script and local:
             require_runnable(script)
         if local:
