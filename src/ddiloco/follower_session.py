@@ -85,7 +85,7 @@ class FollowerSession(SessionLifecycle):
         """This rank's inner step is done: `tokens` are its own batch's (rank 0 sums every rank's)."""
         tokens = self._check_step(tokens)
         check_tokens_bound(tokens, self.max_tokens_per_step)
-        self._serve(tokens=tokens)
+        self._serve(tokens=tokens, stepping=True)
 
     def close(self, *, failed: bool = False) -> None:
         if self._closed or not self._entered:
@@ -97,9 +97,9 @@ class FollowerSession(SessionLifecycle):
         finally:
             self._restore_sigterm()
 
-    def _serve(self, *, tokens: int = 0) -> None:
+    def _serve(self, *, tokens: int = 0, stepping: bool = False) -> None:
         self._inner_step, self._done, exit_status = self.group.serve(
-            tokens=tokens, save=self._own_state, restore=self._restore, forget=self._forget)
+            tokens=tokens, stepping=stepping, save=self._own_state, restore=self._restore, forget=self._forget)
         if exit_status:
             # Rank 0 was refused or found no syncer: this rank ends with the same status.
             raise SystemExit(exit_status)

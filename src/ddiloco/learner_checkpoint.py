@@ -14,9 +14,11 @@ the run are restored when it adds them again, and kept by the checkpoints taken 
 who wrote it (`writer`): the optimizer's class, this process, and which model and optimizer object. Its optimizer
 state is not loaded into an optimizer of another class (a warning names both), nor into another optimizer object than
 the one that wrote it when an earlier session of this same process wrote it with the same model (a script that
-switches optimizers between two sessions: the new one keeps its own hyperparameters). A restarted process, or a
-script that builds its model anew, gets the optimizer state back as saved. When to checkpoint, and
-what a resumed learner does next, is the session's business; the file format is `ddiloco.checkpoint`'s.
+switches optimizers between two sessions: the new one keeps its own hyperparameters). Nor is the state of each
+parameter loaded when it was split otherwise than this learner's (FSDP2 shards of another number of ranks, or a whole
+state into shards): every rank then takes the saved hyperparameters only, and its moments start afresh. A restarted
+process, or a script that builds its model anew, gets the optimizer state back as saved. When to checkpoint, and what a
+resumed learner does next, is the session's business; the file format is `ddiloco.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_split_state
 from ddiloco.learner import Learner
-from ddiloco.learner_group import LearnerGroup, reshard_optimizer
+from ddiloco.learner_group import LearnerGroup, reshard_optimizer, saved_optimizer_shards
 from ddiloco.learner_status import StatusReporter
 from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
 from ddiloco.optimizer_restore import WaitingGroups, optimizer_class, restore_optimizer
@@ -206,7 +208,11 @@ class LearnerCheckpoint:
         state, meta, _ = latest
         saved_optimizer = state["learner"]["optimizer"]
         ranks = state.get("ranks")
+        fits = True
         if self._loads_optimizer(state.get("writer")):
+            fits = self._optimizer_fits(ranks)
+            if not fits:  # its hyperparameters only: the state of each parameter starts afresh, on every rank
+                saved_optimizer = {**saved_optimizer, "state": {}}
             # The optimizer is loaded before the join, where a changed model would be refused: without the check in
             # restore_optimizer torch's own error ("a parameter group that doesn't match the size of optimizer's
             # group") ended every restart, saying neither which learner nor why.
@@ -222,7 +228,7 @@ class LearnerCheckpoint:
         # A checkpoint written before it kept them holds none: the buffers stay as the script built them.
         load_buffers(self.learner.model, state.get("buffers", {}))
         if self.group is not None:
-            self.group.restore_checkpoint(ranks, saved_optimizer, learner_id=learner_id)
+            self.group.restore_checkpoint(ranks, saved_optimizer, learner_id=learner_id, optimizer_fits=fits)
         saved = state.get("state", {})
         for name, obj in self.state.items():
             if name in saved:
@@ -256,6 +262,22 @@ class LearnerCheckpoint:
                         learner_id, self.directory)
             return False
         return True
+
+    def _optimizer_fits(self, ranks: list[Any] | None) -> bool:
+        """Whether the checkpoint's optimizer state is split as this learner's: sharded over as many ranks (each rank
+        loads its own shard), or whole (DDP's replicas, one process). A shard of another split fits no parameter of
+        this one (rank 0 kept its old shard as plain tensors, and its first optimizer.step() failed mixing them with
+        DTensor gradients). A learner of several ranks says so with the rest of the ranks' state
+        (`LearnerGroup.restore_checkpoint`)."""
+        shards = self.group.optimizer_shards if self.group is not None else 1
+        saved = saved_optimizer_shards(ranks)
+        if saved == shards:
+            return True
+        if self.group is None:
+            logger.warning("[learner %d] the checkpoint in %s holds the optimizer state sharded over %d ranks, this "
+                           "learner is one process: its optimizer state starts afresh (the hyperparameters as saved)",
+                           self.learner.learner_id, self.directory, saved)
+        return False
 
     def _reshard(self) -> None:
         """After an optimizer load on a learner of FSDP2 shards: its state tensors become DTensors again."""

@@ -27,6 +27,16 @@ the session, `sync.step()`, leaving it):
   them) and any rank's stop request (SIGTERM); at the end of every call the leader tells the followers the
   inner step and whether the loop is done, so every rank leaves the loop after the same inner step.
 
+The ranks meet only where every rank calls in, so two rules hold on every rank: open `ddiloco.session`, and call
+`sync.step()` exactly once after each `optimizer.step()`. A rank that breaks them leaves the others waiting in a
+collective that never pairs: with DDP or FSDP, the others wait in the training step's own collectives (a gradient
+all-reduce) for a rank that waits in ddiloco's for them, and nothing moves. So a rank waits at most `RANK_WAIT_S` (gloo)
+where a broken rule shows, then raises `RanksOutOfStepError`, naming the rule: at the session's start every rank waits
+for the others (a monitored barrier: rank 0 names the ranks that never came); at STEP rank 0 waits for the others to
+call `sync.step()`, and a follower that calls it with no `optimizer.step()` since its last call (a call too many, or a
+skipped optimizer step) waits for rank 0. Each STEP also carries rank 0's count of optimizer steps since its last
+`sync.step()`: ranks whose counts differ raise at once, on every rank (a script whose training runs no collective).
+
 Commands are broadcast as a small int64 tensor; the leader drives and the followers serve, so every rank
 enters the same collectives in the same order. A rank that dies breaks the group's collectives: the
 others fail with it, and the launcher (`ddiloco.runtime.rank_group`, or torchrun) restarts the learner's
@@ -35,9 +45,16 @@ whole group, which rejoins like any restarted learner.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
+import os
+import re
+import sys
+import time
+import weakref
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,6 +67,15 @@ LEADER = 0
 """The group rank that talks to the syncer (the rank whose parameters DDP's replicas all equal)."""
 COMMAND_WORDS = 4
 """A command: (op, argument, argument, argument)."""
+RANK_WAIT_S = 300.0
+"""The longest a rank waits for the others of its learner where a broken rule shows (the session's start; a
+`sync.step()`, see the module docstring), by default (`ddiloco.session(rank_wait_s=...)`). Ranks that train one model
+meet at every step in its collectives, so they reach these points within a training step of one another (at the start,
+within their own loading or compiling); one that has not come by then waits in a collective of its own for this rank."""
+WAIT_SLACK_S = 0.5
+"""How much earlier than its deadline a bounded wait may end and still count as the wait timing out: gloo counts the
+timeout of a collective from when it was queued, in whole milliseconds (a rank that dies ends the wait at once)."""
+RULE = "Every rank must call sync.step() exactly once after each optimizer.step()"
 
 
 class Op(enum.IntEnum):
@@ -62,7 +88,8 @@ class Op(enum.IntEnum):
     RESTORE = 4
     """Every rank receives its own state from the leader (scatter_object_list)."""
     STEP = 5
-    """Sum (tokens, stop requests) over the ranks."""
+    """(optimizer steps): sum (tokens, stop requests, ranks whose optimizer steps since their last STEP differ from
+    the leader's) over the ranks."""
     END = 6
     """(inner_step, done, exit_status): the session call is over."""
     FORGET = 7
@@ -83,9 +110,30 @@ REPLICA_TOLERANCE_ABS = 1e-12
 """Absolute slack beside `REPLICA_TOLERANCE`, for values at or near 0."""
 
 
+class RanksOutOfStepError(RuntimeError):
+    """The ranks of one learner do not meet where they must: a rank did not open `ddiloco.session`, or calls
+    `sync.step()` more or less often than the others (see the module docstring). Raised on the rank that waited."""
+
+
 class ReplicasDivergedError(RuntimeError):
     """The ranks of one learner hold different values of parameters that are meant to be replicas: they trained
     apart (no DistributedDataParallel or FSDP around the model). Raised on every rank at once."""
+
+
+def _end_at_exit() -> None:
+    """A collective of this rank was abandoned (a bounded wait that timed out): gloo's process group waits for it as
+    the interpreter tears the group down, up to the group's own timeout (30 minutes by default), and this rank would
+    live on that long after its error, the learner's other ranks waiting in their collectives for it. So the process
+    ends at exit, after its error is printed and before that teardown (atexit handlers run first), with status 1;
+    the other ranks' collectives then fail as its connections close, and the learner's group is restarted."""
+
+    def end() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    atexit.register(end)
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -119,9 +167,14 @@ def _dtensor_type() -> type | None:
 class LearnerGroup:
     """The leader's or a follower's side of one learner's process group. See the module docstring."""
 
-    def __init__(self, model: nn.Module, *, group: Any = None) -> None:
+    def __init__(self, model: nn.Module, *, group: Any = None, rank_wait_s: float | None = None) -> None:
         if not is_distributed(group):
             raise ValueError("LearnerGroup needs torch.distributed initialised with more than one rank")
+        rank_wait_s = RANK_WAIT_S if rank_wait_s is None else rank_wait_s
+        if not (isinstance(rank_wait_s, int | float) and 0 < rank_wait_s < float("inf")):
+            raise ValueError(f"rank_wait_s={rank_wait_s!r} is invalid: expected seconds > 0")
+        self.rank_wait_s = float(rank_wait_s)
+        """How long this rank waits for the others where a broken rule shows (`RANK_WAIT_S`)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -131,6 +184,9 @@ class LearnerGroup:
         self.sharded = frozenset(n for n, p in self.params.items() if dtensor is not None and isinstance(p, dtensor))
         """Parameters that are DTensors (FSDP2): each rank holds a shard."""
         backend = dist.get_backend(group)
+        self.bounded = backend == "gloo"
+        """Whether this rank's waits for the others can be bounded (gloo's `Work.wait(timeout)`, `monitored_barrier`);
+        with other backends the process group's own timeout bounds them."""
         # NCCL moves only CUDA tensors; gloo only CPU ones (for the small command tensor).
         self.command_device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                                else torch.device("cpu"))
@@ -142,6 +198,18 @@ class LearnerGroup:
         """Fragments whose value the leader has sent to every rank (SET): their replicas were equal then."""
         self._checked: set[int] = set()
         """Fragments whose replicas have been compared since (CHECK): once per fragment, at its first publish."""
+        self.inner_step = 0
+        """The learner's inner step, as the leader last said (END): for the messages of `RanksOutOfStepError`."""
+        self._optimizer_steps = 0
+        """This rank's optimizer steps since `meet` (a step post-hook)."""
+        self._optimizer_steps_at_step = 0
+        """`_optimizer_steps` at this rank's last STEP."""
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Into how many parts this learner's optimizer state is split: one per rank with sharded parameters, else 1
+        (replicas hold the same state)."""
+        return self.size if self.sharded else 1
 
     @property
     def leader(self) -> bool:
@@ -203,20 +271,30 @@ class LearnerGroup:
             learner_state["optimizer"] = local_tensors(learner_state["optimizer"])
         return ranks
 
-    def restore_checkpoint(self, ranks: list[Any] | None, saved_optimizer: Mapping[str, Any], *,
-                           learner_id: int) -> None:
+    def restore_checkpoint(self, ranks: list[Any] | None, saved_optimizer: Mapping[str, Any] | None, *,
+                           learner_id: int, optimizer_fits: bool = True) -> None:
         """The leader has loaded its checkpoint (its optimizer included): hand each follower its part. With
         replicated parameters (DDP) the optimizer state is the same on every rank, so it is the leader's as saved
-        (`saved_optimizer`, every parameter group: also those the script adds later, `ddiloco.optimizer_restore`)."""
-        if ranks is None or len(ranks) != self.size:
-            logger.warning("[learner %d] the checkpoint holds the state of %s rank(s), this learner has %d: the "
-                           "other ranks start their state=%s afresh", learner_id,
+        (`saved_optimizer`, every parameter group: also those the script adds later, `ddiloco.optimizer_restore`);
+        with sharded ones (FSDP2) each rank's own shard. Unless `optimizer_fits` (`saved_optimizer_shards`): then the
+        state was split otherwise than this learner's, `saved_optimizer` holds the hyperparameters only, and every rank
+        takes them, its state starting afresh."""
+        same_ranks = ranks is not None and len(ranks) == self.size
+        if same_ranks and not optimizer_fits:
+            logger.warning("[learner %d] the checkpoint holds the optimizer state %s, this learner's is %s: every "
+                           "rank's optimizer state starts afresh (the hyperparameters as saved)", learner_id,
+                           _layout(saved_optimizer_shards(ranks)), _layout(self.optimizer_shards))
+        elif not same_ranks:
+            afresh = ("" if optimizer_fits else f", and every rank its optimizer state "
+                      f"({_layout(saved_optimizer_shards(ranks))} when saved; the hyperparameters as saved)")
+            logger.warning("[learner %d] the checkpoint holds the state of %s rank(s), this learner has %d: the other "
+                           "ranks start their state= objects%s afresh%s", learner_id,
                            "no" if ranks is None else len(ranks), self.size,
-                           " objects and optimizer shards" if self.sharded else " objects (the optimizer is rank 0's)")
+                           " (the optimizer is rank 0's)" if optimizer_fits and not self.sharded else "", afresh)
             ranks = [None] * self.size
-        shared = None if self.sharded else saved_optimizer
-        entries = [{"state": {}, "optimizer": shared} if entry is None else
-                   {**entry, "optimizer": entry.get("optimizer") if self.sharded else shared} for entry in ranks]
+        own_shards = self.sharded and optimizer_fits
+        entries = [{"state": {}, **(entry or {}),
+                    "optimizer": (entry or {}).get("optimizer") if own_shards else saved_optimizer} for entry in ranks]
         self.restore(entries)
 
     def forget_non_finite_state(self) -> int:
@@ -225,15 +303,90 @@ class LearnerGroup:
         return 0
 
     def step(self, tokens: int) -> tuple[int, bool]:
-        """The tokens of every rank's batch, summed, and whether any rank was asked to stop."""
-        self._command(Op.STEP)
-        return self._sum_step(tokens)
+        """The tokens of every rank's batch, summed, and whether any rank was asked to stop. Raises
+        `RanksOutOfStepError` when a rank does not call `sync.step()` within `rank_wait_s`, or did after another
+        number of optimizer steps than this one."""
+        stepped = self._take_optimizer_steps()
+        deadline = time.monotonic() + self.rank_wait_s
+        words = torch.tensor([int(Op.STEP), stepped, 0, 0], dtype=torch.int64, device=self.command_device)
+        self._wait(dist.broadcast(words, src=self.leader_global_rank, group=self.group, async_op=True), deadline,
+                   stepped=stepped, others="the other ranks")
+        return self._sum_step(tokens, stepped=stepped, leader_stepped=stepped, deadline=deadline)
 
     def end(self, inner_step: int, *, done: bool, exit_status: int = 0) -> None:
         """The session call is over: the followers return from it with this inner step and `done`."""
+        self.inner_step = inner_step
         self._command(Op.END, inner_step, int(done), exit_status)
 
     # ---- shared by both sides ------------------------------------------------------------------------------
+
+    def meet(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective, as every rank opens its session: wait at most `rank_wait_s` for every rank to open its own
+        (`RanksOutOfStepError` naming the ranks that did not), then count this rank's steps of `optimizer` (the rule
+        of one `sync.step()` per `optimizer.step()`, checked at each STEP)."""
+        if self.bounded:
+            started = time.monotonic()
+            try:
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.rank_wait_s),
+                                       wait_all_ranks=True)
+            except RuntimeError as exc:
+                if time.monotonic() - started < self.rank_wait_s - WAIT_SLACK_S:
+                    raise  # the group broke (a rank died, or rank 0 raised this for another rank)
+                _end_at_exit()
+                raise RanksOutOfStepError(self._not_opened(str(exc))) from None
+        # Weakly: the hook stays on an optimizer that a later session reuses, and then counts for no one.
+        counts = weakref.ref(self)
+
+        def count(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            if (group := counts()) is not None:
+                group._optimizer_steps += 1
+
+        optimizer.register_step_post_hook(count)
+
+    def _not_opened(self, failure: str) -> str:
+        if not self.leader:
+            return (f"rank {self.rank} of this learner waited {self.rank_wait_s:g} s in ddiloco.session(...) for "
+                    "rank 0 to open its session: every rank of a learner must open it, rank 0 included")
+        missing = re.search(r"Ranks? ([0-9, ]+) failed to pass monitoredBarrier", failure)
+        ranks = missing[1].strip() if missing else "some"
+        return (f"rank(s) {ranks} of this learner did not open ddiloco.session(...) within {self.rank_wait_s:g} s of "
+                "rank 0: every rank of a learner must open it (`with ddiloco.session(model, optimizer) as sync:` on "
+                "every rank, not only on rank 0), and every rank call sync.step() once after each optimizer.step()")
+
+    def _take_optimizer_steps(self) -> int:
+        """This rank's optimizer steps since its last STEP."""
+        stepped = self._optimizer_steps - self._optimizer_steps_at_step
+        self._optimizer_steps_at_step = self._optimizer_steps
+        return stepped
+
+    def _wait(self, work: Any, deadline: float | None, *, stepped: int, others: str) -> None:
+        """Wait for a collective of a `sync.step()` call, until `deadline` (monotonic) where one is set and the
+        backend bounds waits; past it, `RanksOutOfStepError` (`stepped`: this rank's optimizer steps since its last
+        `sync.step()`; `others`: whom it waited for)."""
+        if deadline is None or not self.bounded:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.0)))
+        except RuntimeError:
+            if time.monotonic() < deadline - WAIT_SLACK_S:
+                raise  # the group broke (a rank died): not a rank out of step
+            _end_at_exit()
+            raise RanksOutOfStepError(self._late(stepped, others)) from None
+
+    def _late(self, stepped: int, others: str) -> str:
+        """Why this rank waited `rank_wait_s` in a `sync.step()` call for `others`."""
+        where = f"rank {self.rank} of this learner"
+        one = others == "rank 0"
+        if stepped == 0:
+            return (f"{where} called sync.step() at inner step {self.inner_step} without an optimizer.step() since its "
+                    f"last sync.step(), and {others} {'has' if one else 'have'} not called sync.step() within "
+                    f"{self.rank_wait_s:g} s: this is a sync.step() too many ({others} {'waits' if one else 'wait'} "
+                    f"meanwhile in {'its' if one else 'their'} own training step's collectives, DDP's or FSDP's, for "
+                    f"this rank). {RULE}")
+        return (f"{where} waited {self.rank_wait_s:g} s in sync.step() at inner step {self.inner_step} for {others} to "
+                "call it: a rank that skipped a sync.step() waits meanwhile in its next training step's collectives "
+                f"(DDP's or FSDP's) for this one. {RULE}")
 
     @torch.no_grad()
     def check_replicas(self, fragment: int) -> None:
@@ -270,10 +423,25 @@ class LearnerGroup:
             "the model in DistributedDataParallel (or shard it with FSDP2's fully_shard) so that the ranks train one "
             "model together, or run one process per learner (no --nproc-per-learner; more --learners instead)")
 
-    def _sum_step(self, tokens: int) -> tuple[int, bool]:
-        counts = torch.tensor([tokens, int(self.stop_requested)], dtype=torch.int64, device=self.command_device)
-        dist.all_reduce(counts, group=self.group)
-        return int(counts[0]), bool(counts[1])
+    def _sum_step(self, tokens: int, *, stepped: int, leader_stepped: int, deadline: float | None
+                  ) -> tuple[int, bool]:
+        """Collective: (tokens, stop requests) summed over the ranks; `RanksOutOfStepError` on every rank when any
+        rank's optimizer steps since its last STEP (`stepped`) differ from the leader's."""
+        apart = int(stepped != leader_stepped)
+        counts = torch.tensor([tokens, int(self.stop_requested), apart], dtype=torch.int64, device=self.command_device)
+        self._wait(dist.all_reduce(counts, group=self.group, async_op=True), deadline, stepped=stepped,
+                   others="the other ranks")
+        if not int(counts[2]):
+            return int(counts[0]), bool(counts[1])
+        if apart:
+            raise RanksOutOfStepError(
+                f"rank {self.rank} of this learner called sync.step() at inner step {self.inner_step} after {stepped} "
+                f"optimizer.step() call(s) since its last sync.step(), rank 0 after {leader_stepped}: the ranks are "
+                f"out of step. {RULE}")
+        raise RanksOutOfStepError(
+            f"{int(counts[2])} rank(s) of this learner called sync.step() at inner step {self.inner_step} after "
+            f"another number of optimizer.step() calls since their last sync.step() than rank 0 ({leader_stepped}): "
+            f"the ranks are out of step. {RULE}")
 
     def _receive_value(self, name: str, value: torch.Tensor | None) -> None:
         """Collective: the leader passes the full value, followers None; each rank's parameter takes it."""
@@ -294,14 +462,22 @@ class LearnerGroup:
     # ---- the followers' side -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def serve(self, *, tokens: int = 0, save: Any = None, restore: Any = None, forget: Any = None
-              ) -> tuple[int, bool, int]:
+    def serve(self, *, tokens: int = 0, stepping: bool = False, save: Any = None, restore: Any = None,
+              forget: Any = None) -> tuple[int, bool, int]:
         """A follower inside a session call: answer the leader's commands until END; returns (inner_step, done,
-        exit_status). `tokens`: this rank's batch at STEP; `save()` gives its state at SAVE; `restore(state)`
-        takes it back at RESTORE; `forget()` drops its optimizer's state that is not finite at FORGET."""
+        exit_status). `tokens`: this rank's batch at STEP; `stepping`: the call is a `sync.step()`; `save()` gives its
+        state at SAVE; `restore(state)` takes it back at RESTORE; `forget()` drops its optimizer's state that is not
+        finite at FORGET."""
+        # A sync.step() with no optimizer.step() since the last one may be one too many: rank 0 then never calls its
+        # own, and waits in the training step's collectives for this rank. Its first command is waited for a bounded
+        # time (once it came, rank 0 is in the call; what it does there, waiting for the syncer, is not bounded).
+        suspect = stepping and self._optimizer_steps == self._optimizer_steps_at_step
+        deadline = time.monotonic() + self.rank_wait_s if suspect else None
         while True:
             words = torch.zeros(COMMAND_WORDS, dtype=torch.int64, device=self.command_device)
-            dist.broadcast(words, src=self.leader_global_rank, group=self.group)
+            self._wait(dist.broadcast(words, src=self.leader_global_rank, group=self.group, async_op=True), deadline,
+                       stepped=0, others="rank 0")
+            deadline = None
             op, a, b, c = (int(w) for w in words.tolist())
             if op == Op.SET:
                 for name in self.fragments[a]:
@@ -324,14 +500,28 @@ class LearnerGroup:
                 if forget is not None:
                     forget()
             elif op == Op.STEP:
-                self._sum_step(tokens)
+                self._sum_step(tokens, stepped=self._take_optimizer_steps(), leader_stepped=a,
+                               deadline=time.monotonic() + self.rank_wait_s)
             elif op == Op.END:
+                self.inner_step = a
                 return a, bool(b), c
             else:
                 raise RuntimeError(f"unknown learner-group command {op} from the leader")
 
 
 # ---- optimizer state of sharded parameters -------------------------------------------------------------------
+
+def saved_optimizer_shards(ranks: list[Any] | None) -> int:
+    """Into how many parts a checkpoint's optimizer state was split, from its `ranks` (`LearnerGroup.checkpoint`): one
+    per rank where the followers saved shards of their own (sharded parameters), else 1 (rank 0's whole state)."""
+    if ranks is not None and any(entry is not None and entry.get("optimizer") is not None for entry in ranks[1:]):
+        return len(ranks)
+    return 1
+
+
+def _layout(shards: int) -> str:
+    return "whole" if shards == 1 else f"sharded over {shards} ranks"
+
 
 def local_tensors(state: Any) -> Any:
     """`state` with every DTensor replaced by this rank's shard (a plain tensor): picklable, and what this rank

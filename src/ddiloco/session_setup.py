@@ -50,9 +50,11 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
     `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
     (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
-    `handle_sigterm`, `sink`, `chaos_control`, and `max_tokens_per_step`: the most `tokens` one `step()` will
+    `handle_sigterm`, `sink`, `chaos_control`, `max_tokens_per_step`: the most `tokens` one `step()` will
     count (your largest batch), declared to the syncer when joining; a `step()` over it raises ValueError, and
-    without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step").
+    without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step"),
+    and `rank_wait_s`: in a learner of several ranks (gloo), the longest a rank waits for the others where a rank
+    out of step shows (`ddiloco.learner_group.RANK_WAIT_S`, 300 s: the session's start, a `sync.step()`).
     """
     env = environment()
     if hub is None and env.role == "evaluator":
@@ -77,7 +79,10 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
                          "materialize the model before ddiloco.session(...) (model.to_empty(device=...), then "
                          "initialize its parameters)")
     _check_parameter_dtypes(plain)
-    learners_group = _learner_group(plain, env, group) if hub is None else None
+    rank_wait_s = options.pop("rank_wait_s", None)
+    learners_group = _learner_group(plain, env, group, rank_wait_s=rank_wait_s) if hub is None else None
+    if learners_group is not None:
+        learners_group.meet(optimizer)  # every rank opens its session (a bounded wait), then steps are counted
     if learners_group is not None and not learners_group.leader:
         return FollowerSession(model, optimizer, diloco=run_config.diloco, learner_id=learner_id, group=learners_group,
                                inner_steps=run_config.inner_steps, state=state,
@@ -151,13 +156,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any) -> LearnerGroup | None:
+def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any, *,
+                   rank_wait_s: float | None) -> LearnerGroup | None:
     """This learner's ranks, when it has several (initialising torch.distributed from torchrun's variables)."""
     import torch.distributed as dist
 
     if env.world_size > 1 and dist.is_available() and not dist.is_initialized():
         dist.init_process_group("nccl" if env.device.startswith("cuda") else "gloo")
-    return LearnerGroup(model, group=group) if is_distributed(group) else None
+    return LearnerGroup(model, group=group, rank_wait_s=rank_wait_s) if is_distributed(group) else None
 
 
 def _replace(config: RunConfig, **changes: Any) -> RunConfig:
