@@ -116,7 +116,8 @@ def fake_ddiloco() -> None:
         write(home / "status.json", {"time": time.time(), "pid": os.getpid(), "learner_id": learner_id,
                                      "state": name, "inner_step": state["inner_step"], "inner_steps": total,
                                      "loss": 5.0 / (1 + state["inner_step"]), "tokens_per_s": 1000.0,
-                                     "tokens": 10 * state["inner_step"], "updates_accepted": 0})
+                                     "tokens": 10 * state["inner_step"], "updates_accepted": 0,
+                                     "stop_requested": bool(stop)})
 
     while state["inner_step"] < min(total, behaviour.get("loop_ends_at_step", total)) and not stop:
         if state["inner_step"] >= behaviour.get("stuck_at_step", total + 1):  # fails there at every start

@@ -431,6 +431,7 @@ class Session(SessionLifecycle):
         # its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
         if self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
             self._checkpoint.save()
+        self.reporter.stop_requested = self._stop.is_set()
         self.reporter.set(state=state)
         self.reporter.stop()
         self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)

@@ -56,6 +56,10 @@ class StatusReporter:
         self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         """The counters' totals before this process (from the checkpoint it resumed)."""
         self.progress = Progress()
+        self.stop_requested = False
+        """Whether the session was asked to stop (a SIGTERM to it or to one of its ranks, `request_stop()`), as its
+        final status says: a launcher restarts a learner stopped that way before the budget, but not one whose own
+        loop ended there (`ddiloco.runtime.learner_exits.stopped_from_outside`)."""
         self._last_rate = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
         self._writes = WriteTrouble(f"learner {learner.learner_id}'s status file")
@@ -110,7 +114,7 @@ class StatusReporter:
                 "state": progress.state, "inner_step": progress.inner_step,
                 "inner_steps": self.inner_steps, "loss": progress.loss,
                 "tokens_per_s": self.tokens_per_s, "tokens": progress.tokens, "versions": progress.versions,
-                "connected": self.transport.connected, **self.counters()}
+                "connected": self.transport.connected, "stop_requested": self.stop_requested, **self.counters()}
 
     def write(self) -> None:
         assert self.directory is not None

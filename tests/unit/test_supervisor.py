@@ -167,7 +167,8 @@ def test_a_sigkilled_learner_is_replaced_by_a_warm_standby(tmp_path, fake_comman
 
 def test_a_held_learner_is_not_restarted_before_its_hold_ends(tmp_path, fake_command):
     launcher = make_run(tmp_path, fake_command, inner_steps=300)
-    supervisor = Supervisor(FAST, launcher=launcher)
+    events = []
+    supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
     supervisor.start()
     try:
         status = lambda: read_json_object(launcher.paths.learner_status(0)) or {}
@@ -179,6 +180,10 @@ def test_a_held_learner_is_not_restarted_before_its_hold_ends(tmp_path, fake_com
         os.kill(victim, signal.SIGKILL)
         poll_until(supervisor, lambda: slot.state == ChildState.BACKOFF, "learner 0 to be noticed dead")
         assert slot.restart_at is not None and slot.restart_at >= held_until  # not the 0.05 s backoff
+        # ... and the console says when: it said "restarts in 0.1 s" for a learner held down for 100 s.
+        scheduled = [e.message for e in events if e.kind == "restart_scheduled" and e.name == "learner-0"]
+        assert len(scheduled) == 1 and scheduled[0].endswith("s (held down) (restart 1)"), scheduled
+        assert float(scheduled[0].split()[2]) > 0.5, scheduled
         poll_until(supervisor, lambda: slot.pid not in (None, victim), "learner 0 to restart after the hold")
         assert time.monotonic() >= held_until
         assert supervisor.learners[1].restarts == 0
@@ -421,7 +426,7 @@ def test_a_learner_whose_loop_ends_before_the_budget_is_done_and_says_so(tmp_pat
     supervisor = Supervisor(FAST, launcher=launcher, on_event=events.append)
     supervisor.run()
     assert [s.state for s in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
-    assert supervisor.learners[1].restarts == 0
+    assert supervisor.learners[1].restarts == 0  # its status says no stop was asked for: its own loop ended
     done = {e.name: e.message for e in events if e.kind == "done"}
     assert done["learner-0"] == "exited (done)"
     assert done["learner-1"] == ("exited (done: its loop ended at inner step 7 of 20, before the budget; "

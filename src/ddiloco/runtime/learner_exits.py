@@ -13,6 +13,11 @@ of `ray_actor.RoleActor` through Ray): the two rules that keep a restart from be
     at every restart: a learning-rate scheduler stepped past its total, a batch that always fails). Each restart
     resumes from the checkpoint and fails again where the last one did. A start that trains further starts the
     count again; a death by a signal is not counted either way (it still tells how far the learner got).
+
+And one rule for an exit 0 (`stopped_from_outside`): a learner whose session stopped before the run's budget because
+it was asked to (its final status says `stop_requested`; its script's loop did not end there) was stopped by a SIGTERM
+that the launcher did not send (a preemption, a `kill`): it is restarted, and resumes from the checkpoint it saved at
+the stop.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.rank_group import FAILED_RANK_LINE
 from ddiloco.transport.grpc_codec import shortened
 
 
@@ -44,15 +50,54 @@ MAX_REASON_CHARS = 300
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)")
 """A Python exception's own line at the end of a traceback: `ValueError: ...`, `torch.OutOfMemoryError: ...`."""
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
+"""What torch puts before every line of a rank's uncaught exception once its process group is set up: `[rank1]: `."""
+RECENT_LINES = 5
+"""How many of a process's last log lines may hold the exception that ended it (the end of its traceback). Above
+them an exception line is one the script logged and went on from, unless a rank group says which rank failed."""
+EXIT_LOG_LINES = 2000
+"""How many lines of an exit's log the supervisor reads: enough for the first failing rank's exception above the
+other ranks' tracebacks (`reason_line`), and for the session's `LOOP_ENDED_EARLY` above what a script prints after
+its loop."""
 
 
 def reason_line(tail: list[str]) -> str:
-    """The line of a process's last log lines that says why it ended: the last Python exception line among them (a
-    learner of several ranks logs, after a rank's traceback, that the rank exited), else the last line."""
-    for line in reversed(tail):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()
-    return tail[-1].strip()
+    """The line of a process's last log lines that says why it ended. For a learner of several ranks (its rank group
+    logged which rank failed first) the exception of that rank: the others fail after it, in a collective with it;
+    failing that, for a rank killed by a signal, the rank group's line. Otherwise the last Python exception line among
+    the last `RECENT_LINES`, else the last line. torch's `[rankN]: ` prefix is left out."""
+    for index in range(len(tail) - 1, -1, -1):
+        if (failed := FAILED_RANK_LINE.search(tail[index])) is not None:
+            return _failed_rank_reason(tail[:index] + tail[index + 1:], *(int(group) for group in failed.groups()))
+    return _last_exception_line(tail[-RECENT_LINES:]) or tail[-1].strip()
+
+
+def _failed_rank_reason(lines: list[str], rank: int, pid: int, status: int) -> str:
+    """Why rank `rank` (the first to fail, with `status`: 128 + N for signal N) ended its learner, from the log's
+    other lines."""
+    own = [line for line in lines if _rank_of(line) == rank]
+    if (line := _last_exception_line(own)) is not None:
+        return line
+    said = f"rank {rank} (pid {pid}) exited with status {status}"
+    if status > 128:
+        return f"{said} ({describe_exit(128 - status)})"
+    # Not an uncaught exception of that rank (a refusal the session logged, an error before torch's prefix is set
+    # up): what no other rank's traceback says.
+    unranked = [line for line in lines if _rank_of(line) is None]
+    return _last_exception_line(unranked[-RECENT_LINES:]) or (unranked[-1].strip() if unranked else said)
+
+
+def _rank_of(line: str) -> int | None:
+    prefix = _RANK_PREFIX.match(line.strip())
+    return int(prefix[1]) if prefix is not None else None
+
+
+def _last_exception_line(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        text = _RANK_PREFIX.sub("", line.strip(), count=1)
+        if _EXCEPTION_LINE.match(text):
+            return text
+    return None
 
 
 def describe_exit_with(code: int, tail: list[str]) -> str:
@@ -77,13 +122,49 @@ def started_wall(started_monotonic: float) -> float:
     return time.time() - (time.monotonic() - started_monotonic)
 
 
-def describe_done(status: dict[str, Any]) -> str:
-    """How a learner that exited with status 0 ended, from its status (`status_since`): `done`, or, when its own
-    loop ended before the run's budget (its session says `stopped`), at which step of how many. Not restarted
-    either way: the script ended its loop itself, and a restart would run the same script to the same end."""
+LOOP_ENDED_EARLY = "its loop ended before the run's budget"
+"""What a learner's session logs (a WARNING, `LearnerSession.close`) when the script's loop ended before the run's
+budget without a stop request; a session stopped by a signal writes the same `stopped` status and logs nothing."""
+
+
+def _before_budget(status: dict[str, Any]) -> tuple[int, int] | None:
+    """(inner step, budget) of a status that says `stopped` before the run's budget, else None."""
     step, budget = status.get("inner_step"), status.get("inner_steps")
     if status.get("state") == "stopped" and isinstance(step, int) and isinstance(budget, int) and step < budget:
-        return f"done: its loop ended at inner step {step} of {budget}, before the budget; not restarted"
+        return step, budget
+    return None
+
+
+def stopped_from_outside(status: dict[str, Any], log_lines: list[str], *, last_stop_step: int | None = None) -> bool:
+    """Whether a learner that exited with status 0 was stopped by a SIGTERM that its launcher did not send (asked while
+    the launcher is not stopping it): its status (`status_since`) says `stopped` before the run's budget and
+    `stop_requested` (a status without that field: its log since its start, `log_lines`, does not say
+    `LOOP_ENDED_EARLY`), and it did not stop at `last_stop_step`, the inner step
+    where its last start stopped this way. Such a learner is restarted: it resumes from the checkpoint it saved at the
+    stop. A restart that stops where the last one did, without a step in between, is a loop that ends there whose
+    warning was not in the log (a script that silenced ddiloco's warnings): done, not restarted again."""
+    where = _before_budget(status)
+    if where is None or where[0] == last_stop_step:
+        return False
+    if isinstance(status.get("stop_requested"), bool):  # the session says whether it was asked to stop
+        return status["stop_requested"]
+    return not any(LOOP_ENDED_EARLY in line for line in log_lines)  # a status from before it said so
+
+
+def describe_outside_stop(status: dict[str, Any]) -> str:
+    """The exit message of a learner `stopped_from_outside`."""
+    where = _before_budget(status)
+    at = f" at inner step {where[0]} of {where[1]}" if where is not None else ""
+    return f"stopped{at} by a signal ddiloco run did not send: restarted from its checkpoint"
+
+
+def describe_done(status: dict[str, Any]) -> str:
+    """How a learner that exited with status 0 and is done ended, from its status (`status_since`): `done`, or, when
+    its own loop ended before the run's budget (its session says `stopped`), at which step of how many. Not restarted
+    either way: the script ended its loop itself, and a restart would run the same script to the same end."""
+    where = _before_budget(status)
+    if where is not None:
+        return f"done: its loop ended at inner step {where[0]} of {where[1]}, before the budget; not restarted"
     return "done"
 
 
@@ -147,3 +228,6 @@ class CrashLoop:
 
 DONE_AFTER_SESSION = "after its session had finished: done, not restarted"
 """The end of the event message for a learner that crashed after it was done."""
+STOPPED_AFTER_SESSION = "after its session had finished: done"
+"""The end of the event message for a learner that the launcher's stop (a Ctrl-C) found done: its session had finished
+and it was on its way out (its exit status then is the stop's, a SIGTERM's)."""

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,11 @@ POLL_S = 0.05
 STOP_GRACE_S = 5.0
 """After one rank failed, how long the others get to exit on SIGTERM before SIGKILL (they are stuck in a
 collective with the dead rank, or failing out of one)."""
+FAILED_RANK = "[rank-group] rank %d (pid %d) exited with status %d: stopping the other ranks"
+"""What the group logs of the first rank that failed (its status as `exit_status` gives it)."""
+FAILED_RANK_LINE = re.compile(r"\[rank-group\] rank (\d+) \(pid (\d+)\) exited with status (\d+)")
+"""`FAILED_RANK` in a log line: how the supervisors tell which rank's error ended the learner
+(`learner_exits.reason_line`: the other ranks fail after it, in a collective with it)."""
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -100,8 +106,7 @@ def _wait(ranks: Sequence[subprocess.Popen]) -> int:
         failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            logger.warning("[rank-group] rank %d (pid %d) exited with status %d: stopping the other ranks", rank,
-                           ranks[rank].pid, exit_status(code))
+            logger.warning(FAILED_RANK, rank, ranks[rank].pid, exit_status(code))
             return exit_status(code)
         if all(code == 0 for code in codes):
             return 0

@@ -33,8 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.backoff import Backoff
-from ddiloco.runtime.launcher import Launcher
-from ddiloco.runtime.learner_exits import DONE_AFTER_SESSION, describe_exit, describe_exit_with, reason_line
+from ddiloco.runtime.launcher import Launcher, RunPaths
+from ddiloco.runtime.learner_exits import (
+    DONE_AFTER_SESSION,
+    STOPPED_AFTER_SESSION,
+    describe_exit,
+    describe_exit_with,
+    finished_session,
+    reason_line,
+    started_wall,
+    status_since,
+)
 from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
@@ -81,6 +90,7 @@ class RaySupervisor(SupervisionLoop):
         self.config = config
         self.options = options
         self.launch = dataclasses.replace(launch, run_dir=Path(launch.run_dir).resolve())
+        self.paths = RunPaths(Path(self.launch.run_dir))
         self._on_event = on_event or (lambda event: None)
         backoff = lambda: Backoff(config.backoff_initial_s, config.backoff_max_s,
                                   stable_after_s=config.stable_after_s)
@@ -352,7 +362,19 @@ class RaySupervisor(SupervisionLoop):
             if slot.process is not None:
                 slot.process.returncode = code if code is not None else -1
             self._end_actor(slot)
-            self._emit("stopped", slot, f"stopped (exit {code})", exit_code=code)
+            if self._finished_session(slot):
+                slot.state = ChildState.DONE
+                self._emit("stopped", slot, f"stopped (exit {code}) {STOPPED_AFTER_SESSION}", exit_code=code)
+            else:
+                self._emit("stopped", slot, f"stopped (exit {code})", exit_code=code)
+
+    def _finished_session(self, slot: Slot) -> bool:
+        """A learner whose process, the one the stop ended, had finished its session (its status file says done): the
+        stop found it done, on its way out (`learner_exits.finished_session`)."""
+        if slot.learner_id is None or slot.process is None:
+            return False
+        since = started_wall(slot.process.started_at)  # when the driver first saw it: after it started, before done
+        return finished_session(status_since(self.paths.learner_status(slot.learner_id), since))
 
     def _kill_groups(self, slots: list[Slot]) -> None:
         """A second Ctrl-C: SIGKILL the process groups at once where they are this machine's (a local instance);

@@ -7,11 +7,12 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
 - A child that dies is restarted after an exponential backoff (`Backoff`: 0.5 s doubling to 8 s,
   reset once a child has run for `stable_after_s`). Self-healing (docs/architecture.md, "Faults are data"): a dead
   learner stops only itself.
-- Exit codes decide the rest: a learner exiting 0 is done and never restarted, and so is one that
-  crashed after its session had finished (its `status.json`, written by this process, says done: a
-  native library aborting at interpreter exit, as gloo or NCCL teardown can, loses no work, and a restart
-  would only finish again); exit 3 means the
-  syncer refused it (its log's last line says why) and exit 2 a usage error: neither would go any
+- Exit codes decide the rest: a learner exiting 0 is done and never restarted (unless a SIGTERM that the
+  launcher did not send stopped it before the budget: `learner_exits.stopped_from_outside`; it is restarted
+  and resumes from the checkpoint it saved at the stop), and so is one that crashed after its session had
+  finished (its `status.json`, written by this process, says done: a native library aborting at interpreter
+  exit, as gloo or NCCL teardown can, loses no work, and a restart would only finish again); exit 3 means the
+  syncer refused it (its log says why) and exit 2 a usage error: neither would go any
   better a second time, so neither is restarted. The syncer is restarted on any exit but those two,
   which end the run. A learner's exit 4 (its syncer never answered within `connect_timeout_s`) is
   restarted like a crash: the syncer is this machine's own, and on its way back.
@@ -27,7 +28,8 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   is started again after the refill delay.
 - The run is finished when every learner is done (or will never run again); `shutdown()` then sends
   SIGTERM to whatever still runs (learners first, so they can say Leave to a live syncer; then the
-  syncer, which evaluates the final validation loss) and SIGKILL after a timeout.
+  syncer, which evaluates the final validation loss) and SIGKILL after a timeout. A learner whose status says
+  its session had finished when that SIGTERM came is done, not stopped.
 
 Everything that happens is an `Event` handed to `on_event` (the progress view and the metrics sink).
 """
@@ -46,14 +48,19 @@ from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
+    EXIT_LOG_LINES,
+    RECENT_LINES,
+    STOPPED_AFTER_SESSION,
     CrashLoop,
     describe_done,
     describe_exit,
     describe_exit_with,
+    describe_outside_stop,
     finished_session,
     reason_line,
     started_wall,
     status_since,
+    stopped_from_outside,
 )
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
 from ddiloco.runtime.supervision_loop import SupervisionLoop
@@ -186,6 +193,9 @@ class Slot:
     """When the syncer's current process was started or took over (its start timeout runs from here)."""
     crash_loop: CrashLoop = field(default_factory=CrashLoop)
     """A learner's failed exits so far, as the crash-loop rules count them."""
+    outside_stop_step: int | None = None
+    """The inner step where a process of this learner last stopped on a SIGTERM the launcher did not send
+    (`learner_exits.stopped_from_outside`)."""
 
     @property
     def pid(self) -> int | None:
@@ -297,8 +307,13 @@ class Supervisor(SupervisionLoop):
         stop_processes(processes, timeout_s, kill_now=lambda: self._kill_now, on_wait=waiting)
         for slot in slots:
             assert slot.process is not None
-            self._emit("stopped", slot, f"stopped (exit {slot.process.returncode})",
-                       exit_code=slot.process.returncode)
+            code = slot.process.returncode
+            if slot.learner_id is not None and finished_session(self._status_since_start(slot)):
+                # Its session had finished and it was on its way out when the stop came: done, as its status says.
+                slot.state = ChildState.DONE
+                self._emit("stopped", slot, f"stopped (exit {code}) {STOPPED_AFTER_SESSION}", exit_code=code)
+            else:
+                self._emit("stopped", slot, f"stopped (exit {code})", exit_code=code)
 
     # ---- the syncer ------------------------------------------------------------------------------
 
@@ -407,25 +422,33 @@ class Supervisor(SupervisionLoop):
         if code is None:
             return
         slot.exit_codes.append(code)
-        tail = slot.process.log_tail()
-        if code == EXIT_DONE:
+        lines = slot.process.log_tail(EXIT_LOG_LINES)
+        tail = lines[-RECENT_LINES:]
+        status = self._status_since_start(slot) if start is None else {}  # start is None: a learner
+        if code == EXIT_DONE and stopped_from_outside(status, lines, last_stop_step=slot.outside_stop_step):
+            # This loop only polls while the launcher stops nothing: the SIGTERM came from elsewhere.
+            slot.outside_stop_step = status["inner_step"]
+            slot.crash_loop.count(code, status)
+            self._emit("exited", slot, f"exited ({describe_outside_stop(status)})", exit_code=code, log_tail=tail)
+            self._schedule_restart(slot, now)
+        elif code == EXIT_DONE:
             slot.state = ChildState.DONE
-            how = describe_done(self._status_since_start(slot)) if start is None else "done"  # None: a learner
+            how = describe_done(status) if start is None else "done"
             self._emit("done", slot, f"exited ({how})", exit_code=code)
         elif code == EXIT_REFUSED:
             slot.state = ChildState.REFUSED
-            slot.reason = tail[-1] if tail else "refused by the syncer"
+            slot.reason = reason_line(lines) if lines else "refused by the syncer"
             self._emit("refused", slot, f"refused by the syncer: {slot.reason}", exit_code=code,
                        reason=slot.reason)
-        elif start is None and finished_session(self._status_since_start(slot)):
+        elif start is None and finished_session(status):
             slot.state = ChildState.DONE
             self._emit("done", slot, f"exited with {describe_exit(code)} {DONE_AFTER_SESSION}", exit_code=code,
                        log_tail=tail)
-        elif (reason := self._give_up_reason(slot, code, tail, start)) is not None:
+        elif (reason := self._give_up_reason(slot, code, lines, start)) is not None:
             slot.state, slot.reason = ChildState.FAILED, reason
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
-            self._emit("exited", slot, f"exited with {describe_exit_with(code, tail)}", exit_code=code,
+            self._emit("exited", slot, f"exited with {describe_exit_with(code, lines)}", exit_code=code,
                        log_tail=tail)
             self._schedule_restart(slot, now)
 
@@ -512,8 +535,10 @@ class Supervisor(SupervisionLoop):
         slot.restarts += 1
         slot.restart_at = max(now + delay, slot.held_until or now)
         slot.state = ChildState.BACKOFF
-        self._emit("restart_scheduled", slot, f"restarts in {delay:.1f} s (restart {slot.restarts})",
-                   delay_s=delay, restarts=slot.restarts)
+        wait = max(delay, (slot.held_until or now) - now)  # a crash held down (chaos) waits for its hold
+        held = " (held down)" if wait > delay else ""
+        self._emit("restart_scheduled", slot, f"restarts in {wait:.1f} s{held} (restart {slot.restarts})",
+                   delay_s=wait, restarts=slot.restarts)
 
     def _emit(self, kind: str, slot: Slot | None, message: str, **fields: Any) -> None:
         name = slot.name if slot is not None else "run"
