@@ -354,3 +354,15 @@ def assert_global_state_is_the_replay(run_dir) -> None:
     assert serial == len(records) > 0
     for name, tensor in replayed.items():
         assert torch.equal(state["global"][name], tensor), name
+
+
+def self_signed_pair(directory, name: str) -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1 made by the openssl command, and its RSA key: (cert path,
+    key path) in `directory`."""
+    import subprocess
+
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)

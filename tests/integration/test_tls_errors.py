@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import read_json
-from tests.helpers import TINY_MODEL_FLAGS, wait_until
+from tests.helpers import TINY_MODEL_FLAGS, self_signed_pair, wait_until
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
@@ -35,18 +35,9 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 4
 
 
-def make_pair(directory: Path, name: str) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and localhost, and its key: (cert path, key path)."""
-    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return str(cert), str(key)
-
-
 @pytest.fixture
 def certs(tmp_path):
-    return make_pair(tmp_path, "syncer"), make_pair(tmp_path, "other")
+    return self_signed_pair(tmp_path, "syncer"), self_signed_pair(tmp_path, "other")
 
 
 def unused_port() -> int:

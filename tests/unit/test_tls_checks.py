@@ -16,6 +16,7 @@ import pytest
 from ddiloco.runtime.process_settings import EvaluatorSettings, LearnerSettings
 from ddiloco.transport.auth import read_ca_file, read_tls_files
 from ddiloco.transport.grpc_client import ConnectWatch
+from tests.helpers import self_signed_pair
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -39,18 +40,9 @@ PLAIN_TO_TLS = ("UNAVAILABLE: failed to connect to all addresses; last error: UN
                 "Socket closed")
 
 
-def make_pair(directory, name: str, *, kind: str = "rsa:2048") -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and localhost, and its key: (cert path, key path)."""
-    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", kind, "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return str(cert), str(key)
-
-
 @pytest.fixture
 def pairs(tmp_path):
-    return make_pair(tmp_path, "a"), make_pair(tmp_path, "b")
+    return self_signed_pair(tmp_path, "a"), self_signed_pair(tmp_path, "b")
 
 
 def test_a_certificate_and_its_own_key_are_read(pairs):
