@@ -15,16 +15,6 @@ from ddiloco.run_config import MAX_SEED
 PLAN = "duration: 20s\nfaults:\n  - {at: 5s, kind: crash, target: learner-0}\n"
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Any system that starts fails the test: the refusal comes first."""
-    def started(*args, **kwargs):
-        raise AssertionError("a system started running: the arguments should have been refused first")
-
-    monkeypatch.setattr("ddiloco.chaos.runner.run_runtime_system", started)
-    monkeypatch.setattr("ddiloco.chaos.runner.run_data_parallel_system", started)
-
-
 def _args(*argv: str):
     return build_parser().parse_args(["chaos", *argv])
 

@@ -19,19 +19,6 @@ def a_file(tmp_path):
     return path
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Any experiment, simulation or chaos run that starts fails the test: the refusal comes first."""
-    def started(*args, **kwargs):
-        raise AssertionError("the work started before the output folder was checked")
-
-    monkeypatch.setattr("ddiloco.sim.experiments.run_experiment", started)
-    monkeypatch.setattr("ddiloco.plan.commands.simulate", started)
-    monkeypatch.setattr("ddiloco.plan.commands.run_paper_grid", started)
-    monkeypatch.setattr("ddiloco.chaos.runner.run_runtime_system", started)
-    monkeypatch.setattr("ddiloco.chaos.runner.run_data_parallel_system", started)
-
-
 def refused(argv: list[str], capsys, flag: str, path) -> None:
     assert main(argv) == EXIT_USAGE
     err = capsys.readouterr().err
