@@ -18,11 +18,12 @@ from torch import nn
 from ddiloco.config import DEFAULT_MAX_TOKENS_PER_STEP, DilocoConfig
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.learner_checkpoint import stateful_objects
-from ddiloco.learner_group import LearnerGroup, local_tensors, reshard_optimizer, unwrap
+from ddiloco.learner_group import LearnerGroup, unwrap
 from ddiloco.model_buffers import load_buffers, snapshot_buffers
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.optimizer_restore import WaitingGroups, restore_optimizer
 from ddiloco.session_lifecycle import SessionLifecycle
+from ddiloco.sharded_state import local_tensors, reshard_optimizer
 from ddiloco.step_arguments import check_tokens_bound
 
 logger = logging.getLogger(__name__)

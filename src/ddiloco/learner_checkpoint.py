@@ -37,10 +37,11 @@ import torch
 
 from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_split_state
 from ddiloco.learner import Learner
-from ddiloco.learner_group import LearnerGroup, reshard_optimizer, saved_optimizer_shards
+from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_status import StatusReporter
 from ddiloco.model_buffers import load_buffers, snapshot_buffers, write_buffers
 from ddiloco.optimizer_restore import WaitingGroups, optimizer_class, restore_optimizer
+from ddiloco.sharded_state import reshard_optimizer, saved_optimizer_shards
 from ddiloco.state_tree import CHECKPOINTABLE, UnsupportedStateError, split_state, state_path
 
 logger = logging.getLogger(__name__)

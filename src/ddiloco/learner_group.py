@@ -61,6 +61,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddiloco.sharded_state import dtensor_type, local_tensors, saved_optimizer_shards
+
 logger = logging.getLogger(__name__)
 
 LEADER = 0
@@ -156,14 +158,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has no FSDP2 either
-        return None
-    return DTensor
-
-
 class LearnerGroup:
     """The leader's or a follower's side of one learner's process group. See the module docstring."""
 
@@ -180,7 +174,7 @@ class LearnerGroup:
         self.size = dist.get_world_size(group)
         self.leader_global_rank = dist.get_global_rank(group, LEADER) if group is not None else LEADER
         self.params = dict(model.named_parameters())
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         self.sharded = frozenset(n for n, p in self.params.items() if dtensor is not None and isinstance(p, dtensor))
         """Parameters that are DTensors (FSDP2): each rank holds a shard."""
         backend = dist.get_backend(group)
@@ -509,44 +503,5 @@ class LearnerGroup:
                 raise RuntimeError(f"unknown learner-group command {op} from the leader")
 
 
-# ---- optimizer state of sharded parameters -------------------------------------------------------------------
-
-def saved_optimizer_shards(ranks: list[Any] | None) -> int:
-    """Into how many parts a checkpoint's optimizer state was split, from its `ranks` (`LearnerGroup.checkpoint`): one
-    per rank where the followers saved shards of their own (sharded parameters), else 1 (rank 0's whole state)."""
-    if ranks is not None and any(entry is not None and entry.get("optimizer") is not None for entry in ranks[1:]):
-        return len(ranks)
-    return 1
-
-
 def _layout(shards: int) -> str:
     return "whole" if shards == 1 else f"sharded over {shards} ranks"
-
-
-def local_tensors(state: Any) -> Any:
-    """`state` with every DTensor replaced by this rank's shard (a plain tensor): picklable, and what this rank
-    alone must keep of a sharded optimizer state."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(state, dtensor):
-        return state.to_local()
-    if isinstance(state, Mapping):
-        return {key: local_tensors(value) for key, value in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(local_tensors(value) for value in state)
-    return state
-
-
-def reshard_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """After `optimizer.load_state_dict` of `local_tensors` output: each state tensor of a DTensor parameter
-    becomes a DTensor of that parameter's layout again (the optimizer step mixes it with DTensor gradients)."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return
-    for param, state in optimizer.state.items():
-        if not isinstance(param, dtensor):
-            continue
-        local_shape = param.to_local().shape
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, dtensor) and value.shape == local_shape:
-                state[key] = dtensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                                shape=param.shape, stride=param.stride())

@@ -149,7 +149,7 @@ def _resume_sharded_optimizer(rank: int, port: int) -> None:
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from ddiloco.learner_group import local_tensors, reshard_optimizer
+    from ddiloco.sharded_state import local_tensors, reshard_optimizer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddiloco.learner_group import LearnerGroup, saved_optimizer_shards
+from ddiloco.learner_group import LearnerGroup
+from ddiloco.sharded_state import saved_optimizer_shards
 
 HYPERPARAMETERS = {"param_groups": [{"lr": 0.5, "params": [0, 1]}]}
 RANK0_SHARD = {"state": {0: {"exp_avg": "rank 0's half"}}, **HYPERPARAMETERS}
