@@ -229,3 +229,46 @@ def test_a_learner_that_aborts_after_finishing_its_session_is_done_not_restarted
     assert "exited with signal SIGABRT after its session had finished: done, not restarted" in out
     assert actor_state(run_dir, "learner-0")["incarnation"] == 0
     assert_nothing_left(run)
+
+
+PREEMPTED = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from torch import nn
+import ddiloco
+
+marker = Path(sys.argv[1])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+with ddiloco.session(model, optimizer) as sync:
+    while not sync.done:
+        if sync.inner_step == 10 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGTERM)  # from outside ddiloco run, as a preemption would be
+        x = torch.randn(8, 4)
+        loss = nn.functional.mse_loss(model(x), x[:, :2])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        sync.step(tokens=len(x), loss=loss.item())
+"""
+"""A learner that SIGTERMs itself once, at inner step 10 (a marker file): its session stops cleanly (exit 0)."""
+
+
+def test_a_learner_stopped_by_a_sigterm_from_outside_is_restarted_by_ray_and_reaches_its_budget(tmp_path):
+    script = tmp_path / "preempted.py"
+    script.write_text(PREEMPTED)
+    run_dir = tmp_path / "run"
+    run = RunWatch(run_dir, "--learners", "1", "--inner-steps", "30", "--num-fragments", "1", "--sync-every", "5",
+                   "--no-evaluate", "--threads", "1", "--", sys.executable, str(script), str(tmp_path / "marker"),
+                   tiny=False)
+    out = watch_until_it_ends(run)
+    assert run.popen.returncode == 0 and (tmp_path / "marker").exists(), out
+    learner = read_json_object(RunPaths(run_dir).summary)["learners"]["0"]
+    # Before, the actor kept the exit 0: done at inner step 11 of 30, and the run completed.
+    assert learner["state"] == "done" and learner["inner_step"] == 30, (learner, out)
+    assert actor_state(run_dir, "learner-0")["incarnation"] == 1
+    assert_nothing_left(run)

@@ -51,6 +51,7 @@ from ddiloco.runtime.learner_exits import (
     CrashLoop,
     finished_session,
     status_since,
+    stopped_from_outside,
 )
 from ddiloco.runtime.supervisor import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
 
@@ -137,6 +138,8 @@ class RoleActor:
         """Set once the process has ended for good: `verdict` (done, failed; absent: its exit code decides) and
         `reason`."""
         self._crash_loop = CrashLoop.from_json(previous.get("crash_loop"))
+        self._outside_stop_step: int | None = previous.get("outside_stop_step")
+        """Where the learner's last incarnation stopped by a SIGTERM from outside (`stopped_from_outside`)."""
         self._address: str | None = None
         self.syncer_address = self._wait_for_syncer() if spec.role != SYNCER else None
         # Started from the actor's main thread: PR_SET_PDEATHSIG fires when that thread (the worker) dies.
@@ -222,13 +225,23 @@ class RoleActor:
         self._kept = self._kept_exit(code)
         if self._kept is not None:
             return  # final: status() reports it, the driver ends the actor
-        self._write_state(exit_code=code, log_tail=self.child.log_tail(), crash_loop=self._crash_loop.as_json())
+        self._write_state(exit_code=code, log_tail=self.child.log_tail(), crash_loop=self._crash_loop.as_json(),
+                          outside_stop_step=self._outside_stop_step)
         logger.warning("[%s] process %d exited with %s: ending the actor for Ray to restart it",
                        self.spec.name, self.child.pid, code)
         os._exit(EXIT_RESTART)
 
     def _kept_exit(self, code: int) -> dict[str, Any] | None:
         """How an exit of this role's process is kept ({} when its code decides), or None for Ray to restart it."""
+        if code == EXIT_DONE and self.spec.role == LEARNER:
+            # A SIGTERM that ddiloco run did not send stopped it before the budget (a preemption): brought back, as
+            # the local supervisor does, from the checkpoint it saved at the stop.
+            status = status_since(self.paths.learner_status(self.spec.learner_id), self._started_wall)
+            if stopped_from_outside(status, self.child.log_tail(), last_stop_step=self._outside_stop_step):
+                self._outside_stop_step = status["inner_step"]
+                logger.warning("[%s] stopped at inner step %d by a signal ddiloco run did not send: restarted from "
+                               "its checkpoint", self.spec.name, status["inner_step"])
+                return None
         if not restarts_after(self.spec.role, code):
             return {}
         if self.spec.role == SYNCER:
