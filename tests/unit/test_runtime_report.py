@@ -114,6 +114,17 @@ def test_summary_table_shows_every_learner_and_the_run(tmp_path):
     assert "3 rounds committed" in text and "4.2500" in text
 
 
+def test_a_reason_in_brackets_is_shown_as_written(tmp_path):
+    paths = fake_run(tmp_path)
+    reason = "WARNING __main__: [rank-group] rank 1 (pid 7) exited with status 1"
+    summary = build_summary(paths, num_learners=2, outcome="failed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("failed", reason)}, failure="[learner 1] failed")
+    console = Console(width=300, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert f"failed ({reason})" in text and "[learner 1] failed" in text  # rich took them for markup and dropped them
+
+
 def slot(state: ChildState, pid: int | None = None) -> Slot:
     s = Slot("learner-1", 1, Backoff(0.5, 8.0, stable_after_s=30.0), state=state)
     if pid is not None:

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, strict_dumps
 from ddiloco.runtime.launcher import RunPaths
@@ -311,13 +313,14 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, final validation loss "
                f"{'-' if val is None else f'{val:.4f}'}, wall time {summary['wall_time_s']:.1f} s "
                f"(syncer restarts {summary['syncer']['restarts']})")
-    table = Table(title=f"ddiloco run {summary['run_dir']}", caption=caption, caption_justify="left")
+    # Reasons and paths are the learners' and the user's text: "[rank-group]" or "[learner 0]" is not rich markup.
+    table = Table(title=escape(f"ddiloco run {summary['run_dir']}"), caption=escape(caption), caption_justify="left")
     for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
                    "bytes sent", "bytes received"):
         table.add_column(header, justify="left" if header == "state" else "right")
     for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
         state = row["state"] + (f" ({row['reason']})" if row.get("reason") else "")
-        table.add_row(learner_id, state, str(row["restarts"]), _cell(row["updates_accepted"]),
+        table.add_row(learner_id, Text(state), str(row["restarts"]), _cell(row["updates_accepted"]),
                       _cell(row["updates_rejected"]), str(row["rounds_contributed"]), _inner_step_cell(row),
                       _cell(row["tokens"], ","), format_bytes(row["bytes_sent"]), format_bytes(row["bytes_received"]))
     return table
@@ -339,7 +342,7 @@ def _cell(value: Any, spec: str = "") -> str:
 def print_summary(summary: Mapping[str, Any], console: Console) -> None:
     console.print(summary_table(summary))
     if summary.get("failure"):
-        console.print(f"[red]{summary['failure']}[/red]")
+        console.print(Text(summary["failure"], style="red"))
 
 
 def write_report(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
