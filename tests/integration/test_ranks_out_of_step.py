@@ -99,6 +99,7 @@ def error_lines(log: str) -> list[str]:
     return [line.split("RanksOutOfStepError: ", 1)[1] for line in log.splitlines() if "RanksOutOfStepError: " in line]
 
 
+@pytest.mark.acceptance  # a whole run of two-rank learners: make acceptance (the bare-group tests below are quick)
 @pytest.mark.timeout(400)
 def test_a_rank_that_calls_sync_step_once_too_often_fails_its_learner_naming_the_rule(tmp_path):
     paths, log = run_with_fault(tmp_path, "extra")
@@ -110,6 +111,7 @@ def test_a_rank_that_calls_sync_step_once_too_often_fails_its_learner_naming_the
     assert_restarted_once_and_done(paths, log)
 
 
+@pytest.mark.acceptance
 @pytest.mark.timeout(400)
 def test_a_rank_that_never_opens_the_session_fails_its_learner_naming_the_rule(tmp_path):
     paths, log = run_with_fault(tmp_path, "no-session")

@@ -22,7 +22,7 @@ from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import RunPaths
 from tests.helpers import finish_run
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]  # a whole run, twice: make acceptance
 
 REPO = Path(__file__).parents[2]
 WAIT_S = 120.0
