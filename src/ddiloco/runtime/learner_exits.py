@@ -57,8 +57,7 @@ RECENT_LINES = 5
 them an exception line is one the script logged and went on from, unless a rank group says which rank failed."""
 EXIT_LOG_LINES = 2000
 """How many lines of an exit's log the supervisor reads: enough for the first failing rank's exception above the
-other ranks' tracebacks (`reason_line`), and for the session's `LOOP_ENDED_EARLY` above what a script prints after
-its loop."""
+other ranks' tracebacks (`reason_line`)."""
 
 
 def reason_line(tail: list[str]) -> str:
@@ -122,11 +121,6 @@ def started_wall(started_monotonic: float) -> float:
     return time.time() - (time.monotonic() - started_monotonic)
 
 
-LOOP_ENDED_EARLY = "its loop ended before the run's budget"
-"""What a learner's session logs (a WARNING, `LearnerSession.close`) when the script's loop ended before the run's
-budget without a stop request; a session stopped by a signal writes the same `stopped` status and logs nothing."""
-
-
 def _before_budget(status: dict[str, Any]) -> tuple[int, int] | None:
     """(inner step, budget) of a status that says `stopped` before the run's budget, else None."""
     step, budget = status.get("inner_step"), status.get("inner_steps")
@@ -135,20 +129,15 @@ def _before_budget(status: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-def stopped_from_outside(status: dict[str, Any], log_lines: list[str], *, last_stop_step: int | None = None) -> bool:
+def stopped_from_outside(status: dict[str, Any], *, last_stop_step: int | None = None) -> bool:
     """Whether a learner that exited with status 0 was stopped by a SIGTERM that its launcher did not send (asked while
     the launcher is not stopping it): its status (`status_since`) says `stopped` before the run's budget and
-    `stop_requested` (a status without that field: its log since its start, `log_lines`, does not say
-    `LOOP_ENDED_EARLY`), and it did not stop at `last_stop_step`, the inner step
-    where its last start stopped this way. Such a learner is restarted: it resumes from the checkpoint it saved at the
-    stop. A restart that stops where the last one did, without a step in between, is a loop that ends there whose
-    warning was not in the log (a script that silenced ddiloco's warnings): done, not restarted again."""
+    `stop_requested` (its loop did not end by itself), and it did not stop at `last_stop_step`, the inner step where
+    its last start stopped this way. Such a learner is restarted: it resumes from the checkpoint it saved at the stop.
+    A restart that stops where the last one did, without a step in between (a script that sends itself a SIGTERM
+    there), is done, not restarted again."""
     where = _before_budget(status)
-    if where is None or where[0] == last_stop_step:
-        return False
-    if isinstance(status.get("stop_requested"), bool):  # the session says whether it was asked to stop
-        return status["stop_requested"]
-    return not any(LOOP_ENDED_EARLY in line for line in log_lines)  # a status from before it said so
+    return where is not None and where[0] != last_stop_step and status.get("stop_requested") is True
 
 
 def describe_outside_stop(status: dict[str, Any]) -> str:

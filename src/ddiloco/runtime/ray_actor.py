@@ -237,7 +237,7 @@ class RoleActor:
             # A SIGTERM that ddiloco run did not send stopped it before the budget (a preemption): brought back, as
             # the local supervisor does, from the checkpoint it saved at the stop.
             status = status_since(self.paths.learner_status(self.spec.learner_id), self._started_wall)
-            if stopped_from_outside(status, self.child.log_tail(), last_stop_step=self._outside_stop_step):
+            if stopped_from_outside(status, last_stop_step=self._outside_stop_step):
                 self._outside_stop_step = status["inner_step"]
                 logger.warning("[%s] stopped at inner step %d by a signal ddiloco run did not send: restarted from "
                                "its checkpoint", self.spec.name, status["inner_step"])

@@ -425,7 +425,7 @@ class Supervisor(SupervisionLoop):
         lines = slot.process.log_tail(EXIT_LOG_LINES)
         tail = lines[-RECENT_LINES:]
         status = self._status_since_start(slot) if start is None else {}  # start is None: a learner
-        if code == EXIT_DONE and stopped_from_outside(status, lines, last_stop_step=slot.outside_stop_step):
+        if code == EXIT_DONE and stopped_from_outside(status, last_stop_step=slot.outside_stop_step):
             # This loop only polls while the launcher stops nothing: the SIGTERM came from elsewhere.
             slot.outside_stop_step = status["inner_step"]
             slot.crash_loop.count(code, status)
