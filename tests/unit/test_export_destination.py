@@ -5,9 +5,12 @@ overwrote it with the export (exit 0), and the run could no longer be resumed or
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from ddiloco.cli import main
 from ddiloco.run_config import RunConfig
@@ -81,3 +84,25 @@ def test_an_out_next_to_the_run_directory_is_written(run_dir, tmp_path, capsys):
     out = tmp_path / "exports" / "model.safetensors"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
     assert out.is_file()
+
+
+def test_an_out_that_is_no_regular_file_is_refused_and_left_as_it_was(run_dir, tmp_path, capsys):
+    # A FIFO (and, as root, a device such as /dev/full) was renamed over by the export: exit 0, the node gone.
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    assert main(["export", str(run_dir), "--out", str(fifo)]) == EXIT_USAGE
+    assert capsys.readouterr().err == (f"ddiloco export: error: --out {fifo} is a FIFO, not a regular file: give "
+                                       "the path of a new file or of an earlier export\n")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+def test_an_out_that_is_a_symlink_writes_the_file_it_points_to_and_keeps_the_link(run_dir, tmp_path, capsys):
+    target, link = tmp_path / "models" / "real.safetensors", tmp_path / "link.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert main(["export", str(run_dir), "--out", str(link)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {link} (the link's file {target}): ")
+    assert link.is_symlink() and link.resolve() == target
+    with safe_open(str(target), framework="pt") as file:
+        assert "ddiloco_run" in file.metadata()

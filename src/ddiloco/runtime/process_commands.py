@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -365,6 +366,7 @@ def run_export(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory: give a file path such as {out / 'model.safetensors'}")
     _check_destination(out, run_dir)
+    target = _export_file(out)
     config = RunConfig.load(run_dir / "config.json")
     params, rounds = exported_params(run_dir, config.diloco)
     buffers, learners = merged_buffers(run_dir)
@@ -374,15 +376,33 @@ def run_export(args: argparse.Namespace) -> int:
     data = save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
                                    "buffers_of_learners": ",".join(map(str, learners))})
     try:
-        atomic_write_bytes(out, data)
+        atomic_write_bytes(target, data)
     except OSError as exc:  # what the checks before cannot see: /proc, a full disk, a read-only mount
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     count = sum(t.numel() for n, t in params.items())
-    print(f"wrote {out}: {len(params)} parameters, {count:,} values, the global model after {rounds} rounds")
+    written = out if target == out else f"{out} (the link's file {target})"
+    print(f"wrote {written}: {len(params)} parameters, {count:,} values, the global model after {rounds} rounds")
     if buffers:
         print(f"  and {len(buffers)} buffers, their mean over learners {', '.join(map(str, learners))} as of "
               "their latest checkpoints (ddiloco.model_buffers)")
     return 0
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+def _export_file(out: Path) -> Path:
+    """The file an export to `out` replaces (by writing a new file and renaming it there): `out`, or where the symlink
+    `out` points (the link stays). ValueError for anything but a regular file or a new path: a FIFO or a device (as
+    root, /dev/full) would have been replaced by a plain file."""
+    target = out.resolve() if out.is_symlink() else out
+    if target.exists() and not target.is_file():
+        mode = target.stat().st_mode
+        kind = next((f"{name}, " for test, name in _NOT_REGULAR if test(mode)), "")
+        raise ValueError(f"--out {out} is {kind}not a regular file: give the path of a new file or of an earlier "
+                         "export")
+    return target
 
 
 def _check_destination(out: Path, run_dir: Path) -> None:
