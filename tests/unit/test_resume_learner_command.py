@@ -111,3 +111,37 @@ def test_an_unrecorded_run_that_may_be_the_built_in_learners_resumes_as_before(t
     if genesis == "damaged":
         (run_dir / "genesis.safetensors").write_bytes(b"not a safetensors file")
     assert resumed_learner_command(run_dir, TINY, ()) == ((), None)  # the built-in learner, as before
+
+
+def test_a_command_every_learner_failed_with_is_not_kept_and_the_built_in_learner_can_be_chosen_again(
+        tmp_path, fake_command, capsys, monkeypatch):
+    # A --resume with a wrong `-- COMMAND` was recorded though no learner ran with it: the next --resume without one
+    # failed the same way, and nothing but an edit of command.json went back to the built-in learner.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "learner.py").write_text(LEARNER)
+    (tmp_path / "broken.py").write_text("raise SystemExit('broken.py: no such model')\n")
+    run_dir = tmp_path / "run"
+    assert run(fake_command, "--run-dir", str(run_dir), script=("python", "learner.py", "first")) == 0
+    record = RunPaths(run_dir).learner_command.read_text()
+    capsys.readouterr()
+
+    assert run(fake_command, "--resume", str(run_dir), script=("python", "broken.py")) == 1
+    assert ("no learner ran with python broken.py (every one failed or was refused): the run keeps the command it "
+            "ran with before, python learner.py first, for its next --resume\n") in capsys.readouterr().out
+    assert RunPaths(run_dir).learner_command.read_text() == record
+    assert run(fake_command, "--resume", str(run_dir)) == 0
+    assert starts(tmp_path)[-2:] == [["first"]] * 2
+
+    capsys.readouterr()
+    assert run(fake_command, "--resume", str(run_dir), "--built-in-learner") == 0
+    assert ("resuming with the built-in TinyGPT learner, which differs from the command the run last ran with: "
+            "python learner.py first\n") in capsys.readouterr().out
+    assert json.loads(RunPaths(run_dir).learner_command.read_text())["command"] == []
+    assert len(starts(tmp_path)) == 4  # no learner ran the script this time: the fake built-in learners did
+
+
+def test_the_built_in_learner_and_a_command_together_are_refused(tmp_path, capsys):
+    assert main(["run", "--run-dir", str(tmp_path / "run"), "--built-in-learner", "--", "python", "t.py"]) == EXIT_USAGE
+    assert capsys.readouterr().err == ("ddiloco run: error: --built-in-learner and a learner command after -- name two "
+                                       "different learners: give one of them\n")
+    assert not (tmp_path / "run").exists()

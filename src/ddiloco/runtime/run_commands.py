@@ -95,6 +95,9 @@ class ResolvedRun:
     `resumed_launch_shape`)."""
     lock: DirectoryLock
     """This launcher's claim on the run directory (`run_dir.claim_run_dir`), released when `ddiloco run` returns."""
+    replaced_command: dict[str, Any] | None = None
+    """The learner command record (`launcher/command.json`) this `--resume` replaced with another command or shape,
+    put back if no learner runs with the new one (`run_dir.restore_learner_command`)."""
 
 
 def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
@@ -121,6 +124,9 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
     from ddiloco.runtime.syncer_state import GENESIS_FILE
 
     given = tuple(getattr(args, "script", ()) or ())
+    if settings.built_in_learner and given:
+        raise ValueError("--built-in-learner and a learner command after -- name two different learners: give one of "
+                         "them")
     with contextlib.ExitStack() as refused:  # a check that fails after the claim gives the directory back
         if args.resume is not None:
             run_dir, flag = Path(args.resume), "--resume"
@@ -139,7 +145,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
                 check_resume(saved, config)
             except ValueError as exc:
                 raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
-            script, script_note = resumed_learner_command(run_dir, config, given)
+            script, script_note = resumed_learner_command(run_dir, config, given, built_in=settings.built_in_learner)
             kept, shape_notes = resumed_launch_shape(
                 run_dir, {name: getattr(args, name) for name in LAUNCH_SHAPE if getattr(args, name) is not None},
                 {name: getattr(RunSettings, name) for name in LAUNCH_SHAPE})
@@ -180,9 +186,10 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             lock = claim_run_dir(run_dir, resume=False)
             refused.callback(lock.release)
         config.save(run_dir / "config.json")
-        record_learner_command(RunPaths(run_dir), script, {name: getattr(settings, name) for name in LAUNCH_SHAPE})
+        replaced = record_learner_command(RunPaths(run_dir), script,
+                                          {name: getattr(settings, name) for name in LAUNCH_SHAPE})
         refused.pop_all()
-    return ResolvedRun(run_dir, config, script, settings, notes, lock)
+    return ResolvedRun(run_dir, config, script, settings, notes, lock, replaced)
 
 
 PROCESS_MEMORY_FLOOR = 100 * 2**20
@@ -359,6 +366,10 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: 
     else:
         outcome = "completed"
     failure = supervisor.failure or "; ".join(f"{s.name} {s.state}: {s.reason}" for s in unfinished) or None
+    if resolved.replaced_command is not None and len(unfinished) == config.num_learners:
+        from ddiloco.runtime.run_dir import restore_learner_command
+        console.print(restore_learner_command(paths, resolved.replaced_command, resolved.script), highlight=False,
+                      soft_wrap=True)
     sink.event("run_finished", wall_time_s=wall_time_s, outcome=outcome, stop_reason=supervisor.stop_reason)
     sink.close()
     summary = write_report(paths, num_learners=config.num_learners, outcome=outcome, wall_time_s=wall_time_s,

@@ -143,12 +143,27 @@ command, so that a `--resume` without the flag starts the learners as the run la
 resumed as one process crash-looped in `init_process_group`, without RANK."""
 
 
-def record_learner_command(paths: RunPaths, script: Sequence[str], shape: Mapping[str, Any]) -> None:
+def record_learner_command(paths: RunPaths, script: Sequence[str], shape: Mapping[str, Any]) -> dict[str, Any] | None:
     """Write `launcher/command.json`: the learner command the run starts with (empty: the built-in learner), the
     directory it was given in, where its relative paths mean what the user meant, and `shape`, the LAUNCH_SHAPE
-    settings it starts with."""
-    atomic_write_json(paths.learner_command, {"command": list(script), "cwd": os.getcwd(),
-                                              **{name: shape[name] for name in LAUNCH_SHAPE}})
+    settings it starts with. Returns the record it replaced where that named another command or shape (None
+    otherwise), for `restore_learner_command`."""
+    before = read_json_object(paths.learner_command)
+    record = {"command": list(script), "cwd": os.getcwd(), **{name: shape[name] for name in LAUNCH_SHAPE}}
+    atomic_write_json(paths.learner_command, record)
+    if before is None or all(before.get(key) == record[key] for key in ("command", *LAUNCH_SHAPE)):
+        return None
+    return before
+
+
+def restore_learner_command(paths: RunPaths, replaced: Mapping[str, Any], script: Sequence[str]) -> str:
+    """Put back the record `record_learner_command` replaced, when no learner ran with `script` (every one of the
+    launch failed or was refused): a mistyped `-- COMMAND` on a `--resume` would otherwise be what the next `--resume`
+    runs. Returns the line for the console."""
+    atomic_write_json(paths.learner_command, dict(replaced))
+    before = tuple(str(word) for word in replaced.get("command") or ())
+    return (f"no learner ran with {_describe(script)} (every one failed or was refused): the run keeps the command it "
+            f"ran with before, {_describe(before)}, for its next --resume")
 
 
 def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
@@ -170,22 +185,23 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
     return kept, tuple(notes)
 
 
-def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str]) -> tuple[tuple[str, ...],
-                                                                                            str | None]:
+def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str], *,
+                            built_in: bool = False) -> tuple[tuple[str, ...], str | None]:
     """The learner command a `--resume` of `run_dir` runs, and a line for the console when it is not simply the one
-    given: without `-- COMMAND`, the run's recorded command; with one that differs, the one given. A run written
-    before commands were recorded keeps the one given, but one whose genesis shows a script's model is refused
-    without `-- COMMAND` (it would otherwise start the built-in TinyGPT learner against the script's model)."""
+    given: without `-- COMMAND` (or `built_in`, `--built-in-learner`: the built-in learner, given), the run's recorded
+    command; with one that differs, the one given. A run written before commands were recorded keeps the one given,
+    but one whose genesis shows a script's model is refused without `-- COMMAND` (it would otherwise start the
+    built-in TinyGPT learner against the script's model)."""
     given = tuple(given)
     record = read_json_object(RunPaths(run_dir).learner_command)
     if record is None:
-        if not given and _genesis_is_a_script_model(run_dir, config):
+        if not given and not built_in and _genesis_is_a_script_model(run_dir, config):
             raise ValueError(f"--resume {run_dir}: this run's model is not the built-in TinyGPT, so it was started "
                              f"with a learner command, which its directory does not record: give it again after --, "
                              f"e.g. ddiloco run --resume {run_dir} -- python train.py")
         return given, None
     recorded = tuple(str(word) for word in record.get("command") or ())
-    if not given:
+    if not given and not built_in:
         if not recorded:
             return (), None
         note = f"resuming with the run's command: {_describe(recorded)}"

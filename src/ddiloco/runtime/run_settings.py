@@ -45,6 +45,9 @@ class RunSettings:
     """period of each learner's local checkpoint: a kill -9 redoes at most this much"""
     init: str | None = setting(None, metavar="FILE.safetensors")
     """a new run's initial global parameters (default: the first learner's own)"""
+    built_in_learner: bool = False
+    """run the built-in TinyGPT learner: on --resume, whatever learner command the run last ran with (without it or
+    -- COMMAND, a --resume runs the run's own)"""
 
     def __post_init__(self) -> None:
         if self.threads is not None:
