@@ -104,3 +104,18 @@ def test_evaluate_runs_without_autograd_and_a_loss_with_its_graph_is_read_quietl
         watcher.sink.close()
         watcher.client.close()
     assert seen == [False] and watcher.latest["val_loss"] > 0
+
+
+def test_an_optimizer_training_parameters_outside_the_model_is_refused_naming_them():
+    # Learnable loss weights kept beside the model were trained, never synced, checkpointed or exported; a restart
+    # set them back to their initial values while their AdamW moments resumed from the checkpoint. Silently.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    log_vars = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": model.parameters()}, {"params": [log_vars], "weight_decay": 0.0}])
+    with pytest.raises(ValueError) as refused:
+        ddiloco.session(model, optimizer, syncer="127.0.0.1:1", learner_id=0)
+    assert str(refused.value) == (
+        "the optimizer trains 1 tensor that is no parameter of the model (param group 1, shape (2,)): the run syncs, "
+        "checkpoints and exports only the model's parameters, so every learner would train it apart and a restart "
+        "would set it back to its initial value; make it part of the model (an nn.Parameter attribute of the model "
+        "or of one of its modules)")
