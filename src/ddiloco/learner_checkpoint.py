@@ -8,7 +8,9 @@ writes the buffers to `learners/N/buffers.safetensors`, which export and the eva
 taken between inner steps, on the training thread, and split there into tensors and JSON, so that a value the
 checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's loop, naming the entry; writing and
 fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
-again at the next checkpoint. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
+again at the next checkpoint; the inner step of the newest one written goes to the status (`checkpoint_inner_step`),
+and the checkpoint at the stop, which no later one retries, is an error when it fails, naming the inner step a resume
+continues from. Restoring loads the latest readable checkpoint back into all of them, once its optimizer
 state is known to fit this script's optimizer (`ddiloco.optimizer_restore`: parameter groups the script added during
 the run are restored when it adds them again, and kept by the checkpoints taken meanwhile). Each checkpoint records
 who wrote it (`writer`): the optimizer's class, this process, and which model and optimizer object. Its optimizer
@@ -133,7 +135,8 @@ class LearnerCheckpoint:
         """Checkpoint. The snapshot is taken and split here, between inner steps (a deep copy: the optimizer updates
         its tensors in place); writing and fsyncing happen in a background thread unless `wait`, so a periodic
         checkpoint costs the training loop only the copy. A state that cannot be kept raises TypeError here (see
-        `_split`)."""
+        `_split`). `wait` is the session's checkpoint at its stop: no later one will try again, so when it cannot be
+        written the error says which inner step a resume continues from (`_unsaved`)."""
         if self._saver is not None:
             self._saver.join()  # one write at a time, in order
         user = self._user_state()
@@ -158,6 +161,7 @@ class LearnerCheckpoint:
 
         def write() -> None:
             save_split_state(self.directory, split, serial=serial, meta=meta)
+            self.reporter.checkpoint_inner_step = serial  # durable from here, even if the buffers file fails next
             write_buffers(self.directory.parent, buffers)
 
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
@@ -166,6 +170,21 @@ class LearnerCheckpoint:
         self._saver.start()
         if wait:
             self._saver.join()
+            if self.reporter.checkpoint_inner_step != serial:
+                self._unsaved(serial)
+
+    def _unsaved(self, inner_step: int) -> None:
+        """Log that the checkpoint at the stop, at `inner_step`, could not be written: `WriteTrouble` says only the
+        first failure of a run of them, and the progress since the newest checkpoint is trained again on resume."""
+        saved = self.reporter.checkpoint_inner_step
+        if saved is None:
+            lost = ("it has no checkpoint, so a resume takes the run's position, with its optimizer and state= "
+                    "objects afresh")
+        else:
+            lost = f"its progress since inner step {saved} is not saved, a resume continues from inner step {saved}"
+        logger.error("[learner %d | inner %d] its checkpoint at its stop could not be written (%s): %s",
+                     self.learner.learner_id, inner_step, self._writes.failing or "the writing thread's error above",
+                     lost)
 
     def _split(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any] | None:
         """`split_state(state)`, on the training thread. A value it cannot keep is a TypeError naming the entry the
@@ -206,7 +225,8 @@ class LearnerCheckpoint:
             logger.info("[learner %d] no readable checkpoint in %s: fresh optimizer, data from the start",
                         learner_id, self.directory)
             return False
-        state, meta, _ = latest
+        state, meta, serial = latest
+        self.reporter.checkpoint_inner_step = serial
         saved_optimizer = state["learner"]["optimizer"]
         ranks = state.get("ranks")
         fits = True

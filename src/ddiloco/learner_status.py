@@ -4,8 +4,8 @@ Owns the learner's progress as the status thread reads it (state, inner step, lo
 versions: replaced, never mutated, by the training thread), its counters (the learner core's and the
 transport's, plus the totals of earlier incarnations that its checkpoint carried over), its token rate, and
 `learners/N/status.json`, rewritten every `status_every_s` by a background thread that also logs the token
-rate. What the checkpoint keeps of it is `ddiloco.learner_checkpoint`'s; when the state changes is the
-session's.
+rate, with the inner step its newest checkpoint holds (`checkpoint_inner_step`, which its checkpoint sets). What
+the checkpoint keeps of it is `ddiloco.learner_checkpoint`'s; when the state changes is the session's.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ class StatusReporter:
         self.base: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         """The counters' totals before this process (from the checkpoint it resumed)."""
         self.progress = Progress()
+        self.checkpoint_inner_step: int | None = None
+        """The inner step the learner's newest checkpoint holds, where a restart continues from (None: it has none);
+        set by its checkpoint (`ddiloco.learner_checkpoint`) when it restores one and after each write that worked.
+        Behind `inner_step` in the final status when the checkpoint at the stop could not be written."""
         self.stop_requested = False
         """Whether the session was asked to stop (a SIGTERM to it or to one of its ranks, `request_stop()`), as its
         final status says: a launcher restarts a learner stopped that way before the budget, but not one whose own
@@ -114,7 +118,8 @@ class StatusReporter:
                 "state": progress.state, "inner_step": progress.inner_step,
                 "inner_steps": self.inner_steps, "loss": progress.loss,
                 "tokens_per_s": self.tokens_per_s, "tokens": progress.tokens, "versions": progress.versions,
-                "connected": self.transport.connected, "stop_requested": self.stop_requested, **self.counters()}
+                "connected": self.transport.connected, "stop_requested": self.stop_requested,
+                "checkpoint_inner_step": self.checkpoint_inner_step, **self.counters()}
 
     def write(self) -> None:
         assert self.directory is not None

@@ -7,8 +7,10 @@ sources only grow, and the merge is rewritten from them each time:
 - `metrics.jsonl`: every line of `syncer/metrics.jsonl`, `learners/N/metrics.jsonl` and
   `launcher/metrics.jsonl`, tagged with its `source`, sorted by time.
 - `summary.json`: per learner restarts, updates accepted and rejected, rounds contributed, tokens, its inner step
-  (a position on the run's schedule, at most the budget) and the inner steps its processes trained;
-  for the run rounds committed, final validation loss, wall time (this session and all sessions).
+  (a position on the run's schedule, at most the budget), the inner steps its processes trained, and the inner step
+  its newest checkpoint holds (where `--resume` continues it from: behind its inner step when it was killed after
+  that checkpoint, or its checkpoint at its stop could not be written); for the run rounds committed, final
+  validation loss, wall time (this session and all sessions).
 - `val_loss.png` (validation loss vs time), `participation.png` (which learner was merged in which
   round), `bytes.png` (bytes per direction per learner), drawn with matplotlib's Agg backend.
 """
@@ -29,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, strict_dumps
+from ddiloco.checkpoint import _state_files, atomic_write_json, read_json_object, read_jsonl, strict_dumps
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes
 
@@ -130,6 +132,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "restarts": restarts.get(f"learner-{learner_id}", 0),
             "inner_step": position,
             "inner_steps_trained": inner_steps_trained(paths.learner_dir(learner_id), learner_id),
+            "checkpoint_inner_step": checkpoint_inner_step(paths.learner_dir(learner_id)),
             "updates_sent": status.get("updates_sent"),
             "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
@@ -197,6 +200,24 @@ def inner_steps_trained(learner_dir: Path, learner_id: int) -> int | None:
         reached += [step for time, step in step_lines if begin <= time < end]
         trained += max(0, max(reached, default=first) - first)
     return trained
+
+
+def checkpoint_inner_step(learner_dir: Path) -> int | None:
+    """The inner step the learner's newest checkpoint (`learners/N/checkpoint/`) holds, where `--resume` continues it
+    from; None when it has none (a resume then takes the run's position). Read from the file names, the way a resume
+    finds it (a state exists once its JSON does), not from status.json: a learner killed after its last checkpoint,
+    or whose checkpoint at its stop could not be written, reported steps its checkpoint does not hold. A report
+    reads no tensors, so a newest checkpoint that turns out damaged at the resume, skipped for the one before it, is
+    not foreseen here."""
+    states = _state_files(learner_dir / "checkpoint")
+    return states[-1][0] if states else None
+
+
+def unsaved_progress(row: Mapping[str, Any]) -> int | None:
+    """The inner step a `--resume` continues the learner of a summary row from, where that is behind the inner step
+    it reports; None when its newest checkpoint holds its progress (or it has none)."""
+    position, saved = row.get("inner_step"), row.get("checkpoint_inner_step")
+    return saved if isinstance(position, int) and isinstance(saved, int) and saved < position else None
 
 
 def write_summary(paths: RunPaths, summary: Mapping[str, Any]) -> None:
@@ -327,12 +348,14 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
 
 
 def _inner_step_cell(row: Mapping[str, Any]) -> str:
-    """`150`, or `150 (40 trained)` where the steps its processes trained differ from its position (see
-    `inner_steps_trained`)."""
+    """`150`; `150 (40 trained)` where the steps its processes trained differ from its position (see
+    `inner_steps_trained`); `150 (saved 120)` where a resume continues from an older checkpoint (`unsaved_progress`)."""
     position, trained = row.get("inner_step"), row.get("inner_steps_trained")
-    if trained is None or position is None or trained == position:
-        return _cell(position)
-    return f"{position} ({trained} trained)"
+    notes = [] if trained is None or position is None or trained == position else [f"{trained} trained"]
+    saved = unsaved_progress(row)
+    if saved is not None:
+        notes.append(f"saved {saved}")
+    return _cell(position) + (f" ({', '.join(notes)})" if notes else "")
 
 
 def _cell(value: Any, spec: str = "") -> str:
@@ -341,6 +364,14 @@ def _cell(value: Any, spec: str = "") -> str:
 
 def print_summary(summary: Mapping[str, Any], console: Console) -> None:
     console.print(summary_table(summary))
+    for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
+        saved = unsaved_progress(row)
+        if saved is not None:
+            console.print(Text(f"learner {learner_id} reached inner step {row['inner_step']}, but its newest "
+                               f"checkpoint holds inner step {saved}: a --resume continues it from {saved} (killed or "
+                               "failed after it, or its checkpoint at its stop could not be written: "
+                               f"logs/learner-{learner_id}.log says which)",
+                               style="yellow"))
     if summary.get("failure"):
         console.print(Text(summary["failure"], style="red"))
 
