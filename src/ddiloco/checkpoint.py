@@ -21,7 +21,8 @@ cut) leaves either the old file or the new one, never a torn one. Tensors go int
 Atomic writes guard against crashes, not against a disk that later returns other bytes than it was
 given. Every tensors file's checksum (`bytes_checksum`) is therefore recorded at its commit point and
 checked whenever the file is read back (`load_tensors(path, checksum=...)`): a damaged state is
-skipped for an older one, a damaged round is an error (a round log cannot skip a round).
+skipped for an older one, a damaged round is an error (a round log cannot skip a round), and so is a damaged
+line of the log (not JSON, not a round record, out of order), named by file and line.
 
 This module knows nothing of learners or the syncer; it stores what they hand it.
 """
@@ -371,6 +372,12 @@ def round_record_from_json(line: dict[str, Any], merged: dict[str, torch.Tensor]
         summed=tuple(int(i) for i in line.get("summed", ())))
 
 
+LOG_DAMAGED = "the round log is damaged: restore rounds.jsonl from a backup"
+"""How every refusal of a damaged `rounds.jsonl` ends. A run does not go on from its full state alone, even one that
+holds every round: replays, audits (`ddiloco chaos`) and the participation counts read the record of every committed
+round, and rounds appended after a hole would leave it there for good (docs/runtime.md, Durability and restarts)."""
+
+
 class RoundLog:
     """`rounds.jsonl` plus `rounds/round_NNNNNN.safetensors` in a run directory. See the module
     docstring. Only one process (the syncer) appends; anyone may read."""
@@ -405,42 +412,81 @@ class RoundLog:
         finally:
             os.close(fd)
 
+    def _read(self) -> tuple[bytes, int]:
+        """The log's whole lines (up to its last newline) and the length of what follows them: a torn last line
+        (a crash while appending), 0 without one."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return b"", 0
+        end = data.rfind(b"\n") + 1
+        return data[:end], len(data) - end
+
+    def torn_bytes(self) -> int:
+        """The length of a torn last line, 0 without one. Reads only."""
+        return self._read()[1]
+
     def repair(self) -> int:
         """Cut a torn last line (a crash while appending) so later appends start on a fresh line;
-        returns the number of complete lines. Call once, before the first append of a process."""
-        if not self.path.exists():
-            return 0
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            logger.warning("round log %s ends with a torn line (%d bytes); cutting it", self.path, len(data) - end)
+        returns the number of complete lines. Call once, before the first append of a process, and only once the
+        log is known to be consistent with the state it continues (`SyncerStore.restore`): cutting is the one
+        change a reader of the log ever makes to it."""
+        whole, torn = self._read()
+        if torn:
+            logger.warning("round log %s ends with a torn line (%d bytes); cutting it", self.path, torn)
             with self.path.open("r+b") as file:
-                file.truncate(end)
+                file.truncate(len(whole))
                 file.flush()
                 os.fsync(file.fileno())
-        return data[:end].count(b"\n")
+        return whole.count(b"\n")
 
     def lines(self) -> list[dict[str, Any]]:
-        """Every complete line, in order (a torn last line is skipped)."""
-        if not self.path.exists():
-            return []
+        """Every complete line, in order (a torn last line is skipped), each a JSON object with an integer
+        "round". A line that is not is a ValueError naming the file and the line (1-based, as `sed -n Np` counts)."""
+        whole, _ = self._read()
         out = []
-        for raw in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
-            if not raw.endswith("\n"):
-                break
-            out.append(json.loads(raw))
+        # Split on b"\n" only: json.dumps escapes every other line break, so these are the appender's lines.
+        for number, raw in enumerate(whole.split(b"\n")[:-1], start=1):
+            try:
+                line = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{self.path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}): "
+                                 f"{LOG_DAMAGED}") from None
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{self.path} line {number} is not valid JSON ({exc}): {LOG_DAMAGED}") from None
+            if not isinstance(line, dict) or type(line.get("round")) is not int:
+                raise ValueError(f"{self.path} line {number} is not a round record (a JSON object with an integer "
+                                 f'"round"): {LOG_DAMAGED}')
+            out.append(line)
         return out
 
+    def numbered_lines(self) -> list[dict[str, Any]]:
+        """`lines()`, checked to hold rounds 0, 1, 2, ... one per line in order: line N holds round N - 1. A
+        ValueError names the first line that does not and the round that belongs there (a line lost, repeated or
+        moved), so a gap is never read as a log whose end was lost."""
+        lines = self.lines()
+        for index, line in enumerate(lines):
+            if line["round"] != index:
+                raise ValueError(f"{self.path} line {index + 1} holds round {line['round']} where round {index} "
+                                 f"should be (a line lost, repeated or moved): {LOG_DAMAGED}")
+        return lines
+
     def records(self, *, start: int = 0) -> Iterator[RoundRecord]:
-        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering and each tensors
-        file against the checksum its line recorded. A damaged round is a ValueError naming it and its file:
-        a replay cannot skip a round, so the file must come back from a backup."""
-        for expected, line in enumerate(self.lines()):
-            if int(line["round"]) != expected:
-                raise ValueError(f"{self.path}: line {expected + 1} holds round {line['round']}, "
-                                 f"expected {expected}: the log is damaged")
-            if expected >= start:
-                yield round_record_from_json(line, self.load_merged(line))
+        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering (`numbered_lines`)
+        and each tensors file against the checksum its line recorded. A damaged round is a ValueError naming it and
+        its file: a replay cannot skip a round, so the file must come back from a backup."""
+        for line in self.numbered_lines()[start:]:
+            yield self.record(line)
+
+    def record(self, line: dict[str, Any]) -> RoundRecord:
+        """The round one of `numbered_lines()` records, with its merged tensors (`load_merged`); a ValueError naming
+        the line when a field is missing or not what a round record holds."""
+        merged = self.load_merged(line)
+        try:
+            return round_record_from_json(line, merged)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{self.path} line {line['round'] + 1} (round {line['round']}) is not a round record "
+                             f"({type(exc).__name__}: {exc}): {LOG_DAMAGED}") from None
 
     def load_merged(self, line: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The merged pseudo-gradient of the round `line` (one of `lines()`) records, checked against the checksum

@@ -16,7 +16,9 @@ at a clean stop; it costs the whole model plus its momentum, so it is not writte
 Restoring loads the newest full state and replays the rounds the log holds after it, through the
 same outer optimizer (`replay_onto`), which reproduces the lost in-memory state bit for bit: no
 committed round is lost, and none is applied twice because the log's round numbers must continue
-exactly where the state ends.
+exactly where the state ends. A damaged log (a line that is no round record, a gap, an end below the state's
+rounds) refuses the restore, naming the file and line, before anything on disk changes; the syncer does not go
+on from a full state alone, since replays, audits and participation counts read every committed round's line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 
 from ddiloco.checkpoint import (
     CHECKSUM_KEY,
+    LOG_DAMAGED,
     RoundLog,
     atomic_write_bytes,
     bytes_checksum,
@@ -279,24 +282,39 @@ class SyncerStore:
         self.state_dir = self.run_dir / STATE_DIR
 
     def restore(self, syncer: Syncer, *, repair: bool = True) -> Restored:
-        """Bring a freshly built syncer (initial parameters) to the last committed round. `repair=False` for a
-        reader that does not own the log (a standby): a torn last line is then skipped, not cut."""
-        if repair:
-            self.log.repair()
+        """Bring a freshly built syncer (initial parameters) to the last committed round. Everything is checked
+        before anything on disk changes: the log's lines (`RoundLog.numbered_lines`), that it holds every round the
+        state does, and the rounds replayed; a refused restore (a ValueError naming the file, the line or the round)
+        leaves the run directory byte for byte as it was. Then, with `repair`, a torn last line is cut: it can only be
+        the round after every state and every whole line (a state is written after its rounds are durable), one the
+        syncer died appending and no learner heard of. `repair=False` for a reader that does not own the log (an
+        export, a standby): a torn last line is then skipped, not cut."""
         restored = Restored()
         latest = load_latest_state(self.state_dir)
         if latest is not None:
             state, meta, _ = latest
             syncer.load_state_dict(state)
             restored = Restored(state_rounds=syncer.rounds_committed, meta=meta, found_state=True)
-        lines = len(self.log.lines())
-        if lines < restored.state_rounds:
-            raise ValueError(f"{self.log.path} holds {lines} rounds but the syncer state in {self.state_dir} "
-                             f"has {restored.state_rounds}: the round log is damaged")
-        records = list(self.log.records(start=restored.state_rounds))
+        lines = self.log.numbered_lines()
+        if len(lines) < restored.state_rounds:
+            raise ValueError(self._shorter_than_state(len(lines), restored.state_rounds))
+        records = [self.log.record(line) for line in lines[restored.state_rounds:]]
         replay_onto(syncer, records)
         restored.replayed = len(records)
+        if repair:
+            self.log.repair()
         return restored
+
+    def _shorter_than_state(self, held: int, state_rounds: int) -> str:
+        """Why a log of `held` whole, gapless lines cannot continue a state of `state_rounds` rounds: its end is
+        gone."""
+        holds = f"holds rounds 0 to {held - 1}" if held else "holds no whole line"
+        torn = self.log.torn_bytes()
+        if torn:
+            holds += f" and a torn last line ({torn} bytes)"
+        lost = f"round {held} is" if state_rounds - held == 1 else f"rounds {held} to {state_rounds - 1} are"
+        return (f"{self.log.path} {holds} but the syncer state in {self.state_dir} has {state_rounds}: {lost} missing "
+                f"from its end; {LOG_DAMAGED}")
 
     def commit(self, record: RoundRecord) -> None:
         """Make one round durable (returns after the fsyncs)."""
