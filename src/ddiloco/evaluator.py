@@ -56,6 +56,7 @@ from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.model_buffers import load_buffers, merged_buffers
 from ddiloco.run_config import RunConfig
+from ddiloco.session_setup import check_materialized
 from ddiloco.transport.grpc_client import ConnectWatch, Fault, classify, error_text
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ class Watcher:
         from ddiloco.transport.grpc_client import SyncerClient
         from ddiloco.transport.grpc_codec import WireModel
 
-        plain = unwrap(model)  # the run's names: without a DDP or torch.compile wrapper's prefix
+        plain = unwrap(model)  # the run's names: without a DDP, DataParallel or torch.compile wrapper's prefix
+        check_materialized(plain, caller="ddiloco.watch(...)")  # its plan and wire spec need every shape
         params = dict(plain.named_parameters())
         plan = FragmentPlan.for_tensors(params, config.diloco,
                                         embeddings=embedding_names(plain, config.diloco.embedding_pattern))

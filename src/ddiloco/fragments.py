@@ -94,10 +94,13 @@ def embedding_names(model: nn.Module, pattern: str = "") -> frozenset[str]:
 def persistent_buffer_names(module: nn.Module) -> list[str]:
     """The names of the buffers `module`'s state_dict holds (BatchNorm's running statistics; not a buffer registered
     with `persistent=False`), which rounds do not synchronise (`ddiloco.model_buffers`). `module` is the plain one,
-    not a DDP or torch.compile wrapper."""
+    not a DDP, DataParallel or torch.compile wrapper. A buffer registered in two submodules (one tensor) is named
+    under each of its names, as the state_dict holds it: `named_buffers()` alone gives the first name only, and an
+    export lacking the other failed the documented strict `load_state_dict`."""
     non_persistent = {f"{prefix}.{name}" if prefix else name
-                      for prefix, sub in module.named_modules() for name in sub._non_persistent_buffers_set}
-    return [name for name, _ in module.named_buffers() if name not in non_persistent]
+                      for prefix, sub in module.named_modules(remove_duplicate=False)
+                      for name in sub._non_persistent_buffers_set}
+    return [name for name, _ in module.named_buffers(remove_duplicate=False) if name not in non_persistent]
 
 
 def due_step(round_index: int, sync_every: int, num_fragments: int) -> int:

@@ -144,13 +144,13 @@ def is_distributed(group: Any = None) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel and `torch.compile` wrappers, in any nesting (the same
-    parameter objects, without the `module.` and `_orig_mod.` prefixes in their names: exported parameters load
-    into the plain model, and compiled and plain learners of one model join one run)."""
+    """The user's module inside DistributedDataParallel, `nn.DataParallel` and `torch.compile` wrappers, in any
+    nesting (the same parameter objects, without the `module.` and `_orig_mod.` prefixes in their names: exported
+    parameters load into the plain model, and wrapped and plain learners of one model join one run)."""
     from torch.nn.parallel import DistributedDataParallel
 
     while True:
-        if isinstance(model, DistributedDataParallel):
+        if isinstance(model, DistributedDataParallel | nn.DataParallel):
             model = model.module
         elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
             model = inner

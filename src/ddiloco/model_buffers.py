@@ -14,8 +14,11 @@ buffers it was built with (BatchNorm's mean 0 and variance 1) its evaluation-mod
   count) taken from the learner with the lowest id.
 
 The buffers are the module's persistent ones (those its `state_dict` holds: a rotary table registered with
-`persistent=False` is rebuilt by the module, not kept), under the plain module's names (without a DDP or
-torch.compile wrapper's prefix).
+`persistent=False` is rebuilt by the module, not kept), under the plain module's names (without a DDP, DataParallel or
+torch.compile wrapper's prefix). A buffer registered in two submodules (one tensor, a shared normaliser's statistics)
+is kept under each of its names, as its state_dict holds it: a checkpoint and a learner's file hold a copy under each
+name, an export their mean under each, and loading copies each into the one tensor in place, so it stays shared (the
+copies are equal: they were taken from one tensor).
 """
 
 from __future__ import annotations
@@ -38,29 +41,32 @@ BUFFERS_FILE = "buffers.safetensors"
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers `model`'s state_dict holds, by the plain module's names (live tensors, not copies)."""
+    """The buffers `model`'s state_dict holds, by the plain module's names (live tensors, not copies; a shared buffer
+    under each of its names)."""
     plain = unwrap(model)
     kept = set(persistent_buffer_names(plain))
-    return {name: buffer for name, buffer in plain.named_buffers() if name in kept}
+    return {name: buffer for name, buffer in plain.named_buffers(remove_duplicate=False) if name in kept}
 
 
 def snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of `model`'s persistent buffers on the CPU (a checkpoint's; the training loop goes on changing them)."""
+    """A copy of `model`'s persistent buffers on the CPU (a checkpoint's; the training loop goes on changing them), one
+    per name: safetensors refuses to save two names of one tensor."""
     return {name: buffer.detach().to("cpu", copy=True) for name, buffer in persistent_buffers(model).items()}
 
 
 @torch.no_grad()
 def load_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> list[str]:
-    """Copy `buffers` into `model`'s buffers of the same name and shape; returns the names of `model`'s persistent
-    buffers that `buffers` did not provide (kept as they were)."""
-    missing = []
-    for name, buffer in persistent_buffers(model).items():
+    """Copy `buffers` into `model`'s buffers of the same name and shape, in place (a shared buffer stays one tensor);
+    returns the names of `model`'s persistent buffers that `buffers` did not provide (kept as they were). A shared
+    buffer provided under one of its names only (a file written before they were kept under each) is not missing."""
+    own = persistent_buffers(model)
+    loaded = set()
+    for name, buffer in own.items():
         value = buffers.get(name)
-        if value is None or tuple(value.shape) != tuple(buffer.shape):
-            missing.append(name)
-            continue
-        buffer.copy_(value)
-    return missing
+        if value is not None and tuple(value.shape) == tuple(buffer.shape):
+            buffer.copy_(value)
+            loaded.add(id(buffer))
+    return [name for name, buffer in own.items() if id(buffer) not in loaded]
 
 
 def write_buffers(directory: Path, buffers: Mapping[str, torch.Tensor]) -> None:

@@ -69,15 +69,7 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
         raise invalid("learner_id", learner_id, "an integer >= 0 (this learner's id)")
     learner_id = int(learner_id)
     plain = unwrap(model)  # what the run syncs; `sync.model` stays the model as given, wrapper and all
-    lazy = [name for name, p in plain.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ValueError(f"parameter {lazy[0]!r} is not initialized yet (a lazy module; {len(lazy)} in all): run "
-                         "one forward pass before ddiloco.session(...), so that the run knows every shape")
-    meta = [name for name, p in plain.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(f"parameter {meta[0]!r} is on the meta device, without values ({len(meta)} in all): "
-                         "materialize the model before ddiloco.session(...) (model.to_empty(device=...), then "
-                         "initialize its parameters)")
+    check_materialized(plain, caller="ddiloco.session(...)")
     _check_parameter_dtypes(plain)
     rank_wait_s = options.pop("rank_wait_s", None)
     learners_group = _learner_group(plain, env, group, rank_wait_s=rank_wait_s) if hub is None else None
@@ -120,6 +112,22 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     # A second optimizer kept in state= (a GAN's) forgets its non-finite state with the first when the learner recovers.
     made.learner.other_optimizers = tuple(optimizers_in(state, leaving_out=optimizer))
     return made
+
+
+def check_materialized(model: nn.Module, *, caller: str) -> None:
+    """ValueError, saying what to do before `caller` ("ddiloco.session(...)", "ddiloco.watch(...)"), when a parameter
+    of `model` has no shape yet (a lazy module before its first forward pass) or no values (the meta device): the run
+    needs every shape to cut fragments and every value to sync. Without it a lazy model failed deep inside torch
+    ("Attempted to use an uninitialized parameter in <method 'numel' ...>")."""
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(f"parameter {lazy[0]!r} is not initialized yet (a lazy module; {len(lazy)} in all): run "
+                         f"one forward pass before {caller}, so that the run knows every shape")
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"parameter {meta[0]!r} is on the meta device, without values ({len(meta)} in all): "
+                         f"materialize the model before {caller} (model.to_empty(device=...), then initialize its "
+                         "parameters)")
 
 
 def _check_parameter_dtypes(model: nn.Module) -> None:
