@@ -304,7 +304,7 @@ def load_tensors(path: str | Path, *, checksum: str | None = None) -> dict[str, 
 
 # ---- durable states --------------------------------------------------------------------------------
 
-def _state_files(directory: Path) -> list[tuple[int, Path]]:
+def state_files(directory: Path) -> list[tuple[int, Path]]:
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), directory / m.group(0))
@@ -331,7 +331,7 @@ def save_split_state(directory: str | Path, split: tuple[dict[str, torch.Tensor]
     # allow_nan: a state must come back as it was (ReduceLROnPlateau's `best` starts at inf).
     atomic_write_json(json_path, {"serial": serial, "tensors": f"{stem}.safetensors", CHECKSUM_KEY: checksum,
                                   "state": tree, "meta": meta or {}}, allow_nan=True)
-    for _, old in _state_files(directory)[:-KEEP_STATES]:
+    for _, old in state_files(directory)[:-KEEP_STATES]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
     return json_path
@@ -342,7 +342,7 @@ def load_latest_state(directory: str | Path) -> tuple[Any, dict[str, Any], int] 
     A damaged state (unreadable JSON, a tensors file missing, torn or whose checksum does not match, or
     no checksum recorded: written before states had one) is logged and skipped for the previous one."""
     damaged = 0
-    for serial, json_path in reversed(_state_files(Path(directory))):
+    for serial, json_path in reversed(state_files(Path(directory))):
         record = read_json(json_path)
         try:
             if record is None:

@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.checkpoint import _state_files, atomic_write_json, read_json_object, read_jsonl, strict_dumps
+from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, state_files, strict_dumps
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes
 
@@ -209,7 +209,7 @@ def checkpoint_inner_step(learner_dir: Path) -> int | None:
     or whose checkpoint at its stop could not be written, reported steps its checkpoint does not hold. A report
     reads no tensors, so a newest checkpoint that turns out damaged at the resume, skipped for the one before it, is
     not foreseen here."""
-    states = _state_files(learner_dir / "checkpoint")
+    states = state_files(learner_dir / "checkpoint")
     return states[-1][0] if states else None
 
 
