@@ -305,6 +305,8 @@ def load_tensors(path: str | Path, *, checksum: str | None = None) -> dict[str, 
 # ---- durable states --------------------------------------------------------------------------------
 
 def state_files(directory: Path) -> list[tuple[int, Path]]:
+    """The states kept in `directory`, oldest first: each one's serial and JSON file (a state exists once its JSON
+    does). Reads names only."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), directory / m.group(0))
