@@ -105,8 +105,9 @@ def _launcher_events(paths: RunPaths) -> list[dict[str, Any]]:
 
 def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
                   final_states: Mapping[int, tuple[str, str]] | None = None,
-                  failure: str | None = None) -> dict[str, Any]:
-    """The content of summary.json. `final_states`: learner id -> (state, reason) of this session."""
+                  failure: str | None = None, evaluator: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The content of summary.json. `final_states`: learner id -> (state, reason) of this session; `evaluator`: the
+    evaluator's (None: the run had none)."""
     final_states = final_states or {}
     events = _launcher_events(paths)
     # A restart is scheduled after a backoff, or a standby syncer takes over at once.
@@ -150,6 +151,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         "run_dir": str(paths.root),
         "outcome": outcome,
         "failure": failure,
+        "evaluator": None if evaluator is None else {"state": evaluator[0], "reason": evaluator[1] or None},
         "num_learners": num_learners,
         "rounds_committed": len(rounds),
         "final_val_loss": val_loss,
@@ -372,17 +374,22 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "failed after it, or its checkpoint at its stop could not be written: "
                                f"logs/learner-{learner_id}.log says which)",
                                style="yellow"))
+    evaluator = summary.get("evaluator") or {}
+    if evaluator.get("state") == "failed":  # a run is finished without it, but its validation loss stops there
+        what = ("so the run measured no validation loss" if summary.get("final_val_loss") is None
+                else "so the validation loss is the last it measured before")
+        console.print(Text(f"the evaluator failed, {what}: {evaluator['reason']}", style="yellow"))
     if summary.get("failure"):
         console.print(Text(summary["failure"], style="red"))
 
 
 def write_report(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
                  final_states: Mapping[int, tuple[str, str]] | None = None,
-                 failure: str | None = None) -> dict[str, Any]:
+                 failure: str | None = None, evaluator: tuple[str, str] | None = None) -> dict[str, Any]:
     """Merge metrics, write summary.json and the plots; returns the summary."""
     merge_metrics(paths)
     summary = build_summary(paths, num_learners=num_learners, outcome=outcome, wall_time_s=wall_time_s,
-                            final_states=final_states, failure=failure)
+                            final_states=final_states, failure=failure, evaluator=evaluator)
     write_summary(paths, summary)
     write_plots(paths, summary)
     return summary

@@ -373,7 +373,9 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: 
     sink.event("run_finished", wall_time_s=wall_time_s, outcome=outcome, stop_reason=supervisor.stop_reason)
     sink.close()
     summary = write_report(paths, num_learners=config.num_learners, outcome=outcome, wall_time_s=wall_time_s,
-                           final_states=final_states, failure=failure)
+                           final_states=final_states, failure=failure,
+                           evaluator=None if supervisor.evaluator is None else (str(supervisor.evaluator.state),
+                                                                                supervisor.evaluator.reason))
     print_summary(summary, console)
     console.print(f"run directory: {run_dir} (summary.json, metrics.jsonl, rounds.jsonl, *.png)",
                   highlight=False, soft_wrap=True)
