@@ -446,21 +446,23 @@ class RoundLog:
         """Every complete line, in order (a torn last line is skipped), each a JSON object with an integer
         "round". A line that is not is a ValueError naming the file and the line (1-based, as `sed -n Np` counts)."""
         whole, _ = self._read()
-        out = []
         # Split on b"\n" only: json.dumps escapes every other line break, so these are the appender's lines.
-        for number, raw in enumerate(whole.split(b"\n")[:-1], start=1):
-            try:
-                line = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{self.path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}): "
-                                 f"{LOG_DAMAGED}") from None
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{self.path} line {number} is not valid JSON ({exc}): {LOG_DAMAGED}") from None
-            if not isinstance(line, dict) or type(line.get("round")) is not int:
-                raise ValueError(f"{self.path} line {number} is not a round record (a JSON object with an integer "
-                                 f'"round"): {LOG_DAMAGED}')
-            out.append(line)
-        return out
+        return [self.parse_line(raw, number) for number, raw in enumerate(whole.split(b"\n")[:-1], start=1)]
+
+    def parse_line(self, raw: bytes, number: int) -> dict[str, Any]:
+        """Line `number` (1-based) of the log, `raw` without its newline, as a JSON object with an integer "round"; a
+        ValueError naming the file and the line when it is not one."""
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{self.path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}): "
+                             f"{LOG_DAMAGED}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.path} line {number} is not valid JSON ({exc}): {LOG_DAMAGED}") from None
+        if not isinstance(line, dict) or type(line.get("round")) is not int:
+            raise ValueError(f"{self.path} line {number} is not a round record (a JSON object with an integer "
+                             f'"round"): {LOG_DAMAGED}')
+        return line
 
     def numbered_lines(self) -> list[dict[str, Any]]:
         """`lines()`, checked to hold rounds 0, 1, 2, ... one per line in order: line N holds round N - 1. A

@@ -162,3 +162,15 @@ def test_records_names_a_line_whose_fields_are_wrong(tmp_path, records):
     with pytest.raises(ValueError, match=r"rounds\.jsonl line 2 .*round 1.*'fragment'"):
         list(store.log.records())
 
+
+
+def test_a_standby_following_the_log_names_a_damaged_line_too(tmp_path, records):
+    # The standby's follower parsed each new line on its own: a bare "Expecting value: line 1 column 13".
+    from ddiloco.runtime.syncer_standby import LogFollower
+
+    run_dir, store = run_dir_with(tmp_path, records)
+    rewrite_line(store, 3, b'{"garbage": tru')
+    with pytest.raises(ValueError) as refused:
+        LogFollower(store.log).new_records(after=0)
+    assert str(refused.value) == (f"{store.log.path} line 3 is not valid JSON (Expecting value at column 13): the "
+                                  "round log is damaged: restore rounds.jsonl from a backup")

@@ -21,12 +21,11 @@ the downlink's residual in memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from pathlib import Path
 
-from ddiloco.checkpoint import RoundLog, round_record_from_json
+from ddiloco.checkpoint import LOG_DAMAGED, RoundLog
 from ddiloco.messages import RoundRecord
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.process_lock import ProcessLock
@@ -68,15 +67,15 @@ class LogFollower:
         end = data.rfind(b"\n") + 1
         self._offset += end
         records = []
-        for raw in data[:end].splitlines():
-            line = json.loads(raw)
-            index = int(line["round"])
+        for raw in data[:end].split(b"\n")[:-1]:
+            line = self.log.parse_line(raw, self._next_round + 1)  # line N holds round N - 1
+            index = line["round"]
             if index != self._next_round:
-                raise ValueError(f"{self.log.path}: round {index} follows round {self._next_round - 1}: the log is "
-                                 "damaged")
+                raise ValueError(f"{self.log.path} line {self._next_round + 1} holds round {index} where round "
+                                 f"{self._next_round} should be (a line lost, repeated or moved): {LOG_DAMAGED}")
             self._next_round += 1
             if index >= after:
-                records.append(round_record_from_json(line, self.log.load_merged(line)))
+                records.append(self.log.record(line))
         return records
 
 
