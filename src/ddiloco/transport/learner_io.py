@@ -58,6 +58,9 @@ from ddiloco.transport.grpc_client import (
 from ddiloco.transport.grpc_codec import WireError
 
 RECONNECT_DELAY_S = (0.1, 2.0)
+MALFORMED_JOINS_TO_REFUSE = 3
+"""Subscriptions in a row the syncer answers INVALID_ARGUMENT (it cannot read this learner's join) after which the
+learner stops as refused, with the syncer's words: the same join would be answered the same way for ever."""
 """(first, longest) wait between a learner's attempts to subscribe again after its stream to the syncer broke."""
 
 logger = logging.getLogger(__name__)
@@ -241,6 +244,7 @@ class LearnerIO:
 
     def _receive_loop(self) -> None:
         backoff = Backoff(*RECONNECT_DELAY_S)
+        unreadable = 0  # joins in a row the syncer could not read (INVALID_ARGUMENT)
         while not self._stop.is_set():
             self._rejoin.clear()
             try:
@@ -251,6 +255,7 @@ class LearnerIO:
                         self.stats.welcomes += 1
                         self._watch.reached()
                         backoff.reset()
+                        unreadable = 0
                     self.inbox.put(message, deliver_at)
             except ChaosFault as exc:
                 logger.info("[learner %d] %s; re-joining", self.learner_id, error_text(exc))
@@ -258,6 +263,11 @@ class LearnerIO:
                 fault = classify(exc)
                 if fault is Fault.REFUSED:
                     self._refused(error_text(exc))
+                    return
+                code = exc.code() if callable(getattr(exc, "code", None)) else None
+                unreadable = unreadable + 1 if code == grpc.StatusCode.INVALID_ARGUMENT else 0
+                if unreadable >= MALFORMED_JOINS_TO_REFUSE:
+                    self._refused(f"the syncer cannot read this learner's join ({error_text(exc)})")
                     return
                 if fault is not Fault.TRANSIENT:
                     self._watch.reached()  # an answer, if not a Welcome yet

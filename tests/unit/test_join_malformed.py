@@ -1,0 +1,93 @@
+"""A join the syncer cannot read (INVALID_ARGUMENT: a malformed join, which the same learner sends again each time) is
+a refusal after a few answers in a row, with the syncer's words: the learner retried it for ever, several times a
+second, while the run sat at "joining" (tied weights whose names held "=", which the join's alias encoding split)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from ddiloco.messages import Join, ModelSpec, Refused
+from ddiloco.transport.learner_io import MALFORMED_JOINS_TO_REFUSE, LearnerIO
+
+WAIT_S = 30.0
+MALFORMED = "malformed: alias 'a=b=c': expected ALIAS=PARAMETER for a parameter of the model"
+
+
+class Answer(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+class Syncer:
+    """A client whose every subscription is answered with `answer`."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer, self.subscriptions = answer, 0
+
+    def subscribe(self, join):
+        self.subscriptions += 1
+        raise self.answer
+
+    def heartbeat(self, *args, **kwargs):
+        return None
+
+    def take_downlink_missed(self):
+        return False
+
+    def cancel_subscription(self):
+        pass
+
+    def leave(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def messages_within(io: LearnerIO, seconds: float) -> list:
+    deadline, seen = time.monotonic() + seconds, []
+    while time.monotonic() < deadline and not any(isinstance(m, Refused) for m in seen):
+        io.inbox.wait(deadline - time.monotonic())
+        seen += io.inbox.take_ready()
+    return seen
+
+
+def test_a_join_the_syncer_cannot_read_is_refused_after_a_few_answers_with_its_words():
+    syncer = Syncer(Answer(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED))
+    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
+    io.start()
+    try:
+        (refused,) = [m for m in messages_within(io, WAIT_S) if isinstance(m, Refused)]
+    finally:
+        io.close(leave=False)
+    assert syncer.subscriptions == MALFORMED_JOINS_TO_REFUSE
+    assert refused.reason == f"the syncer cannot read this learner's join (INVALID_ARGUMENT: {MALFORMED})"
+
+
+def test_a_syncer_out_of_room_for_now_is_asked_again():
+    # RESOURCE_EXHAUSTED (too many streams at once) passes: the learner keeps trying, as before.
+    syncer = Syncer(Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many subscriptions"))
+    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
+    io.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while syncer.subscriptions <= MALFORMED_JOINS_TO_REFUSE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not any(isinstance(m, Refused) for m in io.inbox.take_ready())
+    finally:
+        io.close(leave=False)
