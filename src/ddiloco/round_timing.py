@@ -6,6 +6,10 @@ or none. A round's result then tells each learner whose update was on time how m
 of that window when its update arrived (`round_margins`), from which the learner decides whether to publish earlier
 (`DilocoConfig.round_margin_steps`, `Learner._follow_close`).
 
+The run's step time is a moving average of every learner's accepted updates, each sample bounded to within a factor
+MAX_STEP_TIME_RATIO of the estimate (`bounded_step_time`): one learner's updates, spaced as it pleases, cannot set every
+round's window.
+
 Arithmetic over numbers passed in: the syncer core (`ddiloco.syncer`) keeps the estimates, the rounds and the clock.
 """
 
@@ -19,6 +23,25 @@ MARGIN_HEADROOM_STEPS = 0.5
 """Average step times beyond `DilocoConfig.round_margin_steps` that margins are counted against at the least
 (`round_margins`): in a shorter grace window the learner that made the quorum still keeps its margin, and one
 that arrived more than this after it moves ahead. At the defaults: a window of at least two steps."""
+
+MAX_STEP_TIME_RATIO = 32.0
+"""One sample of the run's step time counts as at most this many times the current estimate and at least its inverse
+times it (`bounded_step_time`). A learner chooses when it sends and which inner step it names: unbounded, one update
+30 s after its previous one at the next inner step set a 30 s step time, every round's grace window became two such
+steps, and the other learners' rounds fell from 20 to 0.2 a second (real processes, 14 ms steps). Bounded, one update
+moves the estimate at most d + (1 - d) x 32 = 7.2 times (d = `QuorumConfig.estimate_decay`, 0.8), and the others'
+next updates take it back, each (1 - d) of the way. Honest samples stay inside the bound, so honest runs are unchanged:
+0.13 to 23.6 times the estimate in the harness (the quick experiments, the default-scale `failures` one, failure
+traces; the largest from learners that waited out the others' failures at the end of a run). A slowdown of every
+learner beyond the bound is followed in a few updates."""
+
+
+def bounded_step_time(sample: float, estimate: float | None) -> float:
+    """A step-time sample in seconds, clipped to within a factor MAX_STEP_TIME_RATIO of the current `estimate` (none
+    before the first sample, nor from an estimate of 0)."""
+    if not estimate:
+        return sample
+    return min(max(sample, estimate / MAX_STEP_TIME_RATIO), estimate * MAX_STEP_TIME_RATIO)
 
 
 def ema(value: float | None, sample: float, decay: float) -> float:

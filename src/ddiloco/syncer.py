@@ -64,7 +64,7 @@ from ddiloco.messages import (
 )
 from ddiloco.open_round import FragmentMerge, OpenRound, PendingUpdate, merge_weight
 from ddiloco.outer import OuterOptimizer
-from ddiloco.round_timing import Ema, ema, grace_window, round_margins
+from ddiloco.round_timing import Ema, bounded_step_time, ema, grace_window, round_margins
 
 logger = logging.getLogger(__name__)
 
@@ -281,13 +281,16 @@ class Syncer:
                                                  rounds=self._open)
         if info is not None and info.alive:
             info.last_seen = now
-            self._observe_step_time(info, update, now)
         if problem is not None:
             return self._reject(update, *problem, now)
         open_round = self._open[update.fragment]
         decoded = open_round.merge.decode(update)
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
+        assert info is not None  # an update from a learner that has not joined has a problem
+        # Only accepted updates are timed, a rejected one does not even start a learner's spacing: every round's grace
+        # window is made of this estimate, and two rejected updates 30 s apart stretched everyone's windows to 6.6 s.
+        self._observe_step_time(info, update, now)
         pending = PendingUpdate((update.payload,), update.base_version, update.steps, update.tokens,
                                 update.inner_step, update.final, arrived_at=now)
         weight = merge_weight(pending, self.versions[update.fragment], self.quorum.staleness_discount)
@@ -297,11 +300,14 @@ class Syncer:
         return self._schedule(update.fragment, now)
 
     def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
+        """The spacing of a learner's accepted updates, per inner step, into the run's step time (each sample bounded
+        relative to it: `ddiloco.round_timing.bounded_step_time`) and the learner's own."""
         if info.last_update is not None:
             last_at, last_step = info.last_update
             if update.inner_step > last_step and now >= last_at:
                 sample = (now - last_at) / (update.inner_step - last_step)
-                self.step_time.observe(sample)
+                self.step_time.observe(bounded_step_time(sample, self.step_time.value))
+                # The learner's own estimate, unbounded: it only measures the margins its own results report.
                 info.step_time_s = ema(info.step_time_s, sample, self.quorum.estimate_decay)
         info.last_update = (now, update.inner_step)
 

@@ -210,6 +210,10 @@ def test_a_second_live_process_with_the_same_learner_id_is_refused_naming_the_fi
             join, metadata=metadata(learner=1, session="hostB/222/bbbb"), timeout=CALL_TIMEOUT_S))),
             code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="already connected")
         assert "process hostA/111/aaaa" in details and "--learner-id 1" in details
+        # A join that names no process (no ddiloco-session metadata) cannot show it is the running one either.
+        refused(syncer, lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(learner=1),
+                                                                 timeout=CALL_TIMEOUT_S))),
+                code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="no ddiloco-session metadata")
         # The same process joining again (a re-join after a missed version) is not a second process.
         again = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session="hostA/111/aaaa"), timeout=600)
         next(iter(again))

@@ -4,7 +4,8 @@ Three rules over what the service knows, without I/O or locks of their own (the 
 read the core or its subscriptions):
 
 - `join_refusal`: a learner id outside the run, an algorithm config or a model that differs from the run's;
-- `duplicate_process`: a second live process of one learner id; a process that died or fell silent is replaced;
+- `duplicate_process`: a second live process of one learner id, or a join that does not name its process while a live
+  process holds the id; a process that died or fell silent is replaced;
 - `genesis_for_join`: a new run's first join gets the parameters of the `--init` file, restricted to the learner's
   own parameter names and checked against their shapes, or is asked for its own (`NO_GENESIS`).
 
@@ -46,19 +47,27 @@ def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloc
 
 def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: int, session: str, *,
                       old: Subscription | None, clock: Clock) -> str | None:
-    """Why a join must be refused as a second live process of one learner, or None. `old`: the learner's open
-    subscription. It belongs to another process, and that process is alive: heard from (heartbeats, updates)
-    within two heartbeat periods. A process that died (its stream ended) or fell silent (a crashed machine whose
-    connection is half open) is replaced by the new one."""
+    """Why a join must be refused as a second live process of one learner, or None. `session`: the joining process
+    (empty: it sent none); `old`: the learner's open subscription. It belongs to another process, and that process is
+    alive: heard from (heartbeats, updates) within two heartbeat periods. A process that died (its stream ended) or
+    fell silent (a crashed machine whose connection is half open) is replaced by the new one.
+
+    A join without a session cannot show it is the live process, so it is refused too (it used to replace that
+    process's subscription, silently, and a client joining in a loop made the learner rejoin each time); every ddiloco
+    client names its process (`SyncerClient.session`). A subscription without a session can be told apart from no
+    other, and is replaced as before."""
     info = syncer.learners.get(learner_id) if syncer is not None else None
-    if old is None or not session or not old.session or old.session == session:
+    if old is None or not old.session or old.session == session:
         return None
     window = max(MIN_DUPLICATE_WINDOW_S, 2 * run_config.learner.heartbeat_every_s)
     if info is None or not info.alive or clock.now() - info.last_seen >= window:
         return None
     age = clock.now() - old.since
-    return (f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s "
-            f"ago; two processes were started with --learner-id {learner_id} (stop one)")
+    held = f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s ago"
+    if not session:
+        return (f"{held}; this join does not name its process (no ddiloco-session metadata), so it cannot take that "
+                "process's place while it is alive: join with ddiloco's client, or stop the other process")
+    return f"{held}; two processes were started with --learner-id {learner_id} (stop one)"
 
 
 def genesis_for_join(join: Join, init: dict[str, torch.Tensor] | None, init_source: str) -> GenesisRecord | str:
