@@ -366,3 +366,28 @@ def self_signed_pair(directory, name: str) -> tuple[str, str]:
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
     return str(cert), str(key)
+
+
+class StubSyncerClient:
+    """A `SyncerClient` for `LearnerIO` unit tests that reaches no syncer: heartbeats, leaves and cancels do nothing; a
+    subclass says what its `subscribe(join)` does."""
+
+    address = "127.0.0.1:1"
+
+    def subscribe(self, join):
+        raise NotImplementedError
+
+    def heartbeat(self, *args, **kwargs):
+        return None
+
+    def take_downlink_missed(self):
+        return False
+
+    def cancel_subscription(self):
+        pass
+
+    def leave(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass

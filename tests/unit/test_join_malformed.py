@@ -10,6 +10,7 @@ import grpc
 
 from ddiloco.messages import Join, ModelSpec, Refused
 from ddiloco.transport.learner_io import MALFORMED_JOINS_TO_REFUSE, LearnerIO
+from tests.helpers import StubSyncerClient
 
 WAIT_S = 30.0
 MALFORMED = "malformed: alias 'a=b=c': expected ALIAS=PARAMETER for a parameter of the model"
@@ -30,10 +31,8 @@ class Answer(grpc.RpcError):
         return ()
 
 
-class Syncer:
+class Syncer(StubSyncerClient):
     """A client whose every subscription is answered with `answer`."""
-
-    address = "127.0.0.1:1"
 
     def __init__(self, answer: Answer) -> None:
         self.answer, self.subscriptions = answer, 0
@@ -41,21 +40,6 @@ class Syncer:
     def subscribe(self, join):
         self.subscriptions += 1
         raise self.answer
-
-    def heartbeat(self, *args, **kwargs):
-        return None
-
-    def take_downlink_missed(self):
-        return False
-
-    def cancel_subscription(self):
-        pass
-
-    def leave(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
 
 
 def messages_within(io: LearnerIO, seconds: float) -> list:

@@ -11,6 +11,7 @@ from torch import nn
 import ddiloco
 from ddiloco.messages import Join, ModelSpec
 from ddiloco.transport.learner_io import LearnerIO
+from tests.helpers import StubSyncerClient
 
 
 def test_a_model_on_the_meta_device_is_refused_before_it_joins():
@@ -31,28 +32,11 @@ def test_the_evaluator_process_is_told_to_watch_not_to_train(monkeypatch):
         ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), syncer="127.0.0.1:1", learner_id=0)
 
 
-class BrokenClient:
+class BrokenClient(StubSyncerClient):
     """A `SyncerClient` whose subscription raises what the receiver does not handle (not a gRPC error)."""
-
-    address = "127.0.0.1:1"
 
     def subscribe(self, join):
         raise NotImplementedError("Cannot copy out of meta tensor")
-
-    def heartbeat(self, *args, **kwargs):
-        return None
-
-    def take_downlink_missed(self):
-        return False
-
-    def cancel_subscription(self):
-        pass
-
-    def leave(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_a_failed_network_thread_is_raised_on_the_training_thread():
