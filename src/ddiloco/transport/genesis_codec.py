@@ -4,11 +4,17 @@ Same framing as every message with tensors (`ddiloco.transport.grpc_codec`): a h
 tensor (float32, in model order), the embedding names and tied aliases, and the CRC32 of the bytes;
 then the raw bytes in chunks. Everything is checked before it becomes a `Genesis`: the header before
 any data is read, the bytes against the CRC, the values for finiteness.
+
+The size a header declares is only its sender's claim: it must fit what the syncer could hold
+(`genesis_limit_bytes`), and the buffer grows with the bytes that actually arrive, so a header alone costs
+nothing. Whether the syncer wants a genesis at all, and from whom, is the server's to check
+(`ddiloco.transport.syncer_servicer`), between `check_header` and the first data.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -33,7 +39,20 @@ from ddiloco.transport.grpc_codec import (
 )
 
 MAX_GENESIS_BYTES = 1 << 40
-"""A genesis declaring more float32 bytes than this (a trillion-byte model) is refused before any is read."""
+"""The bound on a genesis's declared float32 bytes where the machine's memory cannot be read (a trillion-byte model)."""
+SYNCER_BYTES_PER_GENESIS_BYTE = 3
+"""The syncer holds about 12 bytes per parameter at rest (global values, outer momentum, downlink residual;
+docs/runtime.md, "The syncer's memory and threads") for the genesis's 4."""
+
+
+def genesis_limit_bytes() -> int:
+    """The largest genesis (declared float32 bytes) a syncer on this machine could run: a third of its physical
+    memory. A header declaring more is refused before any data is read."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or these names unknown to it
+        return MAX_GENESIS_BYTES
+    return min(MAX_GENESIS_BYTES, memory // SYNCER_BYTES_PER_GENESIS_BYTE)
 
 
 @dataclass(frozen=True)
@@ -60,11 +79,15 @@ def encode_genesis(genesis: Genesis, chunk_bytes: int = CHUNK_BYTES) -> Iterator
 class GenesisAssembler:
     """Reassembles one PushGenesis stream, validating the header before any data is read."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_bytes: int = MAX_GENESIS_BYTES) -> None:
+        """`max_bytes`: the most float32 bytes a header may declare (`genesis_limit_bytes`)."""
+        self.max_bytes = max_bytes
         self.header: wire_pb2.GenesisHeader | None = None
         self._receiver: _Receiver | None = None
 
-    def start(self, chunk: wire_pb2.GenesisChunk) -> None:
+    def check_header(self, chunk: wire_pb2.GenesisChunk) -> wire_pb2.GenesisHeader:
+        """Check the first chunk's header, taking none of its data and allocating nothing: the server checks who
+        sent it, and whether the run wants a genesis, before `add_data` takes the first chunk's data."""
         if not chunk.HasField("header"):
             raise WireError("malformed", "the first chunk of a genesis must hold its header")
         h = chunk.header
@@ -81,26 +104,32 @@ class GenesisAssembler:
                 raise WireError("malformed", f"tensor {t.name!r} declares {t.nbytes} bytes, expected "
                                 f"{4 * math.prod(t.shape)}")
             total += t.nbytes
-        if total > MAX_GENESIS_BYTES:
-            raise WireError("oversize", f"a genesis of {total} bytes exceeds {MAX_GENESIS_BYTES}",
-                            grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if total > self.max_bytes:
+            raise WireError("oversize", f"a genesis of {total} bytes exceeds the {self.max_bytes} this syncer could "
+                            "hold", grpc.StatusCode.RESOURCE_EXHAUSTED)
         unknown = sorted(set(h.embeddings) - set(names))
         if unknown:
             raise WireError("malformed", f"embedding {unknown[0]!r} is not one of the genesis tensors")
         decode_aliases(h.aliases, set(names))
         self.header = h
-        self._receiver = _Receiver(total)
-        if chunk.data:
-            self._receiver.add(chunk.data)
+        self._receiver = _Receiver(total, grow=True)
+        return h
 
     def add(self, chunk: wire_pb2.GenesisChunk) -> None:
         if chunk.HasField("header"):
             raise WireError("malformed", "a second header inside one genesis stream")
-        assert self._receiver is not None, "start() first"
-        self._receiver.add(chunk.data)
+        self.add_data(chunk.data)
+
+    def add_data(self, data: bytes) -> None:
+        assert self._receiver is not None, "check_header() first"
+        self._receiver.add(data)
+
+    def release(self) -> None:
+        """Let go of the bytes received (a `Genesis` from `finish` keeps its tensors')."""
+        self._receiver = None
 
     def finish(self) -> Genesis:
-        assert self.header is not None and self._receiver is not None, "start() first"
+        assert self.header is not None and self._receiver is not None, "check_header() first"
         self._receiver.require_complete()
         h, buffer = self.header, self._receiver.buffer
         check_crc32(buffer, h.crc32, f"genesis of learner {h.learner_id}")

@@ -12,7 +12,9 @@ model's tensor names, shapes and dtypes, the fragment plan and the codec, so a h
 disagrees is refused before its data is read, a stream that carries more bytes than its header
 declared is refused at the first extra byte, one that ends early is refused as truncated, and one
 whose bytes do not match the CRC32 in its header is refused as corrupt (checked before decoding, so
-a changed byte is never mistaken for a malformed or non-finite payload). A join's config JSON is bounded in
+a changed byte is never mistaken for a malformed or non-finite payload). No memory is taken for a message's data
+before its first byte arrives, so a server can check who sent a header before it costs anything
+(`UpdateAssembler.check_header`, then `add_data`). A join's config JSON is bounded in
 length and nesting before it is parsed, and its integers while it is parsed (`decode_config`).
 Problems raise `WireError(reason, detail, status)`; the gRPC server turns it into an error status
 and a recorded rejection.
@@ -290,12 +292,16 @@ def _with_first_data(header_chunk, data: Iterator[bytes], cls) -> Iterator:
 
 
 class _Receiver:
-    """Collects the data chunks of one message into a buffer of the declared size."""
+    """Collects the data chunks of one message into one buffer, allocated when the first byte arrives (a header
+    alone, or one refused before its data is read, costs nothing). The buffer has the declared size at once, or
+    with `grow` grows with the bytes: for a message whose size is only its sender's claim (a genesis), so that
+    memory follows what was actually sent. Memory that cannot be had is a refusal (`oversize`), not a MemoryError."""
 
-    def __init__(self, expected_bytes: int) -> None:
+    def __init__(self, expected_bytes: int, *, grow: bool = False) -> None:
         self.expected_bytes = expected_bytes
-        self.buffer = bytearray(expected_bytes)
+        self.buffer = bytearray()
         self.received = 0
+        self._grow = grow
 
     def add(self, data: bytes) -> None:
         if len(data) > MAX_CHUNK_BYTES:
@@ -305,7 +311,15 @@ class _Receiver:
         if end > self.expected_bytes:
             raise WireError("oversize", f"the stream carries more than the {self.expected_bytes} bytes its "
                             "header declared", grpc.StatusCode.RESOURCE_EXHAUSTED)
-        self.buffer[self.received:end] = data
+        if not data:
+            return
+        try:
+            if not self._grow and not self.buffer:
+                self.buffer = bytearray(self.expected_bytes)
+            self.buffer[self.received:end] = data  # past the end of a growing buffer: appended
+        except MemoryError:
+            raise WireError("oversize", f"no memory for the {self.expected_bytes} bytes its header declared (after "
+                            f"{self.received})", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
         self.received = end
 
     @property
@@ -418,6 +432,13 @@ class UpdateAssembler:
 
     def start(self, chunk: wire_pb2.UpdateChunk) -> wire_pb2.UpdateHeader:
         """Check the first chunk's header before any data is read, then take the chunk's data."""
+        h = self.check_header(chunk)
+        self.add_data(chunk.data)
+        return h
+
+    def check_header(self, chunk: wire_pb2.UpdateChunk) -> wire_pb2.UpdateHeader:
+        """Check the first chunk's header, taking none of its data and allocating nothing: the server checks who
+        sent it before `add_data` takes the first chunk's data."""
         if not chunk.HasField("header"):
             raise WireError("malformed", "the first chunk of an update must hold its header")
         h = chunk.header
@@ -432,15 +453,16 @@ class UpdateAssembler:
         _check_counters(h)
         self.header = h
         self._receiver = _Receiver(sum(t.nbytes for t in h.tensors if not t.zero))
-        if chunk.data:
-            self._receiver.add(chunk.data)
         return h
 
     def add(self, chunk: wire_pb2.UpdateChunk) -> None:
         if chunk.HasField("header"):
             raise WireError("malformed", "a second header inside one update stream")
-        assert self._receiver is not None, "start() first"
-        self._receiver.add(chunk.data)
+        self.add_data(chunk.data)
+
+    def add_data(self, data: bytes) -> None:
+        assert self._receiver is not None, "check_header() first"
+        self._receiver.add(data)
 
     def finish(self) -> Update:
         """The update, once the stream has ended, decoded and checked (`Update.decoded`: the syncer core does not
@@ -464,7 +486,9 @@ class UpdateAssembler:
                       zero=frozenset(t.name for t in h.tensors if t.zero))
 
     def release(self) -> None:
-        """The decoded values are no longer needed (the syncer core has taken the update): their buffers go back."""
+        """Done with this update (the syncer core has taken it, or it was refused): the decode buffers go back and
+        the received bytes are let go (an `Update` from `finish` keeps its payload's). Not while `finish` runs."""
         if self._buffers is not None and self._taken:
             self._buffers.give(self._taken)
         self._taken = []
+        self._receiver = None

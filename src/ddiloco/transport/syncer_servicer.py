@@ -8,13 +8,17 @@
 2. validates every byte against the model (`WireModel`) before the handler sees it: a bad header is
    refused before its data is read, an oversize stream at its first extra byte (RESOURCE_EXHAUSTED),
    a truncated one when it ends; bytes that are not a protobuf message at all are refused as malformed
-   (`Undecodable`) rather than left to gRPC; each refusal is recorded and the server keeps serving;
+   (`Undecodable`) rather than left to gRPC; each refusal is recorded (also when the call is cancelled
+   meanwhile, its client having died) and the server keeps serving. An upload's header is checked, and its
+   sender, before any memory is taken for its data; a refused upload lets go of what it received at once;
 3. streams: `Subscribe` is the join, and then stays open as the learner's downlink, fed from its
    `Subscription` (bounded: a subscriber that does not read holds at most one pending state per
-   fragment); `PushUpdate` reassembles an update from its chunks (each within CHUNK_TIMEOUT_S, at most
-   UPLOADS_PER_LEARNER at once); `PushGenesis` a new run's initial parameters (after a Subscribe refused
-   with `no_genesis`); `Watch` streams the whole global model to a read-only subscriber (an evaluator) as
-   rounds commit.
+   fragment; a stream replaced by a later join of its learner stops at once, even in the middle of a message;
+   at most STREAMS_PER_LEARNER open); `PushUpdate` reassembles an update from its chunks (each within
+   CHUNK_TIMEOUT_S, at most UPLOADS_PER_LEARNER at once); `PushGenesis` a new run's initial parameters (read
+   only after a Subscribe was answered `no_genesis` and while the run has none, one per learner at a time,
+   within what the syncer could hold: `genesis_limit_bytes`); `Watch` streams the whole global model to a
+   read-only subscriber (an evaluator, with the run token; at most WATCHES_AT_ONCE) as rounds commit.
 
 Error statuses carry the rejection reason in the trailing metadata key `ddiloco-reason`. Serving the calls (the
 event loop, the thread pool, the port) is `grpc_server`'s.
@@ -42,14 +46,16 @@ from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
     Heartbeat,
+    Join,
     Leave,
     RejectReason,
     SyncerMessage,
+    Update,
     Welcome,
 )
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
 from ddiloco.transport.auth import learner_of_token
-from ddiloco.transport.genesis_codec import GenesisAssembler
+from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler, genesis_limit_bytes
 from ddiloco.transport.grpc_codec import (
     MAX_LEARNER_ID,
     UpdateAssembler,
@@ -79,6 +85,13 @@ CHUNK_TIMEOUT_S = 60.0
 """An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
 UPLOADS_PER_LEARNER = 4
 """Updates one learner may have in flight at once (its sender sends one at a time)."""
+STREAMS_PER_LEARNER = 4
+"""Subscribe calls one learner may have open at once. A learner reads one; a stream it replaced by joining again
+stays open until its client cancels it (a ddiloco learner does so before it joins again) or goes away (a few,
+while a connection dies half-open)."""
+WATCHES_AT_ONCE = 4
+"""Watch calls open at once, all callers together. An evaluator holds one; a watcher that does not read holds a
+copy of the global model and its encoding (8 bytes per parameter) until it reads or goes away."""
 INLINE_ENCODE_BYTES = 1 << 20
 """Messages up to this size are encoded on the event loop (a CRC of 1 MiB takes well under a millisecond)."""
 WATCH_POLL_S = 0.1
@@ -92,6 +105,27 @@ def _update_fields(header: wire_pb2.UpdateHeader | None) -> dict[str, int | None
     return {"fragment": int(header.fragment), "inner_step": int(header.inner_step)}
 
 
+def _detached(error: WireError) -> WireError:
+    """`error` without its traceback and context, whose frames hold the upload's last chunks and buffer: gRPC keeps the
+    exception that `abort` raises next, and through the refusing frame in its traceback it would keep them too."""
+    error.__context__ = error.__cause__ = None
+    return error.with_traceback(None)
+
+
+class _Stream:
+    """One open Subscribe call of a learner."""
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        """The call's own task (its handler)."""
+        self.subscription: Subscription | None = None
+        """None until the join is answered."""
+        self.sending = False
+        """Whether the call is sending its subscription's messages (and may be cancelled out of it)."""
+        self.replaced = False
+        """Whether a later join of the same learner has replaced this stream's subscription: it stops sending."""
+
+
 class SyncerServicer(wire_pb2_grpc.SyncerServicer):
     """The calls, as coroutines on the server's event loop: a stream waiting for its next message or chunk
     holds no thread, so any number of learners can be subscribed or uploading at once. Work that may block
@@ -99,13 +133,25 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
     threads (`handler_threads`)."""
 
     def __init__(self, handler: SyncerHandler, *, token: str | None, pool: futures.ThreadPoolExecutor,
-                 chunk_timeout_s: float = CHUNK_TIMEOUT_S) -> None:
+                 chunk_timeout_s: float = CHUNK_TIMEOUT_S, max_genesis_bytes: int | None = None) -> None:
+        """`max_genesis_bytes`: the largest genesis a header may declare (None: `genesis_limit_bytes()`, what this
+        machine could hold)."""
         self.handler = handler
         self._token = token.encode() if token else None
         self._pool = pool
         self._chunk_timeout_s = chunk_timeout_s
+        self._max_genesis_bytes = genesis_limit_bytes() if max_genesis_bytes is None else max_genesis_bytes
+        # The counts below are only touched on the event loop.
         self._uploads: collections.Counter[int] = collections.Counter()
-        """Uploads in flight per learner (only touched on the event loop)."""
+        """Updates in flight per learner."""
+        self._genesis_uploads: set[int] = set()
+        """Learners pushing a genesis now."""
+        self._genesis_asked = False
+        """Whether a Subscribe was answered `no_genesis`: before that, no genesis is read."""
+        self._streams: dict[int, list[_Stream]] = {}
+        """Open Subscribe calls per learner."""
+        self._watches = 0
+        """Open Watch calls."""
         self.shared_chunks = SharedChunks(self._encode)
         self.decode_buffers = DecodeBuffers()
 
@@ -117,8 +163,10 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, error: WireError, learner_id: int | None,
                       header: wire_pb2.UpdateHeader | None = None) -> NoReturn:
-        await self._off_loop(self.handler.record_rejection, error.reason, error.detail, learner_id=learner_id,
-                             peer=context.peer(), **_update_fields(header))
+        recorded = self._pool.submit(self.handler.record_rejection, error.reason, error.detail, learner_id=learner_id,
+                                     peer=context.peer(), **_update_fields(header))
+        # Shielded: a call cancelled while its record waits for a thread (its client died) is counted all the same.
+        await asyncio.shield(asyncio.wrap_future(recorded))
         context.set_trailing_metadata(((REASON_KEY, error.reason),))
         await context.abort(error.status, f"{error.reason}: {error.detail}")
         raise AssertionError("abort returns only by raising")  # pragma: no cover
@@ -146,18 +194,23 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
                 "run the same ddiloco version everywhere", grpc.StatusCode.FAILED_PRECONDITION), None)
         return identity
 
-    async def _check_identity(self, context: grpc.aio.ServicerContext, identity: int | None, learner_id: int,
-                              header: wire_pb2.UpdateHeader | None = None) -> None:
-        """A call acting for `learner_id` must carry that learner's own token (when the server has a token)."""
+    @staticmethod
+    def _identity_error(identity: int | None, learner_id: int) -> WireError | None:
+        """Why a call acting for `learner_id` is refused: it must carry that learner's own token (when the server
+        has a token); None when it does."""
         if identity is None or identity == learner_id:
-            return
+            return None
         if identity == OPERATOR:
             why = (f"a call for learner {learner_id} carries the run token, which proves no learner: a learner "
                    "presents its own token (ddiloco derives it from the run token; `ddiloco token --learner N`)")
         else:
             why = f"a call for learner {learner_id} carries learner {identity}'s token: a learner acts only as itself"
-        await self._refuse(context, WireError("unauthenticated", why, grpc.StatusCode.UNAUTHENTICATED), learner_id,
-                           header)
+        return WireError("unauthenticated", why, grpc.StatusCode.UNAUTHENTICATED)
+
+    async def _check_identity(self, context: grpc.aio.ServicerContext, identity: int | None, learner_id: int) -> None:
+        error = self._identity_error(identity, learner_id)
+        if error is not None:
+            await self._refuse(context, error, learner_id)
 
     async def _check_learner_call(self, context: grpc.aio.ServicerContext, learner_id: int) -> int:
         """A learner's own small call (heartbeat, leave): token, schema, a valid id, that learner's token; the id."""
@@ -200,6 +253,14 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             raise WireError("truncated", f"no chunk of the {what} for {self._chunk_timeout_s:g} s: the upload was "
                             "dropped", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
+    def _record_cancelled(self, context: grpc.aio.ServicerContext, what: str, learner_id: int | None,
+                          header: wire_pb2.UpdateHeader | None = None) -> None:
+        """An upload whose client cancelled it (or died) mid-stream: nothing reached the syncer. Recorded without
+        waiting, the call being cancelled."""
+        with contextlib.suppress(RuntimeError):  # the pool is gone: the server has stopped
+            self._pool.submit(self.handler.record_rejection, "truncated", f"the client cancelled the {what} stream",
+                              learner_id=learner_id, peer=context.peer(), **_update_fields(header))
+
     async def refuse_undecodable(self, context: grpc.aio.ServicerContext, request: Undecodable) -> NoReturn:
         await self._check_call(context)  # without the token it is unauthenticated, whatever its bytes are
         await self._refuse(context, request.error, None)
@@ -213,10 +274,36 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             join, config = decode_join(request)
         except WireError as exc:
             await self._refuse(context, exc, None)
-        await self._check_identity(context, identity, join.learner_id)
+        learner_id = join.learner_id
+        await self._check_identity(context, identity, learner_id)
+        streams = self._streams.setdefault(learner_id, [])
+        if len(streams) >= STREAMS_PER_LEARNER:
+            await self._refuse(context, WireError(
+                "too_many_streams", f"learner {learner_id} already has {STREAMS_PER_LEARNER} subscriptions open (one "
+                "it replaced by joining again stays open until its client cancels it or goes away)",
+                grpc.StatusCode.RESOURCE_EXHAUSTED), learner_id)
+        stream = _Stream()
+        streams.append(stream)
+        try:
+            stream.subscription = await self._join(context, join, config)
+            for other in self._streams[learner_id]:  # this join closed the subscription it replaced
+                if other.subscription is not None and other.subscription.closed and not other.replaced:
+                    other.replaced = True
+                    if other.sending:  # stopped at once, even in the middle of a message
+                        other.task.cancel()
+            await self._send_stream(context, learner_id, stream)
+        finally:
+            streams = self._streams[learner_id]
+            streams.remove(stream)
+            if not streams:
+                del self._streams[learner_id]
+
+    async def _join(self, context: grpc.aio.ServicerContext, join: Join, config: dict) -> Subscription:
+        """The learner's subscription, or the call ends with the refusal."""
         session = str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
         answer = await self._off_loop(self.handler.join, join, config, context.peer(), session)
         if answer is NO_GENESIS:
+            self._genesis_asked = True
             context.set_trailing_metadata(((REASON_KEY, NO_GENESIS),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{NO_GENESIS}: the run has no global model yet; push the initial parameters")
@@ -225,21 +312,54 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         if isinstance(answer, str):
             context.set_trailing_metadata(((REASON_KEY, "refused"),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {shortened(answer)}")
-        subscription: Subscription = answer
+        return answer
+
+    async def _send_stream(self, context: grpc.aio.ServicerContext, learner_id: int, stream: _Stream) -> None:
+        subscription = stream.subscription
+        assert subscription is not None, "joined first"
         try:
-            while (item := await subscription.next()) is not None:
-                queued_at, message = item
-                if isinstance(message, _Newest):  # takes the syncer's lock
-                    message = await self._off_loop(subscription.resolve, message)
-                for chunk in await self._encoded(message):
-                    await context.write(chunk)
-                subscription.delivered(message, queued_at)
+            stream.sending = True
+            try:
+                await self._send_all(context, subscription)
+            except asyncio.CancelledError:
+                # Cancelled by a later join of this learner (`replaced`: on below), or by gRPC because the call
+                # ended (also when both did: a cancellation is left once this join's is taken back).
+                if not stream.replaced or asyncio.current_task().uncancel():
+                    raise
+            finally:
+                stream.sending = False
+            if stream.replaced or self._superseded(learner_id, stream):
+                # A later join of this learner replaced the stream: it sends nothing more, and has let go of the
+                # message it was sending and of those queued. What gRPC still holds for it (the chunk in flight,
+                # bytes its client has not read) is freed only when the call ends, which only its client can do (a
+                # ddiloco learner cancels its stream before it joins again): until then the stream stays open and
+                # counts for its learner.
+                subscription.discard()
+                await asyncio.get_running_loop().create_future()  # cancelled by gRPC when the call ends
+        except grpc.aio.InternalError:
+            pass  # a write failed, the call having ended: gRPC would log it as the servicer's error, with a traceback
         finally:
             # The learner went away, the subscription was replaced or closed, or the server stops: the service
             # counts the learner as gone (unless it was replaced).
             subscription.discard()
             with contextlib.suppress(RuntimeError):  # the pool is gone: the server has stopped, so has the service
                 self._pool.submit(self.handler.subscription_ended, subscription)
+
+    def _superseded(self, learner_id: int, stream: _Stream) -> bool:
+        """Whether a later Subscribe of the same learner is open: its join closed this stream's subscription, which may
+        have ended the stream before that call could mark it `replaced`."""
+        streams = self._streams[learner_id]
+        return streams.index(stream) < len(streams) - 1
+
+    async def _send_all(self, context: grpc.aio.ServicerContext, subscription: Subscription) -> None:
+        """Send the subscription's messages until it ends."""
+        while (item := await subscription.next()) is not None:
+            queued_at, message = item
+            if isinstance(message, _Newest):  # takes the syncer's lock
+                message = await self._off_loop(subscription.resolve, message)
+            for chunk in await self._encoded(message):
+                await context.write(chunk)
+            subscription.delivered(message, queued_at)
 
     async def PushUpdate(self, request_iterator: AsyncIterator,
                          context: grpc.aio.ServicerContext) -> wire_pb2.UpdateReply:
@@ -249,45 +369,61 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             await self._refuse(context, WireError(str(RejectReason.UNKNOWN_LEARNER), "the run has no global model "
                                                   "yet: join first", grpc.StatusCode.NOT_FOUND), None)
         assembler = UpdateAssembler(model, buffers=self.decode_buffers)
-        learner_id = None
-        counted = False
         try:
-            first = await self._next_chunk(request_iterator, "update")
-            if first is None:
-                raise WireError("truncated", "the update stream ended before its header")
-            header = assembler.start(first)
-            learner_id = int(header.learner_id)
-            await self._check_identity(context, identity, learner_id, header)
-            if not await self._off_loop(self.handler.is_member, learner_id):
-                raise WireError(str(RejectReason.UNKNOWN_LEARNER),
-                                f"learner {learner_id} has not joined (or was timed out): join first",
-                                grpc.StatusCode.NOT_FOUND)
-            if self._uploads[learner_id] >= UPLOADS_PER_LEARNER:
-                raise WireError("too_many_uploads", f"learner {learner_id} already has {UPLOADS_PER_LEARNER} "
-                                "updates in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
-            self._uploads[learner_id] += 1
-            counted = True
-            while (chunk := await self._next_chunk(request_iterator, "update")) is not None:
-                assembler.add(chunk)
-            update = await self._off_loop(assembler.finish)
+            update = await self._receive_update(request_iterator, identity, assembler)
         except WireError as exc:
-            await self._refuse(context, exc, learner_id, assembler.header)
+            refusal = _detached(exc)
         except asyncio.CancelledError:
-            # The client cancelled mid-stream: nothing reached the syncer.
-            self._pool.submit(self.handler.record_rejection, "truncated", "the client cancelled the update stream",
-                              learner_id=learner_id, peer=context.peer(), **_update_fields(assembler.header))
+            header = assembler.header
+            self._record_cancelled(context, "update", int(header.learner_id) if header is not None else None, header)
             raise
-        finally:
-            if counted:
-                self._uploads[learner_id] -= 1
-                if not self._uploads[learner_id]:
-                    del self._uploads[learner_id]
+        else:
+            refusal = None
+        if refusal is not None:
+            # Refused outside the `except` clause, and with the bytes let go first: the exception `abort` raises is
+            # kept by gRPC, and with the clause's exception as its context it would keep this frame's buffer (until
+            # the garbage collector found the cycle).
+            header = assembler.header
+            assembler.release()
+            await self._refuse(context, refusal, int(header.learner_id) if header is not None else None, header)
+        # Shielded: a call cancelled once its update is complete loses neither its fate (the core's verdict) nor
+        # gives its decode buffers back while the core still reads them.
+        accepted, reason, detail = await asyncio.shield(self._off_loop(self._apply, update, assembler))
+        return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)
+
+    async def _receive_update(self, requests: AsyncIterator, identity: int | None,
+                              assembler: UpdateAssembler) -> Update:
+        first = await self._next_chunk(requests, "update")
+        if first is None:
+            raise WireError("truncated", "the update stream ended before its header")
+        learner_id = int(assembler.check_header(first).learner_id)  # nothing is allocated for the data yet
+        error = self._identity_error(identity, learner_id)
+        if error is not None:
+            raise error
+        if not await self._off_loop(self.handler.is_member, learner_id):
+            raise WireError(str(RejectReason.UNKNOWN_LEARNER),
+                            f"learner {learner_id} has not joined (or was timed out): join first",
+                            grpc.StatusCode.NOT_FOUND)
+        if self._uploads[learner_id] >= UPLOADS_PER_LEARNER:
+            raise WireError("too_many_uploads", f"learner {learner_id} already has {UPLOADS_PER_LEARNER} "
+                            "updates in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self._uploads[learner_id] += 1
         try:
-            accepted, reason, detail = await self._off_loop(self.handler.update, update)
+            assembler.add_data(first.data)
+            while (chunk := await self._next_chunk(requests, "update")) is not None:
+                assembler.add(chunk)
+            return await self._off_loop(assembler.finish)
+        finally:
+            self._uploads[learner_id] -= 1
+            if not self._uploads[learner_id]:
+                del self._uploads[learner_id]
+
+    def _apply(self, update: Update, assembler: UpdateAssembler) -> tuple[bool, str, str]:
+        try:
+            return self.handler.update(update)
         finally:
             # The core has added the decoded values to its round's sums (it keeps none of them) or rejected them.
             assembler.release()
-        return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)
 
     async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> wire_pb2.HeartbeatReply:
@@ -309,29 +445,78 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
     async def PushGenesis(self, request_iterator: AsyncIterator,
                           context: grpc.aio.ServicerContext) -> wire_pb2.GenesisReply:
         identity = await self._check_call(context)
-        assembler = GenesisAssembler()
+        assembler = GenesisAssembler(max_bytes=self._max_genesis_bytes)
         try:
-            first = await self._next_chunk(request_iterator, "genesis")
-            if first is None:
-                raise WireError("truncated", "the genesis stream ended before its header")
-            assembler.start(first)
-            await self._check_identity(context, identity, int(assembler.header.learner_id))
-            while (chunk := await self._next_chunk(request_iterator, "genesis")) is not None:
-                assembler.add(chunk)
-            genesis = await self._off_loop(assembler.finish)
+            genesis = await self._receive_genesis(request_iterator, identity, assembler)
         except WireError as exc:
-            learner_id = int(assembler.header.learner_id) if assembler.header is not None else None
-            await self._refuse(context, exc, learner_id)
+            refusal = _detached(exc)
+        except asyncio.CancelledError:
+            header = assembler.header
+            self._record_cancelled(context, "genesis", int(header.learner_id) if header is not None else None)
+            raise
+        else:
+            refusal = None
+        if refusal is not None:  # as in PushUpdate: outside the clause, the bytes let go first
+            header = assembler.header
+            assembler.release()
+            await self._refuse(context, refusal, int(header.learner_id) if header is not None else None)
+        if isinstance(genesis, str):
+            return wire_pb2.GenesisReply(accepted=False, detail=genesis)
         accepted, detail = await self._off_loop(self.handler.genesis, genesis, context.peer())
         return wire_pb2.GenesisReply(accepted=accepted, detail=detail)
 
+    async def _receive_genesis(self, requests: AsyncIterator, identity: int | None,
+                               assembler: GenesisAssembler) -> Genesis | str:
+        """The genesis a learner proposes, or why the run does not want one (answered before its data is read)."""
+        first = await self._next_chunk(requests, "genesis")
+        if first is None:
+            raise WireError("truncated", "the genesis stream ended before its header")
+        learner_id = int(assembler.check_header(first).learner_id)  # its declared size is bounded; nothing allocated
+        error = self._identity_error(identity, learner_id)
+        if error is not None:
+            raise error
+        if await self._off_loop(self.handler.wire_model) is not None:
+            return "the run already has its genesis"
+        if not self._genesis_asked:
+            return ("the syncer did not ask for a genesis (the run's comes from its --init file, or no learner has "
+                    "subscribed yet): subscribe first")
+        if learner_id in self._genesis_uploads:
+            raise WireError("too_many_uploads", f"learner {learner_id} is pushing a genesis already",
+                            grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self._genesis_uploads.add(learner_id)
+        try:
+            assembler.add_data(first.data)  # the buffer grows with the bytes that arrive
+            while (chunk := await self._next_chunk(requests, "genesis")) is not None:
+                assembler.add(chunk)
+        finally:
+            self._genesis_uploads.discard(learner_id)
+        return await self._off_loop(assembler.finish)
+
     async def Watch(self, request: wire_pb2.WatchRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[wire_pb2.SyncerChunk]:
-        await self._check_call(context)
+        identity = await self._check_call(context)
+        if identity is not None and identity != OPERATOR:
+            await self._refuse(context, WireError(
+                "unauthenticated", f"a watch carries learner {identity}'s token, which proves that learner only: "
+                "watching the global model is the operator's (an evaluator presents the run token)",
+                grpc.StatusCode.UNAUTHENTICATED), identity)
         interval = request.min_interval_s
         if not (math.isfinite(interval) and interval >= 0):
             await self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"),
                                None)
+        if self._watches >= WATCHES_AT_ONCE:
+            await self._refuse(context, WireError(
+                "too_many_watches", f"{WATCHES_AT_ONCE} watches are open already (a watcher that does not read holds "
+                "a copy of the model until it goes away)", grpc.StatusCode.RESOURCE_EXHAUSTED), None)
+        self._watches += 1
+        try:
+            await self._watch(context, interval)
+        except grpc.aio.InternalError:
+            pass  # as in Subscribe: a write failed, the call having ended
+        finally:
+            self._watches -= 1
+
+    async def _watch(self, context: grpc.aio.ServicerContext, interval: float) -> None:
         after, not_before = -1, 0.0
         while True:
             answer = await self._off_loop(self.handler.snapshot, after, not_before)
