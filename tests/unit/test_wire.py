@@ -353,3 +353,20 @@ def test_a_truncated_fragment_change_is_refused(model, params):
     assert _decode_all(decoder, chunks[:-1]) == []
     with pytest.raises(WireError, match="ended after"):
         decoder.feed(encode_syncer_message(Rejected(1, 0, 0, RejectReason.STALE)).__next__())
+
+
+def test_tied_weights_whose_names_hold_an_equals_sign_join():
+    # ModuleDict keys may hold "=" ("lang=en"): the join's "ALIAS=NAME" pair was split at its first "=", refused as
+    # malformed, and the learner retried it for ever.
+    from ddiloco.transport.grpc_codec import decode_aliases
+
+    names = {"heads.lang=en.weight", "body.weight"}
+    assert decode_aliases(["heads.lang=de.weight=heads.lang=en.weight"], names) == (
+        ("heads.lang=de.weight", "heads.lang=en.weight"),)
+    assert decode_aliases(["head=body.weight"], names) == (("head", "body.weight"),)
+    for pair in ("heads.lang=de.weight", "=body.weight", "body.weight=heads.lang=en.weight", "x=y"):
+        with pytest.raises(WireError, match="expected ALIAS=PARAMETER"):
+            decode_aliases([pair], names)
+    # Two readings (both "b=c" and "c" parameters of the model, neither side of either split one): refused.
+    with pytest.raises(WireError, match="can be read two ways"):
+        decode_aliases(["a=b=c"], {"b=c", "c"})

@@ -201,13 +201,19 @@ def json_nests_deeper(text: str, limit: int) -> bool:
 
 
 def decode_aliases(pairs: Iterable[str], names: set[str]) -> tuple[tuple[str, str], ...]:
-    """ "ALIAS=NAME" strings -> (alias, name) pairs, each NAME a parameter and no ALIAS one; or WireError."""
+    """ "ALIAS=NAME" strings -> (alias, name) pairs, each NAME a parameter and no ALIAS one; or WireError. Names may
+    hold "=" themselves (a ModuleDict key "lang=en"), so a pair is split at the one "=" that leaves a parameter on
+    its right and a non-empty name that is no parameter on its left; a pair with two such readings is refused."""
     out = []
     for pair in pairs:
-        alias, sep, name = pair.partition("=")
-        if not sep or not alias or name not in names or alias in names:
+        readings = [(pair[:at], pair[at + 1:]) for at, char in enumerate(pair) if char == "="]
+        fits = [(alias, name) for alias, name in readings if alias and name in names and alias not in names]
+        if not fits:
             raise WireError("malformed", f"alias {pair!r}: expected ALIAS=PARAMETER for a parameter of the model")
-        out.append((alias, name))
+        if len(fits) > 1:
+            raise WireError("malformed", f"alias {pair!r} can be read two ways ({fits[0][0]!r} of {fits[0][1]!r}, "
+                                         f"{fits[1][0]!r} of {fits[1][1]!r}): rename one of those parameters")
+        out.append(fits[0])
     return tuple(sorted(set(out)))
 
 
