@@ -65,6 +65,7 @@ def test_initial_parameters_the_syncer_refuses_stop_the_learners_with_its_reason
         assert "non_finite" in learner["reason"] and "body.2.bias" in learner["reason"]
 
 
+@pytest.mark.acceptance  # four starts of each learner (22 s): the rule itself has fake-learner unit tests
 def test_a_script_failing_at_the_same_step_at_every_restart_is_given_up_with_its_error(tmp_path):
     status, output, summary = run(tmp_path, "short_schedule")
     assert status != 0, output
