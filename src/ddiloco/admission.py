@@ -38,7 +38,8 @@ class LearnerInfo:
     """fragment -> base version of this learner's last merged update for it. A later update from
     the same or an older base would count the same progress twice."""
     last_update: tuple[float, int] | None = None
-    """(arrival time, inner step) of its previous update, for the step-time estimate."""
+    """(arrival time, inner step) of its previous accepted update, for the step-time estimate (a rejected one is not
+    timed)."""
     accepted: int = 0
     rejected: int = 0
     tokens_merged: int = 0

@@ -164,8 +164,8 @@ class Session(SessionLifecycle):
         self.state = stateful_objects(state)
         self.config = config
         self.model = model
-        """The model as the user gave it (with its DDP or torch.compile wrapper: calling it trains as their loop
-        does); the run syncs the plain module inside (`learner_group.unwrap`)."""
+        """The model as the user gave it (with its DDP, DataParallel or torch.compile wrapper: calling it trains as
+        their loop does); the run syncs the plain module inside (`learner_group.unwrap`)."""
         self.optimizer = optimizer
         self.clock = clock or MonotonicClock()
         self.run_dir = Path(run_dir) if run_dir is not None else None
