@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from ddiloco.checkpoint import CHECKSUM_KEY, RoundLog, atomic_write_bytes, bytes_checksum, load_tensors, save_tensors
+from ddiloco.checkpoint import CHECKSUM_KEY, atomic_write_bytes, bytes_checksum, load_tensors, save_tensors
 from ddiloco.messages import RoundRecord
+from ddiloco.round_log import RoundLog
 
 SIZES_MB = (4, 100)
 FLOAT32_BYTES = 4

@@ -342,7 +342,8 @@ def assert_global_state_is_the_replay(run_dir) -> None:
 
     from safetensors.torch import load_file
 
-    from ddiloco.checkpoint import RoundLog, load_latest_state
+    from ddiloco.checkpoint import load_latest_state
+    from ddiloco.round_log import RoundLog
     from ddiloco.run_config import RunConfig
     from ddiloco.syncer import replay_rounds
 

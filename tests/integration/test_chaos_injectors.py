@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
+from ddiloco.checkpoint import load_latest_state, read_json
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.data import DataConfig
@@ -39,6 +39,7 @@ from ddiloco.learner import Learner
 from ddiloco.messages import FragmentDelta, Welcome
 from ddiloco.metrics import MemorySink
 from ddiloco.model import ModelConfig, build_model
+from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore

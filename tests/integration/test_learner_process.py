@@ -19,12 +19,13 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
+from ddiloco.checkpoint import load_latest_state, read_json
 from ddiloco.data import DataConfig
 from ddiloco.learner import Learner
 from ddiloco.messages import Welcome
 from ddiloco.metrics import NullSink
 from ddiloco.model import ModelConfig, build_model
+from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore

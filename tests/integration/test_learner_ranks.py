@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json_object
+from ddiloco.checkpoint import load_latest_state, read_json_object
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.launcher import RunPaths
 from tests.helpers import assert_global_state_is_the_replay
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import RoundLog
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.launcher import RunPaths
 from tests.helpers import SMALL_RUN, ddiloco_run
 

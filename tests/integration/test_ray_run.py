@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.checkpoint import RoundLog, read_json_object
+from ddiloco.checkpoint import read_json_object
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
 from tests.helpers import ODD_MODEL_SCRIPT

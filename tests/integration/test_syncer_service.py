@@ -16,7 +16,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json
+from ddiloco.checkpoint import load_latest_state, read_json
+from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer import replay_rounds
 from ddiloco.train_tinygpt import initial_params

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json_object
+from ddiloco.checkpoint import load_latest_state, read_json_object
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.launcher import RunPaths
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

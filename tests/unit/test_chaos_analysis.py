@@ -17,7 +17,8 @@ from ddiloco.chaos import invariants as inv
 from ddiloco.chaos.analysis import analyze_data_parallel, analyze_run, analyze_runtime
 from ddiloco.chaos.plan import quick_plan
 from ddiloco.chaos.report import PLOTS, write_report
-from ddiloco.checkpoint import CHECKSUM_KEY, RoundLog, load_tensors, save_tensors
+from ddiloco.checkpoint import CHECKSUM_KEY, load_tensors, save_tensors
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.launcher import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 from tests.runtime_dir import make_runtime_dir, participant, write_json, write_jsonl

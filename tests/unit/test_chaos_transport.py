@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.checkpoint import round_record_from_json
 from ddiloco.clock import VirtualClock
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
@@ -21,6 +20,7 @@ from ddiloco.fault_control import ActiveFault, ChaosControl, control_path, write
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner import Learner
 from ddiloco.messages import Commit, FragmentState, ModelSpec, RejectReason, Update, Welcome
+from ddiloco.round_log import round_record_from_json
 from ddiloco.syncer import HeldUpdate
 from ddiloco.transport.grpc_client import PARTITIONED, ChaosFault, Fault, SyncerClient, classify, drop_reason
 from ddiloco.transport.grpc_codec import (

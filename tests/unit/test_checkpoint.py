@@ -7,16 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from ddiloco.checkpoint import (
-    KEEP_STATES,
-    RoundLog,
-    atomic_write_json,
-    bytes_checksum,
-    load_latest_state,
-    read_json,
-    save_state,
-)
+from ddiloco.checkpoint import KEEP_STATES, atomic_write_json, bytes_checksum, load_latest_state, read_json, save_state
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.round_log import RoundLog
 from ddiloco.runtime.syncer_standby import LogFollower
 from ddiloco.runtime.syncer_state import (
     GENESIS_FILE,

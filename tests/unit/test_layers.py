@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                           "ddiloco.kernel_threads", "ddiloco.checksums", "ddiloco.compression",
                           "ddiloco.zero_encodings", "ddiloco.fragments",
                           "ddiloco.model", "ddiloco.data", "ddiloco.training", "ddiloco.clock", "ddiloco.checkpoint",
-                          "ddiloco.state_tree",
+                          "ddiloco.round_log", "ddiloco.state_tree",
                           "ddiloco.metrics", "ddiloco.throttle", "ddiloco.backoff", "ddiloco.run_config",
                           "ddiloco.flags", "ddiloco.fault_control", "ddiloco.corpus", "ddiloco.goodput",
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",

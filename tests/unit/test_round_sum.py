@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from ddiloco.checkpoint import round_record_from_json
 from ddiloco.compression import CODEC_NAMES, get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.merge import cap_weights, merge_round, token_weight
 from ddiloco.messages import Commit, Join, RejectReason, Update
+from ddiloco.round_log import round_record_from_json
 from ddiloco.syncer import Syncer, replay_rounds
 from ddiloco.update_values import DecodeBuffers, check_values, decode_payload, l2_norm
 

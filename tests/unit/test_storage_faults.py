@@ -14,12 +14,13 @@ import os
 import pytest
 import torch
 
-from ddiloco.checkpoint import RoundLog, WriteTrouble
+from ddiloco.checkpoint import WriteTrouble
 from ddiloco.clock import VirtualClock
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import Commit, Join, Rejected, RejectReason, RoundRecord, Send, Update
 from ddiloco.metrics import JsonlSink, MemorySink, NullSink
+from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore

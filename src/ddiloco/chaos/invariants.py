@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from ddiloco.chaos.analysis import DATA_PARALLEL
-from ddiloco.checkpoint import RoundLog, load_latest_state, read_json, read_jsonl
+from ddiloco.checkpoint import load_latest_state, read_json, read_jsonl
+from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import STATE_DIR, replay_genesis
 

@@ -25,8 +25,8 @@ import logging
 import threading
 from pathlib import Path
 
-from ddiloco.checkpoint import LOG_DAMAGED, RoundLog
 from ddiloco.messages import RoundRecord
+from ddiloco.round_log import LOG_DAMAGED, RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.process_lock import ProcessLock
 from ddiloco.runtime.syncer_state import Restored, SyncerStore, read_genesis

@@ -38,8 +38,6 @@ from torch import nn
 
 from ddiloco.checkpoint import (
     CHECKSUM_KEY,
-    LOG_DAMAGED,
-    RoundLog,
     atomic_write_bytes,
     bytes_checksum,
     load_latest_state,
@@ -49,6 +47,7 @@ from ddiloco.checkpoint import (
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import RoundRecord
 from ddiloco.model_buffers import persistent_buffers
+from ddiloco.round_log import LOG_DAMAGED, RoundLog
 from ddiloco.syncer import Syncer, replay_rounds
 
 logger = logging.getLogger(__name__)
