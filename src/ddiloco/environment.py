@@ -55,6 +55,9 @@ class LearnerEnvironment:
     the session stops as on SIGTERM (`ddiloco.launcher_watch`). None: not started by a launcher."""
     launcher_started: int | None = None
     """That process's start time (`launcher_watch.process_start_time`), so that a reused pid does not count."""
+    rank_failures: Path | None = None
+    """Where this rank's session records an exception that left it (`ddiloco.rank_failures`): set by the rank group
+    of a learner of several ranks (`ddiloco run --nproc-per-learner`)."""
 
     @property
     def launcher(self) -> tuple[int, int] | None:
@@ -100,7 +103,7 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0),
         rank=number("RANK", 0, prefix=""), world_size=number("WORLD_SIZE", 1, prefix=""),
         local_rank=number("LOCAL_RANK", 0, prefix=""), launcher_pid=number("LAUNCHER_PID", 0) or None,
-        launcher_started=number("LAUNCHER_STARTED", 0) or None)
+        launcher_started=number("LAUNCHER_STARTED", 0) or None, rank_failures=path("RANK_FAILURES"))
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")

@@ -23,10 +23,12 @@ import logging
 import numbers
 import signal
 import threading
+from pathlib import Path
 from typing import Any, Self
 
 import torch
 
+from ddiloco import rank_failures
 from ddiloco.checks import invalid
 from ddiloco.environment import environment
 from ddiloco.launcher_watch import LauncherWatch, watch_launcher
@@ -57,6 +59,9 @@ class SessionLifecycle:
         self._deferred_signal: tuple[int, Any] | None = None
         """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
         self._launcher_watch: LauncherWatch | None = None
+        self._rank_failures: Path | None = None
+        """Where an exception that leaves the session is recorded (in a rank group; `ddiloco.rank_failures`)."""
+        self._rank = 0
         self._entered = False
         self._closed = False
         self._over = False
@@ -66,6 +71,9 @@ class SessionLifecycle:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None)):
+            # First, before closing does anything another rank could notice (`ddiloco.rank_failures`).
+            rank_failures.record(self._rank_failures, self._rank)
         try:
             self.close(failed=exc_type is not None)
         finally:
@@ -79,7 +87,9 @@ class SessionLifecycle:
         self._entered = True
         try:
             self._take_sigterm()
-            self._launcher_watch = watch_launcher(environment().launcher, name=f"learner {self.learner_id}",
+            env = environment()
+            self._rank_failures, self._rank = env.rank_failures, env.rank
+            self._launcher_watch = watch_launcher(env.launcher, name=f"learner {self.learner_id}",
                                                   on_gone=self._on_launcher_gone)
             self._open()
         except BaseException:

@@ -66,3 +66,56 @@ def test_a_bare_python_runs_the_script_in_ddilocos_own_interpreter(tmp_path, scr
     launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, script=tuple(script),
                                      use_token=False))
     assert launcher.learner_argv(0, "127.0.0.1:5") == expected == launcher.evaluator_argv("127.0.0.1:5")
+
+
+RAISES_THEN_EXITS_LATE = '''
+import os, sys, time
+from pathlib import Path
+from ddiloco import rank_failures
+from ddiloco.environment import environment
+
+env, raised = environment(), Path(sys.argv[1]) / "raised"
+failures = Path(os.environ.get("DDILOCO_RANK_FAILURES", sys.argv[1]))
+if env.rank == 0:
+    raised.touch()  # its exception is on its way out of the session: the other rank fails in a collective with it
+    rank_failures.record(failures, env.rank)
+    time.sleep(1.0)  # printing its traceback, tearing its interpreter down
+    sys.exit(7)
+deadline = time.monotonic() + 30
+while not raised.exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(1)  # its collective failed: it exits at once, before rank 0
+'''
+
+
+def test_the_rank_that_raised_first_is_named_although_another_exited_before_it(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="ddiloco.runtime.rank_group")
+    assert run_group([sys.executable, "-c", RAISES_THEN_EXITS_LATE, str(tmp_path)], nproc=2) == 7
+    assert [record.args[0] for record in caplog.records] == [0]
+
+
+KILLED_THEN_A_PEER_FAILS = '''
+import os, signal, sys, time
+from pathlib import Path
+from ddiloco import rank_failures
+from ddiloco.checkpoint import read_json_object
+from ddiloco.environment import environment
+
+env, failures = environment(), Path(os.environ["DDILOCO_RANK_FAILURES"])
+if env.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:  # until the killed rank is gone: then its collective with it fails
+    pids = (read_json_object(failures / rank_failures.RANKS_FILE) or {}).get("ranks")
+    if pids and not rank_failures._alive(pids[1]):
+        break
+    time.sleep(0.01)
+rank_failures.record(failures, env.rank)
+sys.exit(5)  # at once: the group may find both ranks exited at one look
+'''
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_a_rank_that_failed_after_its_death(caplog):
+    caplog.set_level("WARNING", logger="ddiloco.runtime.rank_group")
+    assert run_group([sys.executable, "-c", KILLED_THEN_A_PEER_FAILS], nproc=2) == 137
+    assert [record.args[0] for record in caplog.records] == [1]

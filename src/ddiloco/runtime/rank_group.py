@@ -10,8 +10,10 @@ get SIGTERM if it dies (`PR_SET_PDEATHSIG`).
 
 It fails fast, as torchrun does with no restarts of its own: when a rank exits with a failure (kill -9, a
 crash, or a gloo/NCCL error once a peer is gone) the others are stopped (SIGTERM, SIGKILL after
-`STOP_GRACE_S`) and it exits with that rank's status (128 + the signal for a killed rank), so the
-supervisor restarts the learner's whole group, which rejoins like any restarted learner. Exit statuses
+`STOP_GRACE_S`) and it exits with the status of the rank that failed first (128 + the signal for a killed
+rank), so the supervisor restarts the learner's whole group, which rejoins like any restarted learner. The
+rank that failed first is not always the first to exit: each rank's session records when an exception left
+its block, in a folder the group gives it (`ddiloco.rank_failures`), and the group names that rank. Exit statuses
 that mean "do not restart" (2 usage, 3 refused) pass through unchanged. It exits 0 when every rank has.
 """
 
@@ -22,15 +24,19 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddiloco import rank_failures
 from ddiloco.checkpoint import atomic_write_json
+from ddiloco.environment import ENV_PREFIX
 from ddiloco.runtime.launcher import LOOPBACK, _die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -39,7 +45,8 @@ POLL_S = 0.05
 """How often the ranks' exits are checked."""
 STOP_GRACE_S = 5.0
 """After one rank failed, how long the others get to exit on SIGTERM before SIGKILL (they are stuck in a
-collective with the dead rank, or failing out of one)."""
+collective with the dead rank, or failing out of one), and how long the rank that failed first, when another
+exited before it, gets to exit by itself."""
 FAILED_RANK = "[rank-group] rank %d (pid %d) exited with status %d: stopping the other ranks"
 """What the group logs of the first rank that failed (its status as `exit_status` gives it)."""
 FAILED_RANK_LINE = re.compile(r"\[rank-group\] rank (\d+) \(pid (\d+)\) exited with status (\d+)")
@@ -77,18 +84,21 @@ def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), p
         raise ValueError("no command to start: pass it after --")
     port = free_port()
     ranks: list[subprocess.Popen] = []
+    failures = Path(tempfile.mkdtemp(prefix="ddiloco-ranks-"))
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _forward(ranks, signum))
     try:
         for rank in range(nproc):
             device = devices[rank % len(devices)] if devices else None
-            ranks.append(subprocess.Popen(list(argv), env={**os.environ, **rank_env(rank, nproc, port, device)},
-                                          preexec_fn=_die_with_parent))
+            env = {**os.environ, **rank_env(rank, nproc, port, device), ENV_PREFIX + "RANK_FAILURES": str(failures)}
+            ranks.append(subprocess.Popen(list(argv), env=env, preexec_fn=_die_with_parent))
+        atomic_write_json(failures / rank_failures.RANKS_FILE, {"ranks": [r.pid for r in ranks]}, durable=False)
         if pids_file is not None:
             atomic_write_json(pids_file, {"pid": os.getpid(), "master_port": port, "ranks": [r.pid for r in ranks]})
-        return _wait(ranks)
+        return _wait(ranks, failures)
     finally:
         _stop(ranks)
         signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(failures, ignore_errors=True)
 
 
 def _forward(ranks: Sequence[subprocess.Popen], signum: int) -> None:
@@ -100,17 +110,30 @@ def _forward(ranks: Sequence[subprocess.Popen], signum: int) -> None:
                 rank.send_signal(signum)
 
 
-def _wait(ranks: Sequence[subprocess.Popen]) -> int:
+def _wait(ranks: Sequence[subprocess.Popen], failures: Path) -> int:
     while True:
         codes = [rank.poll() for rank in ranks]
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            rank, code = failed[0]
+            rank = rank_failures.first_failed(failures, failed)
+            code = codes[rank] if rank in failed else _exit_code(ranks[rank])
+            if not code:  # the rank that failed first did not exit by itself, or exited 0: the first found is named
+                rank = min(failed)
+                code = codes[rank]
             logger.warning(FAILED_RANK, rank, ranks[rank].pid, exit_status(code))
             return exit_status(code)
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
+
+
+def _exit_code(rank: subprocess.Popen) -> int | None:
+    """The exit code of a rank that is failing by itself (an exception left its session), once it exits within
+    `STOP_GRACE_S`; None if it does not."""
+    try:
+        return rank.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _stop(ranks: Sequence[subprocess.Popen]) -> None:
