@@ -38,7 +38,8 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                           "ddiloco.metrics", "ddiloco.throttle", "ddiloco.backoff", "ddiloco.run_config",
                           "ddiloco.flags", "ddiloco.fault_control", "ddiloco.corpus", "ddiloco.goodput",
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",
-                          "ddiloco.interrupts", "ddiloco.launcher_watch", "ddiloco.non_finite")),),
+                          "ddiloco.interrupts", "ddiloco.launcher_watch", "ddiloco.non_finite",
+                          "ddiloco.rank_failures")),),
     (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks")),),
 )
 """Top to bottom. A module may import its own group and any lower layer; groups side by side in one layer (the
