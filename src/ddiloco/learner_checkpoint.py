@@ -148,7 +148,14 @@ class LearnerCheckpoint:
             learner["optimizer"] = self.waiting_groups.append_to(learner["optimizer"])
         ranks = self.group.checkpoint(learner) if self.group is not None else None
         buffers = snapshot_buffers(self.learner.model)
-        state = copy.deepcopy({"learner": learner, "state": user})
+        try:
+            state = copy.deepcopy({"learner": learner, "state": user})
+        except Exception:
+            # A value that cannot even be copied (a lock, an open file) is one a checkpoint cannot keep: the same
+            # error, naming the entry, once (`_split`), rather than `copy`'s "cannot pickle" from deep inside it.
+            if self._split({"state": user}) is None:
+                return
+            raise
         state["buffers"] = buffers
         state["writer"] = self._writer()
         if ranks is not None:
