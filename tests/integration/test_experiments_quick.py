@@ -50,6 +50,10 @@ def test_every_quick_experiment_runs_and_writes_its_results(tmp_path):
             assert 0.0 <= metrics["goodput"] <= 1.0 + 1e-9, (name, system)  # float sums of durations
             assert 0.0 <= metrics["uptime"] <= 1.0 + 1e-9, (name, system)
             assert math.isfinite(metrics["final_val_loss"]), (name, system)
+        for system, sim in result.systems.items():  # one point per moment, the last the final loss
+            moments = [(point.tokens, point.time_s) for point in sim.curve]
+            assert len(moments) == len(set(moments)), (name, system, moments)
+            assert sim.curve[-1].val_loss == sim.metrics["final_val_loss"], (name, system)
         assert data["checks"]
         written = write_run(result, tmp_path / name)
         assert (tmp_path / name / f"results_{name}.png").stat().st_size > 0

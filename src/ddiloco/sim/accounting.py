@@ -192,6 +192,15 @@ class CurvePoint:
         return {"tokens": self.tokens, "time_s": self.time_s, "val_loss": self.val_loss}
 
 
+def add_final_point(curve: list[CurvePoint], point: CurvePoint) -> None:
+    """Append the run's final evaluation to `curve`, in place of a periodic one taken at the same tokens and time (the
+    last rounds may have merged since: the final value stands, and a plot shows no vertical step at the end)."""
+    if curve and (curve[-1].tokens, curve[-1].time_s) == (point.tokens, point.time_s):
+        curve[-1] = point
+    else:
+        curve.append(point)
+
+
 @dataclass
 class SimResult:
     """Everything a simulated run produced. `metrics` is flat and JSON-ready."""

@@ -43,7 +43,7 @@ from ddiloco.config import DilocoConfig
 from ddiloco.data import Batch, load_corpus, shard_stream
 from ddiloco.data_parallel import ring_allreduce_bytes, ring_allreduce_s
 from ddiloco.goodput import Advance, EventLog
-from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, core_metrics, event_log
+from ddiloco.sim.accounting import CurvePoint, SimResult, WorkSeconds, add_final_point, core_metrics, event_log
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
 from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
@@ -157,7 +157,7 @@ class DataParallelSim:
             participants = sorted(self.members)[:remaining]
             self._step(participants)
         final_loss = self.evaluator.loss(dict(self.model.named_parameters()))
-        self.curve.append(CurvePoint(self.kept_tokens, self.loop.now, final_loss))
+        add_final_point(self.curve, CurvePoint(self.kept_tokens, self.loop.now, final_loss))
         self.loop.record("final", val_loss=final_loss, global_steps=self.global_step)
         events = event_log(self.work, num_learners=self.config.cluster.num_learners, start_s=0.0,
                            end_s=self.loop.now, uptime_bin_s=self.uptime_bin_s, advances=self.advances,

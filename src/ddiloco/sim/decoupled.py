@@ -53,7 +53,16 @@ from ddiloco.goodput import EventLog
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.messages import FragmentDelta, FragmentState, Join, Leave, Update, Welcome
-from ddiloco.sim.accounting import CurvePoint, FragmentWork, PeakMeter, SimResult, core_metrics, event_log, union_length
+from ddiloco.sim.accounting import (
+    CurvePoint,
+    FragmentWork,
+    PeakMeter,
+    SimResult,
+    add_final_point,
+    core_metrics,
+    event_log,
+    union_length,
+)
 from ddiloco.sim.cluster import ClusterConfig, StepTimer
 from ddiloco.sim.engine import EventLoop
 from ddiloco.sim.faults import FaultPlan, harness_plan, outage_faults, outages_json
@@ -134,7 +143,7 @@ class DecoupledSim:
             slot.close_up_interval(self.end_s)
         self.work.finish()
         final_loss = self.evaluator.loss(self.syncer.global_params())
-        self.curve.append(CurvePoint(self.tokens_processed, self.end_s, final_loss))
+        add_final_point(self.curve, CurvePoint(self.tokens_processed, self.end_s, final_loss))
         loop.record("final", val_loss=final_loss, rounds=self.syncer.rounds_committed)
         events = self._event_log()
         return SimResult(system=self.name, metrics=self._metrics(events, final_loss), curve=self.curve, log=loop.log,
