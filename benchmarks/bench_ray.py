@@ -41,7 +41,7 @@ import json, os, time
 t0 = time.monotonic()
 import ray
 t1 = time.monotonic()
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
 t2 = time.monotonic()
 from ddiloco.runtime.ray_cluster import descendants
 pids = descendants(os.getpid())

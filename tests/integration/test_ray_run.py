@@ -1,7 +1,7 @@
 """`ddiloco run --ray` on a real local Ray instance: actors, a kill -9, Ray's restart, and nothing left behind.
 
-The run starts its own Ray instance (`ray.init(num_cpus=...)`, the launcher's local start) with a syncer
-actor and two learner actors, each running the same `ddiloco` process the local launcher runs. A kill -9
+The run starts its own Ray instance (`ray.init(address="local", num_cpus=...)`, the launcher's local start)
+with a syncer actor and two learner actors, each running the same `ddiloco` process the local launcher runs. A kill -9
 of learner 1's process makes its actor end itself, Ray restarts the actor (a new actor worker process),
 and the new learner process resumes and contributes to rounds again. After a Ctrl-C every process the run
 had (Ray's GCS, raylet, agents and workers, and the ddiloco children) is gone. Skipped only where Ray is

@@ -2,7 +2,12 @@
 
 The actor starts exactly the process the local launcher would (`Launcher`: the same command line and
 `DDILOCO_*` environment, its own process group, its log in `DIR/logs/`, SIGTERM when the actor dies) and
-watches it. When the process dies in a way the local supervisor would restart (a crash, a signal, a
+watches it. That SIGTERM comes from the kernel (`PR_SET_PDEATHSIG`) however the actor's worker ends, so that the
+learner checkpoints and leaves as it does when the local launcher dies: the actor runs with `ACTOR_RUNTIME_ENV`,
+which stops Ray's worker from SIGKILLing its children first as it exits (it does on an exit Ray orders: the
+driver that owned the actor died, or the local raylet did, which dies with the driver of a local instance).
+
+When the process dies in a way the local supervisor would restart (a crash, a signal, a
 syncer that never served), the actor ends its own worker process (`os._exit`), so that **Ray** restarts
 the role: `max_restarts` counts the restarts, and Ray places the new actor wherever the role's resources
 are free, on another node if its node is gone, which a watcher restarting in place could never do. The
@@ -66,6 +71,13 @@ EXIT_RESTART = 75
 REAP_TIMEOUT_S = 10.0
 """SIGTERM -> SIGKILL wait for a process this actor gives up on (a syncer that never served, a leftover group)."""
 LEARNER = "learner"
+ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}}
+"""The role actors' runtime environment. Ray's worker SIGKILLs its child processes when it exits on Ray's order
+(`kill_child_processes_on_worker_exit`, on by default, read from the worker's environment); it would SIGKILL the
+learner before `PR_SET_PDEATHSIG` SIGTERMs it, and the learner would lose every step since its last periodic
+checkpoint. Without it the learner gets SIGTERM when the worker's main thread dies, and `_reap` SIGKILLs whatever
+of it a restarted actor finds still running. (Ray 2.58 calls no `__ray_shutdown__` on those exits: an owner's death
+is a force kill, a raylet's death a quick exit.)"""
 
 
 @dataclass(frozen=True, kw_only=True)

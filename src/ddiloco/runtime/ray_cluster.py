@@ -1,8 +1,10 @@
 """The Ray instance a `ddiloco run --ray` works in: joined, or started on this machine and stopped after.
 
-A local instance (`--ray` without an address) is started with `ray.init(num_cpus=...)` sized to what the
-run reserves, so its actors never wait for CPUs that a 2-core machine does not have (Ray's CPUs are
-scheduling tokens, not cores). Its processes (GCS, raylet, agents, workers) are the driver's descendants;
+A local instance (`--ray` without an address) is started with `ray.init(address="local", num_cpus=...)`,
+sized to what the run reserves, so its actors never wait for CPUs that a 2-core machine does not have (Ray's
+CPUs are scheduling tokens, not cores). `address="local"` makes it a new instance every time: without an address
+`ray.init` joins the cluster that `RAY_ADDRESS` or a `ray start` on this machine names, and refuses `num_cpus`
+there. Its processes (GCS, raylet, agents, workers) are the driver's descendants;
 `shutdown()` records them, calls `ray.shutdown()` and then waits for every one to be gone, SIGKILLing by pid
 any that outlive `SHUTDOWN_WAIT_S` (Ray's agents can linger after their raylet). A joined cluster is only
 disconnected from: its processes are not the run's. Ray's own process-management is used as it is; this
@@ -31,6 +33,9 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0
 """How long the local instance's processes may take to exit after `ray.shutdown()` before SIGKILL."""
 POLL_S = 0.1
+LOCAL_ADDRESS = "local"
+"""`ray.init`'s address for "start a new instance here", whatever `RAY_ADDRESS` or `ray start` (its
+`/tmp/ray/ray_current_cluster`) says."""
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -81,7 +86,7 @@ class RayCluster:
         try:
             if self.options.local:
                 self.num_cpus = max(float(os.cpu_count() or 1), math.ceil(cpus_needed))
-                ray.init(num_cpus=self.num_cpus, **quiet)
+                ray.init(address=LOCAL_ADDRESS, num_cpus=self.num_cpus, **quiet)
                 self.started_local = True
                 self.note_processes()
                 return f"started a local Ray instance ({self.num_cpus:g} CPUs, pids {sorted(self.local_processes)})"

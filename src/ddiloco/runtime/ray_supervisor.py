@@ -44,7 +44,7 @@ from ddiloco.runtime.learner_exits import (
     started_wall,
     status_since,
 )
-from ddiloco.runtime.ray_actor import LEARNER, RoleActor, RoleSpec
+from ddiloco.runtime.ray_actor import ACTOR_RUNTIME_ENV, LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
 from ddiloco.runtime.supervision_loop import SupervisionLoop
@@ -162,7 +162,7 @@ class RaySupervisor(SupervisionLoop):
 
     def _create(self, slot: Slot, spec: RoleSpec, *, num_cpus: float, num_gpus: float) -> None:
         options = {"max_restarts": self.config.max_restarts, "max_task_retries": 0, "num_cpus": num_cpus,
-                   "num_gpus": num_gpus, "name": self._actor_name(slot.name)}
+                   "num_gpus": num_gpus, "name": self._actor_name(slot.name), "runtime_env": ACTOR_RUNTIME_ENV}
         self._actors[slot.name] = self._actor_class.options(**options).remote(spec)
         slot.state = ChildState.STARTING
         slot.starting_since = time.monotonic()
