@@ -13,6 +13,11 @@ sent to the process to any thread that does not block it (after a SIGSTOP, to wh
 often a gRPC thread, which only marks the handler due: a main thread blocked in a wait without a timeout then never
 runs it (a syncer ran on forever after its SIGTERM). Every wait on a main thread that must notice a signal is cut
 into slices of at most `SIGNAL_CHECK_S` (`wait_for`, and `LearnerIO`'s inbox).
+
+A command that stops by unwinding, as it does on Ctrl-C, stops the same way on SIGTERM and SIGHUP inside
+`stop_signals_raise()`: each raises `Stopped`, a KeyboardInterrupt that names its signal, so that every `finally` on
+the way runs (Python's default for SIGTERM ends the process at once, and a child it had SIGSTOPped stays stopped for
+good). A cleanup that must not be cut by a second signal (lifting those SIGSTOPs) runs inside `deferred()`.
 """
 
 from __future__ import annotations
@@ -27,12 +32,50 @@ SIGNAL_CHECK_S = 0.2
 another thread may be handled. Short against a person's patience, long against the cost of waking (a few wakeups a
 second)."""
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals besides SIGINT that ask a command to stop, as `ddiloco run` treats them."""
+
 _received = threading.Event()
+_deferred: list[int] | None = None
+"""Inside `deferred()`: the signals that came meanwhile (raised at its end); None outside."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGHUP) raised where the main thread is, as SIGINT raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_of(interrupt: KeyboardInterrupt) -> signal.Signals:
+    """The signal behind an interrupt: a `Stopped`'s own, else SIGINT."""
+    return signal.Signals(interrupt.signum) if isinstance(interrupt, Stopped) else signal.SIGINT
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's convention for a command ended by a signal: 128 + its number (130 for Ctrl-C)."""
+    return 128 + int(signal_of(interrupt))
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
 
 
 def _on_sigint(signum: int, frame: object) -> None:
     _received.set()
-    raise KeyboardInterrupt
+    _raise(signum)
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    _raise(signum)
+
+
+def _raise(signum: int) -> None:
+    if _deferred is not None:
+        _deferred.append(signum)
+        return
+    raise _interrupt(signum)
 
 
 @contextlib.contextmanager
@@ -49,6 +92,43 @@ def watched() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Inside, SIGTERM and SIGHUP raise `Stopped` on the main thread; the handlers that were there before come back
+    at the end. Elsewhere than on the main thread this changes nothing (only the main thread may install a
+    handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold back the interrupt of a signal that `watched()` or `stop_signals_raise()` handles until the end of the
+    block, so that a cleanup runs whole; the first one held back is then raised, unless an exception (the first
+    interrupt, typically) already leaves the block. Python's own SIGINT handler (outside `watched()`) still raises
+    at once."""
+    global _deferred
+    if _deferred is not None:  # nested: the outer block raises
+        yield
+        return
+    _deferred = []
+    try:
+        yield
+    except BaseException:
+        _deferred = None
+        raise
+    held, _deferred = _deferred, None
+    if held:
+        raise _interrupt(held[0])
 
 
 def received() -> bool:

@@ -7,6 +7,12 @@ plan's duration (`ddiloco.chaos.runner`), then analyses every system directory, 
 invariants and writes the report (`report.md`, `results.json`, plots). `--json` prints
 `{"systems": {...}, "invariants": {NAME: bool}}` as the last line of stdout. Exit status: 0 when
 every invariant holds, 1 when one does not.
+
+Ctrl-C, SIGTERM and SIGHUP stop the system that is running as its plan's end would (every fault lifted, every
+process stopped, `ddiloco.chaos.runner`); the systems that had finished are still analysed and reported, as a
+partial comparison that names the system cut short and those not run (`--json` adds "interrupted"). Exit status
+then: 128 + the signal's number (130 for Ctrl-C), as `ddiloco run`. A stdout that closes (`| head`) stops the
+console lines only: the run goes on and its files are written.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ddiloco import interrupts
 
 if TYPE_CHECKING:
     from ddiloco.chaos.runner import ChaosSettings
@@ -166,8 +175,11 @@ def _run_config(args: argparse.Namespace) -> Any:
 def _drawn_duration_s(args: argparse.Namespace, source: str) -> float:
     """The duration of a drawn plan: long enough for the quiet start and end it keeps (`--duration` named if not)."""
     from ddiloco.chaos.plan import DRAWN_MARGIN_S, DRAWN_START_AFTER_S
+    from ddiloco.fault_control import MAX_RUN_S
 
     duration_s = args.duration if args.duration is not None else DEFAULT_DURATION_S
+    if duration_s > MAX_RUN_S:
+        raise ValueError(f"--duration {duration_s:g} is invalid: expected seconds at most {MAX_RUN_S:g} (a week)")
     shortest_s = DRAWN_START_AFTER_S + DRAWN_MARGIN_S
     if duration_s <= shortest_s:
         raise ValueError(f"--duration {duration_s:g} is too short for {source}: faults are drawn from "
@@ -181,8 +193,9 @@ def _plan(args: argparse.Namespace, num_learners: int) -> Any:
 
     seed = DEFAULT_PLAN_SEED if args.plan_seed is None else args.plan_seed
     if args.plan is not None or args.quick:
-        plan = plans.load_plan(args.plan, num_learners) if args.plan is not None else plans.quick_plan(num_learners)
-        return plan if args.duration is None else dataclasses.replace(plan, duration_s=args.duration)
+        if args.plan is not None:
+            return plans.load_plan(args.plan, num_learners, duration_s=args.duration)
+        return plans.quick_plan(num_learners, duration_s=args.duration)
     if args.soak:
         kill_every_s = DEFAULT_KILL_EVERY_S if args.kill_every_s is None else args.kill_every_s
         return plans.soak_plan(_drawn_duration_s(args, "--soak"), num_learners, kill_every_s=kill_every_s, seed=seed)
@@ -205,10 +218,39 @@ def _parse_systems(text: str) -> list[str]:
     return [s for s in known if s in systems]
 
 
+class ConsoleLines:
+    """`say(line)`: a line on stdout, flushed, until stdout closes (`ddiloco chaos ... | head`); from then on nothing,
+    so that the run, its fault schedule and its files go on. The closed stream's file descriptor is pointed at
+    /dev/null, so that Python's last flush at exit, which still holds the unwritten line, does not fail too."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def __call__(self, line: str) -> None:
+        if self.closed:
+            return
+        try:
+            print(line, file=sys.stdout, flush=True)
+        except BrokenPipeError:
+            self.closed = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+
+
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.chaos.analysis import analyze_system
-    from ddiloco.chaos.invariants import check_invariants
-    from ddiloco.chaos.report import SETTINGS, summarize_invariants, write_report
+    with interrupts.stop_signals_raise():
+        try:
+            return _run(args)
+        except interrupts.Stopped as stopped:  # before the systems started (a Ctrl-C there: `ddiloco.cli`)
+            print("ddiloco chaos: interrupted", file=sys.stderr)
+            return interrupts.exit_code(stopped)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ddiloco.chaos.report import SETTINGS
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
     from ddiloco.checkpoint import atomic_write_json
     from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
@@ -229,27 +271,57 @@ def run(args: argparse.Namespace) -> int:
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
     atomic_write_json(run_dir / SETTINGS, dataclasses.asdict(settings))
-    say = lambda line: print(line, flush=True)  # noqa: E731
+    say = ConsoleLines()
     say(f"ddiloco chaos: {len(plan.faults)} faults over {plan.duration_s:g} s per system, systems "
         f"{', '.join(systems)}, {config.num_learners} learners, run directory {run_dir}")
+    finished: list[str] = []
     for system in systems:
         say(f"[{system}] starting")
         started = time.monotonic()
-        if system in RUNTIME_SYSTEMS:
-            run_runtime_system(system, run_dir / system, config, plan, settings, say=say)
-        else:
-            run_data_parallel_system(run_dir / system, config, plan, settings, say=say)
+        try:
+            if system in RUNTIME_SYSTEMS:
+                run_runtime_system(system, run_dir / system, config, plan, settings, say=say)
+            else:
+                run_data_parallel_system(run_dir / system, config, plan, settings, say=say)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM or SIGHUP: the runner has stopped the system
+            name = interrupts.signal_of(interrupt).name
+            say(f"[{system}] interrupted ({name}) after {time.monotonic() - started:.0f} s: every fault lifted, "
+                "every process stopped")
+            if finished:
+                _report(args, run_dir, finished, say, interrupted={
+                    "signal": name, "cut_short": system, "not_run": systems[systems.index(system) + 1:]})
+            else:
+                say(f"no system ran to the end of its plan: nothing to compare; what each wrote is in {run_dir}")
+            print("ddiloco chaos: interrupted", file=sys.stderr)
+            return interrupts.exit_code(interrupt)
+        finished.append(system)
         say(f"[{system}] done in {time.monotonic() - started:.0f} s")
+    return _report(args, run_dir, finished, say)
+
+
+def _report(args: argparse.Namespace, run_dir: Path, systems: list[str], say: ConsoleLines, *,
+            interrupted: dict[str, Any] | None = None) -> int:
+    """Analyse `systems` (those that ran to their end), check the invariants, write and print the report; the exit
+    status of a complete run (0: every invariant holds). `interrupted` ({"signal", "cut_short": SYSTEM, "not_run":
+    [SYSTEM, ...]}) makes it a partial comparison."""
+    from ddiloco.chaos.analysis import analyze_system
+    from ddiloco.chaos.invariants import check_invariants
+    from ddiloco.chaos.report import summarize_invariants, write_report
+
+    if interrupted is not None:
+        left_out = [interrupted["cut_short"], *interrupted["not_run"]]
+        say(f"partial comparison of {', '.join(systems)} (not compared: {', '.join(left_out)})")
     systems_results = {system: analyze_system(run_dir / system, uptime_bin_s=args.uptime_bin_s)
                        for system in systems}
     details = {system: check_invariants(run_dir / system) for system in systems}
-    report = write_report(run_dir, systems_results, details)
+    report = write_report(run_dir, systems_results, details, interrupted=interrupted)
     results = {"systems": systems_results, "invariants": summarize_invariants(details)}
+    if interrupted is not None:
+        results["interrupted"] = interrupted
     _print_summary(results, say)
     say(f"report: {report}")
     if args.json:
-        sys.stdout.flush()
-        print(json.dumps({k: results[k] for k in ("systems", "invariants")}, sort_keys=True, default=str), flush=True)
+        say(json.dumps(results, sort_keys=True, default=str))
     return 0 if all(results["invariants"].values()) else EXIT_INVARIANT_BROKEN
 
 

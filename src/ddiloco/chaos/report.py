@@ -69,9 +69,14 @@ def summarize_invariants(details: dict[str, dict[str, dict[str, Any]]]) -> dict[
 
 
 def _markdown(results: dict[str, Any], details: dict[str, Any], plan: dict[str, Any] | None,
-              settings: dict[str, Any] | None = None) -> str:
+              settings: dict[str, Any] | None = None, interrupted: dict[str, Any] | None = None) -> str:
     systems = _ordered(results)
     lines = ["# Chaos run", ""]
+    if interrupted:
+        not_run = f"; not run: {', '.join(interrupted['not_run'])}" if interrupted["not_run"] else ""
+        lines += [f"**Partial comparison**: the run was interrupted ({interrupted['signal']}) during "
+                  f"{interrupted['cut_short']}, which is left out{not_run}. Only the systems below ran their plan "
+                  "to the end.", ""]
     if plan:
         lines += [f"Plan: {len(plan.get('faults', []))} faults over {plan.get('duration_s')} s per system, "
                   f"{plan.get('num_learners')} learners, seed {plan.get('seed')} ({plan.get('source') or 'given'}).",
@@ -166,11 +171,14 @@ def _plots(run_dir: Path, results: dict[str, Any]) -> None:
 
 
 def write_report(run_dir: str | Path, results: dict[str, dict[str, Any]],
-                 invariants: dict[str, dict[str, dict[str, Any]]] | None = None) -> Path:
+                 invariants: dict[str, dict[str, dict[str, Any]]] | None = None, *,
+                 interrupted: dict[str, Any] | None = None) -> Path:
     """Write DIR/report.md, DIR/results.json and the plots; returns the report's path.
 
     `results` is {system: analysis results} (`ddiloco.chaos.analysis.analyze_run`); `invariants`
-    {system: check_invariants(...)}, checked here from the system directories when not given.
+    {system: check_invariants(...)}, checked here from the system directories when not given. `interrupted`
+    ({"signal", "cut_short": SYSTEM, "not_run": [SYSTEM, ...]}): a signal stopped the run, and `results` holds the
+    systems that had finished; the report says it is partial, results.json keeps it under "interrupted".
     """
     run_dir = Path(run_dir)
     details = invariants if invariants is not None else collect_invariants(run_dir, _ordered(results))
@@ -178,9 +186,11 @@ def write_report(run_dir: str | Path, results: dict[str, dict[str, Any]],
     settings = read_json(run_dir / SETTINGS)
     document = {"systems": results, "invariants": summarize_invariants(details), "invariant_details": details,
                 "plan": plan, "settings": settings}
+    if interrupted is not None:
+        document["interrupted"] = interrupted
     (run_dir / RESULTS).write_text(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n",
                                    encoding="utf-8")
     _plots(run_dir, results)
     path = run_dir / REPORT
-    path.write_text(_markdown(results, details, plan, settings), encoding="utf-8")
+    path.write_text(_markdown(results, details, plan, settings, interrupted), encoding="utf-8")
     return path

@@ -22,7 +22,9 @@ and at the stop, so that "ended" is when the fault actually ended: a hang's SIGC
 fault's removal, or the stop for any fault (a held-down crash included) that would have outlived the
 run. And `SYSTEM_DIR/chaos/run.json` records the launch time, the stop
 request (the end of the measured window), the time everything had stopped, every pid started (standby
-processes included) and any process still alive after the stop.
+processes included), any process still alive after the stop, and the signal that cut the system short, if
+one did: a Ctrl-C, SIGTERM or SIGHUP (`ddiloco.interrupts`) unwinds the driver, which lifts every fault
+and stops every process as at the plan's end, writes that record and lets the interrupt go on.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ddiloco import interrupts
 from ddiloco.chaos.plan import Fault, FaultPlan
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.checks import invalid
@@ -131,6 +134,7 @@ class FaultInjector:
         fault that would have outlived the run at the stop, wall time `at` (default: now), and record the
         faults the run did not reach."""
         stop = self.clock() if at is None else at
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # a run stopped before its plan started: no start()
         for lift in list(self._lifts):
             if lift.at > stop:
                 lift.record["note"] = _join(lift.record["note"], "cut short by the stop")
@@ -346,18 +350,23 @@ def run_runtime_system(system: str, system_dir: Path, run_config: RunConfig, pla
     watchdog = CommitWatchdog(paths.root / "rounds.jsonl", settings.watchdog_s)
     failure = lambda: supervisor.failure or watchdog.check()  # noqa: E731
     started = time.time()
-    supervisor.start()
+    interrupted: str | None = None
     try:
+        supervisor.start()
         _wait_ready(lambda: _runtime_ready(paths, config.num_learners), supervisor.poll, settings, system, say,
                     failed=lambda: supervisor.failure)
         watchdog.start()
         _drive(injector, plan, system, step=supervisor.poll, failed=failure,
                status=lambda: _runtime_status(paths), say=say)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM or SIGHUP (`interrupts.stop_signals_raise`)
+        interrupted = interrupts.signal_of(interrupt).name
+        raise
     finally:
         stop_requested = time.time()
-        injector.finish(at=stop_requested)
-        supervisor.shutdown()
-        sink.close()
+        _stop(injector, stop_requested, supervisor.shutdown, sink.close)
+        if interrupted is not None:
+            _write_run_record(system_dir, system, config.num_learners, started, stop_requested, time.time(),
+                              supervisor.pids, t0=injector.t0, failure=None, interrupted=interrupted)
     ended = time.time()
     final_states = {s.learner_id: (str(s.state), s.reason) for s in supervisor.learners}
     write_report(paths, num_learners=config.num_learners, outcome="completed", wall_time_s=ended - started,
@@ -406,6 +415,17 @@ def _runtime_status(paths: RunPaths) -> str:
 # ---- shared loop -------------------------------------------------------------------------------------
 
 
+def _stop(injector: FaultInjector, at: float, *stops: Callable[[], None]) -> None:
+    """End a system, however its run ended (a Ctrl-C or SIGTERM before its plan started included): lift every
+    fault, whole (`interrupts.deferred`: a second signal must not leave a SIGSTOPped process stopped for good),
+    then stop its processes, even if the lift failed."""
+    with contextlib.ExitStack() as cleanup:
+        for stop in reversed(stops):
+            cleanup.callback(stop)
+        with interrupts.deferred():
+            injector.finish(at=at)
+
+
 def _wait_ready(ready: Callable[[], bool], step: Callable[[], None], settings: ChaosSettings, system: str,
                 say: Callable[[str], None], *, failed: Callable[[], str | None]) -> None:
     deadline = time.monotonic() + settings.ready_timeout_s
@@ -440,11 +460,14 @@ def _drive(injector: FaultInjector, plan: FaultPlan, system: str, *, step: Calla
 
 def _write_run_record(system_dir: Path, system: str, num_learners: int, started: float, stop_requested: float,
                       ended: float, pids: list[int], *, t0: float | None, failure: str | None,
-                      longest_commit_gap_s: float | None = None) -> dict[str, Any]:
+                      longest_commit_gap_s: float | None = None, interrupted: str | None = None) -> dict[str, Any]:
+    """Write SYSTEM_DIR/chaos/run.json; `interrupted` names the signal that cut the system short (None: it ran to its
+    end or its failure)."""
     left_behind = [pid for pid in pids if process_group_alive(pid)]
     record = {"system": system, "num_learners": num_learners, "started": started,
               "stop_requested": stop_requested, "ended": ended, "plan_started": t0, "pids": pids,
-              "left_behind": left_behind, "failure": failure, "longest_commit_gap_s": longest_commit_gap_s}
+              "left_behind": left_behind, "failure": failure, "longest_commit_gap_s": longest_commit_gap_s,
+              "interrupted": interrupted}
     atomic_write_json(system_dir / "chaos" / "run.json", record)
     return record
 
@@ -496,18 +519,28 @@ def run_data_parallel_system(system_dir: Path, run_config: RunConfig, plan: Faul
         job.poll()
         seen.extend(pid for pid in job.pids().values() if pid not in seen)
 
+    def stop_job() -> None:
+        if job.started:
+            job.stop()
+
     started = time.time()
-    job.start()
+    interrupted: str | None = None
     try:
+        job.start()
         _wait_ready(lambda: job.training_started_at is not None, step, settings, "data_parallel", say,
                     failed=lambda: job.failure)
         _drive(injector, plan, "data_parallel", step=step, failed=lambda: job.failure,
                status=lambda: f"step {job.step}, failures {job.failures}", say=say)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM or SIGHUP (`interrupts.stop_signals_raise`)
+        interrupted = interrupts.signal_of(interrupt).name
+        raise
     finally:
         stop_requested = time.time()
-        injector.finish(at=stop_requested)
-        job.stop()
+        _stop(injector, stop_requested, stop_job)
+        pids = seen + [pid for pid in job.standby_pids if pid not in seen]
+        if interrupted is not None:
+            _write_run_record(system_dir, "data_parallel", run_config.num_learners, started, stop_requested,
+                              time.time(), pids, t0=injector.t0, failure=None, interrupted=interrupted)
     ended = time.time()
-    pids = seen + [pid for pid in job.standby_pids if pid not in seen]
     return _write_run_record(system_dir, "data_parallel", run_config.num_learners, started, stop_requested, ended,
                              pids, t0=injector.t0, failure=job.failure)
