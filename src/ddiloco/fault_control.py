@@ -17,6 +17,13 @@ Faults of one kind may overlap (a chaos plan allows it); they combine (`stronges
 partitioned while any partition in force lasts, and of several stragglers, latencies, bandwidth caps,
 drops or corruptions in force the strongest holds (the largest factor, latency or probability, the
 smallest bandwidth), each until its own `until`.
+
+Each parameter is bounded (`value_bounds`), here and in a chaos plan alike: the processes that obey it
+wait for what it asks (a step `factor` times as long, a message held for the latency or for its bytes over
+the bandwidth), so a value such as 1e300 would have them wait for ever or overflow the wait. The plan
+bounds latency and bandwidth by its own duration; this file, which may be written by hand and carries no
+run length, by the longest run, MAX_RUN_S. An entry out of bounds makes the file unreadable: "no faults",
+with a warning naming the file, the field and the bound.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ class ActiveFault:
             raise invalid("until", self.until, "a finite wall time")
         if self.kind in PARAMS and not value_valid(self.kind, self.value):
             raise ValueError(f"{self.kind} fault with {PARAMS[self.kind]}={self.value!r} is invalid: expected "
-                             f"{VALUE_EXPECTED[self.kind]}")
+                             f"{value_expected(self.kind)}")
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": self.kind, "until": self.until}
@@ -79,23 +86,53 @@ class ActiveFault:
         return cls(str(kind), float(data["until"]), None if param is None else float(data[param]))
 
 
-VALUE_EXPECTED = {"straggler": "a slowdown factor >= 1", "latency": "seconds >= 0",
-                  "bandwidth": "bytes per second > 0", "drop": "a probability in [0, 1]",
-                  "corrupt": "a probability in [0, 1]"}
-"""What each kind's one parameter must be (the plan and the control file check the same rule)."""
+MAX_RUN_S = 7 * 24 * 3600.0
+"""The longest chaos run, seconds (a week): far beyond any soak or benchmark here (minutes), and short enough that a
+typo such as 1e30 is refused instead of starting a run that never ends by itself. It bounds a plan's duration,
+each fault's duration, and the latency and bandwidth of a control file, which knows no run length."""
+MAX_SLOWDOWN = 100.0
+"""A straggler's largest factor: 100 x turns a 0.2 s inner step into 20 s; a learner slower than that contributes
+nothing a run of minutes could measure: it is a `hang`."""
+REFERENCE_MESSAGE_BYTES = 1e6
+"""The message a bandwidth cap must let through within the run (1 MB: the order of one update of the default
+478,720-parameter TinyGPT, 1.9 MB in fp32): a slower cap holds the link past the run's end, a partition."""
 
 
-def value_valid(kind: str, value: float | None) -> bool:
-    """Whether `value` is a valid parameter for a fault of `kind` (see VALUE_EXPECTED)."""
-    if not (isinstance(value, int | float) and math.isfinite(value)):
-        return False
+def value_bounds(kind: str, run_s: float = MAX_RUN_S) -> tuple[float, float]:
+    """[low, high] of the parameter of a fault of `kind` in a run of `run_s` seconds, both inclusive: a
+    latency at most the run, a bandwidth that sends REFERENCE_MESSAGE_BYTES within it, a factor up to
+    MAX_SLOWDOWN, a probability in [0, 1]."""
     if kind in ("drop", "corrupt"):
-        return 0.0 <= value <= 1.0
+        return 0.0, 1.0
     if kind == "straggler":
-        return value >= 1.0
+        return 1.0, MAX_SLOWDOWN
+    if kind == "latency":
+        return 0.0, run_s
     if kind == "bandwidth":
-        return value > 0.0
-    return value >= 0.0
+        return REFERENCE_MESSAGE_BYTES / run_s, math.inf
+    raise ValueError(f"kind {kind!r} takes no parameter: expected one of {', '.join(PARAMS)}")
+
+
+def value_expected(kind: str, run_s: float = MAX_RUN_S, *, run: str = "") -> str:
+    """What the parameter of a fault of `kind` must be, in words (`run` says where `run_s` came from)."""
+    low, high = value_bounds(kind, run_s)
+    run = run or ("the longest run (a week)" if run_s == MAX_RUN_S else f"a run of {run_s:g} s")
+    if kind == "straggler":
+        return f"a slowdown factor in [1, {high:g}] (slower than {high:g} x is a hang: use kind hang)"
+    if kind == "latency":
+        return f"seconds in [0, {high:g}], at most {run}"
+    if kind == "bandwidth":
+        return (f"bytes per second >= {low:g}, to send a {REFERENCE_MESSAGE_BYTES / 1e6:g} MB message within {run} "
+                "(a slower link is a partition: use kind partition)")
+    return "a probability in [0, 1]"
+
+
+def value_valid(kind: str, value: float | None, run_s: float = MAX_RUN_S) -> bool:
+    """Whether `value` is a valid parameter for a fault of `kind` in a run of `run_s` seconds (`value_bounds`)."""
+    if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
+        return False
+    low, high = value_bounds(kind, run_s)
+    return low <= value <= high
 
 
 WEAKER_IS_LARGER = ("bandwidth",)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checks import invalid
-from ddiloco.fault_control import VALUE_EXPECTED, value_valid
+from ddiloco.fault_control import MAX_RUN_S, value_expected, value_valid
 
 KINDS = ("crash", "hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt", "syncer_crash")
 TIMED_KINDS = ("hang", "straggler", "partition", "latency", "bandwidth", "drop", "corrupt")
@@ -46,7 +46,7 @@ class Fault:
     """crash only: True = the supervisor brings the learner back as usual; False = it stays down for
     duration_s (a machine being replaced), then comes back."""
     value: float | None = None
-    """straggler factor >= 1, latency seconds >= 0, bandwidth bytes/s > 0, drop/corrupt probability."""
+    """straggler factor, latency seconds, bandwidth bytes/s, drop/corrupt probability (`value_bounds`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,7 +72,7 @@ class Fault:
             raise ValueError(f"duration={self.duration_s!r} is invalid for an instantaneous {self.kind}: "
                              "expected none (a crash held down needs restart: false)")
         if self.kind in VALUE_KEYS:
-            _check_value(self.kind, self.value)
+            check_value(self.kind, self.value)
         elif self.value is not None:
             raise ValueError(f"a value ({self.value!r}) is invalid for {self.kind}: it takes no parameter")
 
@@ -102,10 +102,12 @@ class Fault:
                    value=None if value is None else float(value))
 
 
-def _check_value(kind: str, value: float | None) -> None:
-    if not value_valid(kind, value):
+def check_value(kind: str, value: float | None, run_s: float = MAX_RUN_S, *, run: str = "") -> None:
+    """The parameter of a fault of `kind` must lie within its bounds for a run of `run_s` seconds
+    (`ddiloco.fault_control.value_bounds`; `run` names where `run_s` came from, for the message)."""
+    if not value_valid(kind, value, run_s):
         missing = " is missing" if value is None else f"={value!r} is invalid"
-        raise ValueError(f"{VALUE_KEYS[kind]}{missing} for {kind}: expected {VALUE_EXPECTED[kind]}")
+        raise ValueError(f"{VALUE_KEYS[kind]}{missing} for {kind}: expected {value_expected(kind, run_s, run=run)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,19 +128,15 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         if self.duration_s is not None and not (isinstance(self.duration_s, int | float)
-                                                and math.isfinite(self.duration_s) and self.duration_s > 0):
-            raise invalid("duration", self.duration_s, "a time > 0")
+                                                and math.isfinite(self.duration_s)
+                                                and 0 < self.duration_s <= MAX_RUN_S):
+            raise invalid("duration", self.duration_s, f"a time > 0 and at most {MAX_RUN_S:g} s (a week)")
         if self.num_learners is not None and not (isinstance(self.num_learners, int) and self.num_learners >= 1):
             raise invalid("num_learners", self.num_learners, "an integer >= 1")
         for index, fault in enumerate(self.faults):
             check_fits(fault, self.num_learners, self.duration_s, f"fault {index}")
+        _check_outages_apart(self.faults)
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
-        down_until: dict[int, float] = {}
-        for fault in self.outages:
-            assert fault.target is not None
-            if fault.at_s < down_until.get(fault.target, -math.inf):
-                raise ValueError(f"outages of learner {fault.target} overlap at {fault.at_s} s: merge them into one")
-            down_until[fault.target] = fault.end_s
 
     # ---- the harness's view: outages ----
 
@@ -182,14 +180,46 @@ class FaultPlan:
         return path
 
 
-def check_fits(fault: Fault, num_learners: int | None, duration_s: float | None, where: str) -> None:
-    """A fault must target one of the plan's learners and start while the system runs (where they are set)."""
+def _check_outages_apart(faults: tuple[Fault, ...]) -> None:
+    """Two outages of one learner must not overlap: a learner is down or not, and `down_s` adds up its outages, so
+    two that overlap would count the shared time twice. Faults are named by their index in `faults` (a plan
+    file's order)."""
+    last: dict[int, tuple[int, Fault]] = {}  # learner -> (index, fault) of its outage that ends last so far
+    for index, fault in sorted(((i, f) for i, f in enumerate(faults) if f.is_outage), key=lambda p: p[1].at_s):
+        assert fault.target is not None
+        earlier = last.get(fault.target)
+        if earlier is not None and fault.at_s < earlier[1].end_s:
+            first, second = sorted((earlier[0], index))
+            raise ValueError(
+                f"faults {first} and {second} overlap: both keep learner-{fault.target} down (crash, restart false), "
+                f"fault {index} from {fault.at_s:g} s, before fault {earlier[0]} ends at {earlier[1].end_s:g} s: "
+                "expected the outages of one learner one after the other; merge them into one")
+        if earlier is None or fault.end_s > earlier[1].end_s:
+            last[fault.target] = (index, fault)
+
+
+def check_fits(fault: Fault, num_learners: int | None, duration_s: float | None, where: str, *,
+               run: str = "") -> None:
+    """A fault must target one of the plan's learners, start while the system runs, last at most MAX_RUN_S, and
+    take a parameter within its bounds for a run of `duration_s` (where they are set). `run` names where the
+    duration came from (default: the plan's duration)."""
     if num_learners is not None and fault.target is not None and fault.target >= num_learners:
         raise ValueError(f"{where}: target learner-{fault.target} is beyond the run's {num_learners} learners: "
                          f"expected learner-0 .. learner-{num_learners - 1}")
-    if duration_s is not None and fault.at_s >= duration_s:
-        raise ValueError(f"{where}: at={fault.at_s:g}s is not before the plan's duration of {duration_s:g}s: "
+    if duration_s is None:
+        return
+    run = run or f"the plan's duration of {duration_s:g}s"
+    if fault.at_s >= duration_s:
+        raise ValueError(f"{where}: at={fault.at_s:g}s is not before {run}: "
                          "expected a fault that starts while the system runs")
+    if fault.duration_s > MAX_RUN_S:
+        raise ValueError(f"{where}: duration={fault.duration_s:g}s is invalid: expected at most {MAX_RUN_S:g} s "
+                         "(a week; a fault that outlasts the run ends at the stop)")
+    if fault.kind in VALUE_KEYS:
+        try:
+            check_value(fault.kind, fault.value, duration_s, run=run)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
 
 
 def outage(learner_id: int, start_s: float, end_s: float) -> Fault:

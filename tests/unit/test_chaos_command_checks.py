@@ -95,10 +95,13 @@ def test_a_plan_duration_that_is_not_a_positive_time_says_so_alike(tmp_path, dur
         load_plan(path, num_learners=2)
 
 
-def test_a_parameter_yaml_reads_as_text_is_called_not_a_number(tmp_path):
-    # YAML 1.1 reads 1e308 (no dot) as a string.
+def test_a_parameter_with_an_exponent_is_a_number_and_one_in_quotes_is_not(tmp_path):
+    # YAML 1.1 would read 1e308 (no dot, no sign in the exponent) as a string; the plan's loader reads a number.
     path = tmp_path / "plan.yaml"
     path.write_text("duration: 20s\nfaults:\n  - {at: 5s, kind: straggler, target: 0, duration: 5s, factor: 1e308}\n")
+    with pytest.raises(ValueError, match=r"plan.yaml, fault 0: factor=1e\+308 is invalid for straggler: expected"):
+        load_plan(path, num_learners=2)
+    path.write_text("duration: 20s\nfaults:\n  - {at: 5s, kind: straggler, target: 0, duration: 5s, factor: '3'}\n")
     with pytest.raises(ValueError, match="not a number") as error:
         load_plan(path, num_learners=2)
-    assert "plan.yaml, fault 0: factor '1e308'" in str(error.value)
+    assert "plan.yaml, fault 0: factor '3'" in str(error.value)

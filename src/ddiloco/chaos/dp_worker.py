@@ -24,7 +24,8 @@ Faults from the rank's control file (`ddiloco.fault_control`), checked once per 
   DDP's loopback all-reduce inside it, optimizer step); the others wait for it in the next collective.
 - latency L / bandwidth B: the rank sleeps the extra time a ring all-reduce over its slowed link would take,
   `emulated_allreduce_s`: 2 (M - 1) x L + 2 (M - 1) / M x gradient_bytes / B. A ring moves at the pace of its
-  slowest link, and the sleeps of several slowed ranks overlap, so the job pays the largest one.
+  slowest link, and the sleeps of several slowed ranks overlap, so the job pays the largest one. A stop request
+  (SIGTERM) cuts any of these sleeps short.
 - partition: the rank cannot take part in collectives, so it stalls (sleeps) while partitioned; the
   others block in their all-reduce until the gloo timeout, and the agent sees no progress.
 - drop (probability p per step): a message of the collective is lost; gloo has no message-level
@@ -281,8 +282,11 @@ class DataParallelRank:
         delay_s = (self.control.slowdown() - 1.0) * compute_s
         delay_s += emulated_allreduce_s(self.world_size, self.grad_bytes, latency_s=self.control.extra_latency_s(),
                                         bytes_per_s=self.control.bandwidth_bytes_per_s())
-        if delay_s > 0:
-            time.sleep(delay_s)
+        # In slices, not one time.sleep: the control file bounds the delay (`fault_control.value_bounds`), but a
+        # long one must still end at a stop request, and none may overflow the platform's sleep.
+        deadline = time.monotonic() + delay_s
+        while not self.stop_requested and (left_s := deadline - time.monotonic()) > 0:
+            time.sleep(min(left_s, PARTITION_POLL_S))
 
     def _gradients_finite(self) -> bool:
         return all(bool(torch.isfinite(p.grad).all()) for p in self.model.parameters() if p.grad is not None)

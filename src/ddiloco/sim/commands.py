@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"run directory {out_dir} already exists and is not empty: choose another --out")
     prepare_run_dir(out_dir, flag="--out")
-    errors = Console(stderr=True)
+    # soft_wrap: off a terminal Rich assumes 80 columns and would cut a progress line in two (in a log, a pipe).
+    errors = Console(stderr=True, soft_wrap=True)
     result = run_experiment(args.name, quick=args.quick, seed=args.seed,
                             progress=lambda line: errors.print(line, markup=False, highlight=False))
     command = f"ddiloco experiment {args.name}" + (" --quick" if args.quick else "") + (
