@@ -21,13 +21,13 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco import interrupts
+from ddiloco.stdout_pipe import StdoutLines
 
 if TYPE_CHECKING:
     from ddiloco.chaos.runner import ChaosSettings
@@ -218,28 +218,6 @@ def _parse_systems(text: str) -> list[str]:
     return [s for s in known if s in systems]
 
 
-class ConsoleLines:
-    """`say(line)`: a line on stdout, flushed, until stdout closes (`ddiloco chaos ... | head`); from then on nothing,
-    so that the run, its fault schedule and its files go on. The closed stream's file descriptor is pointed at
-    /dev/null, so that Python's last flush at exit, which still holds the unwritten line, does not fail too."""
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def __call__(self, line: str) -> None:
-        if self.closed:
-            return
-        try:
-            print(line, file=sys.stdout, flush=True)
-        except BrokenPipeError:
-            self.closed = True
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, sys.stdout.fileno())
-            finally:
-                os.close(devnull)
-
-
 def run(args: argparse.Namespace) -> int:
     with interrupts.stop_signals_raise():
         try:
@@ -271,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
     atomic_write_json(run_dir / SETTINGS, dataclasses.asdict(settings))
-    say = ConsoleLines()
+    say = StdoutLines()
     say(f"ddiloco chaos: {len(plan.faults)} faults over {plan.duration_s:g} s per system, systems "
         f"{', '.join(systems)}, {config.num_learners} learners, run directory {run_dir}")
     finished: list[str] = []
@@ -299,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
     return _report(args, run_dir, finished, say)
 
 
-def _report(args: argparse.Namespace, run_dir: Path, systems: list[str], say: ConsoleLines, *,
+def _report(args: argparse.Namespace, run_dir: Path, systems: list[str], say: StdoutLines, *,
             interrupted: dict[str, Any] | None = None) -> int:
     """Analyse `systems` (those that ran to their end), check the invariants, write and print the report; the exit
     status of a complete run (0: every invariant holds). `interrupted` ({"signal", "cut_short": SYSTEM, "not_run":

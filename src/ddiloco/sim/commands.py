@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
+    from ddiloco.stdout_pipe import PipeConsole
 
     # One thread: the harness is deterministic per thread count, and the machine is shared (docs/architecture.md).
     torch.set_num_threads(1)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     command = f"ddiloco experiment {args.name}" + (" --quick" if args.quick else "") + (
         f" --seed {args.seed}" if args.seed else "")
     write_run(result, out_dir, command=command)
-    console = Console(file=sys.stdout, width=200)
+    console = PipeConsole(file=sys.stdout, width=200)  # goes quiet if stdout closes: the results are written
     console.print(rich_table(result))
     for check in result.checks:
         verdict = "PASS" if check.passed else "MISS"
