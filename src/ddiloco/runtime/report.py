@@ -9,8 +9,10 @@ sources only grow, and the merge is rewritten from them each time:
 - `summary.json`: per learner restarts, updates accepted and rejected, rounds contributed, tokens, its inner step
   (a position on the run's schedule, at most the budget), the inner steps its processes trained, and the inner step
   its newest checkpoint holds (where `--resume` continues it from: behind its inner step when it was killed after
-  that checkpoint, or its checkpoint at its stop could not be written); for the run rounds committed, final
-  validation loss, wall time (this session and all sessions).
+  that checkpoint, or its checkpoint at its stop could not be written); for the run rounds committed, the latest
+  validation loss with when and at which round it was measured (`final_val_loss`, `final_val_loss_time`,
+  `final_val_loss_round`: a session without an evaluator measures none, so the latest can be a session's older), wall
+  time (this session and all sessions).
 - `val_loss.png` (validation loss vs time), `participation.png` (which learner was merged in which
   round), `bytes.png` (bytes per direction per learner), drawn with matplotlib's Agg backend.
 """
@@ -24,7 +26,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -80,19 +82,36 @@ def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
     return list(read_jsonl(paths.rounds))
 
 
-def final_val_loss(paths: RunPaths) -> tuple[float | None, float | None]:
-    """(latest validation loss, its wall time) from the evaluator's metrics, else its status file. A latest loss
-    that was not finite (null in the file, or NaN in one written before files were strict JSON) is None: the one
-    before it is not the final one."""
-    latest: tuple[float | None, float | None] | None = None
+class ValLoss(NamedTuple):
+    """A validation loss of the global model, as the evaluator measured it."""
+
+    value: float | None
+    """None: not finite, or none measured."""
+    time: float | None
+    """Wall time (Unix seconds) of the measurement."""
+    round: int | None
+    """Rounds committed when it was measured (the evaluator's `eval/rounds_committed`, its metrics' step)."""
+
+
+def final_val_loss(paths: RunPaths) -> ValLoss:
+    """The latest validation loss from the evaluator's metrics, else its status file. A latest loss that was not
+    finite (null in the file, or NaN in one written before files were strict JSON) is None: the one before it is not
+    the final one."""
+    latest: ValLoss | None = None
     for record in read_jsonl(paths.evaluator_metrics):
         if VAL_LOSS in record:
-            latest = (_finite(record[VAL_LOSS]), record.get("time"))
+            latest = ValLoss(_finite(record[VAL_LOSS]), record.get("time"),
+                             _round(record.get("eval/rounds_committed", record.get("step"))))
     if latest is None:
         status = read_json_object(paths.evaluator_status) or {}
         value = status.get("val_loss")
-        latest = (_finite(value), status.get("time")) if isinstance(value, int | float) else (None, None)
+        latest = (ValLoss(_finite(value), status.get("time"), _round(status.get("rounds_committed")))
+                  if isinstance(value, int | float) else ValLoss(None, None, None))
     return latest
+
+
+def _round(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _finite(value: Any) -> float | None:
@@ -145,7 +164,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "joins": from_syncer.get("joins", status.get("joins")),
             "non_finite_recoveries": status.get("non_finite_recoveries", 0),
         }
-    val_loss, val_time = final_val_loss(paths)
+    val_loss = final_val_loss(paths)
     total_wall_s = sum(float(e.get("wall_time_s", 0.0)) for e in events if e["event"] == "run_finished")
     return {
         "run_dir": str(paths.root),
@@ -154,8 +173,9 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         "evaluator": None if evaluator is None else {"state": evaluator[0], "reason": evaluator[1] or None},
         "num_learners": num_learners,
         "rounds_committed": len(rounds),
-        "final_val_loss": val_loss,
-        "final_val_loss_time": val_time,
+        "final_val_loss": val_loss.value,
+        "final_val_loss_time": val_loss.time,
+        "final_val_loss_round": val_loss.round,
         "wall_time_s": round(wall_time_s, 3),
         "wall_time_total_s": round(max(total_wall_s, wall_time_s), 3),
         "sessions": sum(1 for e in events if e["event"] == "run_started"),
@@ -331,11 +351,29 @@ def write_plots(paths: RunPaths, summary: Mapping[str, Any]) -> list[Path]:
 
 # ---- the table ---------------------------------------------------------------------------------------
 
-def summary_table(summary: Mapping[str, Any]) -> Table:
+def rounds_since_val_loss(summary: Mapping[str, Any]) -> int | None:
+    """Rounds the run committed after its latest validation loss was measured, where there are any (a session without
+    an evaluator, or one stopped before its final evaluation); None otherwise, or when the summary does not say."""
+    measured_at = summary.get("final_val_loss_round")
+    if summary.get("final_val_loss") is None or not isinstance(measured_at, int):
+        return None
+    behind = int(summary["rounds_committed"]) - measured_at
+    return behind if behind > 0 else None
+
+
+def _val_loss_text(summary: Mapping[str, Any]) -> str:
+    """`final validation loss 0.2500`, or `validation loss 0.0056 at round 425` where rounds committed after it."""
     val = summary.get("final_val_loss")
-    caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, final validation loss "
-               f"{'-' if val is None else f'{val:.4f}'}, wall time {summary['wall_time_s']:.1f} s "
-               f"(syncer restarts {summary['syncer']['restarts']})")
+    if val is None:
+        return "final validation loss -"
+    if rounds_since_val_loss(summary) is not None:
+        return f"validation loss {val:.4f} at round {summary['final_val_loss_round']}"
+    return f"final validation loss {val:.4f}"
+
+
+def summary_table(summary: Mapping[str, Any]) -> Table:
+    caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, {_val_loss_text(summary)}, "
+               f"wall time {summary['wall_time_s']:.1f} s (syncer restarts {summary['syncer']['restarts']})")
     # Reasons and paths are the learners' and the user's text: "[rank-group]" or "[learner 0]" is not rich markup.
     table = Table(title=escape(f"ddiloco run {summary['run_dir']}"), caption=escape(caption), caption_justify="left")
     for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
@@ -375,6 +413,11 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                f"logs/learner-{learner_id}.log says which)",
                                style="yellow"))
     evaluator = summary.get("evaluator") or {}
+    behind = rounds_since_val_loss(summary)
+    if summary.get("evaluator", {}) is None and behind is not None:
+        console.print(Text(f"this session ran no evaluator: the validation loss is the one measured at round "
+                           f"{summary['final_val_loss_round']}, {behind} rounds before the last (a --resume with "
+                           "--evaluate runs one)", style="yellow"))
     if evaluator.get("state") == "failed":  # a run is finished without it, but its validation loss stops there
         what = ("so the run measured no validation loss" if summary.get("final_val_loss") is None
                 else "so the validation loss is the last it measured before")

@@ -2,16 +2,17 @@
 
 Resolves the run config (defaults, `--config FILE`, or the run directory's own `config.json` with
 `--resume`; flags on top, and on `--resume` only those the run can take, `run_config.RESUMABLE`), the
-learner command (on `--resume` without one, the run's own) and each learner's ranks and devices (on
-`--resume` without `--nproc-per-learner` or `--device`, the run's own: `run_dir.LAUNCH_SHAPE`), checks the
-run directory can be written (and, on `--resume`, that the run is not still going) and the command's
-program exists, and only then writes `DIR/config.json`, which every child reads, and the command's record
-(`run_dir`). Then it supervises the children (`supervisor`), shows progress (`progress`), turns SIGINT, SIGTERM and
-SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
+learner command (on `--resume` without one, the run's own), each learner's ranks and devices and whether an evaluator
+runs (on `--resume` without `--nproc-per-learner`, `--device` or `--[no-]evaluate`, the run's own:
+`run_dir.LAUNCH_SHAPE`), checks the run directory can be written (and, on `--resume`, that the run is not still
+going) and the command's program exists, and only then writes `DIR/config.json`, which every child reads, and the
+command's record (`run_dir`). Then it supervises the children (`supervisor`), shows progress (`progress`), turns
+SIGINT, SIGTERM and SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
 report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
 finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
-2 for bad input (a flag, the config file, the run directory) before anything starts. With `--ray` the
-children are Ray actors (`ray_supervisor`, docs/clusters.md).
+2 for bad input (a flag, the config file, the run directory) before anything starts. A start that fails before any
+process of the run ran (Ray could not be started or joined) leaves the run directory as it found it
+(`run_dir.undo_start`). With `--ray` the children are Ray actors (`ray_supervisor`, docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser wi
     from ddiloco.runtime.launcher import LaunchConfig
     from ddiloco.runtime.process_lock import DirectoryLock
     from ddiloco.runtime.ray_options import RayOptions
+    from ddiloco.runtime.run_dir import RunDirBefore
     from ddiloco.runtime.run_settings import RunSettings
 
 EXIT_FAILED = 1
@@ -65,8 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="continue a stopped run from its directory (its config.json), with its learner command, "
-                             "--nproc-per-learner and --device unless given; --inner-steps and the quorum and learner "
-                             "flags may change it, any other config flag that differs is refused")
+                             "--nproc-per-learner, --device and --[no-]evaluate unless given; --inner-steps and the "
+                             "quorum and learner flags may change it, any other config flag that differs is refused")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
     parser.add_argument("--no-progress", action="store_true",
@@ -95,6 +97,9 @@ class ResolvedRun:
     `resumed_launch_shape`)."""
     lock: DirectoryLock
     """This launcher's claim on the run directory (`run_dir.claim_run_dir`), released when `ddiloco run` returns."""
+    before: RunDirBefore
+    """What the run directory held before this command wrote to it, put back if no process of the run starts
+    (`run_dir.undo_start`)."""
     replaced_command: dict[str, Any] | None = None
     """The learner command record (`launcher/command.json`) this `--resume` replaced with another command or shape,
     put back if no learner runs with the new one (`run_dir.restore_learner_command`)."""
@@ -113,12 +118,14 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
     from ddiloco.runtime.launcher import RunPaths, require_runnable
     from ddiloco.runtime.run_dir import (
         LAUNCH_SHAPE,
+        before_start,
         claim_run_dir,
         prepare_run_dir,
         record_learner_command,
         require_directory,
         resumed_launch_shape,
         resumed_learner_command,
+        undo_start,
     )
     from ddiloco.runtime.run_settings import RunSettings
     from ddiloco.runtime.syncer_state import GENESIS_FILE
@@ -148,7 +155,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             script, script_note = resumed_learner_command(run_dir, config, given, built_in=settings.built_in_learner)
             kept, shape_notes = resumed_launch_shape(
                 run_dir, {name: getattr(args, name) for name in LAUNCH_SHAPE if getattr(args, name) is not None},
-                {name: getattr(RunSettings, name) for name in LAUNCH_SHAPE})
+                {**{name: getattr(RunSettings, name) for name in LAUNCH_SHAPE}, "evaluate": default_evaluator(script)})
             try:
                 settings = dataclasses.replace(settings, **kept)
             except ValueError as exc:
@@ -181,15 +188,26 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         if settings.init is not None:
             _check_init(Path(settings.init), config, built_in=not script,
                         has_genesis=(run_dir / GENESIS_FILE).exists())
+        if settings.evaluate is None:  # resolved here, so that the run's record says whether it has an evaluator
+            settings = dataclasses.replace(settings, evaluate=default_evaluator(script))
+        before = before_start(run_dir)
         prepare_run_dir(run_dir, flag=flag)
         if args.resume is None:  # two new runs given one directory at the same instant: the second stops here
             lock = claim_run_dir(run_dir, resume=False)
             refused.callback(lock.release)
+        # Only once the directory is this launcher's: what another one created there is not this command's to remove.
+        refused.callback(undo_start, before)
         config.save(run_dir / "config.json")
         replaced = record_learner_command(RunPaths(run_dir), script,
                                           {name: getattr(settings, name) for name in LAUNCH_SHAPE})
         refused.pop_all()
-    return ResolvedRun(run_dir, config, script, settings, notes, lock, replaced)
+    return ResolvedRun(run_dir, config, script, settings, notes, lock, before, replaced)
+
+
+def default_evaluator(script: Sequence[str]) -> bool:
+    """Whether a run without `--evaluate` or `--no-evaluate` has an evaluator: the built-in learner has one
+    (`ddiloco evaluator`), a script none, since only a script that calls `ddiloco.watch` can be one."""
+    return not script
 
 
 PROCESS_MEMORY_FLOOR = 100 * 2**20
@@ -264,7 +282,7 @@ def launch_config(settings: RunSettings, config: RunConfig, run_dir: Path, *, sc
     bind = settings.bind or (ray_options.default_bind if ray_options is not None else LaunchConfig.bind)
     return LaunchConfig(run_dir=run_dir, num_learners=config.num_learners, threads=threads, bind=bind,
                         link=settings.link, command=command, script=script, devices=devices,
-                        evaluator=settings.evaluate if settings.evaluate is not None else not script,
+                        evaluator=settings.evaluate if settings.evaluate is not None else default_evaluator(script),
                         eval_every_s=settings.eval_every_s, seed=config.seed,
                         checkpoint_every_s=settings.checkpoint_every_s, nproc_per_learner=settings.nproc_per_learner,
                         init=Path(settings.init).resolve() if settings.init is not None else None)
@@ -282,18 +300,37 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
     resolved = _resolve(args, settings, local=ray_options is None,
                         gpus_per_learner=ray_options.gpus_per_learner if ray_options is not None else 0.0)
+    started: dict[str, list[int]] = {}
     try:
-        return _supervise(args, resolved, ray_options=ray_options, command=command,
+        return _supervise(args, resolved, started, ray_options=ray_options, command=command,
                           supervisor_config=supervisor_config)
+    except BaseException:
+        if not started:
+            _undo_failed_start(resolved)
+        raise
     finally:
         resolved.lock.release()
 
 
-def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: RayOptions | None,
-               command: Sequence[str] | None, supervisor_config: Any) -> int:
-    """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report."""
-    from rich.console import Console
+def _undo_failed_start(resolved: ResolvedRun) -> None:
+    """Put the run directory back as this command found it: its start failed before any process of the run ran (Ray
+    could not be started or joined, the syncer's command could not be executed), so the same command can be given
+    again. What cannot be put back is said, with what to do."""
+    from ddiloco.runtime.run_dir import undo_start
 
+    left = undo_start(resolved.before)
+    if left:
+        retry = (f"ddiloco run --resume {resolved.run_dir}" if resolved.before.paths
+                 else f"remove {resolved.run_dir} and give the same command again, or ddiloco run --resume "
+                      f"{resolved.run_dir}")
+        print(f"ddiloco run: no process of the run started, and what the start wrote could not all be removed "
+              f"({'; '.join(left)}): to retry, {retry}", file=sys.stderr)
+
+
+def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[str, list[int]], *,
+               ray_options: RayOptions | None, command: Sequence[str] | None, supervisor_config: Any) -> int:
+    """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report. `started`: every pid
+    this session started, by child name, filled in as they start (empty: no process of the run ran)."""
     from ddiloco.checkpoint import strict_dumps
     from ddiloco.metrics import JsonlSink
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
@@ -301,16 +338,17 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: 
     from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.run_dir import record_processes
     from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
+    from ddiloco.stdout_pipe import PipeConsole
 
     run_dir, config, settings = resolved.run_dir, resolved.config, resolved.settings
     paths = RunPaths(run_dir)
-    started: dict[str, list[int]] = {}
     record_processes(paths, started)  # at once: a `--resume` of this directory now sees that the run is going
     launch = launch_config(settings, config, run_dir, script=resolved.script, ray_options=ray_options,
                            command=tuple(command) if command is not None else DEFAULT_COMMAND)
     threads = launch.threads
     launcher = Launcher(launch)
-    console = Console(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
+    # A stdout whose reader went away (`| head`) silences the console; the run and its files go on.
+    console = PipeConsole(width=None if sys.stdout.isatty() else PIPE_COLUMNS)
     for note in resolved.notes:
         console.print(note, highlight=False, soft_wrap=True)
     sink = JsonlSink(paths.launcher_metrics)
@@ -352,6 +390,9 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: 
     try:
         with progress:
             supervisor.run(on_tick=progress.tick)
+    except BaseException:
+        sink.close()  # a start that failed: `run` may remove the file (`_undo_failed_start`)
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -381,6 +422,9 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, *, ray_options: 
                   highlight=False, soft_wrap=True)
     if outcome == "interrupted":
         console.print(f"continue it with: ddiloco run --resume {run_dir}", highlight=False, soft_wrap=True)
+    elif outcome == "failed":  # the same command again is refused: the directory is not empty
+        console.print(f"once what failed is fixed, retry it with: ddiloco run --resume {run_dir}", highlight=False,
+                      soft_wrap=True)
     if args.json:
         sys.stdout.flush()
         print(strict_dumps(summary, sort_keys=True)[0], flush=True)

@@ -10,7 +10,11 @@ The launcher holds an exclusive flock on the directory itself for as long as it 
 records two things for later commands: who runs the directory now (`launcher/processes.json`: its pid and the
 kernel's start time of that pid, so a pid reused after the run ended is not taken for it), and the learner command
 the run was last started with and how each learner was started (`launcher/command.json`: its ranks and devices,
-`LAUNCH_SHAPE`), which a `--resume` without `-- COMMAND` or those flags runs again.
+`LAUNCH_SHAPE`, and whether it has an evaluator), which a `--resume` without `-- COMMAND` or those flags runs again.
+
+A start that fails before any process of the run ran (Ray could not be started or joined, the syncer's command could
+not be executed) puts the directory back as it found it (`before_start`, `undo_start`): a new run's directory was
+refused by the same command again ("already exists and is not empty"), a `--resume` kept a config it never ran.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import os
 import shlex
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.checkpoint import atomic_write_bytes, atomic_write_json, read_json_object
 from ddiloco.launcher_watch import process_start_time
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.process_lock import DirectoryLock
@@ -65,6 +70,99 @@ def prepare_run_dir(path: Path, *, flag: str) -> None:
     os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(probe)
+
+
+# ---- a start that failed ----------------------------------------------------------------------------------------
+
+REWRITTEN_AT_START = ("config.json", "launcher/command.json", "launcher/processes.json")
+"""The files a start rewrites before any process runs: a failed start puts their bytes back."""
+APPENDED_AT_START = ("launcher/metrics.jsonl", "logs")
+"""The files (or every file in the folders) a start appends to before any process runs (its `run_started` event, the
+line that opens a child's log): a failed start cuts them back to their length."""
+
+
+@dataclass(frozen=True)
+class RunDirBefore:
+    """What a run directory held before this `ddiloco run` wrote to it (`before_start`)."""
+
+    root: Path
+    outermost_created: Path | None
+    """The outermost folder the start creates (the run directory or one of its parents); None: the run directory was
+    there."""
+    paths: frozenset[Path]
+    """Every path under the run directory."""
+    rewritten: Mapping[Path, bytes]
+    """The REWRITTEN_AT_START files there were, by path: their bytes."""
+    lengths: Mapping[Path, int]
+    """The APPENDED_AT_START files there were, by path: their length in bytes."""
+
+
+def before_start(run_dir: Path) -> RunDirBefore:
+    """What `run_dir` holds now, before this start writes to it, for `undo_start`. Paths only, besides the few
+    launcher records of REWRITTEN_AT_START: a resumed run's checkpoints are not read."""
+    root = run_dir.absolute()
+    outermost, folder = None, root
+    while not folder.exists() and folder != folder.parent:
+        outermost, folder = folder, folder.parent
+    paths = frozenset(_tree(root)) if root.is_dir() else frozenset()
+    rewritten = {root / name: (root / name).read_bytes() for name in REWRITTEN_AT_START if (root / name).is_file()}
+    lengths = {path: path.stat().st_size for path in paths if path.is_file() and not path.is_symlink()
+               and any(path == root / name or (root / name) in path.parents for name in APPENDED_AT_START)}
+    return RunDirBefore(root, outermost, paths, rewritten, lengths)
+
+
+def _tree(root: Path) -> list[Path]:
+    """Every path under `root`, without following a link."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        found += [Path(folder, name) for name in (*dirs, *files)]
+    return found
+
+
+def undo_start(before: RunDirBefore) -> list[str]:
+    """Put the run directory back as `before` found it: remove every path this start created (the run directory and
+    its parents too, where the start created them), put back the files it rewrote and cut back those it appended to.
+    Nothing that was there is removed. Call it only while this launcher holds the directory (`claim_run_dir`): another
+    `ddiloco run` in it could have created what it removes. Returns a line per path it could not put back."""
+    left = []
+    if before.root.is_dir():
+        for folder, dirs, files in os.walk(before.root, topdown=False):
+            for name in (*files, *dirs):
+                path = Path(folder, name)
+                if path in before.paths:
+                    continue
+                try:
+                    if path.is_dir() and not path.is_symlink():
+                        path.rmdir()
+                    else:
+                        path.unlink()
+                except OSError as exc:
+                    left.append(f"{path} ({exc.strerror or exc})")
+    for path, data in before.rewritten.items():
+        try:
+            if not path.is_file() or path.read_bytes() != data:
+                atomic_write_bytes(path, data)
+        except OSError as exc:
+            left.append(f"{path} ({exc.strerror or exc})")
+    for path, length in before.lengths.items():
+        try:
+            if path.stat().st_size > length:
+                os.truncate(path, length)
+        except OSError as exc:
+            left.append(f"{path} ({exc.strerror or exc})")
+    if before.outermost_created is not None and not left:
+        try:
+            before.root.rmdir()
+        except OSError as exc:
+            return [f"{before.root} ({exc.strerror or exc})"]
+        for folder in before.root.parents:  # those the start created, while nothing else came into them
+            if folder == before.outermost_created.parent:
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return left
 
 
 # ---- who runs the directory now ---------------------------------------------------------------------------------
@@ -137,10 +235,19 @@ def _describe(script: Sequence[str]) -> str:
     return shlex.join(script) if script else BUILT_IN_LEARNER
 
 
-LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device"}
-"""The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started: recorded beside its
-command, so that a `--resume` without the flag starts the learners as the run last ran them. A learner of 2 ranks
-resumed as one process crash-looped in `init_process_group`, without RANK."""
+LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device", "evaluate": "--evaluate"}
+"""The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started, and whether an
+evaluator runs beside them: recorded beside its command, so that a `--resume` without the flag starts the run's
+processes as it last ran them. A learner of 2 ranks resumed as one process crash-looped in `init_process_group`,
+without RANK; a script run started with `--evaluate` resumed without its evaluator."""
+
+
+def _shown(name: str, value: Any) -> str:
+    """A LAUNCH_SHAPE setting as its flag: `--device cuda:0`, `--evaluate`, `--no-evaluate`."""
+    flag = LAUNCH_SHAPE[name]
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag.removeprefix('--')}"
+    return f"{flag} {value}"
 
 
 def record_learner_command(paths: RunPaths, script: Sequence[str], shape: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -175,13 +282,13 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
     record = read_json_object(RunPaths(run_dir).learner_command) or {}
     kept = {name: record[name] for name in LAUNCH_SHAPE if name not in given and name in record}
     notes = []
-    if shown := [f"{LAUNCH_SHAPE[name]} {value}" for name, value in kept.items() if value != defaults[name]]:
+    if shown := [_shown(name, value) for name, value in kept.items() if value != defaults[name]]:
         notes.append(f"resuming with the run's {' '.join(shown)}")
     differ = [name for name, value in given.items() if name in record and record[name] != value]
     if differ:
-        notes.append(f"resuming with {' '.join(f'{LAUNCH_SHAPE[name]} {given[name]}' for name in differ)}, which "
+        notes.append(f"resuming with {' '.join(_shown(name, given[name]) for name in differ)}, which "
                      f"differs from what the run last ran with: "
-                     f"{' '.join(f'{LAUNCH_SHAPE[name]} {record[name]}' for name in differ)}")
+                     f"{' '.join(_shown(name, record[name]) for name in differ)}")
     return kept, tuple(notes)
 
 
