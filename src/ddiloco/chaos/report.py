@@ -98,7 +98,9 @@ def _markdown(results: dict[str, Any], details: dict[str, Any], plan: dict[str, 
         for f in results[s]["faults"]:
             rows.append([s, str(f.get("index")), str(f.get("kind")), str(f.get("target")), _fmt(f["start_s"], ".1f"),
                          _fmt(f["duration_s"], ".1f"), _fmt(f["stall_s"], ".2f"), _fmt(f["rejoin_s"], ".2f")])
-    lines += _table(["system", "fault", "kind", "target", "start (s)", "duration (s)", "stall (s)", "rejoin (s)"],
+    # From the launch, where the measured window starts: later than the plan's `at` by the processes' start-up.
+    lines += _table(["system", "fault", "kind", "target", "start (s after launch)", "duration (s)", "stall (s)",
+                     "rejoin (s)"],
                     rows) if rows else ["No fault was executed.", ""]
     lines += ["## Invariants", ""]
     rows = [[s, name, "ok" if r["ok"] else "**FAILED**", r["detail"].replace("|", "/")]
