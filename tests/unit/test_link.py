@@ -28,6 +28,8 @@ def test_parse_link(text, bandwidth_bps, latency_s):
     ("2.5parsecs,40ms", "bandwidth"),
     ("0mbit,1ms", "more than 0"),
     ("-1mbit,1ms", "bandwidth"),
+    ("1e400mbit,1ms", "link bandwidth '1e400mbit' is invalid: expected a finite number"),  # was taken as unlimited
+    ("100mbit,1e400ms", "link latency '1e400ms' is invalid: expected a finite number"),
 ])
 def test_parse_link_rejects_nonsense_with_a_clear_message(text, needle):
     with pytest.raises(ValueError, match=needle):

@@ -323,8 +323,14 @@ class LearnerIO:
         them (NaN values, a malformed tensor: the same parameters would be refused again, so the learner stops
         with the syncer's reason instead of retrying for ever)."""
         assert self.genesis is not None
+        genesis = self.genesis()
+        # Its bytes take the emulated link's time (`--link`), as an update's do (`put`): a slow link is slow from the
+        # first transfer on.
+        deliver_at = self.client.link.send_at(sum(t.numel() * t.element_size() for t in genesis.tensors.values()))
+        if self._stop.wait(max(0.0, deliver_at - self.clock.now())):
+            return False
         try:
-            accepted = self.client.push_genesis(self.genesis())
+            accepted = self.client.push_genesis(genesis)
         except grpc.RpcError as exc:
             if classify(exc) in (Fault.REFUSED, Fault.REJECTED):
                 self._refused(f"the initial parameters ({error_text(exc)})")

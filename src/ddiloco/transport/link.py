@@ -58,7 +58,11 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, example: str)
     if match is None or match.group(2) not in units:
         raise ValueError(f"{what} {text!r} is invalid: expected a number and one of "
                          f"{', '.join(units)} (e.g. {example})")
-    return float(match.group(1)) * units[match.group(2)]
+    value = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(value):  # 1e400mbit: an infinite bandwidth or latency is no link to emulate
+        raise ValueError(f"{what} {text!r} is invalid: expected a finite number and one of {', '.join(units)} "
+                         f"(e.g. {example})")
+    return value
 
 
 def parse_link(text: str) -> LinkConfig:
