@@ -392,3 +392,22 @@ class StubSyncerClient:
 
     def close(self):
         pass
+
+
+def process_state(pid: int) -> str:
+    """The state letter of `pid` in /proc/PID/stat (T: stopped by a signal, as a chaos `hang` leaves it)."""
+    from pathlib import Path
+
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def wait_process_stopped(pid: int, *, stopped: bool, timeout_s: float) -> bool:
+    """Whether `pid` is stopped (`stopped`) or running again (not `stopped`) within `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (process_state(pid) == "T") == stopped:
+            return True
+        time.sleep(0.01)
+    return False

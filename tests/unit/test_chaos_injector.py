@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from ddiloco.chaos.runner import FaultInjector
 from ddiloco.fault_control import ChaosControl, control_path
 from ddiloco.fault_plan import Fault, FaultPlan
+from tests.helpers import process_state, wait_process_stopped
 
 STATE_WAIT_S = 5.0
 """Longest wait for the kernel to show a signalled process's new state."""
@@ -48,19 +48,6 @@ class FakeTargets:
         pass
 
 
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-
-
-def _wait_state(pid: int, stopped: bool) -> bool:
-    deadline = time.monotonic() + STATE_WAIT_S
-    while time.monotonic() < deadline:
-        if (_state(pid) == "T") == stopped:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture
 def sleeper():
     """A process leading its own group, as every chaos target does."""
@@ -93,14 +80,14 @@ def test_a_target_stays_stopped_until_the_last_hang_in_force_on_it_ends(tmp_path
     for now in (1005.0, 1008.0):
         clock.now = now
         injector.tick()
-    assert _wait_state(sleeper, stopped=True)
+    assert wait_process_stopped(sleeper, stopped=True, timeout_s=STATE_WAIT_S)
     clock.now = 1010.5
     injector.tick()  # the inner hang ends
     # SIGCONT wakes a stopped process inside kill(2) itself: had one been sent, the state would show it now.
-    assert _state(sleeper) == "T", "the inner hang's end resumed a target another hang still holds"
+    assert process_state(sleeper) == "T", "the inner hang's end resumed a target another hang still holds"
     clock.now = 1020.5
     injector.tick()  # the outer hang ends
-    assert _wait_state(sleeper, stopped=False)
+    assert wait_process_stopped(sleeper, stopped=False, timeout_s=STATE_WAIT_S)
     assert [r["ended"] for r in _records(tmp_path)] == [1020.5, 1010.5]
 
 
@@ -111,10 +98,10 @@ def test_the_stop_lifts_a_hang_and_records_when_it_was_lifted(tmp_path, sleeper)
     injector, clock = _injector(tmp_path, plan, {"learner-0": sleeper}, 1000.0)
     clock.now = 1012.0
     injector.tick()
-    assert _wait_state(sleeper, stopped=True)
+    assert wait_process_stopped(sleeper, stopped=True, timeout_s=STATE_WAIT_S)
     clock.now = 1013.0
     injector.finish()
-    assert _wait_state(sleeper, stopped=False)
+    assert wait_process_stopped(sleeper, stopped=False, timeout_s=STATE_WAIT_S)
     [record] = _records(tmp_path)
     assert record["started"] == 1012.0 and record["ended"] == 1013.0
 

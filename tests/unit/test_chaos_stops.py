@@ -26,6 +26,7 @@ from ddiloco.chaos import analysis, invariants, runner
 from ddiloco.cli import main
 from ddiloco.fault_plan import Fault, FaultPlan
 from ddiloco.runtime.launcher import RunPaths
+from tests.helpers import process_state, wait_process_stopped
 
 NUM_LEARNERS = 2
 STATE_WAIT_S = 5.0
@@ -43,19 +44,6 @@ ANALYSED = {"goodput": 0.9, "uptime": 0.8, "final_val_loss": 3.0, "rounds_per_mi
 
 class SignalNotHandled(Exception):
     pass
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-
-
-def _wait_state(pid: int, *, stopped: bool) -> bool:
-    deadline = time.monotonic() + STATE_WAIT_S
-    while time.monotonic() < deadline:
-        if (_state(pid) == "T") == stopped:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.fixture
@@ -198,12 +186,13 @@ def test_sigterm_during_a_hang_lifts_it_stops_everything_and_exits_143(tmp_path,
                                                                       sigterm_guard, system):
     # /tmp/probe_chaos term1: a 60 s hang of learner-1 in force, then SIGTERM to ddiloco chaos.
     def terminate_once_hung() -> None:
-        if _state(sleepers[1]) == "T":
+        if process_state(sleepers[1]) == "T":
             os.kill(os.getpid(), signal.SIGTERM)
 
     made = _stand_in(monkeypatch, system, sleepers, terminate_once_hung, ready=True)
     assert _chaos(tmp_path, HANG_PLAN, "--systems", system) == 128 + signal.SIGTERM
-    assert _wait_state(sleepers[1], stopped=False), "the hung learner was left stopped"
+    assert wait_process_stopped(sleepers[1], stopped=False, timeout_s=STATE_WAIT_S), \
+        "the hung learner was left stopped"
     assert made[0].shut_down
     [hang] = _faults(tmp_path / "run" / system)
     assert hang["ended"] is not None and hang["ended"] < hang["started"] + 60 and "cut short" in hang["note"]
@@ -293,10 +282,11 @@ def test_a_second_signal_during_the_lift_still_lets_every_hang_end(tmp_path, sle
     injector = runner.FaultInjector(plan, TermDuringLift(), tmp_path / "chaos" / "faults.jsonl", say=lambda line: None)
     injector.start(time.time())
     injector.tick()
-    assert _wait_state(sleepers[1], stopped=True)
+    assert wait_process_stopped(sleepers[1], stopped=True, timeout_s=STATE_WAIT_S)
     stopped: list[bool] = []
     with interrupts.stop_signals_raise(), pytest.raises(interrupts.Stopped) as raised:
         runner._stop(injector, time.time(), lambda: stopped.append(True))
     assert raised.value.signum == signal.SIGTERM and interrupts.exit_code(raised.value) == 143
-    assert _wait_state(sleepers[1], stopped=False), "the second signal left the hung target stopped"
+    assert wait_process_stopped(sleepers[1], stopped=False, timeout_s=STATE_WAIT_S), \
+        "the second signal left the hung target stopped"
     assert stopped == [True]
