@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.checkpoint import WriteTrouble, atomic_write_json
+from ddiloco.checkpoint import WriteTrouble, atomic_write_json, read_json_object
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.messages import (
     Commit,
@@ -128,6 +128,7 @@ class SyncerService:
                                  store.participation(syncer.fragment_shares) if syncer is not None else {},
                                  num_learners=run_config.num_learners,
                                  refusal_log_period_s=self.config.refusal_log_period_s)
+        self.tally.carry_over(read_json_object(self.status_path) or {})  # the run's previous syncer process's
         self._rounds_at_save = 0
         self._arriving: Update | None = None
         self._arrival_logged = False

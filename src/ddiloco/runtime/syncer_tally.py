@@ -53,6 +53,26 @@ class SyncerTally:
         self.bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
         self.participation = participation
 
+    def carry_over(self, status: Mapping[str, Any]) -> None:
+        """Take the counters of the last `syncer_status.json` the run's previous syncer process wrote, where they are
+        ahead of the full state's `meta`: that is saved every few rounds, the status every second, so a syncer killed
+        (or taken over by its standby) between two full states lost the joins, refusals and bytes since the last one
+        (a learner that had joined three times showed `joins: 0`). Every counter only grows, so the larger holds."""
+        for reason, count in _counts(status.get("rejections")).items():
+            if count > self.rejections[reason]:
+                self.rejections[reason] = count
+        learners = status.get("learners") if isinstance(status.get("learners"), Mapping) else {}
+        for key, entry in learners.items():
+            if not (isinstance(key, str) and key.isdigit() and isinstance(entry, Mapping)):
+                continue
+            for counter, field in ((self.joins, "joins"), (self.rejected, "rejected")):
+                value = entry.get(field)
+                if isinstance(value, int) and not isinstance(value, bool) and value > counter[int(key)]:
+                    counter[int(key)] = value
+        received, sent = (status.get(field) for field in ("bytes_received", "bytes_sent"))
+        if all(isinstance(value, int) and not isinstance(value, bool) for value in (received, sent)):
+            self.bytes_base = (max(self.bytes_base[0], received), max(self.bytes_base[1], sent))
+
     def count_rejection(self, reason: str, learner_id: int | None) -> None:
         self.rejections[reason] += 1
         if learner_id is not None and 0 <= learner_id < self.num_learners:
@@ -101,3 +121,10 @@ class SyncerTally:
             "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
             "learners": learners, "sends_dropped": sends_dropped, "storage_error": s.storage_error,
         }
+
+
+def _counts(value: Any) -> dict[str, int]:
+    """A status document's {reason: count}, without entries that are not counts."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
