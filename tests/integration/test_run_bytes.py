@@ -29,6 +29,7 @@ may finish and leave while the other has yet to report to it (that round must st
 RUN_TIMEOUT_S = 240
 
 
+@pytest.mark.acceptance  # a benchmark-like check of the planner (17 s): the default suite took 940 s on 2 cores
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_predicted_bytes_match_a_real_run_within_five_percent(tmp_path):
     # K = M and no grace: every round merges both learners, as the prediction assumes.
