@@ -7,7 +7,8 @@ log cannot skip a round), and so is a damaged line of the log (not JSON, not a r
 file and line.
 
 Only one process (the syncer) appends; anyone may read. This module knows nothing of the syncer; it stores what it
-hands it.
+hands it. The syncer may remove the tensors files of rounds its full states already hold (`prune_before`): their
+lines stay, so the log still records every round, but a replay from the genesis then needs them back.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class RoundLog:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "rounds.jsonl"
         self.tensor_dir = self.run_dir / "rounds"
+        self._pruned_below: int | None = None
+        """Every tensors file below this round was removed by `prune_before` (None: not looked yet)."""
 
     def tensors_path(self, round_index: int) -> Path:
         return self.tensor_dir / f"round_{round_index:06d}.safetensors"
@@ -79,6 +82,32 @@ class RoundLog:
                 raise
         finally:
             os.close(fd)
+
+    def prune_before(self, round_index: int) -> int:
+        """Remove the tensors files of rounds below `round_index` (their lines stay); returns how many it removed.
+        For the syncer, once a full state it keeps holds those rounds (`SyncerStore.save`). The first call of a
+        process lists the directory; later ones remove only the rounds since the last call."""
+        if self._pruned_below is None:
+            held = sorted(int(p.stem.removeprefix("round_")) for p in self.tensor_dir.glob("round_*.safetensors")
+                          if p.stem.removeprefix("round_").isdigit())
+            candidates = [index for index in held if index < round_index]
+        else:
+            candidates = list(range(self._pruned_below, round_index))
+        removed = 0
+        for index in candidates:
+            try:
+                self.tensors_path(index).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        self._pruned_below = max(round_index, self._pruned_below or 0)
+        return removed
+
+    def first_held(self) -> int | None:
+        """The lowest round whose tensors file is present, None without any. Lists the directory."""
+        held = [int(p.stem.removeprefix("round_")) for p in self.tensor_dir.glob("round_*.safetensors")
+                if p.stem.removeprefix("round_").isdigit()]
+        return min(held, default=None)
 
     def _read(self) -> tuple[bytes, int]:
         """The log's whole lines (up to its last newline) and the length of what follows them: a torn last line
@@ -169,6 +198,16 @@ class RoundLog:
                              "directory")
         try:
             return load_tensors(path, checksum=line[CHECKSUM_KEY])
+        except FileNotFoundError:
+            first = self.first_held()
+            if first is not None and index < first:
+                raise ValueError(f"{self.path}: round {index}'s tensors file {path.name} was removed, as every round "
+                                 f"before {first} was, once the syncer's full states held them (a syncer keeps round "
+                                 "files back to its older full state unless started with --round-files all): a "
+                                 "replay from the genesis, or from a full state older than round "
+                                 f"{first}, cannot be done in this run directory") from None
+            raise ValueError(f"{self.path}: round {index} is damaged (its tensors file {path.name} is missing): "
+                             "restore it from a backup; a round log cannot skip a round") from None
         except (OSError, ValueError, SafetensorError) as exc:
             raise ValueError(f"{self.path}: round {index} is damaged ({exc}): restore {path.name} from a "
                              "backup; a round log cannot skip a round") from None

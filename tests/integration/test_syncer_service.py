@@ -39,8 +39,9 @@ train on while the syncer is away, and a heartbeat timeout of 3 s."""
 
 
 def start_syncer(procs: Processes, run_dir, *extra: str, name: str = "syncer"):
+    # Every round's file kept (--round-files all): these tests replay the whole log from the genesis.
     popen = procs.start(name, "syncer", "--run-dir", str(run_dir), *RUN_FLAGS,
-                        "--full-state-every", "25", *extra)
+                        "--full-state-every", "25", "--round-files", "all", *extra)
     info = wait_until(lambda: (i := read_json(run_dir / "syncer.json")) and i["pid"] == popen.pid and i,
                       "syncer.json", alive=[popen])
     return popen, info["address"]

@@ -86,3 +86,19 @@ def test_a_run_recorded_before_the_shape_resumes_as_before(ranked_run, fake_comm
     assert run(fake_command, "--resume", str(ranked_run)) == 0
     assert placements(ranked_run.parent) == [("0", None, None, "cpu"), ("1", None, None, "cpu")]
     assert "--nproc-per-learner" not in capsys.readouterr().out
+
+
+def test_round_files_all_reaches_the_syncer_and_a_plain_resume_keeps_it(tmp_path, fake_command, capsys, monkeypatch):
+    """`--round-files all` (keep every round's tensors, for a replay from the genesis) is in the syncer's settings, and
+    a `--resume` without the flag keeps it: with the default, the resumed syncer would remove early rounds' files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "learner.py").write_text(LEARNER)
+    run_dir = tmp_path / "run"
+    syncer_settings = RunPaths(run_dir).settings("syncer")
+    assert run(fake_command, "--run-dir", str(run_dir), "--round-files", "all", script=SCRIPT) == 0
+    assert json.loads(syncer_settings.read_text())["round_files"] == "all"
+    capsys.readouterr()
+    syncer_settings.unlink()
+    assert run(fake_command, "--resume", str(run_dir)) == 0
+    assert "resuming with the run's --round-files all\n" in capsys.readouterr().out
+    assert json.loads(syncer_settings.read_text())["round_files"] == "all"

@@ -116,7 +116,7 @@ def test_the_service_refuses_updates_with_a_reason_while_the_disk_is_full_and_th
     # Before: the core advanced its versions, then the store's commit raised ENOSPC into the gRPC handler
     # (UNKNOWN, no recorded rejection); the log then read rounds 0-4 then 9-13 and a restart refused it.
     run_config = RunConfig(diloco=CONFIG, quorum=QUORUM, num_learners=1)
-    store = FullDiskStore(tmp_path)
+    store = FullDiskStore(tmp_path, keep_round_files=True)  # every round's file, for the replay from the genesis below
     syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)))
     clock = VirtualClock()
     service = SyncerService(run_config, syncer, store, sink=NullSink(), clock=clock,

@@ -335,7 +335,7 @@ def run_runtime_system(system: str, system_dir: Path, run_config: RunConfig, pla
     config.save(paths.config)
     launcher = Launcher(LaunchConfig(run_dir=system_dir, num_learners=config.num_learners, threads=settings.threads,
                                      chaos_control=True, eval_every_s=settings.eval_every_s,
-                                     seed=config.seed))
+                                     seed=config.seed, round_files="all"))  # audited from the genesis
     sink = JsonlSink(paths.launcher_metrics)
 
     def on_event(event: Event) -> None:

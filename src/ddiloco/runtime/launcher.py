@@ -35,6 +35,7 @@ from ddiloco.launcher_watch import process_start_time
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
     DEFAULT_EVAL_EVERY_S,
+    DEFAULT_FULL_STATE_EVERY,
     EvaluatorSettings,
     LearnerSettings,
     ProcessSettings,
@@ -354,6 +355,10 @@ class LaunchConfig:
     """The run's seed, handed to every learner (DDILOCO_SEED) so each builds the same initial model."""
     checkpoint_every_s: float = DEFAULT_CHECKPOINT_EVERY_S
     """Period of every learner's local checkpoints (a learner killed hard redoes at most this much work)."""
+    full_state_every: int = DEFAULT_FULL_STATE_EVERY
+    """The syncer's full-state period in rounds (`--full-state-every`)."""
+    round_files: str = "recent"
+    """What the syncer keeps of `rounds/` (`--round-files`): `recent` or `all` (`ddiloco chaos` audits every round)."""
     nproc_per_learner: int = 1
     """torch.distributed ranks per learner (`--nproc-per-learner`): above 1, each learner's script runs as a
     group of ranks with torchrun's environment (`ddiloco.runtime.rank_group`); devices are dealt per rank."""
@@ -423,6 +428,7 @@ class Launcher:
 
     def syncer_settings(self, bind: str, *, standby: bool = False) -> SyncerSettings:
         return SyncerSettings(bind=bind, threads=self.config.syncer_threads, standby=standby,
+                              round_files=self.config.round_files, full_state_every=self.config.full_state_every,
                               init=str(Path(self.config.init).resolve()) if self.config.init is not None else None,
                               **self._common_settings())
 

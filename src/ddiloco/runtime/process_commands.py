@@ -186,7 +186,7 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     init = None
     if settings.init and genesis is not None:
         logger.warning("[syncer] --init %s ignored: the run already has its genesis", settings.init)
-    store = SyncerStore(run_dir)
+    store = SyncerStore(run_dir, keep_round_files=settings.round_files == "all")
     stop = threading.Event()
     _on_stop_signals(stop.set)
     lock = SyncerLock(run_dir)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ddiloco.checks import invalid, require, require_at_least, require_int, require_positive
+from ddiloco.checks import invalid, require, require_at_least, require_choice, require_int, require_positive
 from ddiloco.flags import as_flag_error, field_types, flag_fields, flag_values, required, setting
 
 DEFAULT_BIND = "127.0.0.1:0"
@@ -25,6 +25,10 @@ DEFAULT_CHECKPOINT_EVERY_S = 10.0
 """A learner's local checkpoint period: a learner killed hard redoes at most this much work."""
 DEFAULT_EVAL_EVERY_S = 10.0
 """Seconds between two evaluations of the global model."""
+DEFAULT_FULL_STATE_EVERY = 100
+"""Rounds between two full states of the syncer: a restart replays at most this many rounds."""
+ROUND_FILES = ("recent", "all")
+"""What the syncer keeps of `rounds/`: the rounds a restart may replay (after the older kept full state), or all."""
 SETTINGS_FLAG = "--settings"
 
 S = TypeVar("S", bound="ProcessSettings")
@@ -66,9 +70,12 @@ class SyncerSettings(ProcessSettings):
     init: str | None = setting(None, metavar="FILE.safetensors")
     """a new run's initial global parameters (default: the first learner's own); the model's parameter names must
     be in it, extra tensors (buffers) are ignored"""
-    full_state_every: int = setting(100, metavar="ROUNDS")
+    full_state_every: int = setting(DEFAULT_FULL_STATE_EVERY, metavar="ROUNDS")
     """write the full syncer state every this many rounds; rounds in between are replayed from the round log on
     restart"""
+    round_files: str = setting("recent", metavar="recent|all", choices=ROUND_FILES)
+    """which rounds' merged tensors (rounds/) to keep: recent, those after the older kept full state (what a restart
+    replays), or all, for a replay from the genesis (an audit); every round's line in rounds.jsonl is kept either way"""
     threads: int = 1
     """torch threads of the syncer (its merges are small; the cores belong to the learners)"""
     standby: bool = False
@@ -79,6 +86,7 @@ class SyncerSettings(ProcessSettings):
         super().__post_init__()
         require(isinstance(self.bind, str) and ":" in self.bind, "bind", self.bind, "HOST:PORT")
         require_int("full_state_every", self.full_state_every, minimum=1)
+        require_choice("round_files", self.round_files, ROUND_FILES)
         require_int("threads", self.threads, minimum=1)
 
 

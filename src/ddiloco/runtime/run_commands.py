@@ -285,6 +285,7 @@ def launch_config(settings: RunSettings, config: RunConfig, run_dir: Path, *, sc
                         evaluator=settings.evaluate if settings.evaluate is not None else default_evaluator(script),
                         eval_every_s=settings.eval_every_s, seed=config.seed,
                         checkpoint_every_s=settings.checkpoint_every_s, nproc_per_learner=settings.nproc_per_learner,
+                        round_files=settings.round_files, full_state_every=settings.full_state_every,
                         init=Path(settings.init).resolve() if settings.init is not None else None)
 
 

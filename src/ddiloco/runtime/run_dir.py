@@ -235,11 +235,13 @@ def _describe(script: Sequence[str]) -> str:
     return shlex.join(script) if script else BUILT_IN_LEARNER
 
 
-LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device", "evaluate": "--evaluate"}
-"""The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started, and whether an
-evaluator runs beside them: recorded beside its command, so that a `--resume` without the flag starts the run's
-processes as it last ran them. A learner of 2 ranks resumed as one process crash-looped in `init_process_group`,
-without RANK; a script run started with `--evaluate` resumed without its evaluator."""
+LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device", "evaluate": "--evaluate",
+                "round_files": "--round-files"}
+"""The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started, whether an
+evaluator runs beside them and what the syncer keeps: recorded beside its command, so that a `--resume` without the
+flag starts the run's processes as it last ran them. A learner of 2 ranks resumed as one process crash-looped in
+`init_process_group`, without RANK; a script run started with `--evaluate` resumed without its evaluator; a run
+started with `--round-files all` would lose its early rounds' files at a plain `--resume`."""
 
 
 def _shown(name: str, value: Any) -> str:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddiloco.checks import require, require_at_least, require_int, require_positive
+from ddiloco.checks import require, require_at_least, require_choice, require_int, require_positive
 from ddiloco.flags import setting
-from ddiloco.runtime.process_settings import DEFAULT_CHECKPOINT_EVERY_S, DEFAULT_EVAL_EVERY_S
+from ddiloco.runtime.process_settings import (
+    DEFAULT_CHECKPOINT_EVERY_S,
+    DEFAULT_EVAL_EVERY_S,
+    DEFAULT_FULL_STATE_EVERY,
+    ROUND_FILES,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,13 @@ class RunSettings:
     """period of each learner's local checkpoint: a kill -9 redoes at most this much"""
     init: str | None = setting(None, metavar="FILE.safetensors")
     """a new run's initial global parameters (default: the first learner's own)"""
+    full_state_every: int = setting(DEFAULT_FULL_STATE_EVERY, metavar="ROUNDS")
+    """the syncer writes its full state (global model and outer momentum, 8 bytes a parameter) every this many rounds;
+    a restart replays the rounds since, and rounds/ holds about twice as many rounds' files"""
+    round_files: str = setting("recent", metavar="recent|all", choices=ROUND_FILES)
+    """which rounds' merged tensors the syncer keeps in rounds/: recent (those a restart replays, after its older
+    full state) or all (a replay from the genesis; rounds/ then grows by about 4 x parameters / H bytes per inner
+    step); a --resume keeps the run's own"""
     built_in_learner: bool = False
     """run the built-in TinyGPT learner: on --resume, whatever learner command the run last ran with (without it or
     -- COMMAND, a --resume runs the run's own)"""
@@ -60,6 +72,8 @@ class RunSettings:
         require_at_least("eval_every_s", self.eval_every_s, 0, "seconds")
         if self.bind is not None:
             require(":" in self.bind, "bind", self.bind, "HOST:PORT")
+        require_int("full_state_every", self.full_state_every, minimum=1)
+        require_choice("round_files", self.round_files, ROUND_FILES)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -13,6 +13,10 @@ Layout in the run directory:
 Every round is made durable (its tensors, then its line, each fsynced) before the service sends its
 result to any learner. A full state is written at start, every `full_state_every_rounds` rounds and
 at a clean stop; it costs the whole model plus its momentum, so it is not written every round.
+Once a full state is written, the tensors files of the rounds before the older of the two kept states are
+removed (their lines stay): a restart replays from one of those states, so the files are needed only for a replay
+from the genesis (`ddiloco chaos` audits one), and without the pruning `rounds/` grows by about 4 x N / H bytes
+per inner step for good. `keep_round_files` keeps them all.
 Restoring loads the newest full state and replays the rounds the log holds after it, through the
 same outer optimizer (`replay_onto`), which reproduces the lost in-memory state bit for bit: no
 committed round is lost, and none is applied twice because the log's round numbers must continue
@@ -38,10 +42,12 @@ from torch import nn
 
 from ddiloco.checkpoint import (
     CHECKSUM_KEY,
+    KEEP_STATES,
     atomic_write_bytes,
     bytes_checksum,
     load_latest_state,
     save_state,
+    state_files,
     verify_checksum,
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
@@ -275,10 +281,13 @@ class Restored:
 class SyncerStore:
     """The round log and full states of one run directory. Used under the service's lock."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, keep_round_files: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.log = RoundLog(self.run_dir)
         self.state_dir = self.run_dir / STATE_DIR
+        self.keep_round_files = keep_round_files
+        """Keep every round's tensors file (a replay from the genesis), instead of those after the older kept
+        full state (`save`)."""
 
     def restore(self, syncer: Syncer, *, repair: bool = True) -> Restored:
         """Bring a freshly built syncer (initial parameters) to the last committed round. Everything is checked
@@ -320,8 +329,17 @@ class SyncerStore:
         self.log.append(record)
 
     def save(self, syncer: Syncer, meta: dict[str, Any]) -> None:
-        """Write the full state (serial = rounds committed)."""
+        """Write the full state (serial = rounds committed); then, unless `keep_round_files`, remove the tensors
+        files of the rounds before the older of the two states kept: a restart loads the newest state that reads
+        back, or the one before it when the newest is damaged, and replays only the rounds after it. With one state
+        only, nothing is removed: were it damaged, a restart would replay every round from the genesis."""
         save_state(self.state_dir, syncer.state_dict(), serial=syncer.rounds_committed, meta=meta)
+        kept = state_files(self.state_dir)
+        if not self.keep_round_files and len(kept) >= KEEP_STATES > 1:
+            removed = self.log.prune_before(kept[0][0])
+            if removed:
+                logger.debug("[syncer] removed %d round files before round %d (held by the full state)", removed,
+                             kept[0][0])
 
     def participation(self, shares: Sequence[float]) -> dict[int, dict[str, float]]:
         """Per learner, rounds it took part in and tokens merged, from the log (`merged_tokens`; `shares`: each
