@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive
-from ddiloco.runtime.supervisor import Supervisor, SupervisorConfig
+from ddiloco.runtime.supervised_roles import SupervisorConfig
+from ddiloco.runtime.supervisor import Supervisor
 
 WAIT_S = 30.0
 """Hard limit on every wait for a child to reach a state."""
@@ -187,7 +188,7 @@ DRIVER = """
 import argparse
 import sys
 from ddiloco.runtime import run_commands
-from ddiloco.runtime.supervisor import SupervisorConfig
+from ddiloco.runtime.supervised_roles import SupervisorConfig
 parser = argparse.ArgumentParser(prog="ddiloco")
 run_commands.add_parser(parser.add_subparsers(dest="command"))
 args = parser.parse_args(sys.argv[2:])

@@ -2,7 +2,8 @@
 
 This module owns the byte formats of one tensor on the wire and nothing else: it does not choose which
 tensors to send, accumulate error, or check decoded values (see "Non-finite values" below). Codecs are
-picked by name with `get_codec(name, **options)`; names are `CODEC_NAMES`.
+picked by name with `get_codec(name, **options)`; names are `CODEC_NAMES`. The `Codec` interface they implement,
+and the checks of what goes in and comes out that they share, are `ddiloco.codec_interface`'s.
 
 Why compress, and how far: in Decoupled DiLoCo (Douillard et al., arXiv 2604.21428) int4 outer
 gradients are nearly lossless (text accuracy 55.3 vs 55.4 for bf16) while int2 collapses (42.6).
@@ -46,16 +47,24 @@ lose precision or flush to zero; such pseudo-gradients carry nothing useful for 
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 import sys
-from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from ddiloco.checks import invalid
+from ddiloco.codec_interface import (
+    Codec,
+    NonFiniteError,
+    check_numel,
+    checked_payload,
+    count_nonfinite,
+    finite_absmax,
+    flat_float32,
+    out_buffer,
+    shape_numel,
+    write_into,
+)
 
 FLOAT32_LE = np.dtype("<f4")
 LITTLE_ENDIAN = sys.byteorder == "little"
@@ -73,58 +82,6 @@ INT8_BLOCK_SIZE = 256
 leave little to gain from following outliers more closely."""
 
 
-class NonFiniteError(ValueError):
-    """`encode` got NaN or Inf values; `count` says how many (of `numel`)."""
-
-    def __init__(self, count: int, numel: int) -> None:
-        super().__init__(f"{count} of {numel} values are non-finite (NaN or Inf) and cannot be encoded; "
-                         f"withhold the update or zero them with zero_nonfinite()")
-        self.count = count
-        self.numel = numel
-
-
-class Codec(Protocol):
-    """Encodes one tensor as bytes and back. Implementations are stateless and thread-compatible."""
-
-    name: str
-
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        """Any floating dtype and shape (flattened row-major); raises NonFiniteError on NaN/Inf."""
-        ...
-
-    def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A float32 CPU tensor of `shape`; ValueError if len(data) != encoded_nbytes(numel). A new tensor, or with
-        `out` (a contiguous float32 tensor of at least `buffer_numel(numel)` values, reused from call to call) a
-        view of it: a fresh buffer the size of a large tensor costs more in page faults than decoding into it."""
-        ...
-
-    def buffer_numel(self, numel: int) -> int:
-        """How many float32 values an `out` buffer for decoding `numel` values must hold."""
-        ...
-
-    def encoded_nbytes(self, numel: int) -> int:
-        """Exactly len(encode(t)) for any t with t.numel() == numel."""
-        ...
-
-    def zero_layout(self, numel: int) -> tuple[int, int]:
-        """(k, b): `encode` of `numel` zeros is k zero bytes (its scales), then byte b up to `encoded_nbytes`."""
-        ...
-
-
-def zero_nonfinite(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A copy of `tensor` with NaN and +-Inf set to 0, and how many values were replaced."""
-    count = int(tensor.numel() - torch.isfinite(tensor).sum().item())
-    return torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0), count
-
-
-def _flat_float32(tensor: torch.Tensor, *, device: torch.device | str | None = "cpu") -> torch.Tensor:
-    """The values as one flat float32 tensor on `device` (None: where they are). A view, not a copy, when the input
-    is already a contiguous float32 tensor there."""
-    if not tensor.is_floating_point():
-        raise TypeError(f"codecs encode floating-point tensors, got dtype {tensor.dtype}")
-    return tensor.detach().to(device=tensor.device if device is None else device, dtype=torch.float32).reshape(-1)
-
-
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors on the CPU. Those on a GPU are copied into pinned host memory without blocking, all on the
     current stream, which is then waited for once: a background thread on a side stream waits for its own
@@ -136,88 +93,29 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(host[id(t)] if id(t) in host else t.cpu() for t in tensors)  # .cpu(): no-op on the CPU
 
 
-def _count_nonfinite(x: torch.Tensor) -> int:
-    return int(x.numel() - torch.isfinite(x).sum().item())
-
-
-def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 scalar tensor; raises NonFiniteError. One reduction pass, no allocation
-    (isfinite(x).all() would allocate n bools and is several times slower)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32)
-    lo, hi = torch.aminmax(x)  # NaN propagates into both, Inf into one
-    absmax = torch.maximum(hi, lo.neg())
-    if not math.isfinite(absmax.item()):
-        raise NonFiniteError(_count_nonfinite(x), x.numel())
-    return absmax
-
-
-def _shape_numel(shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
-    try:
-        dims = tuple(operator.index(d) for d in shape)
-    except TypeError:
-        raise ValueError(f"shape {shape!r} must be a sequence of non-negative integers") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {shape!r} must be a sequence of non-negative integers")
-    return dims, math.prod(dims)
-
-
-def _check_numel(numel: int) -> int:
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise invalid("numel", numel, "an integer >= 0")
-    return numel
-
-
-def _payload(codec: Codec, data: bytes, numel: int) -> np.ndarray:
-    """A writable uint8 copy of `data` after checking its length; writable so that torch.from_numpy
-    can share it without a warning, and a copy so the decoded tensor never aliases the caller's bytes."""
-    got = memoryview(data).nbytes
-    expected = codec.encoded_nbytes(numel)
-    if got != expected:
-        raise ValueError(f"{codec.name} payload for {numel} values must be {expected} bytes, got {got}")
-    return np.frombuffer(bytearray(data), dtype=np.uint8)
-
-
-def _buffer(out: torch.Tensor | None, numel: int) -> torch.Tensor:
-    """The first `numel` values of `out` (checked), or a new float32 tensor when there is none."""
-    if out is None:
-        return torch.empty(numel, dtype=torch.float32)
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < numel or out.device.type != "cpu":
-        raise TypeError(f"out must be a contiguous float32 CPU tensor of at least {numel} values, got "
-                         f"{out.dtype} with {out.numel()} values")
-    return out.view(-1)[:numel]
-
-
-def _into(out: torch.Tensor | None, decoded: torch.Tensor) -> torch.Tensor:
-    """`decoded`, or its values copied into `out` (formats whose decoding allocates anyway)."""
-    if out is None:
-        return decoded
-    return _buffer(out, decoded.numel()).copy_(decoded.reshape(-1)).view(decoded.shape)
-
-
 class Fp32Codec:
     """Raw float32: lossless, 32 bits/value. The identity codec, i.e. "compression off"."""
 
     name = "fp32"
 
     def buffer_numel(self, numel: int) -> int:
-        return _check_numel(numel)
+        return check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
-        return 4 * _check_numel(numel)
+        return 4 * check_numel(numel)
 
     def zero_layout(self, numel: int) -> tuple[int, int]:
         return 0, 0
 
     def encode(self, tensor: torch.Tensor) -> bytes:
-        x = _flat_float32(tensor)
-        _finite_absmax(x)
+        x = flat_float32(tensor)
+        finite_absmax(x)
         return x.numpy().astype(FLOAT32_LE, copy=False).tobytes()
 
     def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        dims, numel = _shape_numel(shape)
-        values = _payload(self, data, numel).view(FLOAT32_LE).astype(np.float32, copy=False)
-        return _into(out, torch.from_numpy(values).view(dims))
+        dims, numel = shape_numel(shape)
+        values = checked_payload(self, data, numel).view(FLOAT32_LE).astype(np.float32, copy=False)
+        return write_into(out, torch.from_numpy(values).view(dims))
 
 
 class Bf16Codec:
@@ -226,24 +124,24 @@ class Bf16Codec:
     name = "bf16"
 
     def buffer_numel(self, numel: int) -> int:
-        return _check_numel(numel)
+        return check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
-        return 2 * _check_numel(numel)
+        return 2 * check_numel(numel)
 
     def zero_layout(self, numel: int) -> tuple[int, int]:
         return 0, 0
 
     def encode(self, tensor: torch.Tensor) -> bytes:
-        x = _flat_float32(tensor)
-        if _finite_absmax(x).item() > BF16_MAX:
+        x = flat_float32(tensor)
+        if finite_absmax(x).item() > BF16_MAX:
             x = x.clamp(-BF16_MAX, BF16_MAX)
         return x.to(torch.bfloat16).view(torch.int16).numpy().astype(INT16_LE, copy=False).tobytes()
 
     def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        dims, numel = _shape_numel(shape)
-        bits = _payload(self, data, numel).view(INT16_LE).astype(np.int16, copy=False)
-        return _into(out, torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32).view(dims))
+        dims, numel = shape_numel(shape)
+        bits = checked_payload(self, data, numel).view(INT16_LE).astype(np.int16, copy=False)
+        return write_into(out, torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32).view(dims))
 
 
 class Fp8Codec:
@@ -255,17 +153,17 @@ class Fp8Codec:
     name = "fp8"
 
     def buffer_numel(self, numel: int) -> int:
-        return _check_numel(numel)
+        return check_numel(numel)
 
     def encoded_nbytes(self, numel: int) -> int:
-        return SCALE_NBYTES + _check_numel(numel)
+        return SCALE_NBYTES + check_numel(numel)
 
     def zero_layout(self, numel: int) -> tuple[int, int]:
         return SCALE_NBYTES, 0  # a scale of 0, then e4m3fn's +0 codes
 
     def encode(self, tensor: torch.Tensor) -> bytes:
-        x = _flat_float32(tensor)
-        scale = _finite_absmax(x) / FP8_MAX  # float32, exactly the value sent
+        x = flat_float32(tensor)
+        scale = finite_absmax(x) / FP8_MAX  # float32, exactly the value sent
         out = np.empty(self.encoded_nbytes(x.numel()), dtype=np.uint8)
         out[:SCALE_NBYTES].view(FLOAT32_LE)[0] = scale.item()
         # x / scale <= 448 up to one float32 rounding, which e4m3fn rounds back to 448: no clamp needed.
@@ -274,11 +172,11 @@ class Fp8Codec:
         return out.tobytes()
 
     def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        dims, numel = _shape_numel(shape)
-        raw = _payload(self, data, numel)
+        dims, numel = shape_numel(shape)
+        raw = checked_payload(self, data, numel)
         scale = float(raw[:SCALE_NBYTES].view(FLOAT32_LE)[0])
         codes = torch.from_numpy(raw[SCALE_NBYTES:]).view(torch.float8_e4m3fn)
-        return _into(out, codes.to(torch.float32).mul_(scale).view(dims))
+        return write_into(out, codes.to(torch.float32).mul_(scale).view(dims))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,14 +239,14 @@ class _BlockCodec:
         return -(-numel // self.block_size), -(-numel // self.values_per_byte)
 
     def encoded_nbytes(self, numel: int) -> int:
-        num_blocks, num_code_bytes = self._counts(_check_numel(numel))
+        num_blocks, num_code_bytes = self._counts(check_numel(numel))
         return SCALE_NBYTES * num_blocks + num_code_bytes
 
     def buffer_numel(self, numel: int) -> int:
-        return self._counts(_check_numel(numel))[0] * self.block_size
+        return self._counts(check_numel(numel))[0] * self.block_size
 
     def zero_layout(self, numel: int) -> tuple[int, int]:
-        return SCALE_NBYTES * -(-_check_numel(numel) // self.block_size), self.zero_code  # scales of +0, then codes
+        return SCALE_NBYTES * -(-check_numel(numel) // self.block_size), self.zero_code  # scales of +0, then codes
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         return self._quantize(tensor, None)[0]
@@ -367,7 +265,7 @@ class _BlockCodec:
         written into `out` (see `decode`) or a new tensor on the values' device."""
         # Quantised where the values are (a learner's GPU): only the scales and the packed codes, 4.5 bits a value
         # for int4 instead of 32, are copied to the host.
-        x = _flat_float32(tensor, device=None)
+        x = flat_float32(tensor, device=None)
         numel, size = x.numel(), self.block_size
         num_blocks, num_code_bytes = self._counts(numel)
         num_full = numel // size
@@ -381,7 +279,7 @@ class _BlockCodec:
             absmax[num_full] = x[head:].abs().max()
         absmax.add_(0.0)  # an all-zero block's -0 (maximum(+0, -0) gives either, by vector width) becomes +0
         if not bool(torch.isfinite(absmax).all()):  # NaN and Inf propagate into their block's absmax
-            raise NonFiniteError(_count_nonfinite(x), numel)
+            raise NonFiniteError(count_nonfinite(x), numel)
         scale = absmax / self.levels
         divisor = torch.where(scale > 0, scale, 1.0)  # all-zero block: q = 0 instead of 0/0
 
@@ -389,7 +287,7 @@ class _BlockCodec:
         if out is None:
             work = torch.empty(num_blocks * size, dtype=torch.float32, device=x.device)
         else:
-            work = _buffer(out, num_blocks * size)
+            work = out_buffer(out, num_blocks * size)
         torch.div(x_full, divisor[:num_full, None], out=work[:head].view(num_full, size))
         if head < numel:
             torch.div(x[head:], divisor[num_full], out=work[head:numel])
@@ -425,8 +323,8 @@ class _BlockCodec:
         return payload.tobytes(), work, scale
 
     def decode(self, data: bytes, shape: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        dims, numel = _shape_numel(shape)
-        raw = _payload(self, data, numel)
+        dims, numel = shape_numel(shape)
+        raw = checked_payload(self, data, numel)
         num_blocks, _ = self._counts(numel)
         scale_nbytes = SCALE_NBYTES * num_blocks
         scale = torch.from_numpy(raw[:scale_nbytes].view(FLOAT32_LE).astype(np.float32, copy=False))
@@ -435,7 +333,7 @@ class _BlockCodec:
         # Padded to whole blocks; the result is a view of its first numel values (no copy to trim). Each value is
         # float32(level) * scale: the levels widened in one pass, then scaled in place (twice as fast as one
         # mixed-type multiply, which torch does not vectorise).
-        out = _buffer(out, num_blocks * self.block_size)
+        out = out_buffer(out, num_blocks * self.block_size)
         out[:numel].copy_(levels[:numel])
         out[numel:].zero_()
         out.view(num_blocks, self.block_size).mul_(scale[:, None])

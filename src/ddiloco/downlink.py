@@ -37,7 +37,8 @@ from typing import Protocol
 import torch
 
 from ddiloco.checksums import crc32
-from ddiloco.compression import Codec, NonFiniteError, encode_decoded, get_codec
+from ddiloco.codec_interface import Codec, NonFiniteError
+from ddiloco.compression import encode_decoded, get_codec
 from ddiloco.fragments import FragmentPlan
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import FragmentDelta, FragmentState

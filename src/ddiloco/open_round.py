@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddiloco.compression import Codec
+from ddiloco.codec_interface import Codec
 from ddiloco.config import QuorumConfig
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.merge import cap_weights, period_share, token_weight

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddiloco.compression import Codec
+from ddiloco.codec_interface import Codec
 from ddiloco.messages import LearnerMessage, Update
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ddiloco import kernels
-from ddiloco.compression import Codec, Int4Codec
+from ddiloco.codec_interface import Codec
+from ddiloco.compression import Int4Codec
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.kernels import Int4Blocks
 from ddiloco.messages import DecodedTensor, RejectReason

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ddiloco.compression import Codec
+from ddiloco.codec_interface import Codec
 
 SAMPLES = 64
 """Bytes sampled, evenly spread, before a whole payload is read."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.chaos.runner import FaultInjector
+from ddiloco.chaos.fault_injector import FaultInjector
 from ddiloco.fault_control import ChaosControl, control_path
 from ddiloco.fault_plan import Fault, FaultPlan
 from tests.helpers import process_state, wait_process_stopped

@@ -5,15 +5,14 @@ import numpy as np
 import pytest
 import torch
 
+from ddiloco.codec_interface import NonFiniteError, zero_nonfinite
 from ddiloco.compression import (
     CODEC_NAMES,
     Int2Config,
     Int4Config,
     Int8Config,
-    NonFiniteError,
     encode_decoded,
     get_codec,
-    zero_nonfinite,
 )
 
 EPS32 = 2.0**-23  # float32 machine epsilon: one rounding costs at most EPS32 / 2 relative

@@ -11,7 +11,7 @@ from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import RayOptions
 from ddiloco.runtime.ray_supervisor import RaySupervisor
-from ddiloco.runtime.supervisor import SupervisorConfig
+from ddiloco.runtime.supervised_roles import SupervisorConfig
 
 
 class RecordingRay(SimpleNamespace):

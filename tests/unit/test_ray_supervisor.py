@@ -11,7 +11,7 @@ import pytest
 from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.ray_options import RayOptions
 from ddiloco.runtime.ray_supervisor import RaySupervisor
-from ddiloco.runtime.supervisor import ChildState, SupervisorConfig
+from ddiloco.runtime.supervised_roles import ChildState, SupervisorConfig
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ from pathlib import Path
 
 from ddiloco import cli
 from ddiloco.runtime import run_commands, run_dir
-from ddiloco.runtime.supervisor import SupervisorConfig
+from ddiloco.runtime.supervised_roles import SupervisorConfig
 
 fake, barrier, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 checked = run_dir.require_not_running

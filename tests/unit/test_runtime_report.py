@@ -13,7 +13,7 @@ from ddiloco.checkpoint import atomic_write_json, read_jsonl
 from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
 from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, write_report
-from ddiloco.runtime.supervisor import ChildState, Slot
+from ddiloco.runtime.supervised_roles import ChildState, Slot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -162,7 +162,7 @@ def test_the_live_view_shows_a_stop_wait_at_once(tmp_path):
     from io import StringIO
 
     from ddiloco.runtime.progress import ProgressView
-    from ddiloco.runtime.supervisor import Event
+    from ddiloco.runtime.supervised_roles import Event
 
     paths = fake_run(tmp_path)
     supervisor = SimpleNamespace(syncer=slot(ChildState.RUNNING), learners=[slot(ChildState.RUNNING, pid=11)])

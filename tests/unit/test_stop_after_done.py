@@ -18,7 +18,8 @@ from ddiloco.checkpoint import atomic_write_json
 from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.ray_options import RayOptions
 from ddiloco.runtime.ray_supervisor import RaySupervisor
-from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
+from ddiloco.runtime.supervised_roles import ChildState, SupervisorConfig
+from ddiloco.runtime.supervisor import Supervisor
 
 INNER_STEPS = 20
 STOP_TIMEOUT_S = 5.0

@@ -23,7 +23,8 @@ from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import Launcher, process_group_alive
 from ddiloco.runtime.learner_exits import describe_exit_with, reason_line
-from ddiloco.runtime.supervisor import ChildState, Supervisor, SupervisorConfig
+from ddiloco.runtime.supervised_roles import ChildState, SupervisorConfig
+from ddiloco.runtime.supervisor import Supervisor
 from tests.fake_learners import (
     FAST,
     WAIT_S,

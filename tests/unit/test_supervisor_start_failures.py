@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from ddiloco.runtime.learner_exits import CrashLoop
-from ddiloco.runtime.supervisor import ChildState, Supervisor
+from ddiloco.runtime.supervised_roles import ChildState
+from ddiloco.runtime.supervisor import Supervisor
 from tests.fake_learners import FAST, make_run
 
 IMPORT_ERROR = "ModuleNotFoundError: No module named 'my_model'"

@@ -22,7 +22,8 @@ from rich.text import Text
 
 from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.launcher import RunPaths
-from ddiloco.runtime.supervisor import ChildState, Event, Slot, Supervisor
+from ddiloco.runtime.supervised_roles import ChildState, Event, Slot
+from ddiloco.runtime.supervisor import Supervisor
 
 REFRESH_INTERVAL_S = 0.5
 """Redraw (and status-file read) interval: about twice per second."""

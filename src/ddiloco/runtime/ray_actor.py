@@ -58,7 +58,7 @@ from ddiloco.runtime.learner_exits import (
     status_since,
     stopped_from_outside,
 )
-from ddiloco.runtime.supervisor import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
+from ddiloco.runtime.supervised_roles import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
 
 logger = logging.getLogger(__name__)
 

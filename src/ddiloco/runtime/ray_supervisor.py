@@ -47,8 +47,7 @@ from ddiloco.runtime.learner_exits import (
 from ddiloco.runtime.ray_actor import ACTOR_RUNTIME_ENV, LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
-from ddiloco.runtime.supervision_loop import SupervisionLoop
-from ddiloco.runtime.supervisor import (
+from ddiloco.runtime.supervised_roles import (
     EVALUATOR,
     EXIT_DONE,
     EXIT_REFUSED,
@@ -58,6 +57,7 @@ from ddiloco.runtime.supervisor import (
     Slot,
     SupervisorConfig,
 )
+from ddiloco.runtime.supervision_loop import SupervisionLoop
 
 logger = logging.getLogger(__name__)
 

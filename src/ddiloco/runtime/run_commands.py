@@ -338,7 +338,8 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.run_dir import record_processes
-    from ddiloco.runtime.supervisor import ChildState, Event, Supervisor, SupervisorConfig
+    from ddiloco.runtime.supervised_roles import ChildState, Event, SupervisorConfig
+    from ddiloco.runtime.supervisor import Supervisor
     from ddiloco.stdout_pipe import PipeConsole
 
     run_dir, config, settings = resolved.run_dir, resolved.config, resolved.settings

@@ -17,7 +17,7 @@ class _State(Protocol):
 
 
 class _Slot(Protocol):
-    """A supervised role, as far as the loop looks at it (`ddiloco.runtime.supervisor.Slot`)."""
+    """A supervised role, as far as the loop looks at it (`ddiloco.runtime.supervised_roles.Slot`)."""
 
     state: _State
 

@@ -32,26 +32,24 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   its session had finished when that SIGTERM came is done, not stopped.
 
 Everything that happens is an `Event` handed to `on_event` (the progress view and the metrics sink).
+`Event`, `Slot`, `ChildState` and `SupervisorConfig` are `ddiloco.runtime.supervised_roles`'s, shared with the Ray
+supervisor.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.backoff import Backoff
-from ddiloco.checks import require_int
 from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
     EXIT_LOG_LINES,
     RECENT_LINES,
     STOPPED_AFTER_SESSION,
-    CrashLoop,
     describe_done,
     describe_exit,
     describe_exit_with,
@@ -62,144 +60,26 @@ from ddiloco.runtime.learner_exits import (
     status_since,
     stopped_from_outside,
 )
-from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S, LEARNER_PRELOAD, StandbyPool
+from ddiloco.runtime.standby import LEARNER_PRELOAD, StandbyPool
+from ddiloco.runtime.supervised_roles import (
+    EVALUATOR,
+    EXIT_DONE,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    SYNCER,
+    ChildState,
+    Event,
+    Slot,
+    SupervisorConfig,
+)
 from ddiloco.runtime.supervision_loop import SupervisionLoop
 
 logger = logging.getLogger(__name__)
 
-EXIT_DONE = 0
-EXIT_USAGE = 2
-"""`ddiloco` exits 2 on a bad flag or config: a restart would fail the same way."""
-EXIT_REFUSED = 3
-"""A learner the syncer refused (different model, config, token or schema)."""
-SYNCER = "syncer"
-EVALUATOR = "evaluator"
 STOP_HINTS = {"learner": "a learner stops at its next step() call",
               EVALUATOR: "the evaluator evaluates the final global model first, if the run has one",
               SYNCER: "the syncer makes its last round durable first"}
 """What a child of each role does between its SIGTERM and its exit, for the line that says the launcher waits."""
-
-
-class ChildState(enum.StrEnum):
-    STARTING = "starting"
-    """Started; the syncer has not yet published its address."""
-    RUNNING = "running"
-    BACKOFF = "backoff"
-    """Exited; waiting out its backoff before the restart."""
-    PENDING = "pending"
-    """A learner not started yet because the syncer has no address yet."""
-    DONE = "done"
-    REFUSED = "refused"
-    FAILED = "failed"
-    """Will not be restarted (usage error, or too many restarts)."""
-    STOPPED = "stopped"
-
-    @property
-    def final(self) -> bool:
-        return self in (ChildState.DONE, ChildState.REFUSED, ChildState.FAILED, ChildState.STOPPED)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SupervisorConfig:
-    """Timing of the supervision loop; every field in seconds unless it says otherwise."""
-
-    poll_interval_s: float = 0.1
-    """The one loop interval: how quickly an exit is noticed and a signal obeyed."""
-    backoff_initial_s: float = 0.5
-    """First restart delay of a child."""
-    backoff_max_s: float = 8.0
-    """The delay doubles per restart up to this cap."""
-    stable_after_s: float = 30.0
-    """A child that ran at least this long before it died restarts with the initial delay again."""
-    max_restarts: int = 100
-    """Restarts of one child after which it is given up as failed (a crash loop, not a fault)."""
-    max_exits_before_session: int = 3
-    """Starts in a row of one learner that exited with an error before its training session began (before it
-    wrote its status file: a script that fails at import, a model that cannot be built) after which it is given
-    up as failed, with the last line of its log as the reason: the same start would fail again. A death by a
-    signal does not count (a fault, not the script's)."""
-    max_exits_without_progress: int = 3
-    """Restarts in a row of one learner that reached their session and exited with an error without training past
-    the furthest inner step it had reached (the same error at the same step each time: a scheduler stepped past its
-    total, a batch that always fails) after which it is given up as failed, with the last line of its log as the
-    reason (`learner_exits.CrashLoop`). A start that trains further starts the count again."""
-    syncer_start_timeout_s: float = 120.0
-    """Longest a started syncer may take to write syncer.json before it is killed and restarted."""
-    learner_stop_timeout_s: float = 30.0
-    """SIGTERM -> SIGKILL delay for learners (they save a checkpoint and say Leave)."""
-    syncer_stop_timeout_s: float = 120.0
-    """SIGTERM -> SIGKILL delay for the syncer (it makes its last round durable and evaluates)."""
-    standby_learners: int = 0
-    """Warm learner processes kept waiting for a role (`ddiloco.runtime.standby`); 0: every start is cold."""
-    standby_refill_delay_s: float = DEFAULT_REFILL_DELAY_S
-    """How long after a standby is used its replacement starts (its imports then do not compete with
-    the restarted learner's own start)."""
-    standby_syncer: bool = False
-    """Keep a standby syncer (`ddiloco.runtime.syncer_standby`) following the syncer's durable state; when the
-    syncer dies it takes over on the same address, and a new standby starts `standby_refill_delay_s` later."""
-
-    def __post_init__(self) -> None:
-        require_int("standby_learners", self.standby_learners, minimum=0)
-        if not self.standby_refill_delay_s >= 0:
-            raise ValueError(f"standby_refill_delay_s={self.standby_refill_delay_s!r} is invalid: "
-                             "expected seconds >= 0")
-        for name in ("poll_interval_s", "backoff_initial_s", "backoff_max_s", "syncer_start_timeout_s",
-                     "learner_stop_timeout_s", "syncer_stop_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} is invalid: expected a number > 0 (seconds)")
-        if self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s={self.backoff_max_s} must be >= backoff_initial_s="
-                             f"{self.backoff_initial_s}")
-        if self.stable_after_s < 0:
-            raise ValueError(f"stable_after_s={self.stable_after_s} is invalid: expected >= 0 (seconds)")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts={self.max_restarts} is invalid: expected >= 0")
-        require_int("max_exits_before_session", self.max_exits_before_session, minimum=1)
-        require_int("max_exits_without_progress", self.max_exits_without_progress, minimum=1)
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something the supervisor did or saw. `name` is "syncer" or "learner-N"."""
-
-    kind: str
-    """started, address, exited, restart_scheduled, done, refused, failed, stopping, waiting (children still running
-    a while after their SIGTERM), stopped."""
-    name: str
-    learner_id: int | None
-    message: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Slot:
-    """One supervised role: the syncer or learner N, across all its processes."""
-
-    name: str
-    learner_id: int | None
-    backoff: Backoff
-    state: ChildState = ChildState.PENDING
-    process: ChildProcess | None = None
-    restarts: int = 0
-    restart_at: float | None = None
-    exit_codes: list[int] = field(default_factory=list)
-    reason: str = ""
-    """Why it ended (refused, failed), from its log."""
-    pids: list[int] = field(default_factory=list)
-    held_until: float | None = None
-    """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
-    starting_since: float = 0.0
-    """When the syncer's current process was started or took over (its start timeout runs from here)."""
-    crash_loop: CrashLoop = field(default_factory=CrashLoop)
-    """A learner's failed exits so far, as the crash-loop rules count them."""
-    outside_stop_step: int | None = None
-    """The inner step where a process of this learner last stopped on a SIGTERM the launcher did not send
-    (`learner_exits.stopped_from_outside`)."""
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None and self.process.returncode is None else None
 
 
 class Supervisor(SupervisionLoop):

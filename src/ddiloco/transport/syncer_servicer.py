@@ -20,8 +20,9 @@
    within what the syncer could hold: `genesis_limit_bytes`); `Watch` streams the whole global model to a
    read-only subscriber (an evaluator, with the run token; at most WATCHES_AT_ONCE) as rounds commit.
 
-Error statuses carry the rejection reason in the trailing metadata key `ddiloco-reason`. Serving the calls (the
-event loop, the thread pool, the port) is `grpc_server`'s.
+Error statuses carry the rejection reason in the trailing metadata key `ddiloco-reason`. The authentication of
+step 1, and how a refused call is recorded and ends, are `call_checks`'s (`CallChecks`, which `SyncerServicer`
+extends); serving the calls (the event loop, the thread pool, the port) is `grpc_server`'s.
 """
 
 from __future__ import annotations
@@ -30,19 +31,16 @@ import asyncio
 import collections
 import contextlib
 import functools
-import hmac
 import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from ddiloco.checkpoint import strict_dumps
 from ddiloco.messages import (
-    SCHEMA_VERSION,
     FragmentDelta,
     FragmentState,
     Heartbeat,
@@ -54,10 +52,9 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.transport import wire_pb2, wire_pb2_grpc
-from ddiloco.transport.auth import learner_of_token
+from ddiloco.transport.call_checks import OPERATOR, CallChecks
 from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler, genesis_limit_bytes
 from ddiloco.transport.grpc_codec import (
-    MAX_LEARNER_ID,
     UpdateAssembler,
     WireError,
     decode_join,
@@ -66,9 +63,7 @@ from ddiloco.transport.grpc_codec import (
 from ddiloco.transport.grpc_common import (
     NO_GENESIS,
     REASON_KEY,
-    SCHEMA_KEY,
     SESSION_KEY,
-    TOKEN_KEY,
 )
 from ddiloco.transport.shared_chunks import SharedChunks
 from ddiloco.transport.subscription import Subscription, _Newest
@@ -79,8 +74,6 @@ from ddiloco.update_values import DecodeBuffers
 T = TypeVar("T")
 
 MAX_SESSION_CHARS = 200
-OPERATOR = -1
-"""The identity of a call carrying the run token (status, evaluators): the operator's, no learner's."""
 CHUNK_TIMEOUT_S = 60.0
 """An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
 UPLOADS_PER_LEARNER = 4
@@ -96,13 +89,6 @@ INLINE_ENCODE_BYTES = 1 << 20
 """Messages up to this size are encoded on the event loop (a CRC of 1 MiB takes well under a millisecond)."""
 WATCH_POLL_S = 0.1
 """How often a watcher (an evaluator) asks whether newer rounds have committed."""
-
-
-def _update_fields(header: wire_pb2.UpdateHeader | None) -> dict[str, int | None]:
-    """fragment and inner_step of a checked update header, for a rejection record."""
-    if header is None:
-        return {"fragment": None, "inner_step": None}
-    return {"fragment": int(header.fragment), "inner_step": int(header.inner_step)}
 
 
 def _detached(error: WireError) -> WireError:
@@ -126,7 +112,7 @@ class _Stream:
         """Whether a later join of the same learner has replaced this stream's subscription: it stops sending."""
 
 
-class SyncerServicer(wire_pb2_grpc.SyncerServicer):
+class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
     """The calls, as coroutines on the server's event loop: a stream waiting for its next message or chunk
     holds no thread, so any number of learners can be subscribed or uploading at once. Work that may block
     (the handler's calls, which take the syncer's lock; decoding and encoding tensors) runs on a small pool of
@@ -159,74 +145,6 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args,
                                                                                               **kwargs))
 
-    # ---- checks every call passes ----------------------------------------------------------------
-
-    async def _refuse(self, context: grpc.aio.ServicerContext, error: WireError, learner_id: int | None,
-                      header: wire_pb2.UpdateHeader | None = None) -> NoReturn:
-        recorded = self._pool.submit(self.handler.record_rejection, error.reason, error.detail, learner_id=learner_id,
-                                     peer=context.peer(), **_update_fields(header))
-        # Shielded: a call cancelled while its record waits for a thread (its client died) is counted all the same.
-        await asyncio.shield(asyncio.wrap_future(recorded))
-        context.set_trailing_metadata(((REASON_KEY, error.reason),))
-        await context.abort(error.status, f"{error.reason}: {error.detail}")
-        raise AssertionError("abort returns only by raising")  # pragma: no cover
-
-    async def _check_call(self, context: grpc.aio.ServicerContext) -> int | None:
-        """Token and schema; who the caller is: OPERATOR (the run token), a learner id (its own token), or None
-        when the server has no token (anyone)."""
-        metadata = dict(context.invocation_metadata() or ())
-        identity = None
-        if self._token is not None:
-            presented = str(metadata.get(TOKEN_KEY, ""))
-            if hmac.compare_digest(presented.encode(), self._token):
-                identity = OPERATOR
-            else:
-                identity = learner_of_token(self._token.decode(), presented)
-            if identity is None:
-                why = "no run token presented" if not presented else "wrong run token"
-                await self._refuse(context, WireError(
-                    "unauthenticated", f"{why}: start the learner with the syncer's --token-file or --token-env",
-                    grpc.StatusCode.UNAUTHENTICATED), None)
-        schema = metadata.get(SCHEMA_KEY)
-        if schema != str(SCHEMA_VERSION):
-            await self._refuse(context, WireError(
-                "bad_schema", f"wire schema version {schema or 'missing'}, but the syncer speaks {SCHEMA_VERSION}: "
-                "run the same ddiloco version everywhere", grpc.StatusCode.FAILED_PRECONDITION), None)
-        return identity
-
-    @staticmethod
-    def _identity_error(identity: int | None, learner_id: int) -> WireError | None:
-        """Why a call acting for `learner_id` is refused: it must carry that learner's own token (when the server
-        has a token); None when it does."""
-        if identity is None or identity == learner_id:
-            return None
-        if identity == OPERATOR:
-            why = (f"a call for learner {learner_id} carries the run token, which proves no learner: a learner "
-                   "presents its own token (ddiloco derives it from the run token; `ddiloco token --learner N`)")
-        else:
-            why = f"a call for learner {learner_id} carries learner {identity}'s token: a learner acts only as itself"
-        return WireError("unauthenticated", why, grpc.StatusCode.UNAUTHENTICATED)
-
-    async def _check_identity(self, context: grpc.aio.ServicerContext, identity: int | None, learner_id: int) -> None:
-        error = self._identity_error(identity, learner_id)
-        if error is not None:
-            await self._refuse(context, error, learner_id)
-
-    async def _check_learner_call(self, context: grpc.aio.ServicerContext, learner_id: int) -> int:
-        """A learner's own small call (heartbeat, leave): token, schema, a valid id, that learner's token; the id."""
-        identity = await self._check_call(context)
-        try:
-            self._check_learner_id(learner_id)
-        except WireError as exc:
-            await self._refuse(context, exc, None)
-        await self._check_identity(context, identity, int(learner_id))
-        return int(learner_id)
-
-    @staticmethod
-    def _check_learner_id(learner_id: int) -> None:
-        if not 0 <= learner_id <= MAX_LEARNER_ID:
-            raise WireError(str(RejectReason.UNKNOWN_LEARNER), f"learner_id={learner_id} is invalid")
-
     async def _encoded(self, message: SyncerMessage) -> list[wire_pb2.SyncerChunk]:
         """A message's chunks: a round's broadcast encoded once for every subscription (`SharedChunks`), any other
         message for its one stream."""
@@ -252,18 +170,6 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
         except TimeoutError:
             raise WireError("truncated", f"no chunk of the {what} for {self._chunk_timeout_s:g} s: the upload was "
                             "dropped", grpc.StatusCode.DEADLINE_EXCEEDED) from None
-
-    def _record_cancelled(self, context: grpc.aio.ServicerContext, what: str, learner_id: int | None,
-                          header: wire_pb2.UpdateHeader | None = None) -> None:
-        """An upload whose client cancelled it (or died) mid-stream: nothing reached the syncer. Recorded without
-        waiting, the call being cancelled."""
-        with contextlib.suppress(RuntimeError):  # the pool is gone: the server has stopped
-            self._pool.submit(self.handler.record_rejection, "truncated", f"the client cancelled the {what} stream",
-                              learner_id=learner_id, peer=context.peer(), **_update_fields(header))
-
-    async def refuse_undecodable(self, context: grpc.aio.ServicerContext, request: Undecodable) -> NoReturn:
-        await self._check_call(context)  # without the token it is unauthenticated, whatever its bytes are
-        await self._refuse(context, request.error, None)
 
     # ---- calls ------------------------------------------------------------------------------------
 
@@ -529,12 +435,3 @@ class SyncerServicer(wire_pb2_grpc.SyncerServicer):
             for chunk in await self._encoded(welcome):
                 await context.write(chunk)
             not_before = time.monotonic() + interval  # the service's clock: MonotonicClock
-
-
-class Undecodable:
-    """A request whose bytes are not its protobuf message (bad UTF-8 in a string field, a cut field). gRPC's own
-    deserializer would end the call UNKNOWN with a traceback in the log, before any token is checked and with
-    nothing recorded; instead the call passes the usual checks and is refused as malformed."""
-
-    def __init__(self, error: DecodeError) -> None:
-        self.error = WireError("malformed", f"the request is not a valid protobuf message: {error}")
