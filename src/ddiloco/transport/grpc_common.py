@@ -16,6 +16,10 @@ REASON_KEY = "ddiloco-reason"
 KEEPALIVE_TIME_MS = 10_000
 """HTTP/2 pings every 10 s on idle connections, so a dead peer on another machine is noticed."""
 KEEPALIVE_TIMEOUT_MS = 5_000
+"""A ping unanswered this long ends the connection and its calls: a silent partition (a pulled cable, a NAT that
+forgot the connection) is noticed about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS after it starts. It is given to
+both `grpc.keepalive_timeout_ms` and `grpc.http2.ping_timeout_ms`: grpcio 1.85 bounds the wait by the second, whose
+default is 60 s, so with the first alone a learner behind a dead link read itself connected for 60-70 s."""
 MIN_PING_INTERVAL_MS = 5_000
 """The server accepts pings this often (must not exceed the clients' keepalive time)."""
 RECONNECT_BACKOFF_MS = (100, 2_000)
@@ -26,6 +30,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # gRPC's own reconnect backoff grows to minutes by default; a learner waiting for a restarted

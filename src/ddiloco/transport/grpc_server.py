@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator
 from concurrent import futures
@@ -24,9 +25,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ddiloco.transport import wire_pb2_grpc
+from ddiloco.transport.auth import split_host_port
+from ddiloco.transport.call_checks import Undecodable
 from ddiloco.transport.grpc_common import CHANNEL_OPTIONS, MIN_PING_INTERVAL_MS
 from ddiloco.transport.syncer_handler import SyncerHandler
-from ddiloco.transport.syncer_servicer import CHUNK_TIMEOUT_S, SyncerServicer, Undecodable
+from ddiloco.transport.syncer_servicer import CHUNK_TIMEOUT_S, SyncerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,23 @@ class _Registry:
         self.service, self.methods = service, methods
 
 
+def _bind_error(bind: str) -> str | None:
+    """Why this machine cannot listen on `bind`, as the OS says it (`Address already in use`, `Cannot assign requested
+    address`), found by binding a plain socket there: gRPC's own error says only that it failed. None when the
+    plain socket could bind (the cause is gRPC's) or the address does not parse."""
+    try:
+        host, port = split_host_port(bind)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            probe.bind((host, port))
+    except ValueError:
+        return None
+    except OSError as exc:
+        return f"{exc.strerror or exc} (errno {exc.errno})" if exc.errno is not None else str(exc)
+    return None
+
+
 def _add_servicer(servicer: SyncerServicer, server: grpc.aio.Server) -> None:
     generated = _Registry()
     wire_pb2_grpc.add_SyncerServicer_to_server(servicer, generated)
@@ -123,9 +143,9 @@ class SyncerServer:
         except RuntimeError as exc:
             # `read_tls_files` has parsed the certificate and key and matched them: what is left is the address.
             over = " over TLS" if tls is not None else ""
-            raise ValueError(f"cannot listen on {bind}{over}: {exc}") from None
+            raise ValueError(f"cannot listen on {bind}{over}: {_bind_error(bind) or exc}") from None
         if port == 0:
-            raise ValueError(f"cannot listen on {bind}: the address is in use or invalid")
+            raise ValueError(f"cannot listen on {bind}: {_bind_error(bind) or 'the address is in use or invalid'}")
         await server.start()
         return server, port
 
