@@ -34,6 +34,9 @@ TLS_TO_PLAIN = ("UNAVAILABLE: failed to connect to all addresses; last error: UN
                 "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:"
                 "OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context: OK")
 FEW_ATTEMPTS = 5
+NOT_GRPC = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50051: Failed "
+            "parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)")
+"""A learner pointed at `python -m http.server` (grpcio 1.85's words): it retried for its whole connect timeout."""
 """A learner whose handshake fails the same way this many times has given up (each attempt takes well under a
 second: gRPC answers from the channel's failed state)."""
 PLAIN_TO_TLS = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50051: "
@@ -98,16 +101,17 @@ def test_a_server_name_without_a_ca_is_refused(cls):
         **({"learner_id": 0} if cls is LearnerSettings else {}))
 
 
-@pytest.mark.parametrize(("error", "fix"), [(WRONG_CA, "--tls-ca"), (WRONG_NAME, "--tls-server-name"),
-                                            (TLS_TO_PLAIN, "TLS is on one side only"),
-                                            (PLAIN_TO_TLS, "TLS is on one side only")])
-def test_a_handshake_that_will_fail_again_gives_up_in_a_few_attempts_naming_the_fix(error, fix):
+@pytest.mark.parametrize(("error", "fix", "handshake"), [
+    (WRONG_CA, "--tls-ca", "TLS"), (WRONG_NAME, "--tls-server-name", "TLS"),
+    (TLS_TO_PLAIN, "TLS is on one side only", "TLS"), (PLAIN_TO_TLS, "TLS is on one side only", "TLS"),
+    (NOT_GRPC, "does not speak gRPC, so it is not a syncer", "HTTP/2")])
+def test_a_handshake_that_will_fail_again_gives_up_in_a_few_attempts_naming_the_fix(error, fix, handshake):
     watch = ConnectWatch(ADDRESS, connect_timeout_s=120.0, started_at=0.0)
     verdicts = [watch.failed(0.1 * (i + 1), error) for i in range(FEW_ATTEMPTS)]
     assert verdicts[0].give_up is None  # one handshake cut short (a syncer killed in the middle) is not enough
     line = next((v.give_up for v in verdicts if v.give_up is not None), None)
     assert line is not None, f"still retrying after {FEW_ATTEMPTS} failed handshakes"
-    assert "\n" not in line and ADDRESS in line and "TLS handshake failed" in line and fix in line
+    assert "\n" not in line and ADDRESS in line and f"{handshake} handshake failed" in line and fix in line
 
 
 def test_connections_refused_between_handshake_failures_do_not_hide_them():

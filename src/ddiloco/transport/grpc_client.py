@@ -158,8 +158,17 @@ _HANDSHAKE_FAILURES = (
      "the syncer closes every connection before answering: if it serves TLS (--tls-cert), TLS is on one side only "
      "and this process needs --tls-ca with the CA that signed its certificate; else check that the address is the "
      "syncer's"),
+    (("Failed parsing HTTP/2", "Expected SETTINGS frame"),
+     "what answers at this address does not speak gRPC, so it is not a syncer (a web server? another service?): "
+     "check the address and port (a syncer writes its own to its run directory's syncer.json)"),
 )
-"""(what gRPC's error says, the likely fix) of a handshake that will fail again the same way."""
+"""(what gRPC's error says, the likely fix) of a handshake that will fail again the same way: a TLS one, or a peer
+that answers in another protocol."""
+
+
+def _handshake(error: str) -> str:
+    """Which handshake the transport error `error` failed: gRPC's own (HTTP/2), or TLS."""
+    return "HTTP/2 handshake" if "HTTP/2" in error or "SETTINGS frame" in error else "TLS handshake"
 
 
 def handshake_failure(error: str) -> str | None:
@@ -226,7 +235,7 @@ class ConnectWatch:
         if fix is not None:
             self._handshakes[fix] = self._handshakes.get(fix, 0) + 1
             if not self.ever_reached and self._handshakes[fix] >= HANDSHAKE_GIVE_UP_AFTER:
-                return Verdict(give_up=f"cannot connect to the syncer at {self.address}: the TLS handshake failed "
+                return Verdict(give_up=f"cannot connect to the syncer at {self.address}: the {_handshake(error)} failed "
                                        f"{self._handshakes[fix]} times; {fix} (last error: {error})")
         # A host name with several addresses may end on one that refuses (IPv6 ::1) after one that failed the
         # handshake: the handshake is the news.
