@@ -279,7 +279,8 @@ def test_a_second_signal_during_the_lift_still_lets_every_hang_end(tmp_path, sle
     plan = FaultPlan(duration_s=30.0, num_learners=NUM_LEARNERS, faults=(
         Fault(at_s=0.0, kind="latency", target=0, duration_s=60.0, value=0.01),
         Fault(at_s=0.0, kind="hang", target=1, duration_s=60.0)))
-    injector = fault_injector.FaultInjector(plan, TermDuringLift(), tmp_path / "chaos" / "faults.jsonl", say=lambda line: None)
+    injector = fault_injector.FaultInjector(plan, TermDuringLift(), tmp_path / "chaos" / "faults.jsonl",
+                                            say=lambda line: None)
     injector.start(time.time())
     injector.tick()
     assert wait_process_stopped(sleepers[1], stopped=True, timeout_s=STATE_WAIT_S)

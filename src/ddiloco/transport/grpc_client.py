@@ -235,8 +235,8 @@ class ConnectWatch:
         if fix is not None:
             self._handshakes[fix] = self._handshakes.get(fix, 0) + 1
             if not self.ever_reached and self._handshakes[fix] >= HANDSHAKE_GIVE_UP_AFTER:
-                return Verdict(give_up=f"cannot connect to the syncer at {self.address}: the {_handshake(error)} failed "
-                                       f"{self._handshakes[fix]} times; {fix} (last error: {error})")
+                return Verdict(give_up=f"cannot connect to the syncer at {self.address}: the {_handshake(error)} "
+                                       f"failed {self._handshakes[fix]} times; {fix} (last error: {error})")
         # A host name with several addresses may end on one that refuses (IPv6 ::1) after one that failed the
         # handshake: the handshake is the news.
         seen = f"; {max(self._handshakes, key=self._handshakes.__getitem__)}" if self._handshakes else ""
