@@ -94,6 +94,19 @@ def committed_rounds(rounds: int, config: DilocoConfig, *, syncer_seed: int = 10
     return syncer, hub.round_log[:rounds]
 
 
+def filled_update(syncer, learner_id: int, fragment: int, *, inner_step: int, value: float = 1e-3):
+    """An fp32 Update of `fragment` from `learner_id` on the syncer's current version, every value `value`, counting
+    `inner_step` steps and 10 tokens a step: what a one-learner quorum merges into a round at once."""
+    from ddiloco.compression import get_codec
+    from ddiloco.messages import Update
+
+    codec = get_codec("fp32")
+    shapes = {t.name: t.shape for t in syncer.spec.tensors}
+    payload = {name: codec.encode(torch.full(shapes[name], value)) for name in syncer.plan.fragments[fragment]}
+    return Update(learner_id, fragment, syncer.versions[fragment], inner_step, inner_step, 10 * inner_step, "fp32",
+                  payload)
+
+
 # ---- the protocol's tests (tests/unit/test_protocol*.py) ------------------------------------------------
 
 FP32 = dict(codec="fp32", downlink_codec="fp32")

@@ -16,7 +16,6 @@ import torch
 
 from ddiloco.checkpoint import WriteTrouble
 from ddiloco.clock import VirtualClock
-from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import Commit, Join, Rejected, RejectReason, RoundRecord, Send, Update
 from ddiloco.metrics import JsonlSink, MemorySink, NullSink
@@ -25,7 +24,7 @@ from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore
 from ddiloco.syncer import STORAGE_RETRY_S, Syncer, replay_rounds
-from tests.helpers import TinyNet, params_of
+from tests.helpers import TinyNet, filled_update, params_of
 
 CONFIG = DilocoConfig(num_fragments=2, fragment_strategy="strided", codec="fp32", sync_every=4)
 QUORUM = QuorumConfig(min_quorum=1, grace="none")
@@ -47,14 +46,6 @@ class FlakyJournal:
         self.records.append(record)
 
 
-def _update(syncer: Syncer, learner_id: int, fragment: int, *, inner_step: int, value: float = 1e-3) -> Update:
-    codec = get_codec("fp32")
-    shapes = {t.name: t.shape for t in syncer.spec.tensors}
-    payload = {name: codec.encode(torch.full(shapes[name], value)) for name in syncer.plan.fragments[fragment]}
-    return Update(learner_id, fragment, syncer.versions[fragment], inner_step, inner_step, 10 * inner_step, "fp32",
-                  payload)
-
-
 def _rejections(actions) -> list[Rejected]:
     return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Rejected)]
 
@@ -63,11 +54,11 @@ def test_a_round_that_cannot_be_made_durable_changes_nothing_and_the_next_one_co
     journal = FlakyJournal()
     syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)), journal=journal)
     syncer.receive(Join(0, syncer.spec, CONFIG.fingerprint()), 0.0)
-    assert [a for a in syncer.receive(_update(syncer, 0, 0, inner_step=4), 1.0) if isinstance(a, Commit)]
+    assert [a for a in syncer.receive(filled_update(syncer, 0, 0, inner_step=4), 1.0) if isinstance(a, Commit)]
     before, outer_before = syncer.global_params(), syncer.outer.state_dict()
 
     journal.full = True
-    actions = syncer.receive(_update(syncer, 0, 1, inner_step=8), 2.0)
+    actions = syncer.receive(filled_update(syncer, 0, 1, inner_step=8), 2.0)
     assert not [a for a in actions if isinstance(a, Commit)]
     (rejected,) = _rejections(actions)
     assert rejected.reason == RejectReason.UNAVAILABLE and "No space left" in rejected.detail
@@ -80,13 +71,13 @@ def test_a_round_that_cannot_be_made_durable_changes_nothing_and_the_next_one_co
 
     # While the disk is full, updates are refused without another try at the journal.
     attempts = journal.attempts
-    (refused,) = _rejections(syncer.receive(_update(syncer, 0, 1, inner_step=12), 2.0 + STORAGE_RETRY_S / 2))
+    (refused,) = _rejections(syncer.receive(filled_update(syncer, 0, 1, inner_step=12), 2.0 + STORAGE_RETRY_S / 2))
     assert refused.reason == RejectReason.UNAVAILABLE and journal.attempts == attempts
     assert syncer.rejection_counts["unavailable"] == 2
 
     # Space is back: the next round after the retry time is round 1, from the same base, with all the steps.
     journal.full = False
-    actions = syncer.receive(_update(syncer, 0, 1, inner_step=16), 2.0 + STORAGE_RETRY_S)
+    actions = syncer.receive(filled_update(syncer, 0, 1, inner_step=16), 2.0 + STORAGE_RETRY_S)
     (commit,) = [a for a in actions if isinstance(a, Commit)]
     assert (commit.record.round_index, commit.record.fragment, commit.record.version) == (1, 1, 1)
     assert commit.record.participants[0].steps == 16
@@ -127,7 +118,7 @@ def test_the_service_refuses_updates_with_a_reason_while_the_disk_is_full_and_th
     def push(fragment: int) -> tuple[bool, str, str]:
         nonlocal step
         step += 4
-        return service.update(_update(syncer, 0, fragment, inner_step=step))
+        return service.update(filled_update(syncer, 0, fragment, inner_step=step))
 
     assert push(0)[0] and push(1)[0]
     store.full = True
@@ -164,15 +155,15 @@ def test_an_append_that_fails_halfway_leaves_the_log_as_it_was(tmp_path, monkeyp
     syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)), journal=SyncerStore(tmp_path))
     log = RoundLog(tmp_path)
     syncer.receive(Join(0, syncer.spec, CONFIG.fingerprint()), 0.0)
-    syncer.receive(_update(syncer, 0, 0, inner_step=4), 1.0)
+    syncer.receive(filled_update(syncer, 0, 0, inner_step=4), 1.0)
     good = log.path.read_bytes()
     with monkeypatch.context() as patch:
         _half_write_then_full(patch)
-        (rejected,) = _rejections(syncer.receive(_update(syncer, 0, 1, inner_step=8), 2.0))
+        (rejected,) = _rejections(syncer.receive(filled_update(syncer, 0, 1, inner_step=8), 2.0))
     assert rejected.reason == RejectReason.UNAVAILABLE
     assert log.path.read_bytes() == good  # no torn half line for the next append to follow
     assert not log.tensors_path(1).exists() and not list(log.tensor_dir.glob(".*.tmp"))
-    syncer.receive(_update(syncer, 0, 1, inner_step=12), 2.0 + STORAGE_RETRY_S)
+    syncer.receive(filled_update(syncer, 0, 1, inner_step=12), 2.0 + STORAGE_RETRY_S)
     assert [r.round_index for r in log.records()] == [0, 1]
 
 
@@ -230,8 +221,8 @@ def test_the_update_that_closes_a_round_is_logged_right_after_the_round_is_durab
     syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)))
     service = SyncerService(run_config, syncer, WatchedStore(tmp_path, sink), sink=sink, clock=VirtualClock())
     assert not isinstance(service.join(Join(0, syncer.spec, CONFIG.fingerprint()), CONFIG.to_dict(), "test"), str)
-    assert service.update(_update(syncer, 0, 0, inner_step=4))[0]
-    stale = _update(syncer, 0, 0, inner_step=8)
+    assert service.update(filled_update(syncer, 0, 0, inner_step=4))[0]
+    stale = filled_update(syncer, 0, 0, inner_step=8)
     stale = Update(0, 0, stale.base_version - 1, 8, 8, 80, "fp32", stale.payload)  # on a version since replaced
     assert not service.update(stale)[0]
     service.close()
@@ -263,11 +254,11 @@ def test_an_update_arriving_while_another_finishes_does_not_make_it_logged_twice
     syncer = Syncer(CONFIG, QUORUM, initial_params=params_of(TinyNet(seed=100)))
     service = SyncerService(run_config, syncer, SyncerStore(tmp_path), sink=sink, clock=VirtualClock())
     assert not isinstance(service.join(Join(0, syncer.spec, CONFIG.fingerprint()), CONFIG.to_dict(), "test"), str)
-    second = _update(syncer, 0, 1, inner_step=8)
+    second = filled_update(syncer, 0, 1, inner_step=8)
     second = Update(0, 1, 7, 8, 8, 80, "fp32", second.payload)  # on a version fragment 1 never had: rejected
     verdicts = []
     sink.then = lambda: verdicts.append(service.update(second))
-    assert service.update(_update(syncer, 0, 0, inner_step=4))[0]
+    assert service.update(filled_update(syncer, 0, 0, inner_step=4))[0]
     service.close()
     assert [accepted for accepted, _, _ in verdicts] == [False]
     lines = [(e["fragment"], e["inner_step"], e["accepted"]) for e in sink.events if e["kind"] == "update"]

@@ -137,6 +137,10 @@ class SyncerService:
         self._status_writes = WriteTrouble(str(self.status_path))
         if syncer is not None:
             self._adopt(syncer)
+            # The next full state comes full_state_every_rounds after the newest one on disk, not after this process's
+            # start: a syncer restarted every few dozen rounds would otherwise never write one, and each restart would
+            # replay every round since the last (`tests/unit/test_restart_full_state.py`).
+            self._rounds_at_save = (restored or Restored()).state_rounds
 
     def _adopt(self, syncer: Syncer) -> None:
         syncer.journal = self  # every round durable in the run directory (`commit`) before the core changes state

@@ -11,7 +11,7 @@ Layout in the run directory:
                                           rounds committed, per-learner merged versions (+ counters)
 
 Every round is made durable (its tensors, then its line, each fsynced) before the service sends its
-result to any learner. A full state is written at start, every `full_state_every_rounds` rounds and
+result to any learner. A full state is written with the genesis, every `full_state_every_rounds` rounds and
 at a clean stop; it costs the whole model plus its momentum, so it is not written every round.
 Once a full state is written, the tensors files of the rounds before the older of the two kept states are
 removed (their lines stay): a restart replays from one of those states, so the files are needed only for a replay
@@ -306,9 +306,9 @@ class SyncerStore:
         lines = self.log.numbered_lines()
         if len(lines) < restored.state_rounds:
             raise ValueError(self._shorter_than_state(len(lines), restored.state_rounds))
-        records = [self.log.record(line) for line in lines[restored.state_rounds:]]
-        replay_onto(syncer, records)
-        restored.replayed = len(records)
+        for line in lines[restored.state_rounds:]:  # one round's tensors in memory at a time
+            replay_onto(syncer, [self.log.record(line)])
+            restored.replayed += 1
         if repair:
             self.log.repair()
         return restored
