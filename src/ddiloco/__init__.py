@@ -27,15 +27,20 @@ _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {
     "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
     "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.inprocess",
-    "LearnerEnvironment": "ddiloco.environment", "RefusedError": _SESSION, "Session": _SESSION,
-    "UnreachableError": _SESSION,
-    "environment": "ddiloco.environment",
+    "RefusedError": _SESSION, "Session": _SESSION, "UnreachableError": _SESSION,
     "session": "ddiloco.session_setup", "Watcher": _EVALUATOR, "watch": _EVALUATOR,
 }
 """Public name -> the module that owns it. Imported on first use, so `import ddiloco` (and the `ddiloco`
 command's --help) does not pay for importing torch."""
 
-__all__ = sorted(_EXPORTS)
+# `environment` and `LearnerEnvironment` are bound now, not on first use: the submodule `ddiloco.environment` has the
+# function's name, and the first import of it (by `ddiloco.session`, say) set the package's attribute to the module,
+# so `ddiloco.environment()` then raised "'module' object is not callable". Imported here first, the name stays the
+# function's (the module needs the standard library only).
+from ddiloco.environment import LearnerEnvironment as LearnerEnvironment  # noqa: E402 (after the fork setting)
+from ddiloco.environment import environment as environment  # noqa: E402
+
+__all__ = sorted([*_EXPORTS, "LearnerEnvironment", "environment"])
 
 
 def __getattr__(name: str):

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
     (("session", ("ddiloco.learner_session", "ddiloco.session_setup", "ddiloco.session_transport",
                   "ddiloco.session_lifecycle", "ddiloco.learner_status", "ddiloco.learner_checkpoint",
                   "ddiloco.follower_session", "ddiloco.learner_group", "ddiloco.sharded_state", "ddiloco.evaluator",
-                  "ddiloco.train_tinygpt", "ddiloco.environment", "ddiloco.work_ledger", "ddiloco.inprocess",
+                  "ddiloco.train_tinygpt", "ddiloco.work_ledger", "ddiloco.inprocess",
                   "ddiloco.model_buffers", "ddiloco.step_arguments", "ddiloco.optimizer_restore")),),
     (("learner rules", ("ddiloco.learner_rules",)),),
     (("learner core", ("ddiloco.learner", "ddiloco.publisher", "ddiloco.fragment_access", "ddiloco.round_schedule",
@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",
                           "ddiloco.interrupts", "ddiloco.launcher_watch", "ddiloco.non_finite",
                           "ddiloco.rank_failures", "ddiloco.stdout_pipe")),),
-    (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks")),),
+    (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks", "ddiloco.environment")),),
 )
 """Top to bottom. A module may import its own group and any lower layer; groups side by side in one layer (the
 learner core, the syncer core and the transport; the runtime, the harness and the planner) never import each
