@@ -88,3 +88,17 @@ def test_a_start_that_ran_a_process_keeps_its_directory_and_says_how_to_retry(tm
     assert "address already in use" in RunPaths(run_dir).log("syncer").read_text()
     assert (run_dir / "config.json").is_file()
     assert f"retry it with: ddiloco run --resume {run_dir}\n" in capsys.readouterr().out
+
+
+def test_joining_no_cluster_says_how_to_get_one_in_ddiloco_s_own_flags(monkeypatch):
+    # Ray's own advice named `--address`, a flag of `ray`'s CLI that `ddiloco run` has not.
+    pytest.importorskip("ray")
+    from ddiloco.runtime.ray_cluster import RayCluster
+    from ddiloco.runtime.ray_options import RayOptions
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError) as refused:
+        RayCluster(RayOptions(address="auto")).start(cpus_needed=1)
+    message = str(refused.value)
+    assert message.startswith(JOIN_ERROR) and "--address" not in message, message
+    assert "ray start --head" in message and "--ray HOST:PORT" in message, message

@@ -38,6 +38,17 @@ LOCAL_ADDRESS = "local"
 `/tmp/ray/ray_current_cluster`) says."""
 
 
+RAY_JOIN_HELP = ("start one with `ray start --head` on this machine, give its address as --ray HOST:PORT, or use "
+                 "--ray alone for a Ray instance of the run's own")
+"""How to get a cluster to join, in `ddiloco run`'s flags."""
+
+
+def _ray_words(exc: Exception) -> str:
+    """Ray's reason without its advice, which names flags of `ray`'s own CLI (`--address`) that `ddiloco run` has
+    not."""
+    return str(exc).split(" Please specify", 1)[0].rstrip(".")
+
+
 def descendants(root: int) -> dict[int, int]:
     """Every live descendant of `root`: pid -> start time."""
     children: dict[int, list[int]] = {}
@@ -93,7 +104,8 @@ class RayCluster:
             try:
                 ray.init(address=self.options.address, **quiet)
             except ConnectionError as exc:
-                raise ValueError(f"--ray {self.options.address}: cannot join the Ray cluster: {exc}") from None
+                raise ValueError(f"--ray {self.options.address}: cannot join the Ray cluster: {_ray_words(exc)} "
+                                 f"({RAY_JOIN_HELP})") from None
         finally:
             if sigterm is not None:
                 signal.signal(signal.SIGTERM, sigterm)
