@@ -136,10 +136,37 @@ def test_standbys_that_keep_dying_make_the_pool_give_up_rather_than_loop(tmp_pat
             pool.fill()
             time.sleep(0.05)
         assert len(pool.pids) == 3 and "3 standbys in a row exited" in pool.gave_up
-        assert "No module named 'no_such_module_anywhere'" in (tmp_path / "logs" / "standby-3.log").read_text()
+        # Each replaced a dead one, under its name: one log, appended to.
+        log = (tmp_path / "logs" / "standby-1.log").read_text()
+        assert log.count("No module named 'no_such_module_anywhere'") == 3
+        assert [path.name for path in (tmp_path / "logs").iterdir()] == ["standby-1.log"]
         pool.fill()
         assert len(pool.pids) == 3  # no more starts
         assert pool.hand_out("role", [sys.executable, "-m", "json.tool", "--help"]) is None
+    finally:
+        pool.close()
+    assert not [pid for pid in pool.pids if process_group_alive(pid)]
+
+
+def test_replacements_take_the_lowest_free_name_so_a_pool_keeps_its_size_in_names_and_logs(tmp_path):
+    # A long run with `--standby-learners 2` whose learners are killed again and again: one log per restart before.
+    launcher = Launcher(LaunchConfig(run_dir=tmp_path, num_learners=1, threads=1, use_token=False))
+    started = []
+    pool = StandbyPool(launcher, size=2, name="standby", preload=(), threads=1, refill_delay_s=0.0,
+                       on_start=started.append, nice=0)
+    hand_outs = 3
+    try:
+        for index in range(hand_outs):
+            pool.fill()
+            child = pool.hand_out(f"role-{index}", [sys.executable, "-m", "json.tool", "--help"])
+            assert child is not None and child.popen.wait(timeout=WAIT_S) == 0
+        pool.fill()
+        names = [standby.name for standby in started]
+        assert len(names) == 2 + hand_outs and set(names) == {"standby-1", "standby-2"}, names
+        assert sorted(path.name for path in (tmp_path / "logs").glob("standby-*")) == ["standby-1.log",
+                                                                                      "standby-2.log"]
+        assert sum(path.read_text().count("waiting for a role") for path in (tmp_path / "logs").glob("standby-*")) \
+            >= hand_outs  # every standby that ran a role had logged there first
     finally:
         pool.close()
     assert not [pid for pid in pool.pids if process_group_alive(pid)]

@@ -12,7 +12,9 @@ are already done.
 `StandbyPool` keeps `size` of them for one kind of role (learners, data-parallel ranks), started by the
 `Launcher` like every child (own process group, death with the launcher, thread-limited OpenMP).
 `hand_out()` runs a role in one that is still alive; the pool starts its replacement `refill_delay_s`
-later, so the new standby's imports do not compete with the restarted process's own start. A standby
+later, so the new standby's imports do not compete with the restarted process's own start. The replacement
+takes the lowest free name (`NAME-1` ... `NAME-size`), so a long run's restarts append to those logs rather
+than add one per restart. A standby
 imports at a lower CPU priority (`--nice`, `DEFAULT_NICE`) where it may take the normal priority back
 (root, or RLIMIT_NICE): on cores busy training, its imports then use idle time rather than the
 learners'; the role's arrival restores the priority of every thread at once. A standby that keeps dying
@@ -259,11 +261,19 @@ class StandbyPool:
                             f"exit {child.returncode}); restarts are cold from now on; see {child.log_path}")
             logger.warning("[%s] %s", self.name, self.gave_up)
 
+    def _free_name(self) -> str:
+        """`NAME-K` with the lowest K from 1 that no waiting standby holds: a pool of `size` keeps its names, and so
+        its logs (`logs/NAME-K.log`, appended to), within 1..size however many standbys it uses up. A standby handed
+        out is its role's child from then on (its output goes to the role's log), and one that died waits no more:
+        neither holds its name."""
+        held = {child.name for child in self._waiting}
+        return next(name for k in range(1, len(held) + 2) if (name := f"{self.name}-{k}") not in held)
+
     def _start_one(self) -> None:
         argv = [sys.executable, "-m", STANDBY_MODULE, "--nice", str(self.nice)]
         for module in self.preload:
             argv += ["--preload", module]
-        child = self.launcher.start(f"{self.name}-{len(self.pids) + 1}", argv, self.threads, stdin_pipe=True)
+        child = self.launcher.start(self._free_name(), argv, self.threads, stdin_pipe=True)
         self.pids.append(child.pid)
         self._waiting.append(child)
         self._on_start(child)

@@ -57,7 +57,11 @@ class SupervisorConfig:
     stable_after_s: float = 30.0
     """A child that ran at least this long before it died restarts with the initial delay again."""
     max_restarts: int = 100
-    """Restarts of one child after which it is given up as failed (a crash loop, not a fault)."""
+    """Restarts in a row of one child that each failed within `stable_after_s` of their start after which it is
+    given up as failed: a crash loop, not a fault (`Slot.count_exit`). A run of at least `stable_after_s` starts the
+    count again, and a death by a signal (`kill -9`, the OOM killer, a preemption) is a fault and does not count, so a
+    long run whose children are killed now and then is never given up. Bounds the syncer and the evaluator too, which
+    have no `CrashLoop`; the Ray supervisor hands it to Ray, which counts every restart of an actor's life."""
     max_exits_before_session: int = 3
     """Starts in a row of one learner that exited with an error before its training session began (before it
     wrote its status file: a script that fails at import, a model that cannot be built) after which it is given
@@ -127,6 +131,10 @@ class Slot:
     state: ChildState = ChildState.PENDING
     process: ChildProcess | None = None
     restarts: int = 0
+    """Every restart of this role so far (the table and the summary show it)."""
+    failed_in_a_row: int = 0
+    """Exits in a row that failed within `SupervisorConfig.stable_after_s` of their start (`count_exit`): what
+    `SupervisorConfig.max_restarts` bounds."""
     restart_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)
     reason: str = ""
@@ -135,7 +143,8 @@ class Slot:
     held_until: float | None = None
     """Monotonic time before which it is not restarted (`Supervisor.hold`)."""
     starting_since: float = 0.0
-    """When the syncer's current process was started or took over (its start timeout runs from here)."""
+    """Monotonic time when the current process was started (the syncer's: or took over): its run's length, and the
+    syncer's start timeout, run from here."""
     crash_loop: CrashLoop = field(default_factory=CrashLoop)
     """A learner's failed exits so far, as the crash-loop rules count them."""
     outside_stop_step: int | None = None
@@ -145,3 +154,21 @@ class Slot:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None and self.process.returncode is None else None
+
+    def count_exit(self, code: int, ran_for_s: float, *, stable_after_s: float) -> None:
+        """Count an exit with `code` of a process that ran `ran_for_s` seconds into `failed_in_a_row`: a run of at
+        least `stable_after_s` starts the count again; a shorter one that ended by a signal (code < 0, as
+        `learner_exits` tells a signal) is a fault and leaves the count as it is; any other exit counts one."""
+        if ran_for_s >= stable_after_s:
+            self.failed_in_a_row = 0
+        elif code >= 0:
+            self.failed_in_a_row += 1
+
+    def restarts_exhausted(self, max_restarts: int, stable_after_s: float) -> str | None:
+        """Why this role is given up after its last exit, counted (`count_exit`), or None: more starts in a row
+        failed within `stable_after_s` of their start than `max_restarts` (a first failure, then `max_restarts`
+        restarts that failed too)."""
+        if self.failed_in_a_row <= max_restarts:
+            return None
+        return (f"after {self.failed_in_a_row} starts in a row that each failed within {stable_after_s:g} s of "
+                "their start")

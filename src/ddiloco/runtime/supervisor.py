@@ -18,7 +18,10 @@ One bounded poll loop (`SupervisorConfig.poll_interval_s`), no other waiting:
   restarted like a crash: the syncer is this machine's own, and on its way back.
 - A learner in a crash loop is given up as failed, with its log's last line as the reason
   (`learner_exits.CrashLoop`): starts in a row that fail before their session, or restarts in a row that fail
-  without training past the furthest step reached.
+  without training past the furthest step reached. Any child, the syncer included, is given up once more than
+  `max_restarts` starts in a row failed within `stable_after_s` of their start (`Slot.count_exit`: a death by a
+  signal is a fault and does not count, a stable run starts the count again), so that a long run whose children
+  are killed now and then goes on.
 - With `standby_learners` > 0 it keeps that many warm learner processes (`ddiloco.runtime.standby`:
   torch and the learner's modules imported, waiting for a role); a restart runs in one when one is
   waiting, so it costs no interpreter start and no imports (first starts are cold).
@@ -268,18 +271,27 @@ class Supervisor(SupervisionLoop):
                 logger.warning("[syncer] no syncer.json after %.0f s: killing it",
                                self.config.syncer_start_timeout_s)
                 slot.process.stop(self.config.learner_stop_timeout_s)
-                self._syncer_exited(slot.process.returncode or -1, now)
+                self._syncer_exited(slot.process.returncode or -1, now, never_served=True)
 
-    def _syncer_exited(self, code: int, now: float) -> None:
+    def _syncer_exited(self, code: int, now: float, *, never_served: bool = False) -> None:
+        """The syncer's process exited with `code` (`never_served`: killed because it did not serve within
+        `syncer_start_timeout_s`): give up, let the standby take over, or restart it."""
         slot = self.syncer
         assert slot.process is not None
         slot.exit_codes.append(code)
+        if never_served:
+            slot.failed_in_a_row += 1  # our own kill, not a fault; a failed start however long it took
+        else:
+            slot.count_exit(code, now - slot.starting_since, stable_after_s=self.config.stable_after_s)
         tail = slot.process.log_tail()
         self._emit("exited", slot, f"exited with {describe_exit_with(code, tail)}", exit_code=code,
                    log_tail=tail)
-        if code in (EXIT_USAGE, EXIT_REFUSED) or slot.restarts >= self.config.max_restarts:
+        exhausted = slot.restarts_exhausted(self.config.max_restarts, self.config.stable_after_s)
+        if code in (EXIT_USAGE, EXIT_REFUSED) or exhausted is not None:
             slot.state = ChildState.FAILED
             slot.reason = reason_line(tail) if tail else describe_exit(code)
+            if exhausted is not None:
+                slot.reason += f" ({exhausted})"
             self.failure = f"the syncer cannot run: {slot.reason}"
             self._emit("failed", slot, self.failure, exit_code=code)
             return
@@ -302,6 +314,7 @@ class Supervisor(SupervisionLoop):
         if code is None:
             return
         slot.exit_codes.append(code)
+        slot.count_exit(code, now - slot.starting_since, stable_after_s=self.config.stable_after_s)
         lines = slot.process.log_tail(EXIT_LOG_LINES)
         tail = lines[-RECENT_LINES:]
         status = self._status_since_start(slot) if start is None else {}  # start is None: a learner
@@ -335,9 +348,9 @@ class Supervisor(SupervisionLoop):
     def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
                         ) -> str | None:
         """Why a child that exited with a failure is not restarted, or None to restart it: a usage error, too many
-        restarts, or (a learner, the evaluator) a crash loop (`learner_exits.CrashLoop`, which this call counts; the
-        evaluator's "session" is its first evaluation, the first write of its status file). A failed evaluator ends
-        nothing else: the run goes on without evaluations."""
+        failed starts in a row (`Slot.restarts_exhausted`), or (a learner, the evaluator) a crash loop
+        (`learner_exits.CrashLoop`, which this call counts; the evaluator's "session" is its first evaluation, the
+        first write of its status file). A failed evaluator ends nothing else: the run goes on without evaluations."""
         if code == EXIT_USAGE and tail:
             return reason_line(tail)
         slot.crash_loop.count(code, self._status_since_start(slot))
@@ -347,9 +360,10 @@ class Supervisor(SupervisionLoop):
             max_without_progress=self.config.max_exits_without_progress)
         if reason is not None:
             return reason
-        if code == EXIT_USAGE or slot.restarts >= self.config.max_restarts:
-            return f"{describe_exit(code)} after {slot.restarts} restarts"
-        return None
+        if code == EXIT_USAGE:
+            return describe_exit(code)
+        exhausted = slot.restarts_exhausted(self.config.max_restarts, self.config.stable_after_s)
+        return f"{describe_exit(code)} {exhausted}" if exhausted is not None else None
 
     def _status_since_start(self, slot: Slot) -> dict[str, Any]:
         """The learner's (or the evaluator's) status file if its current process wrote it (a stale one from an earlier
@@ -372,6 +386,7 @@ class Supervisor(SupervisionLoop):
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None
+        slot.starting_since = slot.process.started_at
         self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid, restarts=slot.restarts)
 
     def _start_learner(self, slot: Slot) -> None:
@@ -391,6 +406,7 @@ class Supervisor(SupervisionLoop):
         slot.pids.append(slot.process.pid)
         slot.state = ChildState.RUNNING
         slot.restart_at = None
+        slot.starting_since = slot.process.started_at
         how = ", in a warm standby" if warm is not None else ""
         self._emit("started", slot, f"started (pid {slot.process.pid}{how})", pid=slot.process.pid,
                    restarts=slot.restarts, standby=warm is not None)
@@ -411,7 +427,8 @@ class Supervisor(SupervisionLoop):
 
     def _schedule_restart(self, slot: Slot, now: float) -> None:
         assert slot.process is not None
-        delay = slot.backoff.after_run(now - slot.process.started_at)
+        # From `starting_since`, not the process's start: a syncer's standby ran long before it took over.
+        delay = slot.backoff.after_run(now - slot.starting_since)
         slot.restarts += 1
         slot.restart_at = max(now + delay, slot.held_until or now)
         slot.state = ChildState.BACKOFF
