@@ -147,10 +147,20 @@ def describe_outside_stop(status: dict[str, Any]) -> str:
     return f"stopped{at} by a signal ddiloco run did not send: restarted from its checkpoint"
 
 
+NO_SESSION = ("done, but without a ddiloco session: the script exited with status 0 before it called "
+              "ddiloco.session, so it trained nothing here (does it call its main()? docs/your_model.md); not "
+              "restarted")
+"""How a learner that exited with status 0 and never wrote its status file ends: a script whose `main()` is defined
+and never called ended the run `completed: 0 rounds committed` with every learner `exited (done)`."""
+
+
 def describe_done(status: dict[str, Any]) -> str:
     """How a learner that exited with status 0 and is done ended, from its status (`status_since`): `done`, or, when
-    its own loop ended before the run's budget (its session says `stopped`), at which step of how many. Not restarted
-    either way: the script ended its loop itself, and a restart would run the same script to the same end."""
+    its own loop ended before the run's budget (its session says `stopped`), at which step of how many, or, without a
+    status (its process never opened a session), `NO_SESSION`. Not restarted either way: the script ended itself, and
+    a restart would run the same script to the same end."""
+    if not status:
+        return NO_SESSION
     where = _before_budget(status)
     if where is not None:
         return f"done: its loop ended at inner step {where[0]} of {where[1]}, before the budget; not restarted"
