@@ -109,7 +109,8 @@ def run(tmp_path_factory):
     run_dir = base / "run"
     procs = Processes(base / "logs")
     try:
-        syncer = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS)
+        # --round-files all: a test replays the whole round log from the genesis.
+        syncer = procs.start("syncer", "syncer", "--run-dir", str(run_dir), *RUN_FLAGS, "--round-files", "all")
         info = wait_until(lambda: read_json(run_dir / "syncer.json"), "syncer.json", alive=[syncer])
         address = info["address"]
         control = control_path(base / "control")

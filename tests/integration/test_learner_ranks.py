@@ -38,8 +38,9 @@ FINAL = re.compile(r"learner (\d+) rank (\d+) final \{'val_loss': ([0-9.e-]+)\}"
 
 
 def start_run(run_dir: Path, inner_steps: int, *script_args: str, learners: int = 2) -> subprocess.Popen:
+    # --round-files all: the tests replay the whole round log from the genesis.
     return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *FAST,
-                             "--learners", str(learners),
+                             "--learners", str(learners), "--round-files", "all",
                              "--inner-steps", str(inner_steps), "--", sys.executable, "examples/ddp.py", *script_args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -250,7 +250,8 @@ def test_real_run_satisfies_rounds_replay_and_processes_and_a_tampered_round_fai
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), "--no-progress",
                               *TINY_MODEL_FLAGS, "--learners", "2", "--inner-steps", "60", "--num-fragments", "2",
-                              "--sync-every", "8", "--threads", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              "--sync-every", "8", "--threads", "1", "--round-files", "all"],  # a genesis replay
+                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out = popen.communicate(timeout=RUN_WAIT_S)[0]
