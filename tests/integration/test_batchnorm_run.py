@@ -65,6 +65,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.acceptance  # 23 s: the default suite's time
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_path):
     script = tmp_path / "bn.py"

@@ -52,6 +52,7 @@ def encoded(codec: str, numels: dict[str, int]) -> int:
     return sum(get_codec(codec).encoded_nbytes(n) for n in numels.values())
 
 
+@pytest.mark.acceptance  # 13 s: the default suite's time
 def test_frozen_layers_cost_no_bytes_and_keep_their_values(tmp_path):
     script = tmp_path / "frozen.py"
     script.write_text(SCRIPT)

@@ -137,6 +137,7 @@ def test_syncer_kill9_and_restart_loses_and_repeats_no_committed_round(tmp_path,
         assert status["state"] == "stopped" and status["bytes_sent"] > 0 and status["bytes_received"] > 0
 
 
+@pytest.mark.acceptance  # 17 s: the default suite's time (the chaos runs' hang faults cover it there too)
 @pytest.mark.timeout(300)  # several processes: minutes when the machine is loaded
 def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs):
     run_dir = tmp_path / "run"
