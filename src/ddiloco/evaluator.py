@@ -48,7 +48,7 @@ from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.checks import invalid
 from ddiloco.fragments import FragmentPlan, embedding_names
-from ddiloco.interrupts import SIGNAL_CHECK_S
+from ddiloco.interrupts import SIGNAL_CHECK_S, StopFlag
 from ddiloco.launcher_watch import watch_launcher
 from ddiloco.learner_group import unwrap
 from ddiloco.learner_session import RefusedError, UnreachableError
@@ -139,7 +139,7 @@ class Watcher:
         self._buffers: dict[str, torch.Tensor] = {}
         """The buffers the latest evaluation loaded."""
         self.sink = sink or (run_dir_sink(self.directory) if self.directory is not None else NullSink())
-        self._stop = threading.Event()
+        self._stop = StopFlag()
         self.evaluations = 0
         self.latest: dict[str, float] = {}
         self.rounds = -1

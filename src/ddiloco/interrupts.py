@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 SIGNAL_CHECK_S = 0.2
@@ -35,7 +36,8 @@ second)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """The signals besides SIGINT that ask a command to stop, as `ddiloco run` treats them."""
 
-_received = threading.Event()
+_received = False
+"""A SIGINT arrived inside `watched()`: a plain flag, which a handler sets without a lock (`StopFlag`)."""
 _deferred: list[int] | None = None
 """Inside `deferred()`: the signals that came meanwhile (raised at its end); None outside."""
 
@@ -63,7 +65,8 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
 
 
 def _on_sigint(signum: int, frame: object) -> None:
-    _received.set()
+    global _received
+    _received = True
     _raise(signum)
 
 
@@ -86,7 +89,8 @@ def watched() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _received.clear()
+    global _received
+    _received = False
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         yield
@@ -133,10 +137,48 @@ def deferred() -> Iterator[None]:
 
 def received() -> bool:
     """A SIGINT arrived inside `watched()`."""
-    return _received.is_set()
+    return _received
 
 
-def wait_for(event: threading.Event) -> None:
+def wait_for(event: threading.Event | StopFlag) -> None:
     """`event.wait()` that lets this (main) thread run the signal handlers that fall due meanwhile."""
     while not event.wait(SIGNAL_CHECK_S):
         pass
+
+
+class StopFlag:
+    """A flag that turns true once, which a signal handler may set: `threading.Event`'s `set`, `is_set` and `wait`, but
+    a `set()` that never waits for a lock.
+
+    A handler runs on the main thread wherever that thread is, inside a lock's `acquire` too. `Event.set` takes the
+    event's lock, which the main thread holds for a few bytecodes in every `Event.wait`; a SIGTERM handled there waits
+    for that lock on the thread that holds it, for ever (and so does any other thread that sets the event after it).
+    `set()` here sets the flag, then wakes the waiters only if it can take their lock at once (it is reentrant: a
+    handler that interrupted a waiter on its own thread takes it); a waiter it could not wake sees the flag at the end
+    of its current slice of `SIGNAL_CHECK_S`."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._cond = threading.Condition(threading.RLock())
+
+    def set(self) -> None:
+        self._set = True
+        if self._cond.acquire(blocking=False):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether the flag is set, once it is or `timeout_s` passed (None: no bound)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while not self._set:
+                left = SIGNAL_CHECK_S if deadline is None else min(SIGNAL_CHECK_S, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return self._set

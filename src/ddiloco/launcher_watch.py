@@ -10,7 +10,10 @@ reads them), and a session or `ddiloco.watch` started with them runs a `Launcher
 every `LAUNCHER_POLL_S` whether that process still lives. Once it is gone the watch asks for the stop a SIGTERM asks
 for (`done` turns true after the current step; the session checkpoints and leaves), from any thread, and ends the
 process if the session has not ended `LAUNCHER_GONE_EXIT_S` later (a loop that never reaches its next `step()`, a
-stop that hangs). A process started without them (by hand, by torchrun, by a scheduler) is not watched.
+stop that hangs). That bound is kept by a second thread, started with the first, so it holds even when the call that
+asks for the stop never returns (a learner once hung so, with its main thread stuck in its own SIGTERM handler), and
+it ends the process without logging (a lock of `logging` may be what is stuck). A process started without them (by
+hand, by torchrun, by a scheduler) is not watched.
 
 This module owns that watch and how a process is told apart from a later one with the same pid
 (`process_start_time`); what a stop does is the session's.
@@ -18,6 +21,7 @@ This module owns that watch and how a process is told apart from a later one wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -54,8 +58,9 @@ def same_process(pid: int, started: int) -> bool:
 
 class LauncherWatch:
     """Watches the launcher `pid` (started at `started`, `process_start_time`) from a daemon thread; once it is gone,
-    calls `on_gone()` and, `exit_after_s` later, `exit(EXIT_LAUNCHER_GONE)` unless `stop()` was called by then.
-    `stop()`: the session is over, so nothing is left to watch or to end."""
+    calls `on_gone()` and, `exit_after_s` later, `exit(EXIT_LAUNCHER_GONE)` unless `stop()` was called by then, whether
+    `on_gone()` returned or not (another daemon thread keeps that bound). `stop()`: the session is over, so nothing is
+    left to watch or to end."""
 
     def __init__(self, pid: int, started: int, *, name: str, on_gone: Callable[[], None],
                  poll_s: float = LAUNCHER_POLL_S, exit_after_s: float = LAUNCHER_GONE_EXIT_S,
@@ -74,9 +79,14 @@ class LauncherWatch:
         self.gone = threading.Event()
         """Set once the launcher was found gone."""
         self._thread = threading.Thread(target=self._run, name="ddiloco-launcher-watch", daemon=True)
+        self._bound = threading.Thread(target=self._exit_when_overdue, name="ddiloco-launcher-watch-bound",
+                                       daemon=True)
+        """Started now, not once the launcher is gone: starting a thread takes a lock of `threading` that a stuck
+        thread may hold."""
 
     def start(self) -> LauncherWatch:
         self._thread.start()
+        self._bound.start()
         return self
 
     def stop(self) -> None:
@@ -91,11 +101,18 @@ class LauncherWatch:
                        "this process ends itself if it still runs %.0f s from now", self.name, self.pid,
                        self.exit_after_s)
         self.on_gone()
+
+    def _exit_when_overdue(self) -> None:
+        while not self.gone.wait(self.poll_s):
+            if self._stop.is_set():
+                return
         if self._stop.wait(self.exit_after_s):
             return  # the session ended (checkpointed, left): what the script does next is its own
-        logger.error("[%s] its session has not ended %.0f s after its launcher (pid %d) went (a loop that does not "
-                     "reach its next step()): exiting now (the last checkpoint stands)", self.name, self.exit_after_s,
-                     self.pid)
+        line = (f"ERROR [{self.name}] its session has not ended {self.exit_after_s:.0f} s after its launcher (pid "
+                f"{self.pid}) went (a loop that does not reach its next step(), or a stop that hangs): exiting now "
+                "(the last checkpoint stands)\n")
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())  # not logging: its lock may be held by the very thread that is stuck
         self._exit(EXIT_LAUNCHER_GONE)
 
 

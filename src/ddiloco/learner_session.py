@@ -47,7 +47,6 @@ block and SIGTERM handling it shares with `FollowerSession` `ddiloco.session_lif
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,6 +57,7 @@ from torch import nn
 
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.inprocess import InProcessHub
+from ddiloco.interrupts import StopFlag
 from ddiloco.learner import Learner
 from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful, stateful_objects
 from ddiloco.learner_group import LearnerGroup, unwrap
@@ -212,7 +212,8 @@ class Session(SessionLifecycle):
             self.learner.deferred = True
             self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
                                         on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
-        self._stop = threading.Event()
+        self._stop = StopFlag()
+        """Set by `request_stop`, from a signal handler too (a `threading.Event` there could wait for ever)."""
         self.reporter = StatusReporter(self.learner, self.transport, inner_steps=config.inner_steps,
                                        directory=self.directory, every_s=status_every_s, sink=self.sink,
                                        prefix=self.prefix)

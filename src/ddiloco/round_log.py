@@ -88,9 +88,7 @@ class RoundLog:
         For the syncer, once a full state it keeps holds those rounds (`SyncerStore.save`). The first call of a
         process lists the directory; later ones remove only the rounds since the last call."""
         if self._pruned_below is None:
-            held = sorted(int(p.stem.removeprefix("round_")) for p in self.tensor_dir.glob("round_*.safetensors")
-                          if p.stem.removeprefix("round_").isdigit())
-            candidates = [index for index in held if index < round_index]
+            candidates = sorted(index for index in self._held_rounds() if index < round_index)
         else:
             candidates = list(range(self._pruned_below, round_index))
         removed = 0
@@ -105,9 +103,12 @@ class RoundLog:
 
     def first_held(self) -> int | None:
         """The lowest round whose tensors file is present, None without any. Lists the directory."""
-        held = [int(p.stem.removeprefix("round_")) for p in self.tensor_dir.glob("round_*.safetensors")
-                if p.stem.removeprefix("round_").isdigit()]
-        return min(held, default=None)
+        return min(self._held_rounds(), default=None)
+
+    def _held_rounds(self) -> list[int]:
+        """The rounds whose tensors file is present, in no order."""
+        stems = (path.stem.removeprefix("round_") for path in self.tensor_dir.glob("round_*.safetensors"))
+        return [int(stem) for stem in stems if stem.isdigit()]
 
     def _read(self) -> tuple[bytes, int]:
         """The log's whole lines (up to its last newline) and the length of what follows them: a torn last line

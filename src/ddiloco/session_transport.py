@@ -6,7 +6,6 @@ counters); the session's rules never depend on which one carries the messages.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -150,9 +149,9 @@ class GrpcTransport:
         self.io.inbox.wait(timeout_s)
 
     def wake(self) -> None:
-        # Possibly from a signal handler while this very thread holds the inbox's condition: wake it from
-        # another thread so the handler never blocks on it.
-        threading.Thread(target=self.io.inbox.wake, daemon=True).start()
+        # Possibly from a signal handler: the inbox's wake waits for no lock. (Not a thread started to wake it: a
+        # handler that interrupted this thread inside `Thread.start` waited for ever on the lock that holds.)
+        self.io.inbox.wake()
 
     def flush(self, timeout_s: float) -> bool:
         return self.io.flush(timeout_s)

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -104,6 +105,52 @@ def test_without_a_handler_of_the_users_sigterm_only_stops_the_session(syncer, t
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+SIGTERM_INSIDE = """
+import os, signal, sys
+import torch
+from torch import nn
+import ddiloco
+from ddiloco.config import DilocoConfig
+from ddiloco.run_config import RunConfig
+
+syncer, run_dir = sys.argv[1:]
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+config = RunConfig(diloco=DilocoConfig(num_fragments=2, sync_every=4), num_learners=1, inner_steps=1000)
+with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=config, run_dir=run_dir) as sync:
+    while not sync.done:
+        loss = model(torch.randn(8, 4)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        sync.step(tokens=8)
+        if sync.inner_step == 2:
+            # The SIGTERM lands while this thread holds the stop flag's own lock, as it does for a few bytecodes in each
+            # wait on it (a chaos straggler's step) and in each set(): the handler runs at a bytecode boundary inside.
+            with sync._stop._cond:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):
+                    pass
+print(sync.final_state, sync.inner_step, flush=True)
+"""
+
+
+def test_a_sigterm_that_lands_while_the_main_thread_holds_the_stop_flags_lock_still_stops_the_session(syncer,
+                                                                                                      tmp_path):
+    # The handler runs on the main thread wherever that thread is. It set a threading.Event, whose lock the main thread
+    # may hold at that moment: it waited for it on that same thread, for good.
+    popen = subprocess.Popen([sys.executable, "-c", SIGTERM_INSIDE, syncer, str(tmp_path / "run")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = popen.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        out, _ = popen.communicate()
+        pytest.fail(f"the learner hung in its SIGTERM handler (killed after 120 s):\n{out[-3000:]}")
+    assert popen.returncode == 0 and out.splitlines()[-1] == "stopped 2", out[-3000:]
+
+
 def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):
     model, optimizer = model_and_optimizer()
     opened = threading.Event()
@@ -178,6 +225,23 @@ def test_a_watch_stops_once_its_launcher_is_gone_and_exits_after_the_bound():
         launcher.kill()
         launcher.wait()
         assert gone.wait(WAIT_S) and ended.wait(WAIT_S)
+    assert exited == [EXIT_LAUNCHER_GONE]
+
+
+def test_a_watch_exits_after_the_bound_even_when_the_stop_it_asks_for_never_returns():
+    # A learner's stop once hung in its own SIGTERM handler (`interrupts.StopFlag`), and the watch's call into that stop
+    # hung with it: the process ran on for good instead of ending itself 30 s later.
+    exited = []
+    ended = threading.Event()
+    never = threading.Event()
+    with a_process() as launcher:
+        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=never.wait,
+                              poll_s=0.01, exit_after_s=0.05, exit=lambda code: (exited.append(code), ended.set()))
+        watch.start()
+        launcher.kill()
+        launcher.wait()
+        assert ended.wait(WAIT_S), "on_gone() never returned, and the watch never ended the process"
+    never.set()
     assert exited == [EXIT_LAUNCHER_GONE]
 
 

@@ -19,7 +19,6 @@ import shutil
 import signal
 import stat
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -187,7 +186,7 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     if settings.init and genesis is not None:
         logger.warning("[syncer] --init %s ignored: the run already has its genesis", settings.init)
     store = SyncerStore(run_dir, keep_round_files=settings.round_files == "all")
-    stop = threading.Event()
+    stop = interrupts.StopFlag()  # set by a signal handler: a threading.Event there could wait for ever
     _on_stop_signals(stop.set)
     lock = SyncerLock(run_dir)
     syncer, restored = None, Restored()

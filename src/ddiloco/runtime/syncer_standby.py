@@ -22,9 +22,9 @@ the downlink's residual in memory.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
+from ddiloco.interrupts import StopFlag
 from ddiloco.messages import RoundRecord
 from ddiloco.round_log import LOG_DAMAGED, RoundLog
 from ddiloco.run_config import RunConfig
@@ -80,7 +80,7 @@ class LogFollower:
 
 
 def follow_primary(run_dir: str | Path, run_config: RunConfig, lock: SyncerLock,
-                   stop: threading.Event) -> tuple[Syncer | None, Restored] | None:
+                   stop: StopFlag) -> tuple[Syncer | None, Restored] | None:
     """Wait as a standby until the primary is gone (`lock` acquired), following its durable state; then the
     core at the last committed round (None if the run has no genesis yet) and what was restored. None when
     `stop` is set first."""

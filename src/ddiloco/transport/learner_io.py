@@ -113,9 +113,14 @@ class Inbox:
             self._woken = False
 
     def wake(self) -> None:
-        with self._cond:
-            self._woken = True
-            self._cond.notify_all()
+        """End a `wait` now; safe from a signal handler (`ddiloco.interrupts.StopFlag`: it waits for no lock, and a
+        waiter it cannot notify at once sees `_woken` within `SIGNAL_CHECK_S`)."""
+        self._woken = True
+        if self._cond.acquire(blocking=False):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
 
 
 @dataclass
