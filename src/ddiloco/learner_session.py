@@ -271,7 +271,21 @@ class Session(SessionLifecycle):
         return "learner", self._run, self.learner_id
 
     def _open(self) -> None:
-        """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded."""
+        """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded. A start
+        that fails or is interrupted (Ctrl-C while it waits for the syncer) ends as a failed session: its threads go
+        with it, instead of retrying the syncer behind the script (a notebook's next session joined beside them)."""
+        try:
+            self._join()
+        except BaseException:
+            if not self._closed:
+                try:
+                    self._finish("failed", flush=False)
+                except Exception:
+                    logger.exception("[learner %d] its session's start failed, and so did ending it",
+                                     self.learner_id)
+            raise
+
+    def _join(self) -> None:
         self._restore()
         if self._ledger is not None:
             self._ledger.start(inner_step=self.learner.inner_step, shares=fragment_shares(self.learner))

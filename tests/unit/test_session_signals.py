@@ -5,7 +5,9 @@ of the launcher stops a session whose launcher is gone."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -149,6 +151,25 @@ def test_a_sigterm_that_lands_while_the_main_thread_holds_the_stop_flags_lock_st
         out, _ = popen.communicate()
         pytest.fail(f"the learner hung in its SIGTERM handler (killed after 120 s):\n{out[-3000:]}")
     assert popen.returncode == 0 and out.splitlines()[-1] == "stopped 2", out[-3000:]
+
+
+def test_a_start_interrupted_while_it_waits_for_the_syncer_leaves_no_thread_behind(tmp_path):
+    # A Ctrl-C while the session waited for its syncer left its four threads retrying that syncer behind the script:
+    # in a notebook, the next session joined beside them.
+    def interrupt_once_joining():
+        while not any(thread.name == "learner-recv" for thread in threading.enumerate()):
+            threading.Event().wait(0.01)
+        _thread.interrupt_main()
+
+    model, optimizer = model_and_optimizer()
+    threading.Thread(target=interrupt_once_joining, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt), ddiloco.session(model, optimizer, syncer="127.0.0.1:1", learner_id=0,
+                                                           config=RUN, run_dir=tmp_path / "run"):
+        pytest.fail("the session started without a syncer")
+    left = [t.name for t in threading.enumerate() if t.name.startswith("learner-") and t.is_alive()]
+    assert left == []
+    status = json.loads((tmp_path / "run" / "learners" / "0" / "status.json").read_text())
+    assert status["state"] == "failed", status
 
 
 def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):

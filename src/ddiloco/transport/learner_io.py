@@ -231,7 +231,8 @@ class LearnerIO:
         self._outbox.put(_STOP)
         self.client.cancel_subscription()
         for thread in self._threads:
-            thread.join(THREAD_JOIN_S)
+            if thread.is_alive():  # not when the session's start failed before it started them
+                thread.join(THREAD_JOIN_S)
         self.client.close()
         self._drop_queued()
 
