@@ -146,6 +146,16 @@ def wait_for(event: threading.Event | StopFlag) -> None:
         pass
 
 
+def notify_if_free(cond: threading.Condition) -> None:
+    """`cond.notify_all()` if its lock can be taken at once (or is this thread's: it should be reentrant); else
+    nothing. What a signal handler may do to wake waiters (`StopFlag`): they look again at the end of their slice."""
+    if cond.acquire(blocking=False):
+        try:
+            cond.notify_all()
+        finally:
+            cond.release()
+
+
 class StopFlag:
     """A flag that turns true once, which a signal handler may set: `threading.Event`'s `set`, `is_set` and `wait`, but
     a `set()` that never waits for a lock.
@@ -163,11 +173,7 @@ class StopFlag:
 
     def set(self) -> None:
         self._set = True
-        if self._cond.acquire(blocking=False):
-            try:
-                self._cond.notify_all()
-            finally:
-                self._cond.release()
+        notify_if_free(self._cond)
 
     def is_set(self) -> bool:
         return self._set

@@ -42,7 +42,7 @@ import grpc
 from ddiloco.backoff import Backoff
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DEFAULT_CONNECT_TIMEOUT_S
-from ddiloco.interrupts import SIGNAL_CHECK_S
+from ddiloco.interrupts import SIGNAL_CHECK_S, notify_if_free
 from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
@@ -116,11 +116,7 @@ class Inbox:
         """End a `wait` now; safe from a signal handler (`ddiloco.interrupts.StopFlag`: it waits for no lock, and a
         waiter it cannot notify at once sees `_woken` within `SIGNAL_CHECK_S`)."""
         self._woken = True
-        if self._cond.acquire(blocking=False):
-            try:
-                self._cond.notify_all()
-            finally:
-                self._cond.release()
+        notify_if_free(self._cond)
 
 
 @dataclass
