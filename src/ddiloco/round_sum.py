@@ -11,6 +11,8 @@ weight w_i >= 0. With r the first positive weight in that order, c_i = w_i / r (
 reach 1e14, and the sums stay near the size of the values):
 
     RDA tensor:    D = sum of (c_i / n_i) d_i over i with c_i > 0 and n_i > 0     float32, in order
+                   (and c_i / n_i finite in float32: a norm in its subnormal range, below about c_i * 3e-39,
+                   counts as a norm of 0, as its direction would be infinite)
                    N = sum of c_i n_i,  C = sum of c_i                            float64, in order
                    result = D * ((N / C) / ||D||)       (zeros when C = 0 or ||D|| = 0; ||.||: `l2_norm`)
     weighted mean: S = sum of c_i d_i over i with c_i > 0                         float32, in order
@@ -44,6 +46,9 @@ from ddiloco.checks import invalid
 from ddiloco.config import MERGE_METHODS
 from ddiloco.kernel_threads import INLINE, KernelThreads
 from ddiloco.messages import DecodedTensor
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+"""The largest factor a term may have: the kernels round it to float32, where a larger one is infinite."""
 
 
 class RoundSum:
@@ -101,7 +106,7 @@ class RoundSum:
             tensor = tensors[name]
             if self._rda[name]:
                 self._norm_sums[name] += coefficient * (tensor.norm * scale if scale != 1.0 else tensor.norm)
-                if tensor.norm > 0.0:
+                if tensor.norm > 0.0 and coefficient / tensor.norm <= _FLOAT32_MAX:
                     terms.append(self._term(name, tensor.values, coefficient / tensor.norm))
             else:
                 terms.append(self._term(name, tensor.values, coefficient * scale if scale != 1.0 else coefficient))

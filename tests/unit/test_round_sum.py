@@ -251,3 +251,13 @@ def test_decoding_into_a_reused_buffer_gives_the_same_bits(codec_name, numel):
         assert torch.equal(into.view(torch.int32), codec.decode(data, (numel,)).view(torch.int32))
     with pytest.raises(TypeError, match="at least"):
         codec.decode(data, (numel,), out=torch.empty(numel - 1))
+
+
+def test_an_update_whose_norm_is_subnormal_counts_as_a_norm_of_zero_and_the_merge_stays_finite():
+    # A parameter trained only by weight decay from 1e-37 sends changes near 1e-40: its direction's factor, 1 / norm,
+    # was infinite in float32, so every round of its fragment was non-finite and never committed.
+    normal, tiny, zero = (torch.full((5,), value) for value in (0.1, 1e-40, 0.0))
+    merged = merge_round([{"w": normal}, {"w": tiny}], [1.0, 1.0])["w"]
+    assert torch.isfinite(merged).all()
+    assert torch.equal(merged, merge_round([{"w": normal}, {"w": zero}], [1.0, 1.0])["w"])
+    assert torch.equal(merge_round([{"w": tiny}], [1.0])["w"], torch.zeros(5))
