@@ -57,7 +57,7 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
-from ddiloco.publisher import DeferredPayload
+from ddiloco.publisher import DeferredPayload, pseudo_gradient
 from ddiloco.round_schedule import RoundSchedule, next_uncommitted_round
 from ddiloco.training import InnerConfig
 
@@ -425,11 +425,12 @@ class Learner:
         payload: Mapping[str, bytes]
         if self.deferred:
             # Only the copy above on this thread; the pseudo-gradient and its encoding on the publisher's.
-            payload = DeferredPayload({name: self._base[p][name] for name in names}, current, self._codec)
+            payload = DeferredPayload({name: self._base[p][name] for name in names}, current, self._codec,
+                                      dtypes={name: self._params[name].dtype for name in names})
         else:
             payload = {}
             for name in names:
-                delta = self._base[p][name] - current[name]
+                delta = pseudo_gradient(self._base[p][name], current[name], self._params[name].dtype)
                 if not bool(torch.isfinite(delta).all()):
                     self.stats.updates_withheld_non_finite += 1
                     logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",

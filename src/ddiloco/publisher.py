@@ -79,12 +79,26 @@ class DeviceOrder:
 SAME_STREAM = DeviceOrder(None)
 
 
+def pseudo_gradient(base: torch.Tensor, current: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`base - current`: the exact float32 global value less the parameter's (a float32 copy), for a parameter of
+    `dtype`. One held in a narrower dtype (bf16, fp16) is measured from the global value as it holds it, rounded to
+    that dtype: what it trained, not the rounding of the global value (a frozen bf16 parameter sends zeros, as a float32
+    one does). Until 2026-12-06 that rounding went with every update: frozen bf16 weights drifted by a bf16 step, and
+    every update carried its noise."""
+    if torch.finfo(dtype).bits < torch.finfo(base.dtype).bits:
+        base = base.to(dtype).to(base.dtype)
+    return base - current
+
+
 class DeferredPayload(Mapping[str, bytes]):
     """An update's payload, computed on first use: base - snapshot per tensor, encoded. `None` from `resolve`
     when a pseudo-gradient is not finite (the update must then be withheld)."""
 
-    def __init__(self, base: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], codec: Codec) -> None:
+    def __init__(self, base: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], codec: Codec, *,
+                 dtypes: Mapping[str, torch.dtype]) -> None:
+        """`dtypes`: each parameter's own dtype (`pseudo_gradient`)."""
         self._base = dict(base)  # the fragment's base tensors are replaced on a new version, never changed in place
+        self._dtypes = dtypes
         self._snapshot = dict(snapshot)
         self._order = DeviceOrder.of(self._snapshot)
         self._codec = codec
@@ -103,7 +117,7 @@ class DeferredPayload(Mapping[str, bytes]):
                 # finiteness check and the codec's copy to the host wait for that stream.
                 with self._order.side_stream({} if streams is None else streams):
                     for name, snapshot in self._snapshot.items():
-                        delta = self._base[name] - snapshot  # on the parameter's device; the codec copies the codes
+                        delta = pseudo_gradient(self._base[name], snapshot, self._dtypes[name])  # on its device
                         if not bool(torch.isfinite(delta).all()):
                             self.non_finite = name
                             break

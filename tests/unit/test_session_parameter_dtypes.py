@@ -13,7 +13,11 @@ import torch
 from torch import nn
 
 import ddiloco
-from tests.helpers import TinyNet
+from ddiloco.clock import VirtualClock
+from ddiloco.inprocess import InProcessHub
+from ddiloco.learner import Learner
+from ddiloco.syncer import Syncer
+from tests.helpers import TinyNet, params_of
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
 
@@ -68,3 +72,25 @@ def test_half_precision_parameters_train_without_a_warning(dtype, caplog):
             sync.step(tokens=4)
     assert sync.final_state == "done" and all(p.dtype == dtype for p in model.parameters())
     assert "synchronised in float32" not in caplog.text
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["in_process", "publisher_thread"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_parameter_that_does_not_train_leaves_the_float32_global_value_exact(dtype, deferred):
+    # A bf16 model started from float32 weights sent, at every sync, the rounding of the global value to bf16 as a
+    # pseudo-gradient: frozen weights drifted by a bf16 step, and every update carried that noise.
+    config = ddiloco.DilocoConfig(num_fragments=1, fragment_strategy="single", sync_every=2, codec="fp32",
+                                  downlink_codec="fp32", outer_momentum=0.0)
+    initial = params_of(TinyNet(seed=100))  # float32 values that bf16 and fp16 cannot hold
+    assert any(not torch.equal(v, v.to(dtype).float()) for v in initial.values())
+    syncer = Syncer(config, ddiloco.QuorumConfig(min_quorum=1, grace="none"), initial_params=initial)
+    hub = InProcessHub(syncer, clock=VirtualClock())
+    model = TinyNet(seed=0).to(dtype)
+    learner = Learner(config, learner_id=0, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    hub.join(learner)
+    learner.deferred = deferred
+    for _ in range(4):  # two syncs; nothing changes the parameters
+        hub.after_inner_step(learner, 4)
+    assert syncer.rounds_committed == 2
+    for name, value in syncer.global_params().items():
+        assert torch.equal(value, initial[name]), name
