@@ -328,9 +328,14 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write the global parameters of the latest committed round of RUN_DIR under the model's own "
                     "parameter names (tied weights under each of their names), and the model's buffers (BatchNorm's "
                     "running statistics) as the mean of the learners' latest, so that "
-                    "`model.load_state_dict(safetensors.torch.load_file(FILE))` restores them.")
+                    "`model.load_state_dict(safetensors.torch.load_file(FILE))` restores them. Every floating "
+                    "tensor is written in one dtype (--dtype), so that a load with assign=True (a model built on "
+                    "the meta device) gives a model of one dtype.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     export.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the parameters")
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32",
+                        help="the dtype of every floating tensor written, parameters and buffers (default: float32, "
+                             "the global model's own: nothing is rounded; integer buffers keep theirs)")
 
 
 def _export_may_go(target: Path, root: Path) -> bool:
@@ -348,6 +353,10 @@ def _export_may_go(target: Path, root: Path) -> bool:
             return "ddiloco_run" in (file.metadata() or {})
     except (SafetensorError, OSError):
         return False
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""`ddiloco export --dtype`'s choices: names of torch dtypes."""
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -369,9 +378,13 @@ def run_export(args: argparse.Namespace) -> int:
     config = RunConfig.load(run_dir / "config.json")
     params, rounds = exported_params(run_dir, config.diloco)
     buffers, learners = merged_buffers(run_dir)
+    import torch
     from safetensors.torch import save
 
-    tensors = {**{n: t.contiguous() for n, t in params.items()}, **buffers}
+    dtype = getattr(torch, args.dtype)
+    # One floating dtype: the parameters are the syncer's float32, the buffers as the learners hold them (bf16 in a bf16
+    # model), and a load with assign=True took both as they were (a bf16 buffer in a float32 model failed its forward).
+    tensors = {n: t.to(dtype).contiguous() if t.is_floating_point() else t for n, t in {**params, **buffers}.items()}
     data = save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
                                    "buffers_of_learners": ",".join(map(str, learners))})
     try:
@@ -380,7 +393,8 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     count = sum(t.numel() for n, t in params.items())
     written = out if target == out else f"{out} (the link's file {target})"
-    print(f"wrote {written}: {len(params)} parameters, {count:,} values, the global model after {rounds} rounds")
+    print(f"wrote {written}: {len(params)} parameters, {count:,} values in {args.dtype}, the global model after "
+          f"{rounds} rounds")
     if buffers:
         print(f"  and {len(buffers)} buffers, their mean over learners {', '.join(map(str, learners))} as of "
               "their latest checkpoints (ddiloco.model_buffers)")
