@@ -322,6 +322,7 @@ class Learner:
         names, num_fragments = self.plan.fragments[p], self.plan.num_fragments
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
+        self._check_range(state)
         at_publish, self._at_publish[p] = self._at_publish[p], None
         carry = at_publish is not None and not force and self.config.keep_overlap_work
         # The base is what the next pseudo-gradient is measured from: the exact global value.
@@ -417,6 +418,21 @@ class Learner:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
         outstanding = self._outstanding.get(p)
         return outstanding is not None and outstanding.base_version == self.versions[p]
+
+    def _check_range(self, state: FragmentState) -> None:
+        """TypeError when a float16 parameter cannot hold its global value (|x| > 65504: infinite once loaded), as for
+        any parameter of a dtype the run cannot sync (`ddiloco.session`): the learner withheld every update of that
+        fragment as non-finite, recovered by loading the same value, and so on for good. Not a ValueError, which
+        `LearnerRules.receive` takes for a malformed message and ignores: the fault is this learner's dtype."""
+        for name, value in state.tensors.items():
+            dtype = self._params[name].dtype
+            if dtype != torch.float16 or value.numel() == 0:
+                continue
+            largest = float(value.abs().max())
+            if largest > torch.finfo(dtype).max:
+                raise TypeError(f"parameter {name!r} is float16, and its global value (|x| up to {largest:.6g}) is out "
+                                 f"of float16's range (65504): loaded, it would be infinite. Train it in bfloat16 "
+                                 "or float32 (model.to(torch.bfloat16)), which hold the global model's range")
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:

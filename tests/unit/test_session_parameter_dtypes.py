@@ -94,3 +94,17 @@ def test_a_half_precision_parameter_that_does_not_train_leaves_the_float32_globa
     assert syncer.rounds_committed == 2
     for name, value in syncer.global_params().items():
         assert torch.equal(value, initial[name]), name
+
+
+def test_a_float16_parameter_whose_global_value_it_cannot_hold_is_refused_naming_it():
+    # Loaded, 1e5 was infinite in float16: every update of its fragment was withheld as non-finite, and the learner
+    # recovered by loading the same value again, for the whole run.
+    initial = params_of(TinyNet(seed=100))
+    name = next(iter(initial))
+    initial[name].view(-1)[0] = 1e5
+    syncer = Syncer(CONFIG, ddiloco.QuorumConfig(min_quorum=1), initial_params=initial)
+    model = TinyNet(seed=0).half()
+    with pytest.raises(TypeError, match=rf"parameter '{name}' is float16, and its global value \(\|x\| up to 100000\) "
+                                        r"is out of float16's range \(65504\).*bfloat16 or float32"):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=InProcessHub(syncer),
+                        learner_id=0).start()
