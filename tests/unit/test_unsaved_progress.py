@@ -99,3 +99,16 @@ def test_a_learner_whose_first_checkpoint_cannot_be_written_says_a_resume_takes_
             "objects afresh") in [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     status = json.loads((tmp_path / "learners" / "0" / "status.json").read_text())
     assert (status["inner_step"], status["checkpoint_inner_step"]) == (3, None)
+
+
+def test_the_summary_says_what_updates_rejected_as_non_finite_mean(tmp_path):
+    # A fragment whose merge was non-finite round after round never synced, and the run said only "completed", with
+    # "rejected 4" in its table.
+    paths = killed_after_its_checkpoint(tmp_path / "run")
+    write_json(paths.syncer_status, {"rejections": {"non_finite": 6}})
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=1.0)
+    console = Console(width=400, record=True)
+    print_summary(summary, console)
+    assert ("the syncer rejected 6 updates as non-finite: a learner's values were NaN or infinite, or a round's merge "
+            "would have made a parameter so, and that round was not committed (logs/syncer.log names the fragment and "
+            "the tensor)") in console.export_text()

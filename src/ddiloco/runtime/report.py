@@ -412,6 +412,11 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "failed after it, or its checkpoint at its stop could not be written: "
                                f"logs/learner-{learner_id}.log says which)",
                                style="yellow"))
+    non_finite = ((summary.get("syncer") or {}).get("rejections") or {}).get("non_finite", 0)
+    if non_finite:  # the table counts them among the rejections; what they mean is worth a line
+        console.print(Text(f"the syncer rejected {non_finite} updates as non-finite: a learner's values were NaN or "
+                           "infinite, or a round's merge would have made a parameter so, and that round was not "
+                           "committed (logs/syncer.log names the fragment and the tensor)", style="yellow"))
     evaluator = summary.get("evaluator") or {}
     behind = rounds_since_val_loss(summary)
     if summary.get("evaluator", {}) is None and behind is not None:
