@@ -19,7 +19,7 @@ from typing import Any
 from ddiloco.checks import require
 from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import VOCAB_SIZE, DataConfig
-from ddiloco.flags import add_config_flags, config_from_args, flag_of, setting
+from ddiloco.flags import add_config_flags, as_flag_error, config_from_args, flag_of, setting
 from ddiloco.model import ModelConfig
 from ddiloco.training import InnerConfig
 
@@ -258,15 +258,22 @@ def add_run_config_flags(parser: argparse.ArgumentParser, *, sections: tuple[str
 
 
 def run_config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """`base` (or the defaults) with every flag set on the command line applied on top."""
+    """`base` (or the defaults) with every flag set on the command line applied on top. A value a config refuses is
+    named by its flag (`--learners=0 is invalid: ...`, not `num_learners=0`)."""
     base = base or RunConfig()
     values: dict[str, Any] = {}
     for name, (cls, prefix) in SECTIONS.items():
         current = getattr(base, name)
         overrides = {f.name: getattr(current, f.name) for f in dataclasses.fields(cls)}
-        values[name] = config_from_args(cls, args, prefix=prefix, **{
-            k: v for k, v in overrides.items() if getattr(args, prefix + k, None) is None})
+        try:
+            values[name] = config_from_args(cls, args, prefix=prefix, **{
+                k: v for k, v in overrides.items() if getattr(args, prefix + k, None) is None})
+        except ValueError as exc:
+            raise as_flag_error(exc, cls, prefix=prefix) from None
     for name in RUN_FIELDS:
         flag = getattr(args, name, None)
         values[name] = getattr(base, name) if flag is None else flag
-    return RunConfig(**values)
+    try:
+        return RunConfig(**values)
+    except ValueError as exc:
+        raise as_flag_error(exc, RunConfig) from None

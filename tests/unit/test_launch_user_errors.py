@@ -33,6 +33,17 @@ def test_a_learner_command_whose_program_is_not_on_the_path_is_refused_before_an
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("flags, said", [(("--learners", "0"), "--learners=0 is invalid: expected an integer >= 1"),
+                                         (("--outer-lr", "-1"), "--outer-lr=-1.0 is invalid"),
+                                         (("--model-width", "0"), "--model-width=0 is invalid")])
+def test_a_value_a_config_refuses_is_named_by_its_flag(tmp_path, capsys, flags, said):
+    # It was named by the config's field: `num_learners=0 is invalid` for --learners 0.
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress", *flags]) == EXIT_USAGE
+    assert capsys.readouterr().err.startswith(f"ddiloco run: error: {said}")
+    assert not run_dir.exists()
+
+
 def test_a_learner_command_naming_a_missing_or_non_executable_file_is_refused(tmp_path, capsys):
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/sh\n")
