@@ -309,8 +309,11 @@ def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
             on_wait(pending)
         time.sleep(STOP_POLL_S)
         pending = [c for c in pending if c.poll() is None]
+    waited_s = clock() - started
+    why = (f"still running {timeout_s:g} s after SIGTERM" if waited_s >= timeout_s
+           else f"SIGKILL asked for (a second stop signal) {waited_s:.1f} s after SIGTERM")  # not a timeout: say so
     for child in pending:
-        logger.warning("[%s] still running %.0f s after SIGTERM: SIGKILL", child.name, timeout_s)
+        logger.warning("[%s] %s: SIGKILL", child.name, why)
         child.signal_group(signal.SIGKILL)
     for child in children:
         child.returncode = child.popen.wait()

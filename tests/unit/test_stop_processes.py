@@ -1,0 +1,40 @@
+"""`stop_processes`: SIGTERM every child's group, SIGKILL what is left after the timeout or at once on a second stop
+signal, and a log line that says which of the two it was (real child processes that ignore SIGTERM)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+from ddiloco.runtime.launcher import ChildProcess, stop_processes
+
+IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                   "time.sleep(60)")
+
+
+def stubborn(tmp_path, name: str) -> ChildProcess:
+    popen = subprocess.Popen([sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert popen.stdout.readline() == "ready\n"  # its handler is in place
+    return ChildProcess(name, [], popen, tmp_path / f"{name}.log", 0, time.monotonic())
+
+
+def test_a_second_stop_signal_kills_at_once_and_the_log_does_not_call_it_a_timeout(tmp_path, caplog):
+    # It logged `still running 30 s after SIGTERM: SIGKILL` 0.03 s after the SIGTERM.
+    child = stubborn(tmp_path, "learner-0")
+    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.launcher"):
+        stop_processes([child], 30.0, kill_now=lambda: True)
+    assert child.returncode == -9
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("[learner-0] SIGKILL asked for (a second stop signal) ") and line.endswith(
+        " s after SIGTERM: SIGKILL"), line
+
+
+def test_a_child_still_running_at_the_timeout_is_killed_and_the_log_says_so(tmp_path, caplog):
+    child = stubborn(tmp_path, "syncer")
+    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.launcher"):
+        stop_processes([child], 0.2)
+    assert child.returncode == -9
+    assert [r.getMessage() for r in caplog.records] == ["[syncer] still running 0.2 s after SIGTERM: SIGKILL"]
