@@ -332,13 +332,11 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
                ray_options: RayOptions | None, command: Sequence[str] | None, supervisor_config: Any) -> int:
     """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report. `started`: every pid
     this session started, by child name, filled in as they start (empty: no process of the run ran)."""
-    from ddiloco.checkpoint import strict_dumps
     from ddiloco.metrics import JsonlSink
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
     from ddiloco.runtime.progress import ProgressView
-    from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.run_dir import record_processes
-    from ddiloco.runtime.supervised_roles import ChildState, Event, SupervisorConfig
+    from ddiloco.runtime.supervised_roles import Event, SupervisorConfig
     from ddiloco.runtime.supervisor import Supervisor
     from ddiloco.stdout_pipe import PipeConsole
 
@@ -390,19 +388,36 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
         supervisor.request_stop(signal.SIGINT.name)
     start = time.monotonic()
     try:
-        with progress:
-            supervisor.run(on_tick=progress.tick)
-    except BaseException:
-        sink.close()  # a start that failed: `run` may remove the file (`_undo_failed_start`)
-        raise
+        try:
+            with progress:
+                supervisor.run(on_tick=progress.tick)
+        except BaseException:
+            sink.close()  # a start that failed: `run` may remove the file (`_undo_failed_start`)
+            raise
+        # The stop handlers stay in place until the report is written: a signal now only asks for a stop that is
+        # over (Python's own SIGTERM ended the launcher there, and its SIGINT interrupted it, without a summary).
+        return _report(args, resolved, supervisor, console=console, sink=sink, wall_time_s=time.monotonic() - start)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    wall_time_s = time.monotonic() - start
 
+
+def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *, console: Any, sink: Any,
+            wall_time_s: float) -> int:
+    """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
+    from ddiloco.checkpoint import strict_dumps
+    from ddiloco.runtime.launcher import RunPaths
+    from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.supervised_roles import ChildState
+    from ddiloco.stdout_pipe import StdoutLines
+
+    run_dir, config = resolved.run_dir, resolved.config
+    paths = RunPaths(run_dir)
     final_states = {s.learner_id: (str(s.state), s.reason) for s in supervisor.learners if s.learner_id is not None}
     unfinished = [s for s in supervisor.learners if s.state in (ChildState.REFUSED, ChildState.FAILED)]
-    if supervisor.stop_reason is not None:
+    trained = len(final_states) == config.num_learners and all(state == ChildState.DONE
+                                                                for state, _ in final_states.values())
+    if supervisor.stop_reason is not None and not trained:  # a stop once every learner is done interrupts nothing
         outcome = "interrupted"
     elif supervisor.failure is not None or unfinished:
         outcome = "failed"
@@ -429,10 +444,12 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
                       soft_wrap=True)
     if args.json:
         sys.stdout.flush()
-        print(strict_dumps(summary, sort_keys=True)[0], flush=True)
+        StdoutLines()(strict_dumps(summary, sort_keys=True)[0])  # a reader gone (a closed terminal): nothing said
     if outcome == "interrupted":
         return _signal_exit_code(supervisor.stop_reason)
     return 0 if outcome == "completed" else EXIT_FAILED
+
+
 
 
 def _signal_exit_code(reason: str | None) -> int:
