@@ -334,9 +334,11 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     period = every_s if every_s is not None else env.eval_every_s
     watcher = Watcher(model, evaluate, address=address, config=run_config, every_s=period, token=token,
                       run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name)
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: watcher.request_stop())
+        # SIGHUP too where it has Python's default (a closed terminal), as a learner's session takes it.
+        stops = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else [])
+        previous = {signum: signal.signal(signum, lambda signum, frame: watcher.request_stop()) for signum in stops}
     # A launcher that is gone (killed) ends the run as its SIGTERM would, also behind a wrapper (launcher_watch).
     launcher = watch_launcher(env.launcher, name="evaluator", on_gone=watcher.request_stop)
     try:
@@ -346,6 +348,6 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     finally:
         if launcher is not None:
             launcher.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return watcher

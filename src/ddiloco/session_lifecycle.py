@@ -7,8 +7,10 @@ its launcher do while a session runs, and the check of each `step()` call (insid
 inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping and closing do is each session's own.
 
 Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
-the session checkpoints and leaves. Python runs handlers on the main thread only, so the handler is installed only
-there; a session on another thread says once, at its start, that a SIGTERM cannot stop it cleanly and what to do.
+the session checkpoints and leaves. So is SIGHUP where it has Python's default (a closed terminal ended a learner run
+by hand without a checkpoint); a SIGHUP handler of the user's, or nohup's SIG_IGN, stays as it is. Python runs
+handlers on the main thread only, so the handler is installed only there; a session on another thread says once, at
+its start, that a SIGTERM cannot stop it cleanly and what to do.
 A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
 
@@ -56,6 +58,8 @@ class SessionLifecycle:
         self._previous_handler: Any = None
         """SIGTERM's handler from before the session (None: one Python did not install)."""
         self._sigterm_installed = False
+        self._sighup_installed = False
+        """Whether the session took SIGHUP, which had Python's default (`_take_sigterm`)."""
         self._deferred_signal: tuple[int, Any] | None = None
         """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
         self._launcher_watch: LauncherWatch | None = None
@@ -124,6 +128,14 @@ class SessionLifecycle:
             return
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._sigterm_installed = True
+        if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+            # A closed terminal (an ssh session gone) stops a learner started by hand as ddiloco run's stop does, with a
+            # checkpoint; Python's default ended it where it was. A handler of the user's, or nohup's SIG_IGN, stays.
+            signal.signal(signal.SIGHUP, self._on_sighup)
+            self._sighup_installed = True
+
+    def _on_sighup(self, signum: int, frame: Any) -> None:
+        self.request_stop()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # The session's clean stop first; the user's own handler waits for the end of the session (`_end`).
@@ -170,6 +182,9 @@ class SessionLifecycle:
             self._sigterm_installed = False
             previous = self._previous_handler
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if self._sighup_installed:
+            self._sighup_installed = False
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     def _end(self) -> None:
         """The session is over (closed, or its start failed): it is no longer open in this process, its launcher

@@ -160,3 +160,12 @@ def test_a_run_with_a_seed_torch_cannot_take_is_refused_before_it_starts(tmp_pat
                                "--seed", str(2**64 + 1), command=[sys.executable, "-c", "pass"], timeout_s=EXIT_WAIT_S)
     assert code == EXIT_USAGE and "seed=18446744073709551617 is invalid" in output, output[-3000:]
     assert not (run_dir / "config.json").exists()
+
+
+def test_a_syncer_run_by_hand_stops_cleanly_on_sighup(procs, tmp_path, run_token):
+    # A closed terminal ended a syncer run by hand at once, with no final state: its restart had rounds to replay.
+    run_dir = tmp_path / "run"
+    popen, _ = start_syncer(procs, run_dir, run_token, "--learners", "2")
+    popen.send_signal(signal.SIGHUP)
+    code, log = exits(procs, "syncer", popen)
+    assert code == 0 and "received SIGHUP: stopping" in log, log[-3000:]

@@ -172,6 +172,38 @@ def test_a_start_interrupted_while_it_waits_for_the_syncer_leaves_no_thread_behi
     assert status["state"] == "failed", status
 
 
+@pytest.fixture
+def sighup_handler():
+    """SIGHUP's handler as the test found it, back in place after the test."""
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        yield previous
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_sighup_stops_the_session_as_sigterm_does_and_its_default_comes_back(syncer, tmp_path, sighup_handler):
+    # A learner run by hand in a terminal that closed died at once, its work since its last checkpoint lost.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    model, optimizer = model_and_optimizer()
+    with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as sync:
+        train(sync, model, optimizer, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGHUP))
+    assert sync.final_state == "stopped" and sync.inner_step == 2
+    status = json.loads((tmp_path / "run" / "learners" / "0" / "status.json").read_text())
+    assert status["checkpoint_inner_step"] == 2
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_a_sighup_handler_of_the_users_or_nohups_is_left_alone(syncer, tmp_path, sighup_handler):
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    model, optimizer = model_and_optimizer()
+    with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN, run_dir=tmp_path / "run") as sync:
+        train(sync, model, optimizer, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGHUP) or
+              (s == 4 and sync.request_stop()))
+    assert sync.final_state == "stopped" and sync.inner_step == 4
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+
+
 def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):
     model, optimizer = model_and_optimizer()
     opened = threading.Event()

@@ -144,6 +144,8 @@ def _on_stop_signals(callback) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # a closed terminal: not under nohup
+        signal.signal(signal.SIGHUP, handler)
     if interrupts.received():  # a Ctrl-C before these handlers, swallowed by an import (`ddiloco.interrupts`)
         callback()
 
