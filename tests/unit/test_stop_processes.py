@@ -4,6 +4,8 @@ signal, and a log line that says which of the two it was (real child processes t
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,3 +40,16 @@ def test_a_child_still_running_at_the_timeout_is_killed_and_the_log_says_so(tmp_
         stop_processes([child], 0.2)
     assert child.returncode == -9
     assert [r.getMessage() for r in caplog.records] == ["[syncer] still running 0.2 s after SIGTERM: SIGKILL"]
+
+
+def test_a_stopped_child_is_continued_so_that_it_handles_its_sigterm(tmp_path):
+    # A SIGSTOPped learner saw its SIGTERM only at the SIGKILL, 30 s later: it never checkpointed.
+    # A handler of its own, as a learner's session has: the kernel ends a stopped process with no handler by itself.
+    handles = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7)); "
+               "print('ready', flush=True); time.sleep(60)")
+    popen = subprocess.Popen([sys.executable, "-c", handles], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert popen.stdout.readline() == "ready\n"
+    os.kill(popen.pid, signal.SIGSTOP)
+    child = ChildProcess("learner-0", [], popen, tmp_path / "learner-0.log", 0, time.monotonic())
+    stop_processes([child], 10.0)
+    assert child.returncode == 7  # not -9: it ran its SIGTERM handler

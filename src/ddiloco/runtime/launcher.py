@@ -299,6 +299,9 @@ def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
     for child in children:
         if child.poll() is None:
             child.signal_group(signal.SIGTERM)
+            # A stopped child (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again: it was
+            # SIGKILLed at the timeout instead, with its work since its last checkpoint.
+            child.signal_group(signal.SIGCONT)
     started = clock()
     deadline = started + timeout_s
     noticed = False
