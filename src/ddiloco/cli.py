@@ -26,8 +26,6 @@ COMMAND_MODULES = (
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-"""128 + SIGINT, the shell's code for a command ended by Ctrl-C."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +86,9 @@ def _main(argv: list[str] | None) -> int:
             # Config validation names the field and the value; that line is the whole message.
             print(f"{command}: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or a SIGTERM or SIGHUP inside `interrupts.stop_signals_raise()`
         print(f"{command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupts.exit_code(interrupt)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,22 @@ def test_a_sigterm_and_a_ctrl_c_while_the_report_is_written_leave_a_completed_ru
     summary = read_json_object(run_dir / "summary.json")
     assert summary is not None and summary["outcome"] == "completed", out
     assert "completed:" in out and "--resume" not in out, out
+
+
+def test_a_sigterm_before_the_launchers_own_handlers_undoes_the_start_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    # It ended the launcher at once (Python's default), leaving a run directory the same command then refused.
+    from ddiloco.cli import main
+    from ddiloco.runtime import run_commands
+
+    real = run_commands.launch_config
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, on this (the main) thread
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_commands, "launch_config", signalled)
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--no-progress"]) == 128 + signal.SIGTERM
+    assert "ddiloco run: interrupted" in capsys.readouterr().err
+    assert not run_dir.exists() or not any(run_dir.iterdir())  # the same command may be given again
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -299,18 +299,21 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         from ddiloco.transport.link import parse_link
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
-    resolved = _resolve(args, settings, local=ray_options is None,
-                        gpus_per_learner=ray_options.gpus_per_learner if ray_options is not None else 0.0)
-    started: dict[str, list[int]] = {}
-    try:
-        return _supervise(args, resolved, started, ray_options=ray_options, command=command,
-                          supervisor_config=supervisor_config)
-    except BaseException:
-        if not started:
-            _undo_failed_start(resolved)
-        raise
-    finally:
-        resolved.lock.release()
+    # Until the supervisor's own stop handlers are in place, a SIGTERM or SIGHUP unwinds as Ctrl-C does, so that the
+    # start is undone: Python's default ended the launcher there, leaving a directory the same command refused.
+    with interrupts.stop_signals_raise():
+        resolved = _resolve(args, settings, local=ray_options is None,
+                            gpus_per_learner=ray_options.gpus_per_learner if ray_options is not None else 0.0)
+        started: dict[str, list[int]] = {}
+        try:
+            return _supervise(args, resolved, started, ray_options=ray_options, command=command,
+                              supervisor_config=supervisor_config)
+        except BaseException:
+            if not started:
+                _undo_failed_start(resolved)
+            raise
+        finally:
+            resolved.lock.release()
 
 
 def _undo_failed_start(resolved: ResolvedRun) -> None:
