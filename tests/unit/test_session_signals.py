@@ -266,34 +266,26 @@ def a_process():
         popen.wait()
 
 
-def test_a_watch_stops_once_its_launcher_is_gone_and_exits_after_the_bound():
+@pytest.mark.parametrize("stop_returns", [True, False], ids=["its_stop_returns", "its_stop_never_returns"])
+def test_a_watch_stops_once_its_launcher_is_gone_and_exits_after_the_bound(stop_returns):
+    # A learner's stop once hung in its own SIGTERM handler (`interrupts.StopFlag`), and the watch's call into that stop
+    # hung with it: the process ran on for good instead of ending itself 30 s later.
     exited = []
-    ended = threading.Event()
-    gone = threading.Event()
+    ended, gone, never = threading.Event(), threading.Event(), threading.Event()
+
+    def on_gone():
+        gone.set()
+        if not stop_returns:
+            never.wait()
+
     with a_process() as launcher:
-        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=gone.set,
+        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=on_gone,
                               poll_s=0.01, exit_after_s=0.05, exit=lambda code: (exited.append(code), ended.set()))
         watch.start()
         assert not gone.wait(0.1)  # alive: nothing happens
         launcher.kill()
         launcher.wait()
         assert gone.wait(WAIT_S) and ended.wait(WAIT_S)
-    assert exited == [EXIT_LAUNCHER_GONE]
-
-
-def test_a_watch_exits_after_the_bound_even_when_the_stop_it_asks_for_never_returns():
-    # A learner's stop once hung in its own SIGTERM handler (`interrupts.StopFlag`), and the watch's call into that stop
-    # hung with it: the process ran on for good instead of ending itself 30 s later.
-    exited = []
-    ended = threading.Event()
-    never = threading.Event()
-    with a_process() as launcher:
-        watch = LauncherWatch(launcher.pid, process_start_time(launcher.pid), name="learner 0", on_gone=never.wait,
-                              poll_s=0.01, exit_after_s=0.05, exit=lambda code: (exited.append(code), ended.set()))
-        watch.start()
-        launcher.kill()
-        launcher.wait()
-        assert ended.wait(WAIT_S), "on_gone() never returned, and the watch never ended the process"
     never.set()
     assert exited == [EXIT_LAUNCHER_GONE]
 
