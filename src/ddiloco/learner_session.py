@@ -445,8 +445,43 @@ class Session(SessionLifecycle):
         self._finish(state, flush=not failed and not self._stop.is_set())
 
     def _finish(self, state: str, *, flush: bool) -> None:
+        """Send the last work, leave, checkpoint, and release the session's threads, connection and files. The
+        release happens whatever interrupts the rest (a second Ctrl-C, a `state=` object whose state_dict raises):
+        the session is closed once this begins, so an interrupted close left a learner that stayed connected, with its
+        threads, for the life of the process (a notebook's next session of it was refused as a second process)."""
         self._closed = True
         self.final_state = state
+        ended = False
+        try:
+            try:
+                self._send_last_work(state, flush=flush)
+            finally:
+                if self._publisher is not None and not self._publisher.closed:  # interrupted before it was closed
+                    self._publisher.close(0.0)
+                self.transport.close(leave=state not in ("refused", "unreachable"))
+            self.rules.end(state)
+            # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks
+            # keeps its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
+            if self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
+                self._checkpoint.save()
+            self.reporter.stop_requested = self._stop.is_set()
+            self.reporter.set(state=state)
+            ended = True
+            self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
+            if state != "failed":
+                # After a failure the group's collectives may be what failed: the followers end with this process.
+                self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
+        finally:
+            if not ended:  # the close itself failed or was interrupted: status.json must not say "training"
+                self.final_state = "failed"
+                self.reporter.set(state="failed")
+            if self._ledger is not None:
+                self._ledger.close()
+            self.reporter.stop()
+            self.sink.close()
+            self._end()  # last: a handler of the user's from before the session runs once it has checkpointed and left
+
+    def _send_last_work(self, state: str, *, flush: bool) -> None:
         if flush and self.learner.joined:
             # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
             # publishes (an update one version stale is still merged, see the syncer's late-update rule).
@@ -457,23 +492,6 @@ class Session(SessionLifecycle):
             self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
             self._take_withheld()
         self.transport.flush(flush_s)
-        self.transport.close(leave=state not in ("refused", "unreachable"))
-        self.rules.end(state)
-        if self._ledger is not None:
-            self._ledger.close()
-        # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks keeps
-        # its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
-        if self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
-            self._checkpoint.save()
-        self.reporter.stop_requested = self._stop.is_set()
-        self.reporter.set(state=state)
-        self.reporter.stop()
-        self.sink.event(state, learner_id=self.learner_id, inner_step=self.learner.inner_step)
-        self.sink.close()
-        if state != "failed":
-            # After a failure the group's collectives may be what failed: the followers end with this process.
-            self._end_call(exit_status={"refused": EXIT_REFUSED, "unreachable": EXIT_UNREACHABLE}.get(state, 0))
-        self._end()  # last: a handler of the user's from before the session runs once it has checkpointed and left
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

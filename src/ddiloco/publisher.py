@@ -189,6 +189,10 @@ class Publisher:
             withheld, self._withheld = self._withheld, []
         return withheld
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout_s: float) -> None:
         """Hand what is queued to the transport (waiting up to `timeout_s`); what is left after that is dropped
         (reason "exit"), since the transport closes next."""
