@@ -212,6 +212,8 @@ class Session(SessionLifecycle):
             self.learner.deferred = True
             self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
                                         on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
+        self._released = False
+        """Whether the publisher thread, the work ledger and the sink were let go (`_release`)."""
         self._stop = StopFlag()
         """Set by `request_stop`, from a signal handler too (a `threading.Event` there could wait for ever)."""
         self.reporter = StatusReporter(self.learner, self.transport, inner_steps=config.inner_steps,
@@ -433,8 +435,12 @@ class Session(SessionLifecycle):
         raise UnreachableError(reason)
 
     def close(self, *, failed: bool = False) -> None:
-        """Publish the last work (unless `failed` or stopped), flush, leave, checkpoint. Idempotent."""
-        if self._closed or not self._entered:
+        """Publish the last work (unless `failed` or stopped), flush, leave, checkpoint. Idempotent. A session never
+        started only lets go of its publisher thread and its files."""
+        if not self._entered:
+            self._end()
+            return
+        if self._closed:
             return
         done = self.learner.inner_step >= self.config.inner_steps
         state = "failed" if failed else ("done" if done else "stopped")
@@ -475,11 +481,18 @@ class Session(SessionLifecycle):
             if not ended:  # the close itself failed or was interrupted: status.json must not say "training"
                 self.final_state = "failed"
                 self.reporter.set(state="failed")
-            if self._ledger is not None:
-                self._ledger.close()
             self.reporter.stop()
-            self.sink.close()
             self._end()  # last: a handler of the user's from before the session runs once it has checkpointed and left
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._publisher is not None and not self._publisher.closed:
+            self._publisher.close(0.0)
+        if self._ledger is not None:
+            self._ledger.close()
+        self.sink.close()
 
     def _send_last_work(self, state: str, *, flush: bool) -> None:
         if flush and self.learner.joined:

@@ -85,9 +85,14 @@ class SessionLifecycle:
 
     def start(self) -> None:
         """Enter the session (once); what that does is the subclass's `_open()`."""
-        if self._entered:
-            raise RuntimeError("a session is started once")
-        self._claim()
+        if self._entered or self._over:
+            raise RuntimeError("a session is started once" + ("" if self._entered else ", and this one was closed "
+                                                              "first: make a new ddiloco.session(...)"))
+        try:
+            self._claim()
+        except BaseException:
+            self._end()  # what the session holds from its making goes (`_release`)
+            raise
         self._entered = True
         try:
             self._take_sigterm()
@@ -155,6 +160,10 @@ class SessionLifecycle:
     def _open(self) -> None:
         raise NotImplementedError
 
+    def _release(self) -> None:
+        """Let go of what the session holds from its making (threads, open files), if its close has not: a session
+        made and never started, or refused at its start. Idempotent; nothing by default."""
+
     def request_stop(self) -> None:
         raise NotImplementedError
 
@@ -198,6 +207,7 @@ class SessionLifecycle:
                 del _open_sessions[self._key()]
         if self._launcher_watch is not None:
             self._launcher_watch.stop()
+        self._release()
         self._restore_sigterm()
         deferred, self._deferred_signal = self._deferred_signal, None
         if deferred is not None:

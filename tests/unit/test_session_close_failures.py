@@ -7,6 +7,7 @@ process (over gRPC)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -16,6 +17,20 @@ import ddiloco
 from tests.helpers import TinyNet
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
+RUN = ddiloco.RunConfig(diloco=CONFIG, num_learners=1, inner_steps=100)
+
+
+def open_files() -> set[str]:
+    """The files this process holds open (links of /proc/self/fd that name a path)."""
+    paths = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/"):
+            paths.add(target)
+    return paths
 
 
 class BrokenAtTheEnd:
@@ -65,3 +80,22 @@ def test_a_close_that_fails_releases_the_session_and_says_it_failed(tmp_path):
             train(again, model, optimizer, 1)
     assert again.final_state == "done" and again.inner_step == 12
     assert session_threads() == []
+
+
+def test_a_session_made_and_never_started_or_refused_at_its_start_lets_go_of_its_thread_and_files(tmp_path):
+    # Each kept its publisher thread (over gRPC), work.jsonl and metrics.jsonl open for the life of the process.
+    hub = ddiloco.InProcessHub(config=CONFIG, quorum=ddiloco.QuorumConfig(grace="none"))
+    model = TinyNet(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = open_files()
+    unstarted = ddiloco.session(model, optimizer, syncer="127.0.0.1:1", learner_id=0, config=RUN, run_dir=tmp_path)
+    assert "learner-publish" in session_threads()
+    unstarted.close()
+    with pytest.raises(RuntimeError, match="this one was closed first"):
+        unstarted.start()
+    with ddiloco.session(model, optimizer, hub=hub, learner_id=0, run_dir=tmp_path / "a") as sync:
+        refused = ddiloco.session(model, optimizer, hub=hub, learner_id=0, run_dir=tmp_path / "b")
+        with pytest.raises(RuntimeError, match="a second ddiloco.session"):
+            refused.start()
+        train(sync, model, optimizer, 2)
+    assert session_threads() == [] and open_files() == before
