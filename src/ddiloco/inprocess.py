@@ -3,7 +3,8 @@
 The smallest driver of the sans-I/O cores, for notebooks, tests and the in-process form of
 `ddiloco.session(..., hub=hub)`. There is no network, no thread and no serialisation: a learner's
 messages reach the syncer when the learner sends them, and the syncer's answers are handed to the
-learner's `deliver` callback before the call returns.
+learner's `deliver` callback before the call returns. Learners of one hub may train on threads of their own: one
+lock keeps the syncer core to one call at a time (without it, two threads corrupted its rounds).
 
 Like the real syncer, a hub made without a `Syncer` takes its genesis from the first learner that
 joins: its initial parameters become the global model; every later learner loads them.
@@ -11,6 +12,7 @@ joins: its initial parameters become the global model; every later learner loads
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 
 import torch
@@ -49,6 +51,8 @@ class InProcessHub:
         self._endpoints: dict[int, tuple[Deliver, GenesisSource | None]] = {}
         self.learners: dict[int, Learner] = {}
         """Learners attached with `join` (the core-level helpers below)."""
+        self._lock = threading.RLock()
+        """Held by every call into the syncer core, deliveries included (a delivery may send again: reentrant)."""
 
     # ---- endpoints (ddiloco.session) ---------------------------------------------------------------
 
@@ -62,6 +66,10 @@ class InProcessHub:
 
     def send(self, message: LearnerMessage) -> None:
         """A learner's message reaches the syncer; its answers are delivered before this returns."""
+        with self._lock:
+            self._send(message)
+
+    def _send(self, message: LearnerMessage) -> None:
         if self.syncer is None:
             if not isinstance(message, Join):
                 return  # nothing can have joined a hub without a syncer
@@ -79,8 +87,9 @@ class InProcessHub:
 
     def advance(self) -> None:
         """Let the syncer close rounds whose grace window has ended."""
-        if self.syncer is not None:
-            self._run(self.syncer.advance(self.clock.now()))
+        with self._lock:
+            if self.syncer is not None:
+                self._run(self.syncer.advance(self.clock.now()))
 
     def _run(self, actions: list[SyncerAction]) -> None:
         for action in actions:
