@@ -89,6 +89,8 @@ class PendingUpdate:
     """(base_version, inner_step) of the same learner's earlier updates this one includes."""
     arrived_at: float = 0.0
     """When the newest of its updates reached the syncer."""
+    join: int = 0
+    """The learner's join count (`LearnerInfo.joins`) when it arrived: a later join means the learner came back."""
 
 
 def merge_weight(pending: PendingUpdate, version: int, staleness_discount: float) -> float:
@@ -110,7 +112,7 @@ def _combined(held: PendingUpdate, pending: PendingUpdate) -> PendingUpdate:
         # fragment, so the two cover different steps): the round counts both, as one.
         return PendingUpdate((*held.payloads, *pending.payloads), pending.base_version, held.steps + pending.steps,
                              held.tokens + pending.tokens, pending.inner_step, pending.final, folded,
-                             pending.arrived_at)
+                             pending.arrived_at, pending.join)
     # The same base: the same work continued (a pseudo-gradient is measured from the base), so it
     # replaces the held one. Admission refused every other overlap.
     return dataclasses.replace(pending, folded=folded)

@@ -292,7 +292,7 @@ class Syncer:
         # window is made of this estimate, and two rejected updates 30 s apart stretched everyone's windows to 6.6 s.
         self._observe_step_time(info, update, now)
         pending = PendingUpdate((update.payload,), update.base_version, update.steps, update.tokens,
-                                update.inner_step, update.final, arrived_at=now)
+                                update.inner_step, update.final, arrived_at=now, join=info.joins)
         weight = merge_weight(pending, self.versions[update.fragment], self.quorum.staleness_discount)
         open_round.hold(update.learner_id, pending, decoded, weight)
         if open_round.first_at is None and update.base_version == self.versions[update.fragment] and not update.final:
@@ -319,15 +319,23 @@ class Syncer:
         return grace_window(self.config, self.quorum, step_time_s=self.step_time.value,
                             quorum_time_s=self.quorum_time.value, sync_time_s=self.sync_time.value)
 
+    def _joined_since(self, learner_id: int, pending: PendingUpdate) -> bool:
+        """Whether the learner is alive and joined again after `pending` arrived."""
+        info = self.learners.get(learner_id)
+        return info is not None and info.alive and info.joins > pending.join
+
     def _schedule(self, p: int, now: float) -> list[SyncerAction]:
         open_round = self._open[p]
         if not open_round.updates:
             return []
         # Late updates (from an older version than the fragment's) and a learner's last work before it
         # leaves ride in a round but never make one: a round is an outer step, and it is due when
-        # learners report from the current version.
-        due = {i for i, u in open_round.updates.items() if u.base_version == self.versions[p] and not u.final}
+        # learners report from the current version. A learner that joined again after its last work (a session
+        # closed and opened again) has reported: its new session cannot send that work again (refused: the round
+        # holds it), and a round that waited for it held every learner up until their max_wait_s.
         alive = set(self.alive_learners())
+        due = {i for i, u in open_round.updates.items()
+               if u.base_version == self.versions[p] and (not u.final or self._joined_since(i, u))}
         # K is capped at who can still report: the learners alive and those gone whose update is here. Not the
         # learners alive alone: a learner leaving after its update would let its update alone close a K = M
         # round that the others, alive, are about to report to.

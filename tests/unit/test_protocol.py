@@ -204,3 +204,25 @@ def test_a_rejoin_keeps_work_on_current_fragments_and_publishes_a_lost_update_ag
     for name, value in params_of(learner.model).items():
         assert torch.equal(value, syncer.global_params()[name])
     assert learner.versions == [3] and learner.can_step
+
+
+def test_a_learner_that_leaves_after_its_last_work_and_rejoins_at_once_does_not_hold_the_round_up():
+    """Its last work (a final update) waits in the round; it comes back before the round closes, sends that work again
+    (refused: the round holds it) and waits for the round. With K = M the round then needed an update from it that
+    could not come: every learner waited out max_wait_s (60 s) at each quick close-and-reopen of a session."""
+    config = single_fragment(sync_every=4, overlap_steps=0)
+    syncer, hub, clock, (first, second) = make_system(2, config, QuorumConfig(min_quorum=2, grace="none"))
+    batches = make_batches(4, seed=5)
+    for batch in batches[:2]:
+        second.after_inner_step(train_step(second.model, second.optimizer, batch))
+    for update in second.flush():  # the session closes: its last work, then its Leave
+        assert update.final
+        hub.send(update)
+    hub.leave(second)
+    hub.join(second)  # a new session of the same learner, at once: its update of the round is sent again
+    assert syncer.rounds_committed == 0
+    for t, batch in enumerate(batches):
+        clock.advance_to(float(t))
+        hub.after_inner_step(first, train_step(first.model, first.optimizer, batch))
+    assert syncer.rounds_committed == 1
+    assert {p.learner_id for p in hub.round_log[0].participants} == {0, 1}
