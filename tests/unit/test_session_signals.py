@@ -46,14 +46,20 @@ def syncer(tmp_path):
         service.close(server)
 
 
-@pytest.fixture
-def sigterm_handler():
-    """SIGTERM's handler as the test found it, back in place after the test."""
-    previous = signal.getsignal(signal.SIGTERM)
+@contextlib.contextmanager
+def handler_kept(signum: int):
+    """The signal's handler as the test found it, back in place after the test."""
+    previous = signal.getsignal(signum)
     try:
         yield previous
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
+
+
+@pytest.fixture
+def sigterm_handler():
+    with handler_kept(signal.SIGTERM) as previous:
+        yield previous
 
 
 def model_and_optimizer():
@@ -174,12 +180,8 @@ def test_a_start_interrupted_while_it_waits_for_the_syncer_leaves_no_thread_behi
 
 @pytest.fixture
 def sighup_handler():
-    """SIGHUP's handler as the test found it, back in place after the test."""
-    previous = signal.getsignal(signal.SIGHUP)
-    try:
+    with handler_kept(signal.SIGHUP) as previous:
         yield previous
-    finally:
-        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_sighup_stops_the_session_as_sigterm_does_and_its_default_comes_back(syncer, tmp_path, sighup_handler):
