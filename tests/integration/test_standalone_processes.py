@@ -164,8 +164,14 @@ def test_a_run_with_a_seed_torch_cannot_take_is_refused_before_it_starts(tmp_pat
 
 def test_a_syncer_run_by_hand_stops_cleanly_on_sighup(procs, tmp_path, run_token):
     # A closed terminal ended a syncer run by hand at once, with no final state: its restart had rounds to replay.
+    # Started with SIGHUP's default, as from a terminal: under nohup (CI's runner) the child inherits SIG_IGN, which
+    # the syncer rightly leaves alone.
     run_dir = tmp_path / "run"
-    popen, _ = start_syncer(procs, run_dir, run_token, "--learners", "2")
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        popen, _ = start_syncer(procs, run_dir, run_token, "--learners", "2")
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
     popen.send_signal(signal.SIGHUP)
     code, log = exits(procs, "syncer", popen)
     assert code == 0 and "received SIGHUP: stopping" in log, log[-3000:]
