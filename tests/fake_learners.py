@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from ddiloco.checkpoint import read_json_object
-from ddiloco.runtime.launcher import LaunchConfig, Launcher, RunPaths, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.launcher import LaunchConfig, Launcher
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import SupervisorConfig
 from ddiloco.runtime.supervisor import Supervisor
 

@@ -23,7 +23,7 @@ from ddiloco.checkpoint import load_latest_state, read_json
 from ddiloco.fault_control import ActiveFault, write_control
 from ddiloco.model import build_model
 from ddiloco.run_config import add_run_config_flags, run_config_from_args
-from ddiloco.runtime.launcher import process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS, wait_until
 
 pytestmark = pytest.mark.integration

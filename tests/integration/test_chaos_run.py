@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from ddiloco.runtime.launcher import process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import read_json_object
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.rank_group import free_port
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import finish_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

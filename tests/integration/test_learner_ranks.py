@@ -24,7 +24,7 @@ import pytest
 
 from ddiloco.checkpoint import load_latest_state, read_json_object
 from ddiloco.round_log import RoundLog
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import assert_global_state_is_the_replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

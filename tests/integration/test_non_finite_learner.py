@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.round_log import RoundLog
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import SMALL_RUN, ddiloco_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import read_json_object
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
+from ddiloco.runtime.run_paths import RunPaths
 
 pytest.importorskip("ray")
 

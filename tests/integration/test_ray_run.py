@@ -22,8 +22,8 @@ import pytest
 
 from ddiloco.checkpoint import read_json_object
 from ddiloco.round_log import RoundLog
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.ray_cluster import descendants, still_running
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import ODD_MODEL_SCRIPT
 
 pytest.importorskip("ray")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import load_latest_state, read_json_object
-from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.training import InnerConfig, inner_lr
 from tests.helpers import finish_run
 

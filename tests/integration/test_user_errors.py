@@ -24,7 +24,8 @@ from ddiloco.checkpoint import read_json_object
 from ddiloco.data import DataConfig
 from ddiloco.model import ModelConfig
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import PROCESS_WAIT_S, TINY_MODEL_FLAGS, wait_until
 
 pytestmark = pytest.mark.integration

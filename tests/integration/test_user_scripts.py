@@ -23,7 +23,7 @@ import torch
 
 from ddiloco.checkpoint import load_latest_state, read_json_object
 from ddiloco.round_log import RoundLog
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

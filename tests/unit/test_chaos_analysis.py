@@ -19,7 +19,7 @@ from ddiloco.chaos.plan import quick_plan
 from ddiloco.chaos.report import PLOTS, write_report
 from ddiloco.checkpoint import CHECKSUM_KEY, load_tensors, save_tensors
 from ddiloco.round_log import RoundLog
-from ddiloco.runtime.launcher import process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
 from tests.helpers import TINY_MODEL_FLAGS
 from tests.runtime_dir import make_runtime_dir, participant, write_json, write_jsonl
 

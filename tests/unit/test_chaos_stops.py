@@ -25,7 +25,7 @@ from ddiloco import interrupts
 from ddiloco.chaos import analysis, fault_injector, invariants, runner
 from ddiloco.cli import main
 from ddiloco.fault_plan import Fault, FaultPlan
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import process_state, wait_process_stopped
 
 NUM_LEARNERS = 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.fake_learners import FAST, run_parser
 
 JOIN_ERROR = "--ray auto: cannot join the Ray cluster: Could not find any running Ray instance"

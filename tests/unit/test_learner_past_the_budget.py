@@ -9,8 +9,8 @@ import json
 import torch
 
 import ddiloco
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.report import build_summary, summary_table
+from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import TinyNet
 from tests.runtime_dir import write_json, write_jsonl
 

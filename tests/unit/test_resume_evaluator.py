@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.fake_learners import FAST, run_parser
 
 SCRIPT = ("python", "learner.py")

@@ -19,8 +19,8 @@ from ddiloco.cli import main
 from ddiloco.data import DataConfig
 from ddiloco.model import ModelConfig, build_model
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.run_dir import resumed_learner_command
+from ddiloco.runtime.run_paths import RunPaths
 from tests.fake_learners import FAST, run_parser
 
 EXIT_USAGE = 2

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
-from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
 from ddiloco.runtime.process_lock import DirectoryLock
 from ddiloco.runtime.ray_cluster import process_start_time
 from ddiloco.runtime.run_dir import claim_run_dir, require_not_running
+from ddiloco.runtime.run_paths import RunPaths
 from tests.fake_learners import FAST, WAIT_S, run_parser, start_driver, wait_for_learners
 
 

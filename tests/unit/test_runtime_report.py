@@ -10,9 +10,9 @@ from rich.console import Console
 
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import atomic_write_json, read_jsonl
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
 from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, write_report
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import ChildState, Slot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.runtime.launcher import LaunchConfig, Launcher, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.launcher import LaunchConfig, Launcher
 from ddiloco.runtime.standby import StandbyPool, module_command, parse_role, role_message
 
 WAIT_S = 30.0

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from ddiloco.runtime.launcher import ChildProcess, stop_processes
+from ddiloco.runtime.child_process import ChildProcess, stop_processes
 
 IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
                    "time.sleep(60)")
@@ -26,7 +26,7 @@ def stubborn(tmp_path, name: str) -> ChildProcess:
 def test_a_second_stop_signal_kills_at_once_and_the_log_does_not_call_it_a_timeout(tmp_path, caplog):
     # It logged `still running 30 s after SIGTERM: SIGKILL` 0.03 s after the SIGTERM.
     child = stubborn(tmp_path, "learner-0")
-    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.launcher"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.child_process"):
         stop_processes([child], 30.0, kill_now=lambda: True)
     assert child.returncode == -9
     [line] = [r.getMessage() for r in caplog.records]
@@ -36,7 +36,7 @@ def test_a_second_stop_signal_kills_at_once_and_the_log_does_not_call_it_a_timeo
 
 def test_a_child_still_running_at_the_timeout_is_killed_and_the_log_says_so(tmp_path, caplog):
     child = stubborn(tmp_path, "syncer")
-    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.launcher"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.child_process"):
         stop_processes([child], 0.2)
     assert child.returncode == -9
     assert [r.getMessage() for r in caplog.records] == ["[syncer] still running 0.2 s after SIGTERM: SIGKILL"]

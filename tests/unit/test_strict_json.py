@@ -21,8 +21,8 @@ from ddiloco.learner_status import COUNTERS, StatusReporter
 from ddiloco.messages import FragmentState, Welcome
 from ddiloco.metrics import JsonlSink, NullSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.report import write_report
+from ddiloco.runtime.run_paths import RunPaths
 
 
 def strict_load(text: str):

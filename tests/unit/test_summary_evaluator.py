@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from tests.fake_learners import FAST, run_parser
 
 ERROR = "ValueError: parameter '0.weight' is not initialized yet"

@@ -21,7 +21,8 @@ import pytest
 
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import read_json_object
-from ddiloco.runtime.launcher import Launcher, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.launcher import Launcher
 from ddiloco.runtime.learner_exits import describe_exit_with, reason_line
 from ddiloco.runtime.supervised_roles import ChildState, SupervisorConfig
 from ddiloco.runtime.supervisor import Supervisor

@@ -65,7 +65,8 @@ from ddiloco.checks import invalid, require_int
 from ddiloco.data_parallel import StepAccount, account_steps, ring_allreduce_bytes
 from ddiloco.metrics import JsonlSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.launcher import LOOPBACK, ChildProcess, LaunchConfig, Launcher, stop_processes
+from ddiloco.runtime.child_process import ChildProcess, stop_processes
+from ddiloco.runtime.launcher import LOOPBACK, LaunchConfig, Launcher
 from ddiloco.runtime.learner_exits import describe_exit
 from ddiloco.runtime.standby import TORCH_LAZY, StandbyPool
 

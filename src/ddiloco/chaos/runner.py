@@ -31,7 +31,8 @@ from ddiloco.chaos.plan import FaultPlan
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.checks import invalid
 from ddiloco.fault_control import control_path
-from ddiloco.runtime.launcher import RunPaths, process_group_alive
+from ddiloco.runtime.child_process import process_group_alive
+from ddiloco.runtime.run_paths import RunPaths
 
 if TYPE_CHECKING:
     from ddiloco.chaos.data_parallel import DataParallelJob

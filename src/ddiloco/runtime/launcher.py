@@ -1,29 +1,21 @@
-"""Starting and stopping the processes of a local run: one `ddiloco syncer` and M `ddiloco learner`.
+"""Starting the processes of a local run: one `ddiloco syncer`, M `ddiloco learner` and an evaluator.
 
-Owns the command lines of the process contract with `ddiloco syncer` / `ddiloco learner`, the run
-directory's paths, and the life of one child process: each child leads its own process group (so a
-Ctrl-C in the terminal reaches only `ddiloco run`, and stopping a child also stops anything it
-spawned), asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so even a
-SIGKILLed launcher leaves nothing running; a script behind a wrapper, which that signal does not reach, watches the
-launcher named in its environment: `ddiloco.launcher_watch`), and writes its stdout and stderr to `DIR/logs/`.
-Stopping is SIGTERM to the group, then SIGKILL after a timeout. What to start when, and restarts,
-belong to the supervisor.
+Owns the command lines of the process contract with `ddiloco syncer` / `ddiloco learner` / `ddiloco evaluator`, their
+settings files and environments, and starts each as a `ChildProcess` (`ddiloco.runtime.child_process`: its own process
+group, gone with the launcher) whose stdout and stderr go to `DIR/logs/`. Where the run's files are is
+`ddiloco.runtime.run_paths`; what to start when, and restarts, belong to the supervisor.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +24,7 @@ from ddiloco.checkpoint import read_json_object
 from ddiloco.checks import invalid
 from ddiloco.fault_control import control_path
 from ddiloco.launcher_watch import process_start_time
+from ddiloco.runtime.child_process import ChildProcess, die_with_parent
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
     DEFAULT_EVAL_EVERY_S,
@@ -42,6 +35,7 @@ from ddiloco.runtime.process_settings import (
     SyncerSettings,
     save_settings,
 )
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.transport.auth import learner_token
 
 logger = logging.getLogger(__name__)
@@ -92,99 +86,9 @@ TORCH_DISTRIBUTED_PREFIX = "TORCHELASTIC_"
 env:// rendezvous, `ddiloco.session`, torchelastic's agent store). A `ddiloco run` started inside a torchrun or SLURM
 job has them; none of its children belongs to that job, so `Launcher.start` leaves them out (a learner of several
 ranks gets its own group's from `ddiloco.runtime.rank_group`)."""
-STOP_POLL_S = 0.05
-"""Poll interval while waiting for a signalled process group to go."""
-STOP_NOTICE_AFTER_S = 3.0
-"""How long after SIGTERM a child that is still running is said to be waited for (`stop_processes`' `on_wait`). A
-learner that stops cleanly flushes its updates (up to 1 s) and writes its checkpoint within about this; one that
-takes longer is most likely between two step() calls, which is where it notices the SIGTERM."""
-PR_SET_PDEATHSIG = 1
-"""prctl option (linux/prctl.h): the signal the kernel sends a child when its parent thread dies."""
 LOOPBACK = "127.0.0.1"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 """Bind addresses that mean "every interface": local learners reach them through loopback."""
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Where everything lives in a run directory (the contract's file names)."""
-
-    root: Path
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def token(self) -> Path:
-        return self.root / "token"
-
-    @property
-    def syncer_json(self) -> Path:
-        return self.root / "syncer.json"
-
-    @property
-    def syncer_status(self) -> Path:
-        return self.root / "syncer_status.json"
-
-    @property
-    def syncer_metrics(self) -> Path:
-        return self.root / "syncer" / "metrics.jsonl"
-
-    @property
-    def evaluator_metrics(self) -> Path:
-        return self.root / "evaluator" / "metrics.jsonl"
-
-    @property
-    def evaluator_status(self) -> Path:
-        return self.root / "evaluator" / "status.json"
-
-    @property
-    def rounds(self) -> Path:
-        return self.root / "rounds.jsonl"
-
-    @property
-    def launcher_metrics(self) -> Path:
-        return self.root / "launcher" / "metrics.jsonl"
-
-    @property
-    def processes(self) -> Path:
-        return self.root / "launcher" / "processes.json"
-
-    @property
-    def learner_command(self) -> Path:
-        """The learner command the run last started with (`run_dir.record_learner_command`)."""
-        return self.root / "launcher" / "command.json"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    def learner_dir(self, learner_id: int) -> Path:
-        return self.root / "learners" / str(learner_id)
-
-    def learner_status(self, learner_id: int) -> Path:
-        return self.learner_dir(learner_id) / "status.json"
-
-    def learner_metrics(self, learner_id: int) -> Path:
-        return self.learner_dir(learner_id) / "metrics.jsonl"
-
-    def log(self, name: str) -> Path:
-        return self.logs / f"{name}.log"
-
-    def settings(self, name: str) -> Path:
-        """Child `name`'s settings file (`ddiloco syncer|learner|evaluator --settings FILE`)."""
-        return self.root / "settings" / f"{name}.json"
 
 
 def without_torch_distributed(env: Mapping[str, str]) -> dict[str, str]:
@@ -202,125 +106,6 @@ def connect_address(bound: str) -> str:
 def with_port(bind: str, port: int) -> str:
     host, _, _ = bind.rpartition(":")
     return f"{host}:{port}"
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec (only async-signal-safe work: one syscall). The
-    # launcher starts children from its main thread only, so "parent thread died" = launcher died.
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def process_group_alive(pgid: int) -> bool:
-    """True while any process of the group exists (zombies count as gone)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-@dataclass
-class ChildProcess:
-    """One started child: its own process group, its log file, and how it ended."""
-
-    name: str
-    argv: list[str]
-    popen: subprocess.Popen
-    log_path: Path
-    log_offset: int
-    started_at: float
-    """Monotonic seconds."""
-    returncode: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def poll(self) -> int | None:
-        """The exit code once it has exited (negative: killed by that signal), else None."""
-        if self.returncode is None:
-            self.returncode = self.popen.poll()
-            if self.returncode is not None:
-                # Anything it left in its group (a helper it spawned) goes with it.
-                self.signal_group(signal.SIGKILL)
-        return self.returncode
-
-    def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
-
-    def close_stdin(self) -> None:
-        """End-of-file on a standby's stdin (it exits by itself); nothing for other children."""
-        if self.popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.popen.stdin.close()
-
-    def stop(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> int:
-        """SIGTERM the group, wait up to `timeout_s` for the whole group, then SIGKILL it."""
-        stop_processes([self], timeout_s, clock=clock)
-        return self.returncode if self.returncode is not None else self.popen.wait()
-
-    def log_tail(self, max_lines: int = 5) -> list[str]:
-        """The last non-empty lines this start wrote to its log (for "why did it exit")."""
-        try:
-            with self.log_path.open("rb") as file:
-                file.seek(self.log_offset)
-                text = file.read().decode("utf-8", errors="replace")
-        except OSError:
-            return []
-        return [line for line in text.splitlines() if line.strip()][-max_lines:]
-
-
-def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
-                   clock: Callable[[], float] = time.monotonic,
-                   kill_now: Callable[[], bool] = lambda: False,
-                   on_wait: Callable[[list[ChildProcess]], None] = lambda pending: None) -> None:
-    """SIGTERM every child's group at once; SIGKILL what is left after `timeout_s` (or as soon as
-    `kill_now()` turns true, e.g. on a second Ctrl-C). `on_wait(pending)` is called once with the children still
-    running STOP_NOTICE_AFTER_S after the SIGTERM, if any, so that the wait can be explained. Returns once every
-    group is gone."""
-    for child in children:
-        if child.poll() is None:
-            child.signal_group(signal.SIGTERM)
-            # A stopped child (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again: it was
-            # SIGKILLed at the timeout instead, with its work since its last checkpoint.
-            child.signal_group(signal.SIGCONT)
-    started = clock()
-    deadline = started + timeout_s
-    noticed = False
-    pending = [c for c in children if c.poll() is None]
-    while pending and clock() < deadline and not kill_now():
-        if not noticed and clock() - started >= STOP_NOTICE_AFTER_S:
-            noticed = True
-            on_wait(pending)
-        time.sleep(STOP_POLL_S)
-        pending = [c for c in pending if c.poll() is None]
-    waited_s = clock() - started
-    why = (f"still running {timeout_s:g} s after SIGTERM" if waited_s >= timeout_s
-           else f"SIGKILL asked for (a second stop signal) {waited_s:.1f} s after SIGTERM")  # not a timeout: say so
-    for child in pending:
-        logger.warning("[%s] %s: SIGKILL", child.name, why)
-        child.signal_group(signal.SIGKILL)
-    for child in children:
-        child.returncode = child.popen.wait()
-        child.signal_group(signal.SIGKILL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,6 +322,6 @@ class Launcher:
             offset = log.tell()
             popen = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent, close_fds=True)
+                                     preexec_fn=die_with_parent, close_fds=True)
         logger.info("[%s] started pid %d", name, popen.pid)
         return ChildProcess(name, argv, popen, log_path, offset, time.monotonic())

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddiloco.checkpoint import read_json_object
-from ddiloco.runtime.launcher import RunPaths
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import ChildState, Event, Slot
 from ddiloco.runtime.supervisor import Supervisor
 
@@ -140,7 +140,7 @@ class ProgressView:
     def __enter__(self) -> ProgressView:
         if self.live:
             # No auto-refresh thread: the supervisor loop redraws, so the launcher stays one thread
-            # (its children are forked from it, see launcher._die_with_parent).
+            # (its children are forked from it, see launcher.die_with_parent).
             self._live = Live(console=self.console, auto_refresh=False, transient=False)
             self._live.start()
         return self

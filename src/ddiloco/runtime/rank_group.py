@@ -37,7 +37,8 @@ from pathlib import Path
 from ddiloco import rank_failures
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.environment import ENV_PREFIX
-from ddiloco.runtime.launcher import LOOPBACK, _die_with_parent
+from ddiloco.runtime.child_process import die_with_parent
+from ddiloco.runtime.launcher import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), p
         for rank in range(nproc):
             device = devices[rank % len(devices)] if devices else None
             env = {**os.environ, **rank_env(rank, nproc, port, device), ENV_PREFIX + "RANK_FAILURES": str(failures)}
-            ranks.append(subprocess.Popen(list(argv), env=env, preexec_fn=_die_with_parent))
+            ranks.append(subprocess.Popen(list(argv), env=env, preexec_fn=die_with_parent))
         atomic_write_json(failures / rank_failures.RANKS_FILE, {"ranks": [r.pid for r in ranks]}, durable=False)
         if pids_file is not None:
             atomic_write_json(pids_file, {"pid": os.getpid(), "master_port": port, "ranks": [r.pid for r in ranks]})

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.backoff import Backoff
-from ddiloco.runtime.launcher import Launcher, RunPaths
+from ddiloco.runtime.launcher import Launcher
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
     STOPPED_AFTER_SESSION,
@@ -47,6 +47,7 @@ from ddiloco.runtime.learner_exits import (
 from ddiloco.runtime.ray_actor import ACTOR_RUNTIME_ENV, LEARNER, RoleActor, RoleSpec
 from ddiloco.runtime.ray_cluster import RayCluster
 from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import (
     EVALUATOR,
     EXIT_DONE,

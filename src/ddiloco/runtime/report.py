@@ -34,8 +34,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, state_files, strict_dumps
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.progress import format_bytes
+from ddiloco.runtime.run_paths import RunPaths
 
 logger = logging.getLogger(__name__)
 

@@ -115,7 +115,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
     program must be found here. `gpus_per_learner`: the GPUs Ray gives each learner's actor (`--ray`), one for
     each of its ranks."""
     from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
-    from ddiloco.runtime.launcher import RunPaths, require_runnable
+    from ddiloco.runtime.launcher import require_runnable
     from ddiloco.runtime.run_dir import (
         LAUNCH_SHAPE,
         before_start,
@@ -127,6 +127,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         resumed_learner_command,
         undo_start,
     )
+    from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.run_settings import RunSettings
     from ddiloco.runtime.syncer_state import GENESIS_FILE
 
@@ -336,9 +337,10 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report. `started`: every pid
     this session started, by child name, filled in as they start (empty: no process of the run ran)."""
     from ddiloco.metrics import JsonlSink
-    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher, RunPaths
+    from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.run_dir import record_processes
+    from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import Event, SupervisorConfig
     from ddiloco.runtime.supervisor import Supervisor
     from ddiloco.stdout_pipe import PipeConsole
@@ -409,8 +411,8 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
             wall_time_s: float) -> int:
     """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
     from ddiloco.checkpoint import strict_dumps
-    from ddiloco.runtime.launcher import RunPaths
     from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import ChildState
     from ddiloco.stdout_pipe import StdoutLines
 

@@ -4,7 +4,7 @@ Every process of a run writes there (config.json, logs, checkpoints, status file
 path that is a file, cannot be created or cannot be written is a user's mistake to report in one line at
 once, not a traceback from whichever process writes first. So is a `--resume` of a run that is still going:
 a second launcher would overwrite the first one's records and start a syncer that the first one's lock turns away.
-What the files in it are is `launcher.RunPaths`.
+What the files in it are is `run_paths.RunPaths`.
 
 The launcher holds an exclusive flock on the directory itself for as long as it runs it (`claim_run_dir`), and
 records two things for later commands: who runs the directory now (`launcher/processes.json`: its pid and the
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddiloco.checkpoint import atomic_write_bytes, atomic_write_json, read_json_object
 from ddiloco.launcher_watch import process_start_time
-from ddiloco.runtime.launcher import RunPaths
 from ddiloco.runtime.process_lock import DirectoryLock
+from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.syncer_standby import SyncerLock
 from ddiloco.runtime.syncer_state import GENESIS_FILE
 

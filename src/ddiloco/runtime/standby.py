@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddiloco.checks import invalid, require_int
-from ddiloco.runtime.launcher import ChildProcess, Launcher, stop_processes
+from ddiloco.runtime.child_process import ChildProcess, stop_processes
+from ddiloco.runtime.launcher import Launcher
 
 logger = logging.getLogger(__name__)
 

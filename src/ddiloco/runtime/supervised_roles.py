@@ -12,7 +12,7 @@ from typing import Any
 
 from ddiloco.backoff import Backoff
 from ddiloco.checks import require_int
-from ddiloco.runtime.launcher import ChildProcess
+from ddiloco.runtime.child_process import ChildProcess
 from ddiloco.runtime.learner_exits import CrashLoop
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S
 

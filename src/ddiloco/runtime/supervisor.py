@@ -47,7 +47,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ddiloco.backoff import Backoff
-from ddiloco.runtime.launcher import ChildProcess, Launcher, connect_address, stop_processes, with_port
+from ddiloco.runtime.child_process import ChildProcess, stop_processes
+from ddiloco.runtime.launcher import Launcher, connect_address, with_port
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
     EXIT_LOG_LINES,

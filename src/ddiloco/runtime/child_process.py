@@ -1,0 +1,155 @@
+"""The life of one child process of a local run: started in its own process group, stopped with its group.
+
+Each child leads its own process group (so a Ctrl-C in the terminal reaches only `ddiloco run`, and stopping a child
+also stops anything it spawned) and asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so
+even a SIGKILLed launcher leaves nothing running; a script behind a wrapper, which that signal does not reach, watches
+the launcher named in its environment: `ddiloco.launcher_watch`). Stopping is SIGTERM to the group (and SIGCONT, for
+a stopped one), then SIGKILL after a timeout. What is started, with which command line, is `ddiloco.runtime.launcher`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.05
+"""Poll interval while waiting for a signalled process group to go."""
+STOP_NOTICE_AFTER_S = 3.0
+"""How long after SIGTERM a child that is still running is said to be waited for (`stop_processes`' `on_wait`). A
+learner that stops cleanly flushes its updates (up to 1 s) and writes its checkpoint within about this; one that
+takes longer is most likely between two step() calls, which is where it notices the SIGTERM."""
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal the kernel sends a child when its parent thread dies."""
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent() -> None:
+    # Runs in the child between fork and exec (only async-signal-safe work: one syscall). The
+    # launcher starts children from its main thread only, so "parent thread died" = launcher died.
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+@dataclass
+class ChildProcess:
+    """One started child: its own process group, its log file, and how it ended."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    log_path: Path
+    log_offset: int
+    started_at: float
+    """Monotonic seconds."""
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code once it has exited (negative: killed by that signal), else None."""
+        if self.returncode is None:
+            self.returncode = self.popen.poll()
+            if self.returncode is not None:
+                # Anything it left in its group (a helper it spawned) goes with it.
+                self.signal_group(signal.SIGKILL)
+        return self.returncode
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def close_stdin(self) -> None:
+        """End-of-file on a standby's stdin (it exits by itself); nothing for other children."""
+        if self.popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.popen.stdin.close()
+
+    def stop(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> int:
+        """SIGTERM the group, wait up to `timeout_s` for the whole group, then SIGKILL it."""
+        stop_processes([self], timeout_s, clock=clock)
+        return self.returncode if self.returncode is not None else self.popen.wait()
+
+    def log_tail(self, max_lines: int = 5) -> list[str]:
+        """The last non-empty lines this start wrote to its log (for "why did it exit")."""
+        try:
+            with self.log_path.open("rb") as file:
+                file.seek(self.log_offset)
+                text = file.read().decode("utf-8", errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if line.strip()][-max_lines:]
+
+
+def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
+                   clock: Callable[[], float] = time.monotonic,
+                   kill_now: Callable[[], bool] = lambda: False,
+                   on_wait: Callable[[list[ChildProcess]], None] = lambda pending: None) -> None:
+    """SIGTERM every child's group at once; SIGKILL what is left after `timeout_s` (or as soon as
+    `kill_now()` turns true, e.g. on a second Ctrl-C). `on_wait(pending)` is called once with the children still
+    running STOP_NOTICE_AFTER_S after the SIGTERM, if any, so that the wait can be explained. Returns once every
+    group is gone."""
+    for child in children:
+        if child.poll() is None:
+            child.signal_group(signal.SIGTERM)
+            # A stopped child (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again: it was
+            # SIGKILLed at the timeout instead, with its work since its last checkpoint.
+            child.signal_group(signal.SIGCONT)
+    started = clock()
+    deadline = started + timeout_s
+    noticed = False
+    pending = [c for c in children if c.poll() is None]
+    while pending and clock() < deadline and not kill_now():
+        if not noticed and clock() - started >= STOP_NOTICE_AFTER_S:
+            noticed = True
+            on_wait(pending)
+        time.sleep(STOP_POLL_S)
+        pending = [c for c in pending if c.poll() is None]
+    waited_s = clock() - started
+    why = (f"still running {timeout_s:g} s after SIGTERM" if waited_s >= timeout_s
+           else f"SIGKILL asked for (a second stop signal) {waited_s:.1f} s after SIGTERM")  # not a timeout: say so
+    for child in pending:
+        logger.warning("[%s] %s: SIGKILL", child.name, why)
+        child.signal_group(signal.SIGKILL)
+    for child in children:
+        child.returncode = child.popen.wait()
+        child.signal_group(signal.SIGKILL)
