@@ -11,7 +11,9 @@ buffers it was built with (BatchNorm's mean 0 and variance 1) its evaluation-mod
 - at each checkpoint it also writes them to `learners/N/buffers.safetensors` (`write_buffers`), a small file;
 - `ddiloco export` and the evaluator (`ddiloco.watch`) load their mean over the learners (`merged_buffers`):
   floating-point buffers averaged value by value (in float64, then in the buffer's own dtype), the others (a batch
-  count) taken from the learner with the lowest id.
+  count) taken from the learner with the lowest id. Infinite values that every learner holds alike (a causal mask of
+  -inf) are kept as they are; a copy with a NaN, or infinite where the others are not (a statistic that overflowed),
+  is left out of the mean.
 
 The buffers are the module's persistent ones (those its `state_dict` holds: a rotary table registered with
 `persistent=False` is rebuilt by the module, not kept), under the plain module's names (without a DDP, DataParallel or
@@ -89,8 +91,8 @@ def _learner_files(run_dir: Path) -> list[tuple[int, Path]]:
 def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[int]]:
     """(the mean of the learners' latest buffers, the learners it took them from, ascending) from the run's
     `learners/N/buffers.safetensors` (module docstring). A file that cannot be read is logged and left out; a buffer
-    a learner holds with another shape or dtype than the lowest-id learner's, or not finite, is left out of the
-    mean (a buffer no learner holds finite is left out of the result)."""
+    a learner holds with another shape or dtype than the lowest-id learner's, or not finite where the others are
+    (`_mean`), is left out of the mean (a buffer no learner holds usable is left out of the result)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -108,13 +110,27 @@ def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[i
         if not first.is_floating_point():
             merged[name] = first
             continue
-        same = [buffers[name] for _, buffers in read
-                if name in buffers and buffers[name].shape == first.shape and buffers[name].dtype == first.dtype
-                and bool(torch.isfinite(buffers[name]).all())]  # a NaN statistic would make the mean NaN
-        if not same:
-            continue
-        total = torch.zeros(first.shape, dtype=torch.float64)
-        for value in same:
-            total += value.to(torch.float64)
-        merged[name] = (total / len(same)).to(first.dtype)
+        mean = _mean([buffers[name] for _, buffers in read
+                      if name in buffers and buffers[name].shape == first.shape and buffers[name].dtype == first.dtype])
+        if mean is not None:
+            merged[name] = mean
     return merged, [learner_id for learner_id, _ in read]
+
+
+def _mean(copies: list[torch.Tensor]) -> torch.Tensor | None:
+    """The learners' copies of one floating-point buffer averaged value by value, or None when none can be. Infinite
+    values held alike by every copy without a NaN (a causal mask of -inf: a constant, not a statistic) are kept; the
+    finite values around them are averaged. Otherwise only the copies that are finite everywhere count: a NaN, or an
+    overflowed statistic, would make the mean NaN or infinite."""
+    whole = [value for value in copies if not bool(torch.isnan(value).any())]
+    infinite = torch.isinf(whole[0]) if whole else None
+    if infinite is None or not all(torch.equal(torch.isinf(value), infinite)
+                                   and torch.equal(value[infinite], whole[0][infinite]) for value in whole):
+        whole, infinite = [value for value in whole if not bool(torch.isinf(value).any())], None
+    if not whole:
+        return None
+    total = torch.zeros(whole[0].shape, dtype=torch.float64)
+    for value in whole:
+        total += value.to(torch.float64) if infinite is None else value.to(torch.float64).masked_fill(infinite, 0.0)
+    mean = (total / len(whole)).to(whole[0].dtype)
+    return mean if infinite is None else torch.where(infinite, whole[0], mean)

@@ -100,3 +100,17 @@ def test_loading_buffers_names_what_it_did_not_get():
     missing = load_buffers(model, {"norm.running_mean": torch.full((8,), 4.0), "norm.running_var": torch.ones(3)})
     assert torch.equal(model.norm.running_mean, torch.full((8,), 4.0))
     assert missing == ["norm.running_var", "norm.num_batches_tracked"]
+
+
+def test_infinite_values_every_learner_holds_alike_are_kept_and_an_overflowed_statistic_is_left_out(tmp_path):
+    inf = float("inf")
+    mask = torch.full((3, 3), -inf).triu(1)  # a causal mask: a constant buffer, -inf above the diagonal
+    copies = {0: (mask, [1.0, inf]), 1: (mask, [3.0, 2.0]), 2: (mask.clone().fill_(float("nan")), [5.0, 4.0])}
+    for learner_id, (own_mask, statistic) in copies.items():
+        directory = tmp_path / "learners" / str(learner_id)
+        directory.mkdir(parents=True)
+        save_file({"mask": own_mask, "stat": torch.tensor(statistic)}, directory / BUFFERS_FILE)
+    merged, learners = merged_buffers(tmp_path)
+    assert learners == [0, 1, 2]
+    assert torch.equal(merged["mask"], mask)  # learner 2's NaN copy left out; the -inf above the diagonal kept
+    assert torch.equal(merged["stat"], torch.tensor([4.0, 3.0]))  # learner 0's overflowed copy left out
