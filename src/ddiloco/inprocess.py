@@ -16,10 +16,12 @@ import threading
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.learner import Learner
+from ddiloco.learner_group import unwrap
 from ddiloco.messages import Commit, Join, LearnerMessage, Leave, RoundRecord, Send, SyncerAction, SyncerMessage
 from ddiloco.syncer import Syncer
 
@@ -101,6 +103,30 @@ class InProcessHub:
                 endpoint = self._endpoints.get(action.learner_id)
                 if endpoint is not None:
                     endpoint[0](action.message)
+
+    # ---- the trained model ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_global(self, model: nn.Module) -> None:
+        """Copy the run's global parameters (the syncer's, after its last committed round) into `model` in place, by
+        the plain module's names (a `torch.compile`, DDP or DataParallel wrapper is fine), so tied weights stay one
+        tensor: what `ddiloco export` gives a run of processes, for a run in this process. Buffers (BatchNorm's
+        statistics) are left as `model` holds them: in process each learner's model keeps its own. ValueError when no
+        learner has joined yet, or naming what differs when `model`'s parameters are not the run's."""
+        if self.syncer is None:
+            raise ValueError("no learner has joined this hub yet: there is no global model to load")
+        with self._lock:
+            params = self.syncer.global_params()
+        own = dict(unwrap(model).named_parameters())
+        differ = sorted(set(params) ^ set(own)) or [n for n in sorted(own) if own[n].shape != params[n].shape]
+        if differ:
+            name = differ[0]
+            what = (f"has shape {tuple(own[name].shape)}, the run's {tuple(params[name].shape)}" if name in own
+                    and name in params else "is not in the run's model" if name in own else "is missing from it")
+            raise ValueError(f"this model's parameters are not the run's: parameter {name!r} {what} "
+                             f"({len(differ)} difference{'s' if len(differ) > 1 else ''} in all)")
+        for name, parameter in own.items():
+            parameter.copy_(params[name])
 
     # ---- learner cores driven directly (tests, experiments) ------------------------------------------
 

@@ -30,3 +30,5 @@ def test_readme_quickstart_runs_and_trains(capsys):
     initial = dict(build_model().named_parameters())
     moved = [not torch.equal(initial[name].detach(), tensor) for name, tensor in syncer.global_params().items()]
     assert all(moved)
+    trained = dict(namespace["trained"].named_parameters())  # hub.load_global: the global model, in place
+    assert all(torch.equal(trained[name].detach(), tensor) for name, tensor in syncer.global_params().items())
