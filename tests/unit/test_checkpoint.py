@@ -266,3 +266,19 @@ def test_a_flipped_bit_in_the_genesis_is_refused(tmp_path):
     path.write_bytes(intact[:at] + bytes([intact[at] ^ 0x01]) + intact[at + 1:])
     with pytest.raises(ValueError, match=r"genesis\.safetensors is damaged \(the checksum of its tensor data and meta"):
         read_genesis(tmp_path)
+
+
+def test_a_missing_genesis_beside_committed_rounds_is_refused_never_a_fresh_start(tmp_path):
+    # A resume without genesis.safetensors started afresh: a new genesis, round 0 appended after the old log's
+    # round 28, the old round files overwritten; the run could neither be resumed nor exported after.
+    assert read_genesis(tmp_path) is None  # a new run: no genesis yet, nothing else either
+    _, _, store = _committed(tmp_path, 3, DilocoConfig(num_fragments=2, sync_every=4))
+    (tmp_path / GENESIS_FILE).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"genesis\.safetensors is missing, but the run has committed rounds "
+                                         r"\(rounds\.jsonl is not empty\): restore it from a backup"):
+        read_genesis(tmp_path)
+    store.log.path.write_bytes(b"")
+    store.save(Syncer(DilocoConfig(num_fragments=2, sync_every=4), QuorumConfig(),
+                      initial_params=params_of(TinyNet(seed=100))), {})
+    with pytest.raises(ValueError, match=r"is missing, but the run has syncer states in checkpoints/syncer"):
+        read_genesis(tmp_path)

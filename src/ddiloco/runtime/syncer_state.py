@@ -27,6 +27,7 @@ on from a full state alone, since replays, audits and participation counts read 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -92,11 +93,18 @@ def write_genesis(run_dir: str | Path, genesis: GenesisRecord) -> None:
 
 
 def read_genesis(run_dir: str | Path) -> GenesisRecord | None:
-    """The run's genesis, or None before it has one. A damaged file is an error, never a fresh start."""
+    """The run's genesis, or None before it has one. A damaged file is an error, never a fresh start; so is a missing
+    one beside the rounds it started (`_history`): a fresh start there made a new genesis, appended round 0 after the
+    old log's last round and overwrote its round files, and the run could not be resumed or exported after."""
     path = Path(run_dir) / GENESIS_FILE
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        history = _history(Path(run_dir))
+        if history:
+            raise ValueError(f"{path} is missing, but the run has {history}: restore it from a backup; the run "
+                             "cannot go on without its genesis (a fresh start would mix a new history into this one)"
+                             ) from None
         return None
     try:
         meta = _safetensors_metadata(data)
@@ -116,6 +124,19 @@ def read_genesis(run_dir: str | Path) -> GenesisRecord | None:
         if tensor.dtype != torch.float32 or not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{path} is damaged: tensor {name!r} is not finite float32")
     return GenesisRecord({name: tensors[name] for name in order}, embeddings, meta.get("source", ""), aliases)
+
+
+def _history(run_dir: Path) -> str:
+    """What of a run's history `run_dir` holds ("" for none): committed rounds, or the syncer's full states."""
+    rounds = RoundLog(run_dir).path
+    with contextlib.suppress(OSError):
+        if rounds.stat().st_size > 0:
+            return f"committed rounds ({rounds.name} is not empty)"
+    states = run_dir / STATE_DIR
+    with contextlib.suppress(OSError):
+        if any(states.iterdir()):
+            return f"syncer states in {STATE_DIR}"
+    return ""
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
