@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,9 +140,9 @@ fake, barrier, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 checked = run_dir.require_not_running
 
 
-def lined_up(directory):
+def lined_up(directory, **options):
     # Both launchers pass the liveness check before either records its processes: the instant the race needs.
-    checked(directory)
+    checked(directory, **options)
     (barrier / f"passed-{name}").touch()
     while not (barrier / "go").exists():  # the test creates it once both passed, or one was refused
         time.sleep(0.01)
@@ -216,3 +217,17 @@ def test_a_launcher_claims_its_directory_until_it_exits_writing_nothing(tmp_path
         lock.release()
     assert DirectoryLock(run_dir).try_acquire()
     assert [path.name for path in run_dir.iterdir()] == []
+
+
+def test_a_copy_of_a_live_runs_directory_can_be_resumed_while_the_original_runs(tmp_path):
+    # The copy's processes.json names the original's launcher, alive: the copy was refused as "still going", though
+    # that launcher holds the original's lock, not the copy's.
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    original.mkdir()
+    with lock_held(original, module="process_lock", lock="DirectoryLock") as launcher:
+        record = {"launcher_pid": launcher.pid, "launcher_started": process_start_time(launcher.pid), "children": {}}
+        atomic_write_json(RunPaths(original).processes, record)
+        with pytest.raises(ValueError, match=f"its launcher, ddiloco run pid {launcher.pid}, is alive"):
+            claim_run_dir(original, resume=True)
+        shutil.copytree(original, copy)
+        claim_run_dir(copy, resume=True).release()

@@ -191,7 +191,9 @@ def claim_run_dir(run_dir: Path, *, resume: bool) -> DirectoryLock:
                                       "another ddiloco run started on it in the same instant and holds it"))
     if resume:
         try:
-            require_not_running(run_dir)  # a syncer serving it without a launcher, a launcher that took no lock
+            # A syncer serving it without a launcher. Not the launcher processes.json names: every launcher holds this
+            # lock for its whole life, so one alive now runs another directory (this one a copy of its run's).
+            require_not_running(run_dir, launcher=False)
         except ValueError:
             lock.release()
             raise
@@ -208,13 +210,15 @@ def _live_launcher(paths: RunPaths) -> int | None:
     return None
 
 
-def require_not_running(run_dir: Path) -> None:
+def require_not_running(run_dir: Path, *, launcher: bool = True) -> None:
     """ValueError naming the live process when the run in `run_dir` is still going: its launcher (`ddiloco run`,
-    from `launcher/processes.json`) or a syncer serving it (one holds `syncer.lock` for as long as it lives, however
-    it was started). Files left by a run that ended, `kill -9` included, do not count: the recorded launcher pid must
-    still name the same process (and not this one: a process that asks is not running a run, `ddiloco run` called
-    again from Python), and the kernel releases a dead syncer's lock."""
-    if (pid := _live_launcher(RunPaths(run_dir))) is not None:
+    from `launcher/processes.json`; not with `launcher=False`, for a caller that holds the directory's lock) or a
+    syncer serving it (one holds `syncer.lock` for as long as it lives, however it was started). Files left by a run
+    that ended, `kill -9` included, do not count: the recorded launcher pid must still name the same process (and not
+    this one: a process that asks is not running a run, `ddiloco run` called again from Python), and the kernel
+    releases a dead syncer's lock. A copy of a live run's directory names that run's launcher, which holds the
+    original's lock, not the copy's: before 2026-12-06 the copy could not be resumed while the original ran."""
+    if launcher and (pid := _live_launcher(RunPaths(run_dir))) is not None:
         live = f"its launcher, ddiloco run pid {pid}, is alive"
     elif (lock := SyncerLock(run_dir)).held():
         live = f"its syncer, pid {lock.holder()}, holds {lock.path}"
