@@ -24,6 +24,8 @@ import json, os
 with open("starts.jsonl", "a") as file:
     file.write(json.dumps({k: os.environ.get(k) for k in ("DDILOCO_LEARNER_ID", "RANK", "WORLD_SIZE",
                                                            "DDILOCO_DEVICE")}) + "\\n")
+with open("checkpoint_every_s.txt", "a") as file:
+    file.write(os.environ["DDILOCO_CHECKPOINT_EVERY_S"] + "\\n")
 """
 """A learner script (every rank of it) that notes its place and device and is done at once (exit status 0)."""
 SCRIPT = ("python", "learner.py")
@@ -95,10 +97,14 @@ def test_round_files_all_reaches_the_syncer_and_a_plain_resume_keeps_it(tmp_path
     (tmp_path / "learner.py").write_text(LEARNER)
     run_dir = tmp_path / "run"
     syncer_settings = RunPaths(run_dir).settings("syncer")
-    assert run(fake_command, "--run-dir", str(run_dir), "--round-files", "all", script=SCRIPT) == 0
-    assert json.loads(syncer_settings.read_text())["round_files"] == "all"
+    assert run(fake_command, "--run-dir", str(run_dir), "--round-files", "all", "--full-state-every", "10",
+               "--checkpoint-every-s", "2.5", script=SCRIPT) == 0
+    kept = {"round_files": "all", "full_state_every": 10}
+    assert {name: json.loads(syncer_settings.read_text())[name] for name in kept} == kept
     capsys.readouterr()
     syncer_settings.unlink()
     assert run(fake_command, "--resume", str(run_dir)) == 0
-    assert "resuming with the run's --round-files all\n" in capsys.readouterr().out
-    assert json.loads(syncer_settings.read_text())["round_files"] == "all"
+    assert ("resuming with the run's --round-files all --full-state-every 10 --checkpoint-every-s 2.5\n"
+            in capsys.readouterr().out)
+    assert {name: json.loads(syncer_settings.read_text())[name] for name in kept} == kept
+    assert (tmp_path / "checkpoint_every_s.txt").read_text().split() == ["2.5"] * 4  # 2 learners, 2 starts each

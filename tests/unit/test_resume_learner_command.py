@@ -55,7 +55,9 @@ def test_resume_without_a_command_runs_the_runs_own_and_one_that_differs_is_used
     assert json.loads(RunPaths(run_dir).learner_command.read_text()) == {"command": ["python", "learner.py", "first"],
                                                                           "cwd": str(tmp_path), "nproc_per_learner": 1,
                                                                           "device": "cpu", "evaluate": False,
-                                                                          "round_files": "recent"}
+                                                                          "round_files": "recent",
+                                                                          "full_state_every": 100,
+                                                                          "checkpoint_every_s": 10.0}
     capsys.readouterr()
 
     assert run(fake_command, "--resume", str(run_dir)) == 0
