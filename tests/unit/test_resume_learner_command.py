@@ -148,3 +148,24 @@ def test_the_built_in_learner_and_a_command_together_are_refused(tmp_path, capsy
     assert capsys.readouterr().err == ("ddiloco run: error: --built-in-learner and a learner command after -- name two "
                                        "different learners: give one of them\n")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    ('{"command": "python learner.py", "cwd": "/"}', "its command is not a list of strings"),  # ran as its letters
+    ('{"command": ["python", "lea', "not a JSON object"),  # dropped without a word, with the recorded flags
+    ("[1, 2]", "not a JSON object"),
+])
+def test_a_damaged_record_of_the_learner_command_is_refused_naming_it_and_left_as_it_was(
+        tmp_path, fake_command, capsys, monkeypatch, damage, problem):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "learner.py").write_text(LEARNER)
+    run_dir = tmp_path / "run"
+    assert run(fake_command, "--run-dir", str(run_dir), "--round-files", "all", script=("python", "learner.py")) == 0
+    capsys.readouterr()
+    record = RunPaths(run_dir).learner_command
+    record.write_text(damage)
+    config = (run_dir / "config.json").read_bytes()
+    with pytest.raises(ValueError, match=rf"--resume {run_dir}: {record} is damaged \({problem}\): restore it from a "
+                                         r"backup, or remove it and give the learner command"):
+        run(fake_command, "--resume", str(run_dir))
+    assert record.read_text() == damage and (run_dir / "config.json").read_bytes() == config

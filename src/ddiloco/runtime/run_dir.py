@@ -281,13 +281,30 @@ def restore_learner_command(paths: RunPaths, replaced: Mapping[str, Any], script
             f"ran with before, {_describe(before)}, for its next --resume")
 
 
+def _recorded_launch(run_dir: Path) -> dict[str, Any] | None:
+    """`launcher/command.json` (`record_learner_command`), or None for a run from before it was written. ValueError
+    when it is there but damaged: a command that was a string ran as its letters, and a record that was not a JSON
+    object was dropped without a word, with the run's --round-files all and evaluator."""
+    path = RunPaths(run_dir).learner_command
+    if not path.exists():
+        return None
+    record = read_json_object(path)
+    command = record.get("command") if record is not None else None
+    if not isinstance(command, list) or not all(isinstance(word, str) for word in command):
+        problem = "not a JSON object" if record is None else "its command is not a list of strings"
+        raise ValueError(f"--resume {run_dir}: {path} is damaged ({problem}): restore it from a backup, or remove it "
+                         f"and give the learner command (-- python train.py) and its flags (--evaluate, --round-files, "
+                         "...) again")
+    return record
+
+
 def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
                          defaults: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The LAUNCH_SHAPE settings a `--resume` of `run_dir` takes from the run's record, and lines for the console:
     each one not `given` (a flag left out) is the run's recorded value, said when it is not the default; one given
     that differs from the record is used, and that is said. A run recorded before the shape was (or none recorded)
     takes nothing: the flags given and the defaults, as before."""
-    record = read_json_object(RunPaths(run_dir).learner_command) or {}
+    record = _recorded_launch(run_dir) or {}
     kept = {name: record[name] for name in LAUNCH_SHAPE if name not in given and name in record}
     notes = []
     if shown := [_shown(name, value) for name, value in kept.items() if value != defaults[name]]:
@@ -308,7 +325,7 @@ def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[st
     but one whose genesis shows a script's model is refused without `-- COMMAND` (it would otherwise start the
     built-in TinyGPT learner against the script's model)."""
     given = tuple(given)
-    record = read_json_object(RunPaths(run_dir).learner_command)
+    record = _recorded_launch(run_dir)
     if record is None:
         if not given and not built_in and _genesis_is_a_script_model(run_dir, config):
             raise ValueError(f"--resume {run_dir}: this run's model is not the built-in TinyGPT, so it was started "
