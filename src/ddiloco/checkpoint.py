@@ -155,6 +155,9 @@ class JsonLines:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._mid_line = _ends_mid_line(self.path)
+        """The file ends in a line cut short (a host crash mid-write): the first line appended starts on a line of its
+        own, else it was glued to the cut one and both were lost to every reader."""
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._trouble = WriteTrouble(str(self.path))
@@ -187,6 +190,7 @@ class JsonLines:
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
         end = os.lseek(self._fd, 0, os.SEEK_END)
+        data = b"\n" + data if self._mid_line else data
         try:
             written = os.write(self._fd, data)
             if written != len(data):
@@ -194,6 +198,7 @@ class JsonLines:
         except OSError:
             os.ftruncate(self._fd, end)  # no torn line: readers parse every line
             raise
+        self._mid_line = False
 
     @property
     def closed(self) -> bool:
@@ -204,6 +209,18 @@ class JsonLines:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether `path` is not empty and its last byte is not a newline."""
+    try:
+        with path.open("rb") as file:
+            if file.seek(0, os.SEEK_END) == 0:
+                return False
+            file.seek(-1, os.SEEK_END)
+            return file.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def atomic_write_json(path: str | Path, value: Any, *, durable: bool = True, allow_nan: bool = False) -> None:

@@ -181,6 +181,23 @@ def test_metrics_lines_are_dropped_whole_and_counted_when_the_disk_is_full(tmp_p
     assert lines[1]["lines"] == 3 and sink.dropped == 3
 
 
+def test_lines_appended_after_a_line_cut_short_start_on_a_line_of_their_own(tmp_path):
+    # A host crash mid-write leaves the last line cut; the next process's first line was glued onto it, and that
+    # line, unreadable, was lost with the cut one.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "before"}\n{"event": "cut sh')
+    sink = JsonlSink(path)
+    sink.event("start")
+    sink.event("next")
+    sink.close()
+    lines = path.read_text().splitlines()
+    assert lines[:2] == ['{"event": "before"}', '{"event": "cut sh'] and len(lines) == 4
+    assert [json.loads(line)["event"] for line in lines[2:]] == ["start", "next"]
+    whole = path.read_text()
+    JsonlSink(path).close()  # a file that ends with a whole line gets nothing added
+    assert path.read_text() == whole
+
+
 def test_write_trouble_reports_once_when_writes_fail_and_once_when_they_work_again(caplog):
     trouble = WriteTrouble("status file")
 
