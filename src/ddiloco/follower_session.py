@@ -94,6 +94,7 @@ class FollowerSession(SessionLifecycle):
         self._closed = True
         try:
             if not failed:
+                self.group.meet_at_close(self._inner_step)  # bounded: rank 0 may still be in its loop
                 self._serve()
         finally:
             self._restore_sigterm()

@@ -51,6 +51,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -318,16 +319,7 @@ class LearnerGroup:
         """Collective, as every rank opens its session: wait at most `rank_wait_s` for every rank to open its own
         (`RanksOutOfStepError` naming the ranks that did not), then count this rank's steps of `optimizer` (the rule
         of one `sync.step()` per `optimizer.step()`, checked at each STEP)."""
-        if self.bounded:
-            started = time.monotonic()
-            try:
-                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.rank_wait_s),
-                                       wait_all_ranks=True)
-            except RuntimeError as exc:
-                if time.monotonic() - started < self.rank_wait_s - WAIT_SLACK_S:
-                    raise  # the group broke (a rank died, or rank 0 raised this for another rank)
-                _end_at_exit()
-                raise RanksOutOfStepError(self._not_opened(str(exc))) from None
+        self._barrier(self._not_opened)
         # Weakly: the hook stays on an optimizer that a later session reuses, and then counts for no one.
         counts = weakref.ref(self)
 
@@ -336,6 +328,58 @@ class LearnerGroup:
                 group._optimizer_steps += 1
 
         optimizer.register_step_post_hook(count)
+
+    def meet_at_close(self, inner_step: int) -> None:
+        """Collective, as every rank's session closes after its loop (not after a failure): wait at most `rank_wait_s`
+        for every rank to close its own, else `RanksOutOfStepError` saying which left the loop first. Without it a rank
+        that left its loop early (its data ran out, a `break`) waited for the others in its close while they waited
+        for it in their next training step's collectives, DDP's or FSDP's, with no message, for gloo's 30 minutes."""
+        self.inner_step = inner_step
+        self._barrier(self._not_closed)
+
+    def _barrier(self, why: Any) -> None:
+        """Every rank meets here within `rank_wait_s`, else `RanksOutOfStepError(why(failure))`: gloo's
+        `monitored_barrier`, on a thread of its own, since only rank 0's side of it is bounded (rank 1 waited for a rank
+        0 that never came for as long as gloo lets a collective wait, 30 minutes). Other backends have none; their
+        collectives end at the process group's own timeout."""
+        if not self.bounded:
+            return
+        outcome: list[BaseException | None] = []
+        met = threading.Event()
+
+        def meet() -> None:
+            try:
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.rank_wait_s),
+                                       wait_all_ranks=True)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+                outcome.append(exc)
+            met.set()
+
+        started = time.monotonic()
+        threading.Thread(target=meet, name="ddiloco-ranks-meet", daemon=True).start()
+        if not met.wait(self.rank_wait_s + 1.0):
+            _end_at_exit()  # the barrier's thread is still in the collective: gloo's teardown would wait for it
+            raise RanksOutOfStepError(why(""))
+        failure = outcome[0]
+        if failure is None:
+            return
+        if not isinstance(failure, RuntimeError) or time.monotonic() - started < self.rank_wait_s - WAIT_SLACK_S:
+            raise failure  # the group broke (a rank died, or rank 0 raised this for another rank)
+        _end_at_exit()
+        raise RanksOutOfStepError(why(str(failure))) from None
+
+    def _not_closed(self, failure: str) -> str:
+        if not self.leader:
+            others = "rank 0 did not leave its own"
+        else:
+            missing = re.search(r"Ranks? ([0-9, ]+) failed to pass monitoredBarrier", failure)
+            others = f"rank(s) {missing[1].strip() if missing else 'some'} did not leave theirs"
+        return (f"rank {self.rank} of this learner left its training loop at inner step {self.inner_step} (its "
+                f"session closed), and {others} within {self.rank_wait_s:g} s: every rank must leave the loop at the "
+                "same step. "
+                "Loop `while not sync.done` on every rank (it turns true on all of them at once); a rank whose data "
+                "ends first must tell the others (an all_reduce of a flag each step), not break alone")
 
     def _not_opened(self, failure: str) -> str:
         if not self.leader:

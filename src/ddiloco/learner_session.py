@@ -448,6 +448,12 @@ class Session(SessionLifecycle):
             logger.warning("[learner %d | inner %d] its loop ended before the run's budget of %d inner steps "
                            "(sync.done was False): its last work is sent, and it stops here", self.learner_id,
                            self.learner.inner_step, self.config.inner_steps)
+        if self.group is not None and not failed:
+            try:
+                self.group.meet_at_close(self.learner.inner_step)  # bounded: another rank may still be in its loop
+            except BaseException:
+                self._finish("failed", flush=False)
+                raise
         self._finish(state, flush=not failed and not self._stop.is_set())
 
     def _finish(self, state: str, *, flush: bool) -> None:

@@ -33,13 +33,16 @@ def _record_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.json"
 
 
-def record(directory: Path | None, rank: int) -> None:
+def record(directory: Path | None, rank: int, *, explains: bool = False) -> None:
     """Record that `rank` failed now (an exception left its session's block), in `directory` (None: not in a rank
-    group, nothing to do). Never raises: it runs while an exception is on its way out."""
+    group, nothing to do); `explains`: its error says what broke between the ranks (`RanksOutOfStepError`), and is
+    the one to show even when another rank's failure was recorded first (a timed-out gloo barrier may close its
+    connections, and the other rank's "connection closed" came a few milliseconds before this record). Never raises:
+    it runs while an exception is on its way out."""
     if directory is None:
         return
     try:
-        atomic_write_json(_record_path(directory, rank), {"rank": rank, "time": time.monotonic(),
+        atomic_write_json(_record_path(directory, rank), {"rank": rank, "time": time.monotonic(), "explains": explains,
                                                           "peers_alive": _peers_alive(directory)}, durable=False)
     except (OSError, ValueError) as exc:
         logger.debug("could not record rank %d's failure in %s: %s", rank, directory, exc)
@@ -64,15 +67,17 @@ def _alive(pid: int) -> bool:
 
 def first_failed(directory: Path, failed: Iterable[int]) -> int:
     """The rank to blame for the group's failure, `failed` being the ranks found exited with a failure (at least one):
-    the rank that recorded the earliest failure while every other rank was alive, whether or not it has exited yet;
-    failing that, of `failed`, a rank that recorded nothing (killed by a signal, or failing outside its session)
-    before one that failed after a peer's death, the lowest first."""
+    the earliest whose error explains it (`record`'s `explains`); else the rank that recorded the earliest failure
+    while every other rank was alive, whether or not it has exited yet; failing that, of `failed`, a rank that recorded
+    nothing (killed by a signal, or failing outside its session) before one that failed after a peer's death, the
+    lowest first."""
     records = {}
     for path in directory.glob("rank-*.json"):
         found = read_json_object(path) or {}
         if isinstance(found.get("rank"), int) and isinstance(found.get("time"), int | float):
             records[found["rank"]] = found
-    causes = [(entry["time"], rank) for rank, entry in records.items() if entry.get("peers_alive") is True]
+    causes = [(entry["time"], rank) for rank, entry in records.items() if entry.get("explains") is True]
+    causes = causes or [(entry["time"], rank) for rank, entry in records.items() if entry.get("peers_alive") is True]
     if causes:
         return min(causes)[1]
     return min(failed, key=lambda rank: (rank in records, rank))

@@ -34,6 +34,7 @@ from ddiloco import rank_failures
 from ddiloco.checks import invalid
 from ddiloco.environment import environment
 from ddiloco.launcher_watch import LauncherWatch, watch_launcher
+from ddiloco.learner_group import RanksOutOfStepError
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,14 @@ class SessionLifecycle:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None)):
             # First, before closing does anything another rank could notice (`ddiloco.rank_failures`).
-            rank_failures.record(self._rank_failures, self._rank)
+            rank_failures.record(self._rank_failures, self._rank, explains=isinstance(exc, RanksOutOfStepError))
         try:
             self.close(failed=exc_type is not None)
+        except BaseException as failure:
+            if exc_type is None:  # the close failed (ranks that left their loops apart): recorded the same way
+                rank_failures.record(self._rank_failures, self._rank,
+                                     explains=isinstance(failure, RanksOutOfStepError))
+            raise
         finally:
             self._end()
 

@@ -68,6 +68,8 @@ with ddiloco.session(model, optimizer) as sync:
     while not sync.done:
         if faulty and fault == "extra" and sync.inner_step == at:
             sync.step(tokens=0)  # one sync.step() too many
+        if faulty and fault == "leave" and sync.inner_step == at:
+            break  # this rank's data ran out: it leaves the loop alone
         sync.step(tokens=train())
 print(f"rank {rank} done at inner step {sync.inner_step}", flush=True)
 dist.destroy_process_group()
@@ -122,6 +124,18 @@ def test_a_rank_that_never_opens_the_session_fails_its_learner_naming_the_rule(t
     assert_restarted_once_and_done(paths, log)
 
 
+@pytest.mark.acceptance
+@pytest.mark.timeout(400)
+def test_a_rank_that_leaves_its_loop_alone_fails_its_learner_naming_the_rule(tmp_path):
+    paths, log = run_with_fault(tmp_path, "leave")
+    assert error_lines(log) == [
+        f"rank 1 of this learner left its training loop at inner step 10 (its session closed), and rank 0 did not "
+        f"leave its own within {RANK_WAIT_S:g} s: every rank must leave the loop at the same step. Loop `while not "
+        "sync.done` on every rank (it turns true on all of them at once); a rank whose data ends first must tell the "
+        "others (an all_reduce of a flag each step), not break alone"], log[-4000:]
+    assert_restarted_once_and_done(paths, log)
+
+
 # ---- the same rules on a bare LearnerGroup of two gloo ranks (rank 0 driving as a Session does, rank 1 serving) ----
 
 def _ranks(rank: int, port: int, fault: str, out: str) -> None:
@@ -139,7 +153,8 @@ def _ranks(rank: int, port: int, fault: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    trained = DistributedDataParallel(model) if fault == "skip" else model  # "extra": a training without collectives
+    # "extra": a training without collectives
+    trained = DistributedDataParallel(model) if fault in ("skip", "leave 0", "leave 1") else model
     optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
     group = LearnerGroup(model, rank_wait_s=RANK_WAIT_S)
     group.meet(optimizer)
@@ -153,6 +168,8 @@ def _ranks(rank: int, port: int, fault: str, out: str) -> None:
     try:
         for inner_step in range(6):
             faulty = rank == 1 and inner_step == 3
+            if fault == f"leave {rank}" and inner_step == 3:
+                group.meet_at_close(inner_step)  # this rank leaves its loop alone (a break, its data ran out)
             if faulty and fault == "extra":
                 group.serve(stepping=True)  # a sync.step() too many, right after the last one
             train()
@@ -164,6 +181,7 @@ def _ranks(rank: int, port: int, fault: str, out: str) -> None:
             else:
                 group.serve(tokens=3, stepping=True)
             outcome["steps"] += 1
+        group.meet_at_close(6)  # both ranks leave the loop at the same step: the close goes on at once
         outcome["result"] = "ok"
     except RanksOutOfStepError as exc:
         outcome["result"] = str(exc)
@@ -207,3 +225,24 @@ def test_a_rank_that_skips_a_sync_step_leaves_rank_0_waiting_a_bounded_time_nami
         f"rank 0 of this learner waited {RANK_WAIT_S:g} s in sync.step() at inner step 3 for the other ranks to call "
         "it: a rank that skipped a sync.step() waits meanwhile in its next training step's collectives (DDP's or "
         "FSDP's) for this one. Every rank must call sync.step() exactly once after each optimizer.step()")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("leaving", [0, 1])
+def test_a_rank_that_leaves_its_loop_alone_fails_its_learner_within_the_bound_naming_the_rule(tmp_path, leaving):
+    # It waited in its session's close for the other ranks, and they waited for it in DDP's all-reduce: the learner
+    # froze with nothing said (rank 1 leaving: for gloo's 30 minutes; rank 0 too, in its first command of the close).
+    outcomes = _run_ranks(tmp_path, f"leave {leaving}")
+    assert outcomes[leaving]["steps"] == 3
+    others = "rank 0 did not leave its own" if leaving else "rank(s) 1 did not leave theirs"
+    assert outcomes[leaving]["result"] == (
+        f"rank {leaving} of this learner left its training loop at inner step 3 (its session closed), and {others} "
+        f"within {RANK_WAIT_S:g} s: every rank must leave the loop at the same step. Loop `while not sync.done` on "
+        "every rank (it turns true on all of them at once); a rank whose data ends first must tell the others (an "
+        "all_reduce of a flag each step), not break alone")
+    assert outcomes[1 - leaving]["result"].startswith("RuntimeError: "), outcomes  # its all-reduce broke with it
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_leave_their_loop_together_close_at_once(tmp_path):
+    assert [outcome["result"] for outcome in _run_ranks(tmp_path, "none")] == ["ok", "ok"]
