@@ -25,6 +25,8 @@ from ddiloco.checkpoint import atomic_write_json, read_json_object
 
 logger = logging.getLogger(__name__)
 
+DEATH_SETTLES_S = 0.2
+"""How long after its failure a rank looks again whether its peers live (`record`)."""
 RANKS_FILE = "ranks.json"
 """`{"ranks": [pid of rank 0, ...]}`, written by the rank group once every rank has started."""
 
@@ -42,8 +44,16 @@ def record(directory: Path | None, rank: int, *, explains: bool = False) -> None
     if directory is None:
         return
     try:
-        atomic_write_json(_record_path(directory, rank), {"rank": rank, "time": time.monotonic(), "explains": explains,
-                                                          "peers_alive": _peers_alive(directory)}, durable=False)
+        now = time.monotonic()
+        alive = _peers_alive(directory)
+        if alive and not explains:
+            # A peer killed a moment ago closes its connections (this rank's failure) before the kernel marks it dead:
+            # seen alive, it was the killed rank 0 whose death rank 1's "connection reset" was named for. Nothing of
+            # this rank's failure has reached the others yet, so a peer dead a moment later died of something else.
+            time.sleep(DEATH_SETTLES_S)
+            alive = _peers_alive(directory)
+        atomic_write_json(_record_path(directory, rank), {"rank": rank, "time": now, "explains": explains,
+                                                          "peers_alive": alive}, durable=False)
     except (OSError, ValueError) as exc:
         logger.debug("could not record rank %d's failure in %s: %s", rank, directory, exc)
 

@@ -227,6 +227,12 @@ def _learner_group(model: nn.Module, env: LearnerEnvironment, group: Any, *,
 
     if env.world_size > 1 and dist.is_available() and not dist.is_initialized():
         dist.init_process_group("nccl" if env.device.startswith("cuda") else "gloo")
+    if group is None and env.world_size > 1 and dist.is_initialized() and dist.get_world_size() != env.world_size:
+        # Each rank would join as the whole learner, and all but one be refused as a second process of it.
+        raise ValueError(f"this learner has {env.world_size} ranks (WORLD_SIZE, --nproc-per-learner), but the process "
+                         f"group holds {dist.get_world_size()}: let init_process_group read them from the environment "
+                         "(dist.init_process_group('gloo'), no rank= or world_size=), or pass group= the learner's "
+                         "ranks")
     return LearnerGroup(model, group=group, rank_wait_s=rank_wait_s) if is_distributed(group) else None
 
 

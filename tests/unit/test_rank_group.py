@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -29,11 +32,30 @@ def test_every_rank_gets_torchruns_environment_and_one_rendezvous_port(tmp_path)
     assert len(json.loads(pids.read_text())["ranks"]) == 3
 
 
-def test_a_rank_killed_by_sigkill_stops_the_others_and_the_group_exits_137(tmp_path):
+def test_a_rank_killed_by_sigkill_stops_the_others_and_run_group_returns_137(tmp_path):
     # Rank 1 kills itself; rank 0 would sleep for a minute: the group must not wait for it.
     script = ("import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGKILL); "
               "time.sleep(60)")
     assert run_group([sys.executable, "-c", script], nproc=2) == 137 == exit_status(-9)
+
+
+@pytest.mark.parametrize(("rank_signal", "status"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143)])
+def test_the_group_dies_of_the_signal_that_killed_its_first_rank_where_that_is_a_fault(tmp_path, rank_signal, status):
+    # As the supervisor sees a learner of one process: a kill -9 (the OOM killer) is a fault that does not count
+    # towards giving the learner up. The group exited 137, an error of the script's own: three kill -9s of a rank in a
+    # row gave the learner up. A SIGTERM stops a rank cleanly: its exit says how it went.
+    script = ("import os, signal, sys, time; os.environ['RANK'] == '0' and print(os.environ['DDILOCO_RANK_FAILURES'], "
+              f"flush=True); os.environ['RANK'] == '1' and os.kill(os.getpid(), {int(rank_signal)}); time.sleep(60)")
+    pids = tmp_path / "learner" / "ranks.json"
+    pids.parent.mkdir()
+    done = subprocess.run([sys.executable, "-m", "ddiloco.runtime.rank_group", "--nproc", "2", "--pids-file",
+                           str(pids), "--", sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert done.returncode == status, done.stderr
+    assert "rank 1 (pid" in done.stderr
+    # The ranks record their failures beside the pids, not in /tmp (a SIGKILLed group left a folder there each time),
+    # and the folder goes with the group.
+    assert done.stdout.split() == [str(pids.parent / "rank_failures")]
+    assert not (pids.parent / "rank_failures").exists()
 
 
 @pytest.mark.parametrize("status", [3, 2, 1])
@@ -119,3 +141,30 @@ def test_a_rank_killed_by_a_signal_is_named_before_a_rank_that_failed_after_its_
     caplog.set_level("WARNING", logger="ddiloco.runtime.rank_group")
     assert run_group([sys.executable, "-c", KILLED_THEN_A_PEER_FAILS], nproc=2) == 137
     assert [record.args[0] for record in caplog.records] == [1]
+
+
+WORLD_OF_ONE = """
+import os, torch, torch.distributed as dist
+from torch import nn
+import ddiloco
+os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)  # each rank a group of its own
+model = nn.Linear(2, 2)
+try:
+    ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), syncer="127.0.0.1:1")
+except ValueError as exc:
+    print(exc)
+"""
+
+
+def test_a_process_group_of_another_size_than_the_learners_ranks_is_refused_naming_both():
+    # Each rank of a --nproc-per-learner 2 learner made a group of one: both joined as the whole learner, one was
+    # refused as "a second process" of it, and the run's reason for it was the other rank's last line of output.
+    from ddiloco.runtime.rank_group import free_port
+
+    done = subprocess.run([sys.executable, "-c", WORLD_OF_ONE], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PORT": str(free_port())})
+    assert done.stdout.strip() == (
+        "this learner has 2 ranks (WORLD_SIZE, --nproc-per-learner), but the process group holds 1: let "
+        "init_process_group read them from the environment (dist.init_process_group('gloo'), no rank= or "
+        "world_size=), or pass group= the learner's ranks"), done.stderr[-2000:]

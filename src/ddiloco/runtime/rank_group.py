@@ -10,8 +10,9 @@ get SIGTERM if it dies (`PR_SET_PDEATHSIG`).
 
 It fails fast, as torchrun does with no restarts of its own: when a rank exits with a failure (kill -9, a
 crash, or a gloo/NCCL error once a peer is gone) the others are stopped (SIGTERM, SIGKILL after
-`STOP_GRACE_S`) and it exits with the status of the rank that failed first (128 + the signal for a killed
-rank), so the supervisor restarts the learner's whole group, which rejoins like any restarted learner. The
+`STOP_GRACE_S`) and it exits with the status of the rank that failed first, or dies of the same signal where that
+rank was killed (kill -9, the OOM killer) or crashed in native code, so that the supervisor counts it as it counts a
+learner of one process; it restarts the learner's whole group, which rejoins like any restarted learner. The
 rank that failed first is not always the first to exit: each rank's session records when an exception left
 its block, in a folder the group gives it (`ddiloco.rank_failures`), and the group names that rank. Exit statuses
 that mean "do not restart" (2 usage, 3 refused) pass through unchanged. It exits 0 when every rank has.
@@ -24,6 +25,7 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -48,6 +50,8 @@ STOP_GRACE_S = 5.0
 """After one rank failed, how long the others get to exit on SIGTERM before SIGKILL (they are stuck in a
 collective with the dead rank, or failing out of one), and how long the rank that failed first, when another
 exited before it, gets to exit by itself."""
+FAILURES_DIR = "rank_failures"
+"""The folder, beside the `--pids-file`, where the ranks record their failures (`ddiloco.rank_failures`)."""
 FAILED_RANK = "[rank-group] rank %d (pid %d) exited with status %d: stopping the other ranks"
 """What the group logs of the first rank that failed (its status as `exit_status` gives it)."""
 FAILED_RANK_LINE = re.compile(r"\[rank-group\] rank (\d+) \(pid (\d+)\) exited with status (\d+)")
@@ -85,7 +89,14 @@ def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), p
         raise ValueError("no command to start: pass it after --")
     port = free_port()
     ranks: list[subprocess.Popen] = []
-    failures = Path(tempfile.mkdtemp(prefix="ddiloco-ranks-"))
+    if pids_file is not None:
+        # Beside the pids, in the learner's directory: a group SIGKILLed (a hung learner stopped) left a folder in /tmp
+        # at every such stop; here the next start of the learner replaces it.
+        failures = pids_file.parent / FAILURES_DIR
+        shutil.rmtree(failures, ignore_errors=True)
+        failures.mkdir(parents=True)
+    else:
+        failures = Path(tempfile.mkdtemp(prefix="ddiloco-ranks-"))
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _forward(ranks, signum))
     try:
         for rank in range(nproc):
@@ -160,10 +171,35 @@ def main(args: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     devices = [d for d in parsed.devices.split(",") if d]
     try:
-        return run_group(command, nproc=parsed.nproc, devices=devices, pids_file=parsed.pids_file)
+        status = run_group(command, nproc=parsed.nproc, devices=devices, pids_file=parsed.pids_file)
     except ValueError as exc:
         print(f"rank_group: {exc}", file=sys.stderr)
         return 2
+    if status > 128 and status - 128 in _SIGNAL_DEATHS:
+        _die_by(status - 128)
+    return status
+
+
+_SIGNAL_DEATHS = frozenset(int(s) for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT,
+                                            signal.SIGILL, signal.SIGFPE))
+"""Signals whose death of the rank that failed first the group dies of too, so that the supervisor sees what it sees of
+a learner of one process: a signal's death, a fault that does not count towards giving the learner up (a kill -9, the
+OOM killer, a crash in native code). Exiting 128 + N instead read as the script's own error: three kill -9s of a rank
+in a row gave the learner up. Not SIGTERM or SIGINT: those stop a rank cleanly, and its exit says how."""
+
+
+def _die_by(signum: int) -> None:
+    """End this process by `signum` (its default action), as the rank that failed first ended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    if signum != signal.SIGKILL:  # its handler cannot be set, nor needs to be
+        signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank crashed, not this process: no core file of it
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # the signal is delivered at once; never returns
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":
