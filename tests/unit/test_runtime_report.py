@@ -171,3 +171,16 @@ def test_the_live_view_shows_a_stop_wait_at_once(tmp_path):
     with ProgressView(paths, supervisor, console=console, live=True) as view:
         view.on_event(Event("waiting", "run", None, "still waiting for learner-1 (pid 11) to stop"))
         assert "still waiting for learner-1 (pid 11) to stop" in out.getvalue()
+
+
+def test_a_session_whose_launcher_was_killed_counts_in_the_total_wall_time_up_to_its_last_event(tmp_path):
+    # It wrote no run_finished: its time counted 0, and the total was the last session's alone.
+    paths = fake_run(tmp_path)
+    write_lines(paths.launcher_metrics, [
+        {"event": "run_started", "time": 10.0},
+        {"event": "restart_scheduled", "time": 30.0, "name": "learner-1", "delay_s": 0.5},  # then kill -9
+        {"event": "run_started", "time": 99.0},
+        {"event": "run_finished", "time": 105.0, "wall_time_s": 6.0},
+    ])
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
+    assert (summary["wall_time_total_s"], summary["sessions"]) == (26.0, 2)

@@ -122,6 +122,26 @@ def _launcher_events(paths: RunPaths) -> list[dict[str, Any]]:
     return [r for r in read_jsonl(paths.launcher_metrics) if "event" in r]
 
 
+def _sessions_wall_s(events: list[dict[str, Any]]) -> float:
+    """Seconds of every session of the run: a session's `run_finished` wall time; one that ended without it (its
+    launcher killed) from its `run_started` to its last event, which it lasted at least (it counted 0 before)."""
+    sessions: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["event"] == "run_started":
+            sessions.append([])
+        if sessions:
+            sessions[-1].append(event)
+    total = 0.0
+    for session in sessions:
+        finished = [e for e in session if e["event"] == "run_finished"]
+        if finished:
+            total += float(finished[-1].get("wall_time_s", 0.0))
+            continue
+        times = [e["time"] for e in session if isinstance(e.get("time"), int | float)]
+        total += max(times) - times[0] if times else 0.0
+    return total
+
+
 def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time_s: float,
                   final_states: Mapping[int, tuple[str, str]] | None = None,
                   failure: str | None = None, evaluator: tuple[str, str] | None = None) -> dict[str, Any]:
@@ -165,7 +185,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "non_finite_recoveries": status.get("non_finite_recoveries", 0),
         }
     val_loss = final_val_loss(paths)
-    total_wall_s = sum(float(e.get("wall_time_s", 0.0)) for e in events if e["event"] == "run_finished")
+    total_wall_s = _sessions_wall_s(events)
     return {
         "run_dir": str(paths.root),
         "outcome": outcome,
