@@ -108,3 +108,19 @@ def test_round_files_all_reaches_the_syncer_and_a_plain_resume_keeps_it(tmp_path
             in capsys.readouterr().out)
     assert {name: json.loads(syncer_settings.read_text())[name] for name in kept} == kept
     assert (tmp_path / "checkpoint_every_s.txt").read_text().split() == ["2.5"] * 4  # 2 learners, 2 starts each
+
+
+def test_round_files_all_on_a_run_that_removed_its_early_rounds_files_says_a_replay_is_not_possible(tmp_path):
+    from ddiloco.runtime.run_dir import pruned_rounds_note
+
+    paths = RunPaths(tmp_path)
+    (tmp_path / "rounds").mkdir()
+    assert pruned_rounds_note(tmp_path) is None  # a new run: nothing removed
+    paths.rounds.write_text('{"round": 0}\n')
+    (tmp_path / "rounds" / "round_000000.safetensors").write_bytes(b"")
+    assert pruned_rounds_note(tmp_path) is None  # every file from round 0 on
+    (tmp_path / "rounds" / "round_000000.safetensors").unlink()
+    (tmp_path / "rounds" / "round_000030.safetensors").write_bytes(b"")
+    assert pruned_rounds_note(tmp_path) == (
+        "--round-files all keeps every round's file from now on, but this run ran with --round-files recent before "
+        "and removed the early ones (it holds from round_000030 on): a replay from the genesis is not possible")

@@ -122,6 +122,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         before_start,
         claim_run_dir,
         prepare_run_dir,
+        pruned_rounds_note,
         record_learner_command,
         require_directory,
         resumed_launch_shape,
@@ -163,6 +164,8 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             except ValueError as exc:
                 raise ValueError(f"--resume {run_dir}: {RunPaths(run_dir).learner_command}: {exc}") from None
             notes = (*([script_note] if script_note is not None else []), *shape_notes)
+            if settings.round_files == "all" and (pruned := pruned_rounds_note(run_dir)) is not None:
+                notes = (*notes, pruned)
         else:
             flag = "--run-dir"
             run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(

@@ -317,6 +317,24 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
     return kept, tuple(notes)
 
 
+def pruned_rounds_note(run_dir: Path) -> str | None:
+    """A line for the console when a `--round-files all` resume cannot keep every round's file: the run ran with the
+    default before, which removed the early ones (the round log is not empty, round 0's file is gone), so a replay from
+    the genesis stays impossible; None otherwise. It said nothing, and the run recorded "all"."""
+    from ddiloco.round_log import RoundLog
+
+    log = RoundLog(run_dir)
+    try:
+        if log.path.stat().st_size == 0 or log.tensors_path(0).exists():
+            return None
+        kept = sorted(path.name for path in log.tensor_dir.glob("round_*.safetensors"))
+    except OSError:
+        return None
+    since = f"from {kept[0].removesuffix('.safetensors')} on" if kept else "none"
+    return (f"--round-files all keeps every round's file from now on, but this run ran with --round-files recent "
+            f"before and removed the early ones (it holds {since}): a replay from the genesis is not possible")
+
+
 def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str], *,
                             built_in: bool = False) -> tuple[tuple[str, ...], str | None]:
     """The learner command a `--resume` of `run_dir` runs, and a line for the console when it is not simply the one
