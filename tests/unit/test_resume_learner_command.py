@@ -169,3 +169,24 @@ def test_a_damaged_record_of_the_learner_command_is_refused_naming_it_and_left_a
                                          r"backup, or remove it and give the learner command"):
         run(fake_command, "--resume", str(run_dir))
     assert record.read_text() == damage and (run_dir / "config.json").read_bytes() == config
+
+
+def test_a_resume_from_another_directory_that_every_learner_failed_in_keeps_the_directory_the_command_worked_in(
+        tmp_path, fake_command, capsys, monkeypatch):
+    # Its relative paths failed from /tmp, and command.json then said "cwd": "/tmp": the next resume from the right
+    # directory was told "as given in /tmp", and where the paths worked was lost.
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "learner.py").write_text(LEARNER)
+    (elsewhere / "learner.py").write_text("raise SystemExit('not this one')\n")  # the same path, failing from here
+    run_dir = tmp_path / "run"
+    monkeypatch.chdir(project)
+    assert run(fake_command, "--run-dir", str(run_dir), script=("python", "learner.py")) == 0
+    record = RunPaths(run_dir).learner_command.read_text()
+    capsys.readouterr()
+    monkeypatch.chdir(elsewhere)
+    assert run(fake_command, "--resume", str(run_dir)) == 1
+    assert (f"the run keeps the command it ran with before, python learner.py as given in {project}, for its next "
+            "--resume\n") in capsys.readouterr().out
+    assert RunPaths(run_dir).learner_command.read_text() == record

@@ -266,7 +266,8 @@ def record_learner_command(paths: RunPaths, script: Sequence[str], shape: Mappin
     before = read_json_object(paths.learner_command)
     record = {"command": list(script), "cwd": os.getcwd(), **{name: shape[name] for name in LAUNCH_SHAPE}}
     atomic_write_json(paths.learner_command, record)
-    if before is None or all(before.get(key) == record[key] for key in ("command", *LAUNCH_SHAPE)):
+    # The directory too: a resume from elsewhere whose relative paths then failed took the record of where they worked.
+    if before is None or all(before.get(key) == record[key] for key in ("command", "cwd", *LAUNCH_SHAPE)):
         return None
     return before
 
@@ -277,8 +278,9 @@ def restore_learner_command(paths: RunPaths, replaced: Mapping[str, Any], script
     runs. Returns the line for the console."""
     atomic_write_json(paths.learner_command, dict(replaced))
     before = tuple(str(word) for word in replaced.get("command") or ())
+    where = f" as given in {replaced['cwd']}" if replaced.get("cwd") not in (None, os.getcwd()) else ""
     return (f"no learner ran with {_describe(script)} (every one failed or was refused): the run keeps the command it "
-            f"ran with before, {_describe(before)}, for its next --resume")
+            f"ran with before, {_describe(before)}{where}, for its next --resume")
 
 
 def _recorded_launch(run_dir: Path) -> dict[str, Any] | None:
