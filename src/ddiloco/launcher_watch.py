@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -40,15 +40,28 @@ EXIT_LAUNCHER_GONE = 128 + 15
 from the kernel as the launcher's direct child."""
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), or None when it is gone or a zombie: with
-    the pid, it names one process even after the pid is reused."""
+def process_stat(pid: int | str) -> list[str] | None:
+    """The fields of `/proc/PID/stat` after the command name (state, ppid, pgrp, ..., start time at index 19), or None
+    when the process is gone. Linux."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()  # "pid (comm) state ppid ...": comm may hold spaces
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    return stat[stat.rfind(")") + 2:].split()  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+
+
+def process_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, `process_stat(pid)`) of every process there is now."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := process_stat(entry.name)) is not None:
+            yield int(entry.name), fields
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None when it is gone or a zombie: with
+    the pid, it names one process even after the pid is reused."""
+    fields = process_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def same_process(pid: int, started: int) -> bool:

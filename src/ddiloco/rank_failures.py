@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
+from ddiloco.launcher_watch import process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,7 @@ def _peers_alive(directory: Path) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    # The state follows the command name, which is in parentheses and may hold any character.
-    return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X", "")
+    return process_start_time(pid) is not None  # gone, or a zombie: dead
 
 
 def first_failed(directory: Path, failed: Iterable[int]) -> int:

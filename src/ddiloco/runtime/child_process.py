@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddiloco.launcher_watch import process_stats
+
 logger = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.05
@@ -51,21 +53,9 @@ def process_group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not Path("/proc").is_dir():
         return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(int(fields[2]) == pgid and fields[0] != "Z" for _, fields in process_stats())
 
 
 @dataclass

@@ -22,10 +22,9 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ddiloco.launcher_watch import process_start_time
+from ddiloco.launcher_watch import process_start_time, process_stats
 from ddiloco.runtime.ray_options import RayOptions, import_ray
 
 logger = logging.getLogger(__name__)
@@ -52,15 +51,8 @@ def _ray_words(exc: Exception) -> str:
 def descendants(root: int) -> dict[int, int]:
     """Every live descendant of `root`: pid -> start time."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+    for pid, fields in process_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     found: dict[int, int] = {}
     stack = list(children.get(root, []))
     while stack:
