@@ -101,38 +101,28 @@ def error_lines(log: str) -> list[str]:
     return [line.split("RanksOutOfStepError: ", 1)[1] for line in log.splitlines() if "RanksOutOfStepError: " in line]
 
 
+WHOLE_RUN_ERRORS = {
+    "extra": "rank 1 of this learner called sync.step() at inner step 10 without an optimizer.step() since its last "
+             f"sync.step(), and rank 0 has not called sync.step() within {RANK_WAIT_S:g} s: this is a sync.step() too "
+             "many (rank 0 waits meanwhile in its own training step's collectives, DDP's or FSDP's, for this rank). "
+             "Every rank must call sync.step() exactly once after each optimizer.step()",
+    "no-session": f"rank(s) 1 of this learner did not open ddiloco.session(...) within {RANK_WAIT_S:g} s of rank 0: "
+                  "every rank of a learner must open it (`with ddiloco.session(model, optimizer) as sync:` on every "
+                  "rank, not only on rank 0), and every rank call sync.step() once after each optimizer.step()",
+    "leave": "rank 1 of this learner left its training loop at inner step 10 (its session closed), and rank 0 did not "
+             f"leave its own within {RANK_WAIT_S:g} s: every rank must leave the loop at the same step. Loop `while "
+             "not sync.done` on every rank (it turns true on all of them at once); a rank whose data ends first must "
+             "tell the others (an all_reduce of a flag each step), not break alone",
+}
+"""Per fault of the script: the one error line its learner's log holds."""
+
+
 @pytest.mark.acceptance  # a whole run of two-rank learners: make acceptance (the bare-group tests below are quick)
 @pytest.mark.timeout(400)
-def test_a_rank_that_calls_sync_step_once_too_often_fails_its_learner_naming_the_rule(tmp_path):
-    paths, log = run_with_fault(tmp_path, "extra")
-    assert error_lines(log) == [
-        "rank 1 of this learner called sync.step() at inner step 10 without an optimizer.step() since its last "
-        f"sync.step(), and rank 0 has not called sync.step() within {RANK_WAIT_S:g} s: this is a sync.step() too many "
-        "(rank 0 waits meanwhile in its own training step's collectives, DDP's or FSDP's, for this rank). Every rank "
-        "must call sync.step() exactly once after each optimizer.step()"], log[-4000:]
-    assert_restarted_once_and_done(paths, log)
-
-
-@pytest.mark.acceptance
-@pytest.mark.timeout(400)
-def test_a_rank_that_never_opens_the_session_fails_its_learner_naming_the_rule(tmp_path):
-    paths, log = run_with_fault(tmp_path, "no-session")
-    assert error_lines(log) == [
-        f"rank(s) 1 of this learner did not open ddiloco.session(...) within {RANK_WAIT_S:g} s of rank 0: every rank "
-        "of a learner must open it (`with ddiloco.session(model, optimizer) as sync:` on every rank, not only on "
-        "rank 0), and every rank call sync.step() once after each optimizer.step()"], log[-4000:]
-    assert_restarted_once_and_done(paths, log)
-
-
-@pytest.mark.acceptance
-@pytest.mark.timeout(400)
-def test_a_rank_that_leaves_its_loop_alone_fails_its_learner_naming_the_rule(tmp_path):
-    paths, log = run_with_fault(tmp_path, "leave")
-    assert error_lines(log) == [
-        f"rank 1 of this learner left its training loop at inner step 10 (its session closed), and rank 0 did not "
-        f"leave its own within {RANK_WAIT_S:g} s: every rank must leave the loop at the same step. Loop `while not "
-        "sync.done` on every rank (it turns true on all of them at once); a rank whose data ends first must tell the "
-        "others (an all_reduce of a flag each step), not break alone"], log[-4000:]
+@pytest.mark.parametrize("fault", list(WHOLE_RUN_ERRORS))
+def test_a_rank_that_breaks_a_rule_fails_its_learner_naming_it_and_the_restart_trains_to_the_end(tmp_path, fault):
+    paths, log = run_with_fault(tmp_path, fault)
+    assert error_lines(log) == [WHOLE_RUN_ERRORS[fault]], log[-4000:]
     assert_restarted_once_and_done(paths, log)
 
 
