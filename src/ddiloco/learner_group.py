@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddiloco.replica_check import check_replicas
 from ddiloco.sharded_state import dtensor_type, local_tensors, saved_optimizer_shards
 
 logger = logging.getLogger(__name__)
@@ -101,26 +102,9 @@ class Op(enum.IntEnum):
     """(fragment): every rank's replica of the fragment's replicated parameters is compared (`check_replicas`)."""
 
 
-REPLICA_SAMPLES = 1024
-"""Values of a fragment compared across the ranks one by one (evenly strided over its parameters), besides each
-parameter's sum and norm: a fingerprint of about 9 KB a rank in float64, reduced once per fragment."""
-REPLICA_TOLERANCE = 1e-6
-"""Relative difference between ranks' fingerprints that counts as replicas trained apart. Replicas that DDP keeps
-equal are equal to the bit on one kind of device (the same gradients after the all-reduce, the same optimizer step);
-this leaves about 8 float32 ulps for a reduction order that differs between devices. Replicas trained apart for the
-inner steps of one period differ by a learning rate's step or more."""
-REPLICA_TOLERANCE_ABS = 1e-12
-"""Absolute slack beside `REPLICA_TOLERANCE`, for values at or near 0."""
-
-
 class RanksOutOfStepError(RuntimeError):
     """The ranks of one learner do not meet where they must: a rank did not open `ddiloco.session`, or calls
     `sync.step()` more or less often than the others (see the module docstring). Raised on the rank that waited."""
-
-
-class ReplicasDivergedError(RuntimeError):
-    """The ranks of one learner hold different values of parameters that are meant to be replicas: they trained
-    apart (no DistributedDataParallel or FSDP around the model). Raised on every rank at once."""
 
 
 def _end_at_exit() -> None:
@@ -426,40 +410,12 @@ class LearnerGroup:
                 "call it: a rank that skipped a sync.step() waits meanwhile in its next training step's collectives "
                 f"(DDP's or FSDP's) for this one. {RULE}")
 
-    @torch.no_grad()
     def check_replicas(self, fragment: int) -> None:
-        """Collective: compare every rank's replica of the fragment's replicated parameters, by one all-reduce (MAX)
-        of each rank's fingerprint and its negation; raise `ReplicasDivergedError` on every rank when they differ."""
+        """Collective: every rank's replica of the fragment's replicated parameters compared
+        (`ddiloco.replica_check`); `ReplicasDivergedError` on every rank when they differ."""
         names = [name for name in self.fragments[fragment] if name not in self.sharded]
-        total = sum(self.params[name].numel() for name in names)
-        stride = max(1, total // REPLICA_SAMPLES)
-        parts, sizes = [], []
-        for name in names:
-            flat = self.params[name].detach().reshape(-1)
-            values = flat.float()
-            summary = torch.stack([values.sum(), torch.linalg.vector_norm(values)]) if flat.numel() else values
-            part = torch.cat([flat[::stride].to(torch.float64), summary.to(torch.float64)])
-            parts.append(part.to(self.command_device))
-            sizes.append(part.numel())
-        fingerprint = torch.cat(parts)
-        extremes = torch.cat([fingerprint, -fingerprint])
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        high, low = extremes[:fingerprint.numel()], -extremes[fingerprint.numel():]
-        spread = (high - low).cpu()
-        bound = (REPLICA_TOLERANCE * torch.maximum(high.abs(), low.abs()) + REPLICA_TOLERANCE_ABS).cpu()
-        apart = spread > bound  # (NaN compares False: a non-finite replica is `Learner.recover`'s business)
-        if not bool(apart.any()):
-            return
-        first = int(apart.nonzero()[0])
-        offsets = torch.tensor(sizes).cumsum(0)
-        name = names[int((offsets <= first).sum())]
-        raise ReplicasDivergedError(
-            f"the {self.size} ranks of this learner hold different values of parameter {name!r} (fragment "
-            f"{fragment}: their sums, norms or sampled values differ by up to {float(spread.max()):.3g}, inner steps "
-            "after rank 0's value was sent to every rank): they trained apart, and ddiloco publishes rank 0's copy "
-            "only, so the other ranks' training would be thrown away at every sync while their tokens count. Wrap "
-            "the model in DistributedDataParallel (or shard it with FSDP2's fully_shard) so that the ranks train one "
-            "model together, or run one process per learner (no --nproc-per-learner; more --learners instead)")
+        check_replicas({name: self.params[name] for name in names}, fragment=fragment, ranks=self.size,
+                       group=self.group, device=self.command_device)
 
     def _sum_step(self, tokens: int, *, stepped: int, leader_stepped: int, deadline: float | None
                   ) -> tuple[int, bool]:

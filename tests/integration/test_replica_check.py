@@ -22,7 +22,8 @@ def _ranks(rank: int, port: int, apart: bool, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from ddiloco.learner_group import LearnerGroup, ReplicasDivergedError
+    from ddiloco.learner_group import LearnerGroup
+    from ddiloco.replica_check import ReplicasDivergedError
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                           "ddiloco.flags", "ddiloco.fault_control", "ddiloco.corpus", "ddiloco.goodput",
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",
                           "ddiloco.interrupts", "ddiloco.launcher_watch", "ddiloco.non_finite",
-                          "ddiloco.rank_failures", "ddiloco.stdout_pipe")),),
+                          "ddiloco.rank_failures", "ddiloco.stdout_pipe", "ddiloco.replica_check")),),
     (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks", "ddiloco.environment")),),
 )
 """Top to bottom. A module may import its own group and any lower layer; groups side by side in one layer (the
