@@ -55,8 +55,8 @@ from ddiloco.learner_session import RefusedError, UnreachableError
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.model_buffers import load_buffers, merged_buffers
+from ddiloco.model_checks import check_materialized
 from ddiloco.run_config import RunConfig
-from ddiloco.session_setup import check_materialized
 from ddiloco.transport.grpc_client import ConnectWatch, Fault, classify, error_text
 
 logger = logging.getLogger(__name__)

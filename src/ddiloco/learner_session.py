@@ -113,28 +113,6 @@ class UnreachableError(SystemExit):
 
 # ---- the session ------------------------------------------------------------------------------------------
 
-def _require_model_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """ValueError unless `optimizer` trains the model's parameters and nothing else. A tensor outside the model (learned
-    loss weights kept beside it) is neither synced, checkpointed nor exported: every learner trained its own, and a
-    restart set it back to its initial value while its optimizer state resumed from the checkpoint."""
-    owned = {id(p) for p in model.parameters()}
-    held = [(index, p) for index, group in enumerate(optimizer.param_groups) for p in group["params"]]
-    if not any(id(p) in owned for _, p in held):
-        raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer that trains this "
-                         "model")
-    outside = [(index, tuple(p.shape)) for index, p in held if id(p) not in owned]
-    if outside:
-        shown = "; ".join(f"param group {index}, shape {shape}" for index, shape in outside[:3])
-        more = f"; and {len(outside) - 3} more" if len(outside) > 3 else ""
-        one = len(outside) == 1
-        noun = "1 tensor that is no parameter" if one else f"{len(outside)} tensors that are no parameters"
-        it, value = ("it", "value") if one else ("them", "values")
-        raise ValueError(f"the optimizer trains {noun} of the model ({shown}{more}): the run syncs, checkpoints and "
-                         f"exports only the model's parameters, so every learner would train {it} apart and a restart "
-                         f"would set {it} back to {'its' if one else 'their'} initial {value}; make {it} part of the "
-                         "model (an nn.Parameter attribute of the model or of one of its modules)")
-
-
 class Session(SessionLifecycle):
     """One learner's participation in a run, around the user's model and optimizer. Use `session()`."""
 
@@ -160,7 +138,6 @@ class Session(SessionLifecycle):
                              f"(ids 0..{config.num_learners - 1})")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _require_model_parameters(model, optimizer)
         self.state = stateful_objects(state)
         self.config = config
         self.model = model
