@@ -32,20 +32,24 @@ def test_every_rank_gets_torchruns_environment_and_one_rendezvous_port(tmp_path)
     assert len(json.loads(pids.read_text())["ranks"]) == 3
 
 
-def test_a_rank_killed_by_sigkill_stops_the_others_and_run_group_returns_137(tmp_path):
+def test_a_rank_killed_by_sigkill_stops_the_others_and_run_group_returns_its_signal(tmp_path):
     # Rank 1 kills itself; rank 0 would sleep for a minute: the group must not wait for it.
     script = ("import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGKILL); "
               "time.sleep(60)")
-    assert run_group([sys.executable, "-c", script], nproc=2) == 137 == exit_status(-9)
+    assert run_group([sys.executable, "-c", script], nproc=2) == -signal.SIGKILL and exit_status(-9) == 137
 
 
-@pytest.mark.parametrize(("rank_signal", "status"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143)])
-def test_the_group_dies_of_the_signal_that_killed_its_first_rank_where_that_is_a_fault(tmp_path, rank_signal, status):
+@pytest.mark.parametrize(("fault", "status"), [
+    (f"os.kill(os.getpid(), {int(signal.SIGKILL)})", -signal.SIGKILL),
+    (f"os.kill(os.getpid(), {int(signal.SIGTERM)})", 143),
+    ("sys.exit(137)", 137)])
+def test_the_group_dies_of_the_signal_that_killed_its_first_rank_where_that_is_a_fault(tmp_path, fault, status):
     # As the supervisor sees a learner of one process: a kill -9 (the OOM killer) is a fault that does not count
     # towards giving the learner up. The group exited 137, an error of the script's own: three kill -9s of a rank in a
-    # row gave the learner up. A SIGTERM stops a rank cleanly: its exit says how it went.
+    # row gave the learner up. A SIGTERM stops a rank cleanly: its exit says how it went. A script that exits 137 by
+    # itself was not killed: it is its own error, as it is for a learner of one process (the group died of SIGKILL).
     script = ("import os, signal, sys, time; os.environ['RANK'] == '0' and print(os.environ['DDILOCO_RANK_FAILURES'], "
-              f"flush=True); os.environ['RANK'] == '1' and os.kill(os.getpid(), {int(rank_signal)}); time.sleep(60)")
+              f"flush=True); os.environ['RANK'] == '1' and {fault}; time.sleep(60)")
     pids = tmp_path / "learner" / "ranks.json"
     pids.parent.mkdir()
     done = subprocess.run([sys.executable, "-m", "ddiloco.runtime.rank_group", "--nproc", "2", "--pids-file",
@@ -139,7 +143,7 @@ sys.exit(5)  # at once: the group may find both ranks exited at one look
 
 def test_a_rank_killed_by_a_signal_is_named_before_a_rank_that_failed_after_its_death(caplog):
     caplog.set_level("WARNING", logger="ddiloco.runtime.rank_group")
-    assert run_group([sys.executable, "-c", KILLED_THEN_A_PEER_FAILS], nproc=2) == 137
+    assert run_group([sys.executable, "-c", KILLED_THEN_A_PEER_FAILS], nproc=2) == -signal.SIGKILL
     assert [record.args[0] for record in caplog.records] == [1]
 
 

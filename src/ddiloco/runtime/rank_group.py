@@ -82,7 +82,8 @@ def exit_status(code: int) -> int:
 
 
 def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), pids_file: Path | None = None) -> int:
-    """Start `argv` as ranks 0..nproc-1 and wait; returns the exit status of the group (see the module docstring)."""
+    """Start `argv` as ranks 0..nproc-1 and wait; returns the exit code of the rank that failed first as `subprocess`
+    gives it (-N for a rank killed by signal N, so that a script's own `exit(137)` is not taken for a kill -9), or 0."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
     if not argv:
@@ -133,7 +134,7 @@ def _wait(ranks: Sequence[subprocess.Popen], failures: Path) -> int:
                 rank = min(failed)
                 code = codes[rank]
             logger.warning(FAILED_RANK, rank, ranks[rank].pid, exit_status(code))
-            return exit_status(code)
+            return code
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
@@ -175,9 +176,9 @@ def main(args: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rank_group: {exc}", file=sys.stderr)
         return 2
-    if status > 128 and status - 128 in _SIGNAL_DEATHS:
-        _die_by(status - 128)
-    return status
+    if -status in _SIGNAL_DEATHS:
+        _die_by(-status)
+    return exit_status(status)
 
 
 _SIGNAL_DEATHS = frozenset(int(s) for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT,
