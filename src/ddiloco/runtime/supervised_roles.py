@@ -155,6 +155,16 @@ class Slot:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None and self.process.returncode is None else None
 
+    def started(self, process: ChildProcess, *, state: ChildState = ChildState.RUNNING,
+                since: float | None = None) -> None:
+        """A new process of this role: its pid kept for the run's record, no restart due, `state` (STARTING for the
+        syncer until it serves) from `since` (default: the process's own start time)."""
+        self.process = process
+        self.pids.append(process.pid)
+        self.state = state
+        self.restart_at = None
+        self.starting_since = process.started_at if since is None else since
+
     def count_exit(self, code: int, ran_for_s: float, *, stable_after_s: float) -> None:
         """Count an exit with `code` of a process that ran `ran_for_s` seconds into `failed_in_a_row`: a run of at
         least `stable_after_s` starts the count again; a shorter one that ended by a signal (code < 0, as

@@ -203,11 +203,7 @@ class Supervisor(SupervisionLoop):
 
     def _start_syncer(self) -> None:
         slot = self.syncer
-        slot.process = self.launcher.start_syncer(self._bind)
-        slot.pids.append(slot.process.pid)
-        slot.state = ChildState.STARTING
-        slot.restart_at = None
-        slot.starting_since = time.monotonic()
+        slot.started(self.launcher.start_syncer(self._bind), state=ChildState.STARTING, since=time.monotonic())
         self._emit("started", slot, f"started (pid {slot.process.pid}, bind {self._bind})",
                    pid=slot.process.pid, restarts=slot.restarts)
 
@@ -235,11 +231,8 @@ class Supervisor(SupervisionLoop):
         if standby is None or standby.poll() is not None:
             return False
         self.syncer_standby = None
-        slot.process = standby
-        slot.pids.append(standby.pid)
+        slot.started(standby, state=ChildState.STARTING, since=now)
         slot.restarts += 1
-        slot.state = ChildState.STARTING
-        slot.starting_since = now
         self._syncer_standby_at = now + self.config.standby_refill_delay_s
         self._emit("taken_over", slot, f"taken over by the standby syncer (pid {standby.pid})", pid=standby.pid,
                    restarts=slot.restarts, standby=True)
@@ -380,14 +373,10 @@ class Supervisor(SupervisionLoop):
         env = self.launcher.learner_env(0, self.syncer_address, role="evaluator")
         argv = self.launcher.evaluator_argv(self.syncer_address)
         try:
-            slot.process = self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
+            slot.started(self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env))
         except OSError as exc:
             self._cannot_start(slot, argv, exc)
             return
-        slot.pids.append(slot.process.pid)
-        slot.state = ChildState.RUNNING
-        slot.restart_at = None
-        slot.starting_since = slot.process.started_at
         self._emit("started", slot, f"started (pid {slot.process.pid})", pid=slot.process.pid, restarts=slot.restarts)
 
     def _start_learner(self, slot: Slot) -> None:
@@ -400,14 +389,10 @@ class Supervisor(SupervisionLoop):
         warm = (self.standby.hand_out(slot.name, argv)
                 if slot.restarts > 0 and not self.launcher.config.script else None)
         try:
-            slot.process = warm or self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env)
+            slot.started(warm or self.launcher.start(slot.name, argv, self.launcher.config.threads, env_extra=env))
         except OSError as exc:
             self._cannot_start(slot, argv, exc)
             return
-        slot.pids.append(slot.process.pid)
-        slot.state = ChildState.RUNNING
-        slot.restart_at = None
-        slot.starting_since = slot.process.started_at
         how = ", in a warm standby" if warm is not None else ""
         self._emit("started", slot, f"started (pid {slot.process.pid}{how})", pid=slot.process.pid,
                    restarts=slot.restarts, standby=warm is not None)
