@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddiloco import cli
 from ddiloco.chaos.runner import ChaosSettings
@@ -210,6 +211,28 @@ def write(path: Path, data: object) -> Path:
     (("run", "--run-dir", "{run}", "--device", ","), "ddiloco run: error: --device=',' is invalid"),
     (("chaos", "--quick", "--run-dir", "{run}", "--dp-hang-timeout-s", "0"),
      "ddiloco chaos: error: --dp-hang-timeout-s=0.0 is invalid"),
+    # An empty token flag (`--token-file "$TOKEN"` with TOKEN unset) served without authentication.
+    (("syncer", "--run-dir", "{run}", "--token-file", ""),
+     "ddiloco syncer: error: --token-file='' is invalid: expected the path of a file holding the token"),
+    (("learner", "--run-dir", "{run}", "--syncer", "h:1", "--learner-id", "0", "--token-env", " "),
+     "ddiloco learner: error: --token-env=' ' is invalid: expected the name of an environment variable"),
+    (("syncer", "--run-dir", "{run}", "--bind", "127.0.0.1:99999"),
+     "ddiloco syncer: error: --bind='127.0.0.1:99999' is invalid: port 99999 outside 0..65535"),
+    (("run", "--run-dir", "{run}", "--bind", "127.0.0.1:99999"),
+     "ddiloco run: error: --bind='127.0.0.1:99999' is invalid: port 99999 outside 0..65535"),
+    (("learner", "--run-dir", "{run}", "--syncer", "127.0.0.1:0", "--learner-id", "0"),
+     "ddiloco learner: error: --syncer='127.0.0.1:0' is invalid: port 0 is where the syncer is told to pick a port"),
+    (("evaluator", "--run-dir", "{run}", "--syncer", "garbage"),
+     "ddiloco evaluator: error: --syncer='garbage' is invalid: expected HOST:PORT"),
+    (("learner", "--run-dir", "{run}", "--syncer", "h:1", "--learner-id", "0", "--device", "bogus"),
+     "ddiloco learner: error: --device='bogus' is invalid: expected a torch device"),
+    (("run", "--run-dir", "{run}", "--device", "cpu,bogus"),
+     "ddiloco run: error: --device='cpu,bogus' is invalid: expected a torch device"),
+    # The run directory is made once the flags are known to be good: it was made (with its parents) first.
+    (("syncer", "--run-dir", "{run}", "--learners", "0"),
+     "ddiloco syncer: error: --learners=0 is invalid"),
+    (("learner", "--run-dir", "{run}", "--syncer", "h:1", "--learner-id", "0", "--inner-lr", "-1"),
+     "ddiloco learner: error: --inner-lr=-1.0 is invalid"),
 ])
 def test_a_bad_setting_is_one_line_and_exit_code_2_and_writes_nothing(tmp_path, capsys, argv, needle):
     run_dir, missing = tmp_path / "run", tmp_path / "missing.json"
@@ -265,3 +288,20 @@ def test_generated_flags_type_require_and_choose_from_the_dataclass():
     assert example_parser(enforce_required=False).parse_args([]).name is None  # a settings file may give it
     assert example_parser(keep_defaults=True).parse_args(["--name", "x"]).mode == "a"
     assert "NAME" in parser.format_help() and "(required)" in parser.format_help()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("argv", [
+    ("run", "--run-dir", "{run}", "--device", "cuda"),
+    ("learner", "--run-dir", "{run}", "--syncer", "h:1", "--learner-id", "0", "--device", "cuda:1"),
+    ("evaluator", "--run-dir", "{run}", "--syncer", "h:1", "--device", "cuda"),
+])
+def test_a_gpu_this_machine_lacks_is_refused_before_anything_starts(tmp_path, capsys, argv):
+    # It started, and each learner failed at its model's `.to("cuda")` (`ddiloco run`: a crash loop after 16 s,
+    # leaving a run directory; by hand: a traceback).
+    run_dir = tmp_path / "run"
+    code = cli.main([word.format(run=run_dir) for word in argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"ddiloco {argv[0]}: error: --device cuda" in err and "this machine has no CUDA device" in err, err
+    assert not run_dir.exists()

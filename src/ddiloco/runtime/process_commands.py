@@ -31,6 +31,7 @@ from ddiloco.runtime.process_settings import (
     LearnerSettings,
     ProcessSettings,
     SyncerSettings,
+    devices_here,
     settings_from_args,
 )
 
@@ -96,14 +97,15 @@ def resolve_run_config(settings: ProcessSettings, args: argparse.Namespace) -> R
     from ddiloco.runtime.run_dir import prepare_run_dir
 
     run_dir = Path(settings.run_dir)
-    prepare_run_dir(run_dir, flag="--run-dir")
     if settings.config:
         base = RunConfig.load(settings.config)
-    elif (run_dir / "config.json").exists():
+    elif (run_dir / "config.json").is_file():
         base = RunConfig.load(run_dir / "config.json")
     else:
         base = None
-    return run_config_from_args(args, base)
+    run_config = run_config_from_args(args, base)  # before the directory is made: a bad flag leaves none behind
+    prepare_run_dir(run_dir, flag="--run-dir")
+    return run_config
 
 
 def fixed_settings_refused(run_dir: Path, run_config: RunConfig) -> str | None:
@@ -164,15 +166,15 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
 
     run_dir = Path(settings.run_dir)
     held_before = set(os.listdir(run_dir)) if run_dir.is_dir() else None
+    token = read_token(settings, run_token=True)  # these before the run directory is made
+    check_bind(settings.bind, token, allow_no_token=settings.allow_no_token)
+    tls = read_tls_files(settings.tls_cert, settings.tls_key)
     run_config = resolve_run_config(settings, args)
     refused = fixed_settings_refused(run_dir, run_config)
     if refused:
         raise ValueError(f"the run in {run_dir} cannot change {refused} (its config.json is unchanged); only "
                          "--inner-steps and the quorum and learner settings (--min-quorum, --grace, --max-wait-s, ...) "
                          "may change when its syncer restarts")
-    token = read_token(settings, run_token=True)
-    check_bind(settings.bind, token, allow_no_token=settings.allow_no_token)
-    tls = read_tls_files(settings.tls_cert, settings.tls_key)
     _set_threads(settings.threads)
 
     from ddiloco.checkpoint import atomic_write_json
@@ -263,23 +265,22 @@ def _save_run_config(run_dir: Path, run_config: RunConfig) -> None:
 
 def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import read_ca_file, token_for_learner
-    from ddiloco.transport.grpc_client import parse_addresses
     from ddiloco.transport.link import check_link, parse_link
 
+    token = read_token(settings)  # these before the run directory is made
+    if token is not None:
+        token_for_learner(token, settings.learner_id)  # another learner's token: refused here, not in a thread
+    devices_here("--device", settings.device)
+    tls_ca = read_ca_file(settings.tls_ca)
     run_config = resolve_run_config(settings, args)
     refused = fixed_settings_refused(Path(settings.run_dir), run_config)
     if refused:  # else the first learner to join would make its own model the run's genesis
         raise ValueError(f"this learner's settings differ from the run's {Path(settings.run_dir) / 'config.json'}: "
                          f"{refused}; start it without those flags (it takes the run's config.json)")
-    token = read_token(settings)
-    if token is not None:
-        token_for_learner(token, settings.learner_id)  # another learner's token: refused here, not in a thread
-    parse_addresses(settings.syncer)
     if settings.link:
         # The Welcome's duration is the session's to say (it knows the model); the latency is refused here, before
         # torch is set up, as a bad flag.
         check_link(parse_link(settings.link), heartbeat_timeout_s=run_config.quorum.heartbeat_timeout_s)
-    tls_ca = read_ca_file(settings.tls_ca)
     threads = settings.threads or max(1, (os.cpu_count() or 1) // run_config.num_learners)
     _set_threads(threads)  # before any torch work (docs/architecture.md)
     if settings.learner_id >= run_config.num_learners:
@@ -304,15 +305,14 @@ def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
 
 def run_evaluator(settings: EvaluatorSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import read_ca_file
-    from ddiloco.transport.grpc_client import parse_addresses
 
+    token = read_token(settings)  # these before the run directory is made
+    devices_here("--device", settings.device)
+    read_ca_file(settings.tls_ca)  # a file that is not a PEM certificate: refused here, before torch is set up
     run_config = resolve_run_config(settings, args)
     if settings.connect_timeout_s is not None:
         run_config = dataclasses.replace(run_config, learner=dataclasses.replace(
             run_config.learner, connect_timeout_s=settings.connect_timeout_s))
-    token = read_token(settings)
-    parse_addresses(settings.syncer)
-    read_ca_file(settings.tls_ca)  # a file that is not a PEM certificate: refused here, before torch is set up
     _set_threads(settings.threads)
     from ddiloco.train_tinygpt import evaluate_global
 

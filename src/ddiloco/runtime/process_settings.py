@@ -49,6 +49,14 @@ class ProcessSettings:
 
     def __post_init__(self) -> None:
         require(isinstance(self.run_dir, str) and bool(self.run_dir), "run_dir", self.run_dir, "a directory")
+        # Given empty (`--token-file "$TOKEN"` with TOKEN unset), either one read as "no token": a syncer served
+        # without authentication.
+        if self.token_file is not None:
+            require(_non_blank(self.token_file), "token_file", self.token_file,
+                    "the path of a file holding the token")
+        if self.token_env is not None:
+            require(_non_blank(self.token_env), "token_env", self.token_env,
+                    "the name of an environment variable holding the token")
         if self.token_file is not None and self.token_env is not None:
             raise invalid("token_env", self.token_env, "no token_env beside token_file: give one of them")
 
@@ -84,7 +92,7 @@ class SyncerSettings(ProcessSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.bind, str) and ":" in self.bind, "bind", self.bind, "HOST:PORT")
+        require_address("bind", self.bind)
         require_int("full_state_every", self.full_state_every, minimum=1)
         require_choice("round_files", self.round_files, ROUND_FILES)
         require_int("threads", self.threads, minimum=1)
@@ -119,12 +127,11 @@ class LearnerSettings(ProcessSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.syncer, str) and bool(self.syncer.strip()), "syncer", self.syncer,
-                "HOST:PORT[,HOST:PORT]")
+        require_address("syncer", self.syncer, connect=True)
         require_int("learner_id", self.learner_id, minimum=0)
         if self.threads is not None:
             require_int("threads", self.threads, minimum=1)
-        require(isinstance(self.device, str) and bool(self.device), "device", self.device, "a torch device")
+        require_devices("device", self.device)
         require_positive("checkpoint_every_s", self.checkpoint_every_s, "seconds")
         require_positive("status_every_s", self.status_every_s, "seconds")
         _check_tls_client(self.tls_ca, self.tls_server_name)
@@ -152,13 +159,66 @@ class EvaluatorSettings(ProcessSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.syncer, str) and bool(self.syncer.strip()), "syncer", self.syncer, "HOST:PORT")
+        require_address("syncer", self.syncer, connect=True)
         require_at_least("every_s", self.every_s, 0, "seconds")
         if self.connect_timeout_s is not None:
             require_at_least("connect_timeout_s", self.connect_timeout_s, 0, "seconds (0: never give up)")
         require_int("threads", self.threads, minimum=1)
-        require(isinstance(self.device, str) and bool(self.device), "device", self.device, "a torch device")
+        require_devices("device", self.device)
         _check_tls_client(self.tls_ca, self.tls_server_name)
+
+
+def _non_blank(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def require_address(field: str, value: object, *, connect: bool = False) -> None:
+    """`value` must be HOST:PORT (`connect`: one or more, comma-separated, none with port 0, which only a listener
+    may be given: the syncer picks a free port and writes it to DIR/syncer.json)."""
+    from ddiloco.transport.auth import split_host_port
+
+    require(_non_blank(value), field, value, "HOST:PORT")
+    assert isinstance(value, str)
+    for address in value.split(",") if connect else [value]:
+        try:
+            _, port = split_host_port(address.strip())
+        except ValueError as exc:
+            raise ValueError(f"{field}={value!r} is invalid: {str(exc).partition(' is invalid: ')[2]}") from None
+        if connect and port == 0:
+            raise ValueError(f"{field}={value!r} is invalid: port 0 is where the syncer is told to pick a port; give "
+                             "the port it serves on (its log's `serving on HOST:PORT`, or DIR/syncer.json)")
+
+
+def require_devices(field: str, value: object) -> None:
+    """`value` must be one or more torch devices, comma-separated (`cpu`, `cuda`, `cuda:1`): their names, not
+    whether this machine has them (`devices_here`)."""
+    import torch
+
+    require(_non_blank(value), field, value, "one or more torch devices, comma-separated")
+    assert isinstance(value, str)
+    for part in value.split(","):
+        try:
+            torch.device(part.strip())
+        except (RuntimeError, ValueError):
+            raise invalid(field, value, f"a torch device (cpu, cuda, cuda:N, ...), not {part.strip()!r}") from None
+
+
+def devices_here(flag: str, value: str) -> None:
+    """The devices of `value` (checked by `require_devices`) exist on this machine: a learner that would train on a
+    GPU this machine lacks is refused before anything starts (it failed at its model's `.to`, after the run began)."""
+    import torch
+
+    for part in value.split(","):
+        device = torch.device(part.strip())
+        if device.type != "cuda":
+            continue
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{flag} {value}: this machine has no CUDA device (torch {torch.__version__}, "
+                             f"torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{flag} {value}: {device} does not exist, this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1})")
 
 
 def _check_tls_client(tls_ca: str | None, tls_server_name: str | None) -> None:

@@ -297,6 +297,7 @@ def launch_config(settings: RunSettings, config: RunConfig, run_dir: Path, *, sc
 def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         supervisor_config: Any = None) -> int:
     """`ddiloco run`. `command` replaces the children's `ddiloco` (tests run fake children)."""
+    from ddiloco.runtime.process_settings import devices_here
     from ddiloco.runtime.ray_options import ray_options_from_args
 
     settings = run_settings_from_args(args)
@@ -304,6 +305,8 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         from ddiloco.transport.link import parse_link
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
+    if ray_options is None:  # a GPU this machine lacks: refused here, not a crash loop in every learner
+        devices_here("--device", settings.device)
     # Until the supervisor's own stop handlers are in place, a SIGTERM or SIGHUP unwinds as Ctrl-C does, so that the
     # start is undone: Python's default ended the launcher there, leaving a directory the same command refused.
     with interrupts.stop_signals_raise():

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddiloco.checks import require, require_at_least, require_choice, require_int, require_positive
+from ddiloco.checks import require_at_least, require_choice, require_int, require_positive
 from ddiloco.flags import setting
 from ddiloco.runtime.process_settings import (
     DEFAULT_CHECKPOINT_EVERY_S,
     DEFAULT_EVAL_EVERY_S,
     DEFAULT_FULL_STATE_EVERY,
     ROUND_FILES,
+    require_address,
+    require_devices,
 )
 
 
@@ -66,12 +68,11 @@ class RunSettings:
             require_int("threads", self.threads, minimum=1)
         require_int("standby_learners", self.standby_learners, minimum=0)
         require_int("nproc_per_learner", self.nproc_per_learner, minimum=1)
-        require(bool(self.devices) and all(self.devices), "device", self.device,
-                "one or more torch devices, comma-separated")
+        require_devices("device", self.device)
         require_positive("checkpoint_every_s", self.checkpoint_every_s, "seconds")
         require_at_least("eval_every_s", self.eval_every_s, 0, "seconds")
         if self.bind is not None:
-            require(":" in self.bind, "bind", self.bind, "HOST:PORT")
+            require_address("bind", self.bind)
         require_int("full_state_every", self.full_state_every, minimum=1)
         require_choice("round_files", self.round_files, ROUND_FILES)
 
