@@ -7,11 +7,15 @@ now turns that support off unless the environment says otherwise; training with 
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import SMALL_RUN, ddiloco_run
+from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.run_paths import RunPaths
+from tests.helpers import SMALL_RUN, ddiloco_run, finish_run, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,3 +61,56 @@ def test_dataloader_workers_forked_in_a_session_train_without_grpc_fork_noise(tm
         log = (run_dir / "logs" / f"learner-{learner}.log").read_text()
         assert "epochs " in log, log[-2000:]                 # the workers ran, epoch after epoch
         assert "skipping fork() handlers" not in log, log[-2000:]
+
+
+ENDLESS = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import ddiloco
+
+torch.set_num_threads(1)
+env = ddiloco.environment()
+torch.manual_seed(env.seed)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+x_all = torch.randn(256, 8, generator=torch.Generator().manual_seed(env.learner_id))
+loader = DataLoader(TensorDataset(x_all, x_all[:, :2].sin()), batch_size=32, shuffle=True, num_workers=2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+with ddiloco.session(model, optimizer) as sync:
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # epoch after epoch, the workers live on
+    while not sync.done:
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        sync.step(tokens=len(x), loss=loss.item())
+'''
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_run_stopped_while_its_learners_dataloader_workers_run_stops_each_learner_cleanly(tmp_path):
+    # The launcher's stop sent SIGTERM to each learner's whole process group: the DataLoader's workers died of it
+    # before the script reached its next step(), torch raised "DataLoader worker (pid N) is killed by signal:
+    # Terminated" in the learner (in its session's close), and the learner failed without its stop checkpoint.
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS)
+    run_dir = tmp_path / "run"
+    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
+                              "--inner-steps", "1000000", "--no-evaluate", "--", sys.executable, str(script)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: all(_status(run_dir, i).get("inner_step", 0) > 20 for i in (0, 1)), "both learners to train",
+                   alive=(popen,))
+    finally:
+        output = finish_run(popen, timeout_s=RUN_TIMEOUT_S, interrupt=True)
+    assert popen.returncode == 128 + signal.SIGINT, output
+    for learner in (0, 1):
+        status, log = _status(run_dir, learner), (run_dir / "logs" / f"learner-{learner}.log").read_text()
+        assert status["state"] == "stopped" and status["stop_requested"], (status, log[-2000:])
+        assert "is killed by signal" not in log, log[-2000:]
+        assert status["checkpoint_inner_step"] == status["inner_step"], status  # its stop checkpoint was written
+
+
+def _status(run_dir, learner: int) -> dict:
+    return read_json_object(RunPaths(run_dir).learner_status(learner)) or {}

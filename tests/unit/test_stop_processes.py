@@ -53,3 +53,32 @@ def test_a_stopped_child_is_continued_so_that_it_handles_its_sigterm(tmp_path):
     child = ChildProcess("learner-0", [], popen, tmp_path / "learner-0.log", 0, time.monotonic())
     stop_processes([child], 10.0)
     assert child.returncode == 7  # not -9: it ran its SIGTERM handler
+
+
+# A grandchild in the child's group that says whether a SIGTERM reached it (a DataLoader worker, a wrapped script).
+GRANDCHILD = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[1])"
+              ".write_text('SIGTERM'), sys.exit(0))); pathlib.Path(sys.argv[1] + '.ready').touch(); time.sleep(60)")
+PARENT = ("import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(60)")
+
+
+def test_a_python_child_alone_gets_the_sigterm_and_a_wrapper_passes_it_to_its_group(tmp_path):
+    # A learner's DataLoader workers share its group: a SIGTERM to the group killed them before the learner's session
+    # reached its next step, and torch failed the learner ("DataLoader worker (pid N) is killed by signal").
+    # A Python child stops what it started itself (what it leaves goes with its group once it exits); a wrapper
+    # (`sh -c`, `bash run.sh`) passes no signal on, so its group gets it.
+    python_flag, shell_flag = tmp_path / "python", tmp_path / "shell"
+    python_argv = [sys.executable, "-c", PARENT, GRANDCHILD, str(python_flag)]
+    shell_argv = ["/bin/sh", "-c", f'"{sys.executable}" -c "$0" "$1"; sleep 60', GRANDCHILD, str(shell_flag)]
+    children = []
+    for name, argv, flag in (("learner-0", python_argv, python_flag), ("learner-1", shell_argv, shell_flag)):
+        popen = subprocess.Popen(argv, start_new_session=True)
+        children.append(ChildProcess(name, argv, popen, tmp_path / f"{name}.log", 0, time.monotonic()))
+        deadline = time.monotonic() + 30
+        while not flag.with_name(flag.name + ".ready").exists():
+            assert time.monotonic() < deadline, f"{name}'s grandchild never started"
+            time.sleep(0.02)
+    assert [child.stops_its_own for child in children] == [True, False]
+    stop_processes(children, 10.0)
+    assert children[0].returncode == 0 and not python_flag.exists()  # the grandchild got SIGKILL with the group
+    assert shell_flag.read_text() == "SIGTERM"

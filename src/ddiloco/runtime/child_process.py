@@ -3,8 +3,12 @@
 Each child leads its own process group (so a Ctrl-C in the terminal reaches only `ddiloco run`, and stopping a child
 also stops anything it spawned) and asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so
 even a SIGKILLed launcher leaves nothing running; a script behind a wrapper, which that signal does not reach, watches
-the launcher named in its environment: `ddiloco.launcher_watch`). Stopping is SIGTERM to the group (and SIGCONT, for
-a stopped one), then SIGKILL after a timeout. What is started, with which command line, is `ddiloco.runtime.launcher`.
+the launcher named in its environment: `ddiloco.launcher_watch`). Stopping is SIGTERM (and SIGCONT, for a stopped
+child), then SIGKILL to the group after a timeout. The SIGTERM goes to the child alone where it is a Python process
+(`stops_its_own`): its session stops at its next step and ends what it started, where a SIGTERM to its group killed the
+workers of its DataLoader first, and torch's "DataLoader worker (pid N) is killed by signal" failed the learner before
+its stop checkpoint; to the whole group where the child is anything else (a wrapper, `bash run.sh`, passes no signal
+on). What is started, with which command line, is `ddiloco.runtime.launcher`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +37,9 @@ STOP_NOTICE_AFTER_S = 3.0
 """How long after SIGTERM a child that is still running is said to be waited for (`stop_processes`' `on_wait`). A
 learner that stops cleanly flushes its updates (up to 1 s) and writes its checkpoint within about this; one that
 takes longer is most likely between two step() calls, which is where it notices the SIGTERM."""
+PYTHON_PROGRAM = re.compile(r"^python\d*(\.\d+)?$")
+"""A program name that is a Python interpreter (`python`, `python3`, `python3.11`): the child whose session takes a
+SIGTERM itself (`ChildProcess.stops_its_own`)."""
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal the kernel sends a child when its parent thread dies."""
 
@@ -88,6 +96,24 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signum)
 
+    @property
+    def stops_its_own(self) -> bool:
+        """Whether a stop's SIGTERM goes to this child alone: a Python process (a learner's script, `ddiloco`'s own
+        processes, a rank group, which passes it on to its ranks) stops what it started itself; what it leaves is
+        killed with its group once it exits (`poll`)."""
+        return bool(self.argv) and PYTHON_PROGRAM.match(Path(self.argv[0]).name) is not None
+
+    def request_stop(self) -> None:
+        """SIGTERM, to the child alone or to its group (`stops_its_own`), and SIGCONT to the group: a stopped child
+        (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again (it was SIGKILLed at the timeout
+        instead, with its work since its last checkpoint)."""
+        if self.stops_its_own:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGTERM)
+        else:
+            self.signal_group(signal.SIGTERM)
+        self.signal_group(signal.SIGCONT)
+
     def close_stdin(self) -> None:
         """End-of-file on a standby's stdin (it exits by itself); nothing for other children."""
         if self.popen.stdin is not None:
@@ -95,7 +121,7 @@ class ChildProcess:
                 self.popen.stdin.close()
 
     def stop(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> int:
-        """SIGTERM the group, wait up to `timeout_s` for the whole group, then SIGKILL it."""
+        """SIGTERM it (`request_stop`), wait up to `timeout_s` for it, then SIGKILL its group."""
         stop_processes([self], timeout_s, clock=clock)
         return self.returncode if self.returncode is not None else self.popen.wait()
 
@@ -114,16 +140,13 @@ def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
                    clock: Callable[[], float] = time.monotonic,
                    kill_now: Callable[[], bool] = lambda: False,
                    on_wait: Callable[[list[ChildProcess]], None] = lambda pending: None) -> None:
-    """SIGTERM every child's group at once; SIGKILL what is left after `timeout_s` (or as soon as
-    `kill_now()` turns true, e.g. on a second Ctrl-C). `on_wait(pending)` is called once with the children still
+    """SIGTERM every child at once (`ChildProcess.request_stop`); SIGKILL the groups left after `timeout_s` (or as
+    soon as `kill_now()` turns true, e.g. on a second Ctrl-C). `on_wait(pending)` is called once with the children still
     running STOP_NOTICE_AFTER_S after the SIGTERM, if any, so that the wait can be explained. Returns once every
     group is gone."""
     for child in children:
         if child.poll() is None:
-            child.signal_group(signal.SIGTERM)
-            # A stopped child (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again: it was
-            # SIGKILLed at the timeout instead, with its work since its last checkpoint.
-            child.signal_group(signal.SIGCONT)
+            child.request_stop()
     started = clock()
     deadline = started + timeout_s
     noticed = False

@@ -115,8 +115,9 @@ def run_group(argv: Sequence[str], *, nproc: int, devices: Sequence[str] = (), p
 
 
 def _forward(ranks: Sequence[subprocess.Popen], signum: int) -> None:
-    """This process was signalled alone (its parent died): pass it on. A signal to the process group already
-    reached every rank, and a rank's session takes a second SIGTERM like the first."""
+    """This process was signalled alone (the launcher's stop, which signals a Python child alone so that the workers
+    of a rank's DataLoader are not killed under it, or its parent died): pass it on. A signal to the process group
+    already reached every rank, and a rank's session takes a second SIGTERM like the first."""
     for rank in ranks:
         if rank.poll() is None:
             with contextlib.suppress(ProcessLookupError):

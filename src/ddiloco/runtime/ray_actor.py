@@ -287,7 +287,8 @@ class RoleActor:
                 "log_tail": self.child.log_tail() if code is not None else []}
 
     def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM the process group, SIGKILL after `timeout_s`; its exit code."""
+        """SIGTERM the process (its group, for a wrapper: `ChildProcess.request_stop`), SIGKILL its group after
+        `timeout_s`; its exit code."""
         self._stopping = True
         stop_processes([self.child], timeout_s)
         return self.child.returncode
