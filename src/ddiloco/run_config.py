@@ -274,6 +274,23 @@ def run_config_from_args(args: argparse.Namespace, base: RunConfig | None = None
         flag = getattr(args, name, None)
         values[name] = getattr(base, name) if flag is None else flag
     try:
-        return RunConfig(**values)
+        config = RunConfig(**values)
     except ValueError as exc:
         raise as_flag_error(exc, RunConfig) from None
+    _refuse_flags_without_effect(args, config)
+    return config
+
+
+def _refuse_flags_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
+    """Flags a run would take and do nothing with (a typo, most likely), refused naming what they would need. Only
+    flags given on this command line: a config file that holds such a value (a window of a fixed run later made
+    adaptive) is left as it is."""
+    quorum = config.quorum
+    if getattr(args, "grace_s", None) is not None and quorum.grace != "fixed":
+        raise ValueError(f"--grace-s {args.grace_s} applies only with --grace fixed (this run's window is "
+                         f"{quorum.grace}): give --grace fixed too, or leave --grace-s out")
+    given = getattr(args, "min_quorum", None) is not None or getattr(args, "num_learners", None) is not None
+    if given and quorum.min_quorum > config.num_learners:
+        raise ValueError(f"--min-quorum {quorum.min_quorum} is more than the run's {config.num_learners} learners: "
+                         f"a round can wait for {config.num_learners} at most (--min-quorum {config.num_learners} "
+                         "makes every round wait for every learner alive)")

@@ -228,6 +228,12 @@ def write(path: Path, data: object) -> Path:
      "ddiloco learner: error: --device='bogus' is invalid: expected a torch device"),
     (("run", "--run-dir", "{run}", "--device", "cpu,bogus"),
      "ddiloco run: error: --device='cpu,bogus' is invalid: expected a torch device"),
+    # Accepted and without effect: a quorum no run of 2 learners reaches (the syncer caps it at the learners alive),
+    # a fixed window for a run whose window is adaptive.
+    (("run", "--run-dir", "{run}", "--learners", "2", "--min-quorum", "5"),
+     "ddiloco run: error: --min-quorum 5 is more than the run's 2 learners"),
+    (("syncer", "--run-dir", "{run}", "--grace-s", "5"),
+     "ddiloco syncer: error: --grace-s 5.0 applies only with --grace fixed (this run's window is adaptive)"),
     # The run directory is made once the flags are known to be good: it was made (with its parents) first.
     (("syncer", "--run-dir", "{run}", "--learners", "0"),
      "ddiloco syncer: error: --learners=0 is invalid"),
