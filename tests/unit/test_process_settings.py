@@ -234,6 +234,9 @@ def write(path: Path, data: object) -> Path:
      "ddiloco run: error: --min-quorum 5 is more than the run's 2 learners"),
     (("syncer", "--run-dir", "{run}", "--grace-s", "5"),
      "ddiloco syncer: error: --grace-s 5.0 applies only with --grace fixed (this run's window is adaptive)"),
+    # A mistyped directory started a new run there, with a warning in the log only (`ddiloco run --resume` refuses).
+    (("syncer", "--run-dir", "{run}", "--resume"),
+     "ddiloco syncer: error: --resume {run}: no run there (no config.json): check the path, or leave --resume out"),
     # The run directory is made once the flags are known to be good: it was made (with its parents) first.
     (("syncer", "--run-dir", "{run}", "--learners", "0"),
      "ddiloco syncer: error: --learners=0 is invalid"),
@@ -253,7 +256,7 @@ def test_a_bad_setting_is_one_line_and_exit_code_2_and_writes_nothing(tmp_path, 
     code = cli.main(words)
     err = capsys.readouterr().err
     assert code == 2
-    assert needle.format(file=file, missing=missing) in err, err
+    assert needle.format(file=file, missing=missing, run=run_dir) in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not run_dir.exists()
 

@@ -165,6 +165,10 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     from ddiloco.transport.auth import check_bind, read_tls_files, split_host_port
 
     run_dir = Path(settings.run_dir)
+    if settings.resume and not settings.standby and not (run_dir / "config.json").is_file():
+        # A mistyped directory started a new run there, saying so only in the log.
+        raise ValueError(f"--resume {run_dir}: no run there (no config.json): check the path, or leave --resume out "
+                         "to start a new run")
     held_before = set(os.listdir(run_dir)) if run_dir.is_dir() else None
     token = read_token(settings, run_token=True)  # these before the run directory is made
     check_bind(settings.bind, token, allow_no_token=settings.allow_no_token)
@@ -210,7 +214,7 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
     if syncer is not None:
         logger.warning("[syncer] resumed at round %d (state at %d + %d replayed from the round log)",
                        syncer.rounds_committed, restored.state_rounds, restored.replayed)
-    elif settings.resume:
+    elif settings.resume:  # its config.json, from a syncer stopped before the first learner joined
         logger.warning("[syncer] --resume: %s holds no genesis yet; starting fresh", run_dir)
     if settings.init and genesis is None:
         init = load_init_file(settings.init)

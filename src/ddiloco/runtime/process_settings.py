@@ -74,7 +74,7 @@ class SyncerSettings(ProcessSettings):
     allow_no_token: bool = False
     """serve a non-loopback address without a run token (trusted networks only)"""
     resume: bool = False
-    """continue from DIR's durable state (done anyway whenever one exists)"""
+    """continue from DIR's durable state (done anyway whenever one exists); refused where DIR holds no run"""
     init: str | None = setting(None, metavar="FILE.safetensors")
     """a new run's initial global parameters (default: the first learner's own); the model's parameter names must
     be in it, extra tensors (buffers) are ignored"""
