@@ -98,6 +98,12 @@ def watched() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def raises_keyboard_interrupt(handler: object) -> bool:
+    """Whether SIGINT's `handler` is Python's own, or `watched()`'s, which raises as Python's does: the handler a
+    session may take a first Ctrl-C from (`ddiloco.session_lifecycle`)."""
+    return handler is signal.default_int_handler or handler is _on_sigint
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """Inside, SIGTERM and SIGHUP raise `Stopped` on the main thread; the handlers that were there before come back

@@ -8,8 +8,10 @@ inner-step budget, `tokens` an integer >= 0). What starting, stepping, stopping 
 
 Signals. SIGTERM is turned into `request_stop()` while the session runs: `done` turns true after the current step,
 the session checkpoints and leaves. So is SIGHUP where it has Python's default (a closed terminal ended a learner run
-by hand without a checkpoint); a SIGHUP handler of the user's, or nohup's SIG_IGN, stays as it is. Python runs
-handlers on the main thread only, so the handler is installed only there; a session on another thread says once, at
+by hand without a checkpoint); a SIGHUP handler of the user's, or nohup's SIG_IGN, stays as it is. So is a first
+SIGINT (Ctrl-C) where it has Python's default, which raised KeyboardInterrupt wherever the loop was (a learner run by
+hand was `failed`, without its checkpoint at the stop); a second one raises KeyboardInterrupt as Python does. Python
+runs handlers on the main thread only, so the handler is installed only there; a session on another thread says once, at
 its start, that a SIGTERM cannot stop it cleanly and what to do.
 A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
@@ -30,7 +32,7 @@ from typing import Any, Self
 
 import torch
 
-from ddiloco import rank_failures
+from ddiloco import interrupts, rank_failures
 from ddiloco.checks import invalid
 from ddiloco.environment import environment
 from ddiloco.launcher_watch import LauncherWatch, watch_launcher
@@ -61,6 +63,9 @@ class SessionLifecycle:
         self._sigterm_installed = False
         self._sighup_installed = False
         """Whether the session took SIGHUP, which had Python's default (`_take_sigterm`)."""
+        self._sigint_previous: Any = None
+        """SIGINT's handler from before the session, where it raised KeyboardInterrupt and the session took SIGINT
+        (`_take_sigint`); None where it did not."""
         self._deferred_signal: tuple[int, Any] | None = None
         """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
         self._launcher_watch: LauncherWatch | None = None
@@ -107,6 +112,7 @@ class SessionLifecycle:
             self._launcher_watch = watch_launcher(env.launcher, name=f"learner {self.learner_id}",
                                                   on_gone=self._on_launcher_gone)
             self._open()
+            self._take_sigint()
         except BaseException:
             self._end()
             raise
@@ -145,7 +151,24 @@ class SessionLifecycle:
             signal.signal(signal.SIGHUP, self._on_sighup)
             self._sighup_installed = True
 
+    def _take_sigint(self) -> None:
+        """A first Ctrl-C -> `request_stop()` once the session has started (one while it joins still interrupts the
+        start), where SIGINT raises KeyboardInterrupt (Python's handler, or `ddiloco.interrupts`'), on the main
+        thread."""
+        if (self._handle_sigterm and threading.current_thread() is threading.main_thread()
+                and interrupts.raises_keyboard_interrupt(signal.getsignal(signal.SIGINT))):
+            self._sigint_previous = signal.signal(signal.SIGINT, self._on_sigint)
+
     def _on_sighup(self, signum: int, frame: Any) -> None:
+        self.request_stop()
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        """A first Ctrl-C: the clean stop; the handler from before (a KeyboardInterrupt) from the second on."""
+        previous, self._sigint_previous = self._sigint_previous, None
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        logger.warning("[learner %d] Ctrl-C: stopping after this inner step, with a checkpoint (Ctrl-C again to "
+                       "interrupt at once)", self.learner_id)
         self.request_stop()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -200,6 +223,9 @@ class SessionLifecycle:
         if self._sighup_installed:
             self._sighup_installed = False
             signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        if self._sigint_previous is not None:
+            previous, self._sigint_previous = self._sigint_previous, None
+            signal.signal(signal.SIGINT, previous)
 
     def _end(self) -> None:
         """The session is over (closed, or its start failed): it is no longer open in this process, its launcher

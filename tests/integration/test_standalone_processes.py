@@ -175,3 +175,28 @@ def test_a_syncer_run_by_hand_stops_cleanly_on_sighup(procs, tmp_path, run_token
     popen.send_signal(signal.SIGHUP)
     code, log = exits(procs, "syncer", popen)
     assert code == 0 and "received SIGHUP: stopping" in log, log[-3000:]
+
+
+def test_a_learner_run_by_hand_stops_cleanly_on_ctrl_c(procs, tmp_path, run_token):
+    # docs/runtime.md: SIGTERM / SIGINT stop a learner after its current step, with its checkpoint, exit 0. A Ctrl-C
+    # raised KeyboardInterrupt wherever the loop was: the learner was `failed`, exit 130, its checkpoint the last
+    # periodic one. Started with SIGINT's default, as from a terminal (a job a shell put in the background, as CI's
+    # runner may be, inherits SIG_IGN).
+    run_dir = tmp_path / "run"
+    _, address = start_syncer(procs, run_dir, run_token, *RUN_FLAGS, "--inner-steps", "1000000")
+    inherited = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        learner = procs.start("learner", "learner", "--syncer", address, "--learner-id", "0", "--run-dir",
+                              str(run_dir), "--token-file", str(run_token), "--threads", "1",
+                              "--checkpoint-every-s", "1000")
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    status_file = run_dir / "learners" / "0" / "status.json"
+    wait_until(lambda: ((read_json(status_file) or {}).get("inner_step") or 0) > 10, "the learner to train",
+               alive=[learner])
+    learner.send_signal(signal.SIGINT)
+    code, log = exits(procs, "learner", learner)
+    status = read_json(status_file)
+    assert code == 0 and status["state"] == "stopped", (status, log[-3000:])
+    assert status["checkpoint_inner_step"] == status["inner_step"] > 10, status  # saved at the stop
+    assert "Ctrl-C" in log and "KeyboardInterrupt" not in log, log[-3000:]

@@ -196,6 +196,29 @@ def test_a_sighup_stops_the_session_as_sigterm_does_and_its_default_comes_back(s
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
+def test_a_first_ctrl_c_stops_the_session_a_second_interrupts_and_the_handler_comes_back(syncer, tmp_path):
+    # A Ctrl-C raised KeyboardInterrupt wherever the loop was: a learner run by hand ended `failed`, without its
+    # checkpoint at the stop.
+    with handler_kept(signal.SIGINT):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        model, optimizer = model_and_optimizer()
+        with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
+                             run_dir=tmp_path / "run") as sync:
+            train(sync, model, optimizer, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGINT))
+        assert sync.final_state == "stopped" and sync.inner_step == 2
+        assert json.loads((tmp_path / "run" / "learners" / "0" / "status.json").read_text())[
+            "checkpoint_inner_step"] == 2
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+        model, optimizer = model_and_optimizer()
+        with pytest.raises(KeyboardInterrupt), ddiloco.session(model, optimizer, syncer=syncer, learner_id=0,
+                                                               config=RUN, run_dir=tmp_path / "run") as sync:
+            train(sync, model, optimizer, on_step=lambda s: s == 4 and [os.kill(os.getpid(), signal.SIGINT)
+                                                                        for _ in range(2)])
+        assert sync.final_state == "failed" and sync.inner_step == 4
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_sighup_handler_of_the_users_or_nohups_is_left_alone(syncer, tmp_path, sighup_handler):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
     model, optimizer = model_and_optimizer()
