@@ -53,12 +53,18 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
             f"{where} holds optimizer state for {_parameter_groups(saved_sizes)}, but this script's optimizer has "
             f"{_parameter_groups(sizes)}: the model (or how its optimizer groups the parameters) changed since the "
             "run started. Resume with the model the run started with, or start a new run (a new run directory)")
+    changed = _changed_hyperparameters(optimizer.param_groups[:shared], saved_groups[:shared])
     now_ids = {i for group in saved_groups[:shared] for i in group["params"]}
     now = {"state": {i: s for i, s in saved["state"].items() if i in now_ids},
            "param_groups": saved_groups[:shared] + _fresh_groups(optimizer, shared, len(sizes))}
     (load or optimizer.load_state_dict)(now)
     if after_load is not None:
         after_load()
+    if changed:
+        # torch's load_state_dict takes the saved hyperparameters: a resume with another rate trained on at the old one.
+        logger.warning("%s: the optimizer's hyperparameters come back as saved, not as this script set them (%s); to "
+                       "change one on a resume, set it in optimizer.param_groups once the session has started", where,
+                       "; ".join(changed))
     if len(sizes) > len(saved_sizes):
         logger.info("%s holds %s; this script's optimizer has %d more, which start afresh", where,
                     _parameter_groups(saved_sizes), len(sizes) - len(saved_sizes))
@@ -154,6 +160,28 @@ class WaitingGroups:
             groups.append({**saved, "params": ids})
             next_id += len(ids)
         return {**current, "state": state, "param_groups": groups}
+
+
+def _changed_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[str]:
+    """`group N: lr 1e-05 -> 0.002, ...` for each group whose hyperparameters the checkpoint's replace: the numbers,
+    flags and tuples both have that differ. Not the rate of a group a schedule drives (it has `initial_lr`): its
+    value at the checkpoint is the schedule's, which its own restored state goes on from."""
+    changed = []
+    for index, (group, old) in enumerate(zip(groups, saved, strict=True)):
+        keys = [key for key in group if key != "params" and key in old and not (key == "lr" and "initial_lr" in group)]
+        diffs = [f"{key} {group[key]!r} -> {old[key]!r}" for key in keys
+                 if _plain(group[key]) and _plain(old[key]) and _as_compared(group[key]) != _as_compared(old[key])]
+        if diffs:
+            changed.append(f"group {index}: " + ", ".join(diffs))
+    return changed
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, int | float | bool | str | tuple | list) and not isinstance(value, torch.Tensor)
+
+
+def _as_compared(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _fresh_groups(optimizer: torch.optim.Optimizer, start: int, stop: int) -> list[dict[str, Any]]:

@@ -100,6 +100,40 @@ def test_a_restarted_script_gets_its_optimizer_back_as_saved(tmp_path):
         assert int(restored.state[again.lm_head.weight]["step"]) == int(optimizer.state[model.lm_head.weight]["step"])
 
 
+def test_a_restarted_script_whose_optimizer_settings_changed_is_told_the_checkpoints_are_used(tmp_path, caplog):
+    # A resume with `-- python train.py --lr 1e-5` trained on at the checkpoint's 2e-3, and nothing said so.
+    shared, model = hub(), TinyNet(seed=1)
+    train(shared, model, torch.optim.AdamW(model.parameters(), lr=2e-3), tmp_path, inner_steps=8)
+    again = TinyNet(seed=1)
+    restored = torch.optim.AdamW(again.parameters(), lr=1e-5, weight_decay=0.5)
+    with caplog.at_level(logging.WARNING), ddiloco.session(again, restored, hub=shared, learner_id=0, inner_steps=8,
+                                                           run_dir=tmp_path):
+        assert (restored.param_groups[0]["lr"], restored.param_groups[0]["weight_decay"]) == (2e-3, 0.01)
+    [warning] = [r.getMessage() for r in caplog.records if "hyperparameters" in r.getMessage()]
+    assert "group 0: lr 1e-05 -> 0.002, weight_decay 0.5 -> 0.01" in warning, warning
+    assert "optimizer.param_groups" in warning, warning  # what to do to change them
+
+
+def test_a_restarted_script_with_the_same_settings_or_a_schedule_hears_nothing_of_them(tmp_path, caplog):
+    # A schedule's rate at the checkpoint differs from the rate a new optimizer starts with: that is the schedule's.
+    shared, model = hub(), TinyNet(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=8, run_dir=tmp_path,
+                         state={"schedule": schedule}) as sync:
+        batches = iter(make_batches(8, seed=0))
+        while not sync.done:
+            sync.step(tokens=train_step(model, optimizer, next(batches)))
+            schedule.step()
+    again = TinyNet(seed=1)
+    restored = torch.optim.AdamW(again.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(restored, lambda step: 1 / (1 + step))
+    with caplog.at_level(logging.WARNING), ddiloco.session(again, restored, hub=shared, learner_id=0, inner_steps=8,
+                                                           run_dir=tmp_path, state={"schedule": schedule}):
+        assert restored.param_groups[0]["lr"] < 2e-3
+    assert not [r.getMessage() for r in caplog.records if "hyperparameters" in r.getMessage()]
+
+
 def test_a_learner_taking_the_runs_position_without_a_checkpoint_says_its_state_starts_afresh(tmp_path, caplog):
     # Nothing was said: a OneCycleLR in state= warmed up again from 0 at the run's position.
     shared = hub()
