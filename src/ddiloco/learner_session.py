@@ -65,6 +65,7 @@ from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.learner_status import StatusReporter
 from ddiloco.messages import Update
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
+from ddiloco.model_checks import check_optimizer_of_model
 from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_lifecycle import SessionLifecycle
@@ -204,6 +205,8 @@ class Session(SessionLifecycle):
                                                  group=group, reporter=self.reporter)
         self._last_checkpoint = 0.0
         self._step_started: float | None = None
+        self._optimizer_groups = len(self.learner.optimizer.param_groups)
+        """The optimizer's parameter groups when last checked (`_check_added_groups`)."""
         self._warned_weightless = False
         """Whether an update that counts no tokens was warned about (`_warn_if_weightless`)."""
         self.final_state: str | None = None
@@ -294,12 +297,25 @@ class Session(SessionLifecycle):
         if self.group is not None:
             self.group.end(self.learner.inner_step, done=self.done or self._closed, exit_status=exit_status)
 
+    def _check_added_groups(self) -> None:
+        """A group the script added to its optimizer (`add_param_group`) holds only the model's parameters, as the
+        session checked of the optimizer at its start (`model_checks.check_optimizer_of_model`); one `len()` a step."""
+        optimizer = self.learner.optimizer
+        if len(optimizer.param_groups) != self._optimizer_groups:
+            try:
+                check_optimizer_of_model(self.learner.model, optimizer)
+            except ValueError as exc:
+                raise ValueError(f"at inner step {self.learner.inner_step}, after optimizer.add_param_group: {exc}") \
+                    from None
+            self._optimizer_groups = len(optimizer.param_groups)
+
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step
         trained on (the syncer weights learners by it); `loss`, if given, is logged and shown."""
         tokens = self._check_step(tokens)
         loss = step_loss(loss)
         check_tokens_bound(tokens, self.config.quorum.max_tokens_per_step)
+        self._check_added_groups()
         if self._checkpoint is not None and not self._checkpoint.checked:
             self._checkpoint.check()  # a state= the checkpoint cannot keep stops the loop now, not 10 s in
         started = self._step_started or time.monotonic()

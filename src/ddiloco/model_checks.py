@@ -24,7 +24,7 @@ def check_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     _parameter_dtypes(model)
     _buffer_dtypes(model)
     _no_overlapping_parameters(model)
-    _optimizer_of_the_model(model, optimizer)
+    check_optimizer_of_model(model, optimizer)
 
 
 def check_materialized(model: nn.Module, *, caller: str) -> None:
@@ -129,7 +129,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _optimizer_of_the_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_of_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless `optimizer` trains the model's parameters and nothing else. A tensor outside the model (learned
     loss weights kept beside it) is neither synced, checkpointed nor exported: every learner trained its own, and a
     restart set it back to its initial value while its optimizer state resumed from the checkpoint."""

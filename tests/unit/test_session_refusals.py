@@ -90,6 +90,33 @@ def test_evaluate_runs_without_autograd_and_a_loss_with_its_graph_is_read_quietl
     assert seen == [False] and watcher.latest["val_loss"] > 0
 
 
+def test_a_tensor_outside_the_model_added_to_the_optimizer_mid_run_is_refused_at_that_step():
+    # Checked only at ddiloco.session(...): a learned temperature added with add_param_group at step 3 trained apart
+    # on every learner, and a restart set it back while its optimizer state resumed.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hub = ddiloco.InProcessHub(config=ddiloco.DilocoConfig(num_fragments=1, sync_every=4, codec="fp32"),
+                               quorum=ddiloco.QuorumConfig(grace="none"))
+    with pytest.raises(ValueError) as refused, ddiloco.session(model, optimizer, hub=hub, learner_id=0,
+                                                               inner_steps=8) as sync:
+        while not sync.done:
+            if sync.inner_step == 3:
+                optimizer.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+            sync.step(tokens=4)
+    assert sync.inner_step == 3
+    assert str(refused.value).startswith("at inner step 3, after optimizer.add_param_group: the optimizer trains 1 "
+                                         "tensor that is no parameter of the model (param group 1, shape (1,))")
+    # A group of the model's own parameters (unfreezing layers) is what add_param_group is for: it trains on.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with ddiloco.session(model, optimizer, hub=hub, learner_id=1, inner_steps=8) as sync:
+        while not sync.done:
+            if sync.inner_step == 3:
+                optimizer.add_param_group({"params": list(model[1].parameters())})
+            sync.step(tokens=4)
+    assert sync.final_state == "done"
+
+
 def test_an_optimizer_training_parameters_outside_the_model_is_refused_naming_them():
     # Learnable loss weights kept beside the model were trained, never synced, checkpointed or exported; a restart
     # set them back to their initial values while their AdamW moments resumed from the checkpoint. Silently.
