@@ -2,7 +2,10 @@
 # restart.sh ROLE COMMAND [ARGS...]: run one ddiloco process and bring it back when it dies, the way
 # `ddiloco run` supervises its children (docs/clusters.md). ROLE is `syncer` or `learner`.
 #
-# - exit 0: a learner is done (not restarted); a syncer exits 0 only when stopped, so it is restarted
+# - exit 0: a learner is done (not restarted), unless its status.json says `stopped`: a SIGTERM this script
+#   did not pass on (a preemption, a `kill` of the learner alone) stopped it before its budget, and it is
+#   restarted (its run directory and id from --run-dir and --learner-id, or DDILOCO_RUN_DIR and
+#   DDILOCO_LEARNER_ID for a script of your own); a syncer exits 0 only when stopped, so it is restarted
 #   unless this script was told to stop;
 # - exit 2 (bad flags or config) or 3 (refused by the syncer): a restart would fail the same way, so
 #   this script exits with that code;
@@ -31,6 +34,31 @@ on_stop() {
 }
 trap on_stop TERM INT
 
+# The learner's status.json, from its command's --run-dir and --learner-id or its DDILOCO_* environment.
+learner_status() {
+    local dir=${DDILOCO_RUN_DIR:-} id=${DDILOCO_LEARNER_ID:-} previous="" arg
+    for arg in "$@"; do
+        case "$previous" in
+            --run-dir) dir=$arg ;;
+            --learner-id) id=$arg ;;
+        esac
+        case "$arg" in
+            --run-dir=*) dir=${arg#--run-dir=} ;;
+            --learner-id=*) id=${arg#--learner-id=} ;;
+        esac
+        previous=$arg
+    done
+    if [ -n "$dir" ] && [ -n "$id" ]; then
+        echo "$dir/learners/$id/status.json"
+    fi
+}
+
+stopped_before_budget() {
+    local status
+    status=$(learner_status "$@")
+    [ -n "$status" ] && grep -Eq '"state": *"stopped"' "$status" 2>/dev/null
+}
+
 delay=1
 while :; do
     started=$(date +%s)
@@ -48,7 +76,10 @@ while :; do
         exit "$code"
     fi
     case "$code" in
-        0) if [ "$role" = learner ]; then exit 0; fi ;;
+        0) if [ "$role" = learner ]; then
+               if ! stopped_before_budget "$@"; then exit 0; fi
+               echo "restart.sh: learner stopped before its budget by a signal this script did not pass on" >&2
+           fi ;;
         2 | 3) echo "restart.sh: $role exited with $code: not restarting" >&2; exit "$code" ;;
     esac
     if [ $(($(date +%s) - started)) -ge "$STABLE_AFTER_S" ]; then
