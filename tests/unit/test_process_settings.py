@@ -237,6 +237,11 @@ def write(path: Path, data: object) -> Path:
     # A mistyped directory started a new run there, with a warning in the log only (`ddiloco run --resume` refuses).
     (("syncer", "--run-dir", "{run}", "--resume"),
      "ddiloco syncer: error: --resume {run}: no run there (no config.json): check the path, or leave --resume out"),
+    # The built-in learner's model is known: each learner failed at its start, and the run left a directory that
+    # neither --resume (another --num-fragments) nor a new run (not empty) would take.
+    (("run", "--run-dir", "{run}", "--num-fragments", "300"),
+     "ddiloco run: error: the built-in model cannot be cut so: num_fragments=300 exceeds the 29 tensors of the "
+     "model: every fragment needs at least one whole tensor (use --num-fragments 29 or fewer"),
     # The run directory is made once the flags are known to be good: it was made (with its parents) first.
     (("syncer", "--run-dir", "{run}", "--learners", "0"),
      "ddiloco syncer: error: --learners=0 is invalid"),

@@ -190,6 +190,8 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             require_runnable(script)
         if local:
             require_memory_for(config.num_learners * settings.nproc_per_learner + settings.standby_learners)
+        if not script and args.resume is None:
+            _check_built_in_fragments(config)
         if settings.init is not None:
             _check_init(Path(settings.init), config, built_in=not script,
                         has_genesis=(run_dir / GENESIS_FILE).exists())
@@ -242,6 +244,24 @@ def require_memory_for(processes: int, *, available: int | None = None) -> None:
             f" ({PROCESS_MEMORY_FLOOR // 2**20} MiB each before any model), and it has {available / 2**30:.1f} GiB "
             "available: run fewer (--learners, --nproc-per-learner, --standby-learners), or spread them over machines "
             "(--ray, docs/clusters.md)")
+
+
+def _check_built_in_fragments(config: RunConfig) -> None:
+    """The built-in learner's model cut into the run's fragments as each learner cuts it: a cut it cannot make (more
+    fragments than the model has tensors) is refused before anything starts, not at every learner's start."""
+    import torch
+
+    from ddiloco.fragments import FragmentPlan, embedding_names
+    from ddiloco.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(config.model)
+    params = dict(model.named_parameters())
+    embeddings = embedding_names(model, config.diloco.embedding_pattern)
+    try:
+        FragmentPlan.for_tensors(params, config.diloco, embeddings=embeddings)
+    except ValueError as exc:
+        raise ValueError(f"the built-in model cannot be cut so: {exc}") from None
 
 
 def _check_init(path: Path, config: RunConfig, *, built_in: bool, has_genesis: bool) -> None:
