@@ -290,6 +290,9 @@ def test_cli_paper_grid_json_has_the_documented_keys(capsys):
                                             (["--min-quorum", "9"], "--min-quorum=9"),
                                             (["--systems", "ring"], "--systems='ring'"),
                                             (["--sweep-chips", "1,x"], "--sweep-chips"),
+                                            # An OverflowError traceback; a count cut to 150000 silently.
+                                            (["--sweep-chips", "1e400"], "--sweep-chips='1e400' is invalid"),
+                                            (["--sweep-chips", "150000.9"], "--sweep-chips='150000.9' is invalid"),
                                             (["--chips", "1000"], "--chips-per-slice=256")])
 def test_cli_bad_input_names_the_flag_and_exits_2(capsys, argv, flag):
     args = parser().parse_args(["plan", "goodput", "--no-plot", *argv])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -111,10 +112,13 @@ def _as_flag(exc: ValueError, configs: tuple) -> str:
 
 def _int_list(flag: str, text: str) -> list[int]:
     try:
-        values = [int(float(item)) for item in text.split(",") if item.strip()]
+        numbers = [float(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise ValueError(f"{flag}={text!r} is invalid: expected comma-separated chip counts, "
                          "e.g. 150000,1.2e6") from None
+    if not all(math.isfinite(number) and number == int(number) for number in numbers):
+        raise ValueError(f"{flag}={text!r} is invalid: expected whole chip counts, e.g. 150000,1.2e6")
+    values = [int(number) for number in numbers]
     if not values or min(values) < 1:
         raise ValueError(f"{flag}={text!r} is invalid: expected chip counts >= 1")
     return values
