@@ -11,6 +11,7 @@ them.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,16 +95,31 @@ def environment(environ: Mapping[str, str] | None = None) -> LearnerEnvironment:
         value = get(name)
         return Path(value) if value is not None else None
 
+    def seconds(name: str, default: float, *, zero: bool) -> float:
+        value = get(name)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and (number >= 0 if zero else number > 0)):
+            raise ValueError(f"{ENV_PREFIX}{name}={value!r} is invalid: expected a number of seconds "
+                             f"{'>= 0' if zero else '> 0'}")
+        return number
+
     found = LearnerEnvironment(
         learner_id=number("LEARNER_ID", 0), num_learners=number("NUM_LEARNERS", 1), device=get("DEVICE") or "cpu",
         role=get("ROLE") or "learner", seed=number("SEED", 0), syncer=get("SYNCER"), run_dir=path("RUN_DIR"),
         token_file=path("TOKEN_FILE"), config=path("CONFIG"), link=get("LINK"),
         chaos_control=path("CHAOS_CONTROL"), threads=number("THREADS", 0) or None,
-        eval_every_s=float(get("EVAL_EVERY_S") or 10.0),
-        checkpoint_every_s=float(get("CHECKPOINT_EVERY_S") or 10.0),
+        eval_every_s=seconds("EVAL_EVERY_S", 10.0, zero=True),
+        checkpoint_every_s=seconds("CHECKPOINT_EVERY_S", 10.0, zero=False),
         rank=number("RANK", 0, prefix=""), world_size=number("WORLD_SIZE", 1, prefix=""),
         local_rank=number("LOCAL_RANK", 0, prefix=""), launcher_pid=number("LAUNCHER_PID", 0) or None,
         launcher_started=number("LAUNCHER_STARTED", 0) or None, rank_failures=path("RANK_FAILURES"))
+    if found.threads is not None and found.threads < 1:
+        raise ValueError(f"{ENV_PREFIX}THREADS={found.threads} is invalid: expected an integer >= 1 (torch threads)")
     if not 0 <= found.learner_id < found.num_learners:
         raise ValueError(f"{ENV_PREFIX}LEARNER_ID={found.learner_id} is invalid: the run has {found.num_learners} "
                          f"learners (ids 0..{found.num_learners - 1})")

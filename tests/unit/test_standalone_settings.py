@@ -71,3 +71,23 @@ def test_a_session_given_another_learners_token_is_refused_before_it_connects(tm
         # port 1: nothing listens there, and nothing must be dialled
         ddiloco.session(model, sgd(model), syncer="127.0.0.1:1", learner_id=0, run_dir=tmp_path,
                         token=learner_token("standalone-settings-token-0123", 1), config=RunConfig(num_learners=2))
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    # "could not convert string to float: 'abc'", naming no variable.
+    ("DDILOCO_EVAL_EVERY_S", "abc", "DDILOCO_EVAL_EVERY_S='abc' is invalid: expected a number of seconds >= 0"),
+    # Accepted; a later check named the keyword argument, not the variable.
+    ("DDILOCO_CHECKPOINT_EVERY_S", "-5",
+     "DDILOCO_CHECKPOINT_EVERY_S='-5' is invalid: expected a number of seconds > 0"),
+    ("DDILOCO_CHECKPOINT_EVERY_S", "nan", "DDILOCO_CHECKPOINT_EVERY_S='nan' is invalid"),
+    ("DDILOCO_THREADS", "-3", "DDILOCO_THREADS=-3 is invalid: expected an integer >= 1"),
+])
+def test_a_bad_period_or_thread_count_in_the_environment_is_refused_naming_the_variable(variable, value, expected):
+    with pytest.raises(ValueError) as refused:
+        environment({variable: value})
+    assert str(refused.value).startswith(expected), str(refused.value)
+
+
+def test_periods_and_threads_from_the_environment_are_read():
+    env = environment({"DDILOCO_EVAL_EVERY_S": "0", "DDILOCO_CHECKPOINT_EVERY_S": "2.5", "DDILOCO_THREADS": "3"})
+    assert (env.eval_every_s, env.checkpoint_every_s, env.threads) == (0.0, 2.5, 3)
