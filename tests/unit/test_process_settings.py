@@ -319,3 +319,19 @@ def test_a_gpu_this_machine_lacks_is_refused_before_anything_starts(tmp_path, ca
     assert code == 2
     assert f"ddiloco {argv[0]}: error: --device cuda" in err and "this machine has no CUDA device" in err, err
     assert not run_dir.exists()
+
+
+def test_an_init_file_given_to_the_resume_of_a_run_that_has_its_genesis_is_refused(tmp_path, capsys):
+    # The syncer ignored it, saying so in its log only: the run went on from its own genesis.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunConfig().save(run_dir / "config.json")
+    (run_dir / "genesis.safetensors").write_bytes(b"not read")
+    init = tmp_path / "init.safetensors"
+    init.write_bytes(b"not read")
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert cli.main(["run", "--resume", str(run_dir), "--init", str(init), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (f"ddiloco run: error: --init {init}: the run in {run_dir} has its initial parameters already "
+            "(genesis.safetensors); --init starts a new run: leave it out of a --resume") in err, err
+    assert sorted(p.name for p in run_dir.iterdir()) == before

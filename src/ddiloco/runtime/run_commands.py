@@ -193,8 +193,11 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         if not script and args.resume is None:
             _check_built_in_fragments(config)
         if settings.init is not None:
-            _check_init(Path(settings.init), config, built_in=not script,
-                        has_genesis=(run_dir / GENESIS_FILE).exists())
+            has_genesis = (run_dir / GENESIS_FILE).exists()
+            if has_genesis and args.resume is not None:  # the syncer ignored it, saying so in its log only
+                raise ValueError(f"--init {settings.init}: the run in {run_dir} has its initial parameters already "
+                                 f"({GENESIS_FILE}); --init starts a new run: leave it out of a --resume")
+            _check_init(Path(settings.init), config, built_in=not script, has_genesis=has_genesis)
         if settings.evaluate is None:  # resolved here, so that the run's record says whether it has an evaluator
             settings = dataclasses.replace(settings, evaluate=default_evaluator(script))
         before = before_start(run_dir)
