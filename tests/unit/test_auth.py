@@ -47,3 +47,18 @@ def test_ddiloco_run_gives_each_learner_process_only_its_own_token(tmp_path):
     assert Path(env["DDILOCO_TOKEN_FILE"]).read_text().strip() == learner_token(run_token, 0)
     evaluator = launcher.learner_env(0, "127.0.0.1:1", role="evaluator")
     assert evaluator["DDILOCO_TOKEN_FILE"] == str(tmp_path / "token")  # the operator's: status and the model only
+
+
+@pytest.mark.parametrize("learner", ["-1", str(10**12)])
+def test_ddiloco_token_refuses_a_learner_id_no_token_can_prove(tmp_path, capsys, learner):
+    # 10**12 and above printed a token the syncer never accepts (learner_of_token reads at most 12 digits).
+    from ddiloco import cli
+
+    token = tmp_path / "token"
+    token.write_text("a-run-token-of-enough-length-0123456789")
+    token.chmod(0o600)
+    assert cli.main(["token", "--token-file", str(token), "--learner", learner]) == 2
+    assert f"--learner {learner} is invalid: expected a learner id in 0..999999999999" in capsys.readouterr().err
+    assert cli.main(["token", "--token-file", str(token), "--learner", "999999999999"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert learner_of_token(token.read_text(), printed) == 999999999999

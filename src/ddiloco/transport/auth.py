@@ -65,13 +65,17 @@ def learner_token(run_token: str, learner_id: int) -> str:
     return f"{LEARNER_TOKEN_PREFIX}{learner_id}.{digest}"
 
 
+MAX_LEARNER_ID = 10**12 - 1
+"""The largest learner id a learner token may prove (`learner_of_token` reads at most 12 digits)."""
+
+
 def learner_of_token(run_token: str, presented: str) -> int | None:
     """The learner id a presented token proves (compared in constant time), or None if it is not a valid learner
     token of this run."""
     if not presented.startswith(LEARNER_TOKEN_PREFIX):
         return None
     number, dot, _ = presented[len(LEARNER_TOKEN_PREFIX):].partition(".")
-    if not dot or not number.isdigit() or len(number) > 12:
+    if not dot or not number.isdigit() or len(number) > len(str(MAX_LEARNER_ID)):
         return None
     learner_id = int(number)
     return learner_id if hmac.compare_digest(presented.encode(), learner_token(run_token, learner_id).encode()) \

@@ -20,10 +20,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.transport.auth import learner_token, read_token_file, require_run_token
+    from ddiloco.transport.auth import MAX_LEARNER_ID, learner_token, read_token_file, require_run_token
 
-    if args.learner < 0:
-        raise ValueError(f"--learner {args.learner} is invalid: expected a learner id >= 0")
+    if not 0 <= args.learner <= MAX_LEARNER_ID:  # a larger one printed a token no syncer accepts
+        raise ValueError(f"--learner {args.learner} is invalid: expected a learner id in 0..{MAX_LEARNER_ID}")
     token = require_run_token(read_token_file(args.token_file), f"--token-file {args.token_file}")
     print(learner_token(token, args.learner))
     return 0
