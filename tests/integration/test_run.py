@@ -135,6 +135,7 @@ def test_ctrl_c_leaves_no_process_behind_and_resume_continues_the_run(tmp_path):
     assert_all_gone(started_pids(run_dir))
 
 
+@pytest.mark.acceptance  # test_learner_process.py's kill -9 of a learner covers the default suite, in half the time
 @pytest.mark.timeout(300)
 def test_a_sigkilled_learner_is_restarted_and_contributes_again(tmp_path):
     run_dir = tmp_path / "run"

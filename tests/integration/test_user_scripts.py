@@ -127,6 +127,7 @@ def test_the_built_in_tinygpt_as_a_script_trains_survives_a_kill_and_exports(tmp
     export_and_load(run_dir, build_model(ModelConfig(width=32, num_heads=2, num_layers=1, context_len=32)))
 
 
+@pytest.mark.acceptance  # beside the other three scripts: the default suite keeps under 15 minutes on 2 cores
 def test_a_small_mlp_trains_survives_a_kill_and_exports(tmp_path):
     run_dir = run_with_a_kill(tmp_path, "mlp", inner_steps=3000)
     export_and_load(run_dir, load_example("mlp").build_model())
