@@ -88,7 +88,10 @@ def run_script(tmp_path: Path, mode: str, *flags: str, rank: int = 0) -> tuple[i
     return code, output, json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("flags, rank", [((), 0), (("--nproc-per-learner", "2"), 1)], ids=["learner", "rank-1"])
+# The two-rank case in acceptance: the default suite keeps under 15 minutes on 2 cores.
+@pytest.mark.parametrize("flags, rank", [((), 0), pytest.param(("--nproc-per-learner", "2"), 1,
+                                                                 marks=pytest.mark.acceptance)],
+                         ids=["learner", "rank-1"])
 def test_a_learner_stopped_by_a_sigterm_from_outside_is_restarted_and_reaches_its_budget(tmp_path, flags, rank):
     code, output, summary = run_script(tmp_path, "sigterm", *flags, rank=rank)
     assert (tmp_path / "marker").exists(), output

@@ -129,6 +129,7 @@ def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_aga
         assert_ranks_agree(run_dir, learner_id)
 
 
+@pytest.mark.acceptance  # beside test_rank_count_resume.py's FSDP2 resume; the DDP kill -9 stays in the default suite
 @pytest.mark.timeout(600)
 def test_an_fsdp2_learner_resumes_its_shards_after_a_kill9_and_the_global_state_is_the_replay(tmp_path):
     run_dir = tmp_path / "run"

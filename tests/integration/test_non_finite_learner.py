@@ -105,6 +105,7 @@ def test_a_learner_after_a_nan_step_goes_back_to_the_global_model_and_contribute
     assert_recovered_and_contributed(run_dir)
 
 
+@pytest.mark.acceptance  # beside the one-process learner's NaN step in the default suite (15 minutes on 2 cores)
 def test_a_ddp_learner_after_a_nan_step_recovers_on_every_rank(tmp_path):
     run_dir = run(tmp_path, "ddp", "--nproc-per-learner", "2")
     assert_recovered_and_contributed(run_dir)

@@ -36,6 +36,7 @@ def run(tmp_path: Path, mode: str) -> tuple[int, str, dict]:
     return status, output, json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.acceptance  # a whole run; the session's checks of such parameters are unit tests
 def test_a_parameter_without_values_and_a_strided_one_train_and_export(tmp_path):
     status, output, summary = run(tmp_path, "odd")
     assert status == 0, output

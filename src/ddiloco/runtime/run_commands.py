@@ -328,7 +328,9 @@ def run(args: argparse.Namespace, *, command: Sequence[str] | None = None,
         from ddiloco.transport.link import parse_link
         parse_link(settings.link)  # a bad --link is a usage error here, not a crash loop in every learner
     ray_options = ray_options_from_args(args)  # None: this machine's launcher; else Ray actors (docs/clusters.md)
-    if ray_options is None:  # a GPU this machine lacks: refused here, not a crash loop in every learner
+    if ray_options is None and not getattr(args, "script", None):
+        # The built-in learner on a GPU this machine lacks: refused here, not a crash loop in every learner. What a
+        # script does with DDILOCO_DEVICE is its own business.
         devices_here("--device", settings.device)
     # Until the supervisor's own stop handlers are in place, a SIGTERM or SIGHUP unwinds as Ctrl-C does, so that the
     # start is undone: Python's default ended the launcher there, leaving a directory the same command refused.
