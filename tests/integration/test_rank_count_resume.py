@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,5 +60,8 @@ def test_an_fsdp2_learner_resumed_with_three_ranks_instead_of_two_starts_its_opt
     assert warnings == ["[learner 0] the checkpoint holds the state of 2 rank(s), this learner has 3: the other ranks "
                         "start their state= objects afresh, and every rank its optimizer state (sharded over 2 ranks "
                         "when saved; the hyperparameters as saved)"], last_start[-3000:]
-    finals = {line.split(" final ")[1] for line in last_start.splitlines() if "learner 0 rank " in line}
-    assert len(finals) == 1, last_start[-3000:]  # the three ranks end with one model
+    # The ranks share the log, and a print writes its text and its newline apart: one rank's line can land inside
+    # another's (`... final {...}learner 0 rank 2 final {...}`), so each is found on its own, not line by line.
+    finals = dict(re.findall(r"learner 0 rank (\d) final (\{[^}]*\})", last_start))
+    assert sorted(finals) == ["0", "1", "2"], last_start[-3000:]
+    assert len(set(finals.values())) == 1, last_start[-3000:]  # the three ranks end with one model
