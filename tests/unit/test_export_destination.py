@@ -99,10 +99,35 @@ def test_an_out_that_is_no_regular_file_is_refused_and_left_as_it_was(run_dir, t
 def test_an_out_that_is_a_symlink_writes_the_file_it_points_to_and_keeps_the_link(run_dir, tmp_path, capsys):
     target, link = tmp_path / "models" / "real.safetensors", tmp_path / "link.safetensors"
     target.parent.mkdir()
-    target.write_bytes(b"old")
     link.symlink_to(target)
     assert main(["export", str(run_dir), "--out", str(link)]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {link} (the link's file {target}): ")
     assert link.is_symlink() and link.resolve() == target
     with safe_open(str(target), framework="pt") as file:
         assert "ddiloco_run" in file.metadata()
+
+
+@pytest.mark.parametrize("content", [b"import torch\nprint('my training script')\n", b""])
+def test_an_existing_file_that_is_no_safetensors_file_is_refused_and_kept(run_dir, tmp_path, capsys, content):
+    # A mistyped `--out train.py` replaced the user's script with the export (exit 0), as cp would.
+    script = tmp_path / "train.py"
+    script.write_bytes(content)
+    assert main(["export", str(run_dir), "--out", str(script)]) == EXIT_USAGE
+    assert capsys.readouterr().err == (f"ddiloco export: error: --out {script} exists and is not a safetensors file: "
+                                       "an export replaces only an earlier one; remove it first or give another "
+                                       "path\n")
+    assert script.read_bytes() == content
+
+
+def test_an_existing_safetensors_file_outside_the_run_is_replaced(run_dir, tmp_path, capsys):
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    with safe_open(str(out), framework="pt") as file:
+        assert file.get_tensor("layer0.weight").dtype == torch.bfloat16
+
+
+def test_an_empty_out_is_refused_by_name(run_dir, capsys):
+    assert main(["export", str(run_dir), "--out", ""]) == EXIT_USAGE
+    assert capsys.readouterr().err == ("ddiloco export: error: --out is empty: give a file path such as "
+                                       "model.safetensors\n")

@@ -346,19 +346,23 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _export_may_go(target: Path, root: Path) -> bool:
     """Whether an export may be written at `target`, a path inside the run directory `root` (`_check_destination`)."""
-    from safetensors import SafetensorError, safe_open
-
     from ddiloco.runtime.syncer_state import GENESIS_FILE
 
     if target.parent != root or target.suffix != ".safetensors" or target.name == GENESIS_FILE:
         return False
-    if not target.exists():
-        return True
-    try:  # an earlier export of this run, written again
-        with safe_open(str(target), framework="pt") as file:
-            return "ddiloco_run" in (file.metadata() or {})
+    metadata = _safetensors_metadata(target)
+    return not target.exists() or (metadata is not None and "ddiloco_run" in metadata)  # an earlier export, again
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str] | None:
+    """The metadata of the safetensors file at `path` ({} when it has none), or None when it is no such file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            return file.metadata() or {}
     except (SafetensorError, OSError):
-        return False
+        return None
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -374,6 +378,8 @@ def run_export(args: argparse.Namespace) -> int:
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.syncer_state import exported_params
 
+    if not args.out:
+        raise ValueError("--out is empty: give a file path such as model.safetensors")
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
@@ -413,14 +419,18 @@ _NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
 
 def _export_file(out: Path) -> Path:
     """The file an export to `out` replaces (by writing a new file and renaming it there): `out`, or where the symlink
-    `out` points (the link stays). ValueError for anything but a regular file or a new path: a FIFO or a device (as
-    root, /dev/full) would have been replaced by a plain file."""
+    `out` points (the link stays). ValueError for anything but a new path or a safetensors file (an earlier export): a
+    FIFO or a device (as root, /dev/full) would have been replaced by a plain file, and a mistyped `--out train.py`
+    the user's script."""
     target = out.resolve() if out.is_symlink() else out
     if target.exists() and not target.is_file():
         mode = target.stat().st_mode
         kind = next((f"{name}, " for test, name in _NOT_REGULAR if test(mode)), "")
         raise ValueError(f"--out {out} is {kind}not a regular file: give the path of a new file or of an earlier "
                          "export")
+    if target.exists() and _safetensors_metadata(target) is None:
+        raise ValueError(f"--out {out} exists and is not a safetensors file: an export replaces only an earlier one; "
+                         "remove it first or give another path")
     return target
 
 
