@@ -219,7 +219,7 @@ class Learner:
         if isinstance(message, Refused):
             self.joined = False
             self.refused_reason = message.reason
-            logger.error("[learner %d] refused by the syncer: %s", self.learner_id, message.reason)
+            logger.debug("[learner %d] refused by the syncer: %s", self.learner_id, message.reason)
             return []
         if isinstance(message, Rejected):
             reason = str(message.reason)

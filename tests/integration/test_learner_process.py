@@ -145,7 +145,8 @@ def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_pa
     bad_link = start_learner(procs, run_dir, address, 0, "--link", "fast", name="bad-link")
     for name, (_, _, needle) in cases.items():
         assert started[name].wait(timeout=PROCESS_WAIT_S) == 3, procs.log(name)
-        assert "refused by the syncer" in procs.log(name) and needle in procs.log(name)
+        # Said once in the log and once in the exit line (the transport, the rules and the session each logged it).
+        assert procs.log(name).count("refused by the syncer") == 2 and needle in procs.log(name), procs.log(name)
     assert bad_link.wait(timeout=PROCESS_WAIT_S) == 2 and "BANDWIDTH,LATENCY" in procs.log("bad-link")
     assert syncer.poll() is None  # and the syncer serves on, having counted each refusal
     wait_until(lambda: (r := (read_json(run_dir / "syncer_status.json") or {}).get("rejections", {}))

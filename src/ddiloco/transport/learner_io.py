@@ -344,7 +344,7 @@ class LearnerIO:
         return True
 
     def _refused(self, text: str) -> None:
-        logger.error("[learner %d] refused by the syncer: %s", self.learner_id, text)
+        logger.debug("[learner %d] refused by the syncer: %s", self.learner_id, text)  # the session says it, once
         self.inbox.put(Refused(self.learner_id, text))
 
     # ---- sender ---------------------------------------------------------------------------------------
