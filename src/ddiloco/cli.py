@@ -41,7 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_parser(subparsers)
         for command in set(subparsers.choices) - known:
             subparsers.choices[command].set_defaults(handler=module.run)
+    _name_own_parsers(parser)
     return parser
+
+
+def _name_own_parsers(parser: argparse.ArgumentParser) -> None:
+    """Give each (sub)command's parser to what it parses as `command_parser`, the innermost one winning, so that an
+    unknown flag is reported with that command's usage line, not the top-level one."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _name_own_parsers(sub)
 
 
 def _configure_logging(verbosity: int) -> None:
@@ -70,7 +81,9 @@ def _main(argv: list[str] | None) -> int:
         if "--" in argv:
             cut = argv.index("--")
             argv, script = argv[:cut], argv[cut + 1:]
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         command = f"ddiloco {args.command}"
         if script is not None and args.command not in SCRIPT_COMMANDS:
             parser.error(f"`ddiloco {args.command}` takes no script after --")

@@ -335,3 +335,18 @@ def test_an_init_file_given_to_the_resume_of_a_run_that_has_its_genesis_is_refus
     assert (f"ddiloco run: error: --init {init}: the run in {run_dir} has its initial parameters already "
             "(genesis.safetensors); --init starts a new run: leave it out of a --resume") in err, err
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["run", "learner", "syncer", "evaluator", "export RUN --out m.safetensors",
+                                     "plan goodput"])
+def test_an_unknown_flag_gets_its_commands_usage_line(command, capsys):
+    # `ddiloco run --bogus` printed the top-level `usage: ddiloco [-h] [--version] [-v] COMMAND ...`, which does not
+    # say which flags `run` takes.
+    argv = [*command.split(), "--bogus", "1"]
+    command = " ".join(word for word in command.split() if word.isalpha() and word.islower())
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: ddiloco {command} "), err
+    assert err.endswith(f"ddiloco {command}: error: unrecognized arguments: --bogus 1\n"), err
