@@ -233,7 +233,7 @@ class LearnerCheckpoint:
                         learner_id, self.directory)
             return False
         state, meta, serial = latest
-        self.reporter.checkpoint_inner_step = serial
+        self.reporter.checkpoint_inner_step = self.reporter.restored_inner_step = serial
         saved_optimizer = state["learner"]["optimizer"]
         ranks = state.get("ranks")
         fits = True

@@ -60,6 +60,9 @@ class StatusReporter:
         """The inner step the learner's newest checkpoint holds, where a restart continues from (None: it has none);
         set by its checkpoint (`ddiloco.learner_checkpoint`) when it restores one and after each write that worked.
         Behind `inner_step` in the final status when the checkpoint at the stop could not be written."""
+        self.restored_inner_step: int | None = None
+        """The inner step of the checkpoint this process restored (None: it restored none): the learner's own progress
+        from before, which the status reports even past a smaller budget of this process."""
         self.stop_requested = False
         """Whether the session was asked to stop (a SIGTERM to it or to one of its ranks, `request_stop()`), as its
         final status says: a launcher restarts a learner stopped that way before the budget, but not one whose own
@@ -75,8 +78,9 @@ class StatusReporter:
         is reported at most at the budget: a learner with no checkpoint takes the run's schedule position when it joins
         (`Learner.take_schedule_position`), past the budget if the others finished meanwhile, and is then done at once
         without training; its position beyond the budget is no progress of its own (summary.json says what it trained,
-        `ddiloco.runtime.report`)."""
-        values = {**self.progress.__dict__, "inner_step": min(self.learner.inner_step, self.inner_steps),
+        `ddiloco.runtime.report`). Its own checkpoint's step is: a resume with a smaller budget reports that."""
+        reached = max(self.inner_steps, self.restored_inner_step or 0)
+        values = {**self.progress.__dict__, "inner_step": min(self.learner.inner_step, reached),
                   "versions": list(self.learner.versions), **changes}
         self.progress = Progress(**values)
 

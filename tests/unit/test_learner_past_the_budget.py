@@ -78,3 +78,21 @@ def summary_table_text(summary) -> str:
     console = Console(width=200, record=True)
     console.print(summary_table(summary))
     return console.export_text().replace("│", " ")
+
+
+def test_a_learner_resumed_from_its_own_checkpoint_past_a_smaller_budget_reports_its_checkpoints_step(tmp_path):
+    # `ddiloco run --resume RUN --inner-steps 30` of a run whose learners trained to 60: status.json and summary.json
+    # said inner_step 30, a step the learner never stopped at; its checkpoint holds 60.
+    hub = ddiloco.InProcessHub(config=CONFIG, quorum=ddiloco.QuorumConfig(grace="none"))
+    for budget in (16, 8):
+        model = TinyNet(seed=1)
+        with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub, learner_id=0,
+                             inner_steps=budget, run_dir=tmp_path) as sync:
+            while not sync.done:
+                sync.step(tokens=4)
+        assert sync.inner_step == 16
+    status = json.loads((tmp_path / "learners" / "0" / "status.json").read_text())
+    assert (status["state"], status["inner_step"], status["inner_steps"], status["checkpoint_inner_step"]) == (
+        "done", 16, 8, 16)
+    summary = build_summary(RunPaths(tmp_path), num_learners=1, outcome="completed", wall_time_s=1.0)
+    assert summary["learners"]["0"]["inner_step"] == 16

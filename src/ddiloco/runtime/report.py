@@ -164,15 +164,16 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         from_syncer = per_learner_syncer.get(str(learner_id)) or {}
         state, reason = final_states.get(learner_id, (str(status.get("state", "unknown")), ""))
         position, budget = status.get("inner_step"), status.get("inner_steps")
-        if isinstance(position, int) and isinstance(budget, int):
-            position = min(position, budget)  # (a status written before the learner capped it itself)
+        saved = checkpoint_inner_step(paths.learner_dir(learner_id))
+        if isinstance(position, int) and isinstance(budget, int):  # (a status written before the learner capped it)
+            position = min(position, max(budget, saved or 0))  # its own checkpoint's step is its own progress
         learners[str(learner_id)] = {
             "state": state,
             "reason": reason,
             "restarts": restarts.get(f"learner-{learner_id}", 0),
             "inner_step": position,
             "inner_steps_trained": inner_steps_trained(paths.learner_dir(learner_id), learner_id),
-            "checkpoint_inner_step": checkpoint_inner_step(paths.learner_dir(learner_id)),
+            "checkpoint_inner_step": saved,
             "updates_sent": status.get("updates_sent"),
             "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
