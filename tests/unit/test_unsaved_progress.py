@@ -17,7 +17,7 @@ import ddiloco.learner_checkpoint
 from ddiloco.runtime.report import build_summary, print_summary
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import TinyNet
-from tests.runtime_dir import write_json
+from tests.runtime_dir import write_json, write_jsonl
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
 BUDGET = 100
@@ -112,3 +112,23 @@ def test_the_summary_says_what_updates_rejected_as_non_finite_mean(tmp_path):
     assert ("the syncer rejected 6 updates as non-finite: a learner's values were NaN or infinite, or a round's merge "
             "would have made a parameter so, and that round was not committed (logs/syncer.log names the fragment and "
             "the tensor)") in console.export_text()
+
+
+def test_the_summary_says_a_learner_that_trained_has_no_checkpoint(tmp_path):
+    # Its row read `61 (63 trained)` and nothing more (after a double Ctrl-C, or a disk full from the start): the
+    # worst case of unsaved progress had no line at all.
+    paths = killed_after_its_checkpoint(tmp_path / "run")
+    for serial in (1500, 2235):
+        (paths.learner_dir(0) / "checkpoint" / f"state_{serial:09d}.json").unlink()
+    for learner_id, steps in ((0, 63), (1, 2900)):
+        write_jsonl(paths.learner_dir(learner_id) / "work.jsonl", [{"event": "start", "time": 0.0, "inner_step": 0}])
+        write_jsonl(paths.learner_metrics(learner_id), [{"step": n, "time": float(n), f"learner/{learner_id}/tokens": n}
+                                                        for n in range(1, steps + 1)])
+    summary = build_summary(paths, num_learners=2, outcome="interrupted", wall_time_s=1.0)
+    console = Console(width=400, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert ("learner 0 trained 63 inner steps but has no checkpoint: a --resume takes the run's position for it, with "
+            "its optimizer and data afresh (killed before its first checkpoint, or its checkpoints could not be "
+            "written: logs/learner-0.log says which)") in text
+    assert "learner 1 trained" not in text

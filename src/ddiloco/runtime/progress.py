@@ -136,6 +136,7 @@ class ProgressView:
         self._last_refresh = float("-inf")
         self._last_summary = time.monotonic()
         self._shown_states: dict[int, str] = {}
+        self._storage_error: str | None = None
 
     def __enter__(self) -> ProgressView:
         if self.live:
@@ -169,10 +170,25 @@ class ProgressView:
         if now - self._last_refresh < REFRESH_INTERVAL_S:
             return
         self._last_refresh = now
+        self._note_storage_error()
         if self._live is not None:
             self._live.update(self.render(), refresh=True)
         else:
             self._print_changes(now)
+
+    def _note_storage_error(self) -> None:
+        """Say when the syncer starts and stops failing to make its rounds durable (a full disk): meanwhile every
+        update is refused as `unavailable`, and the run's lines would otherwise only show no rounds committed."""
+        error = (read_json_object(self.paths.syncer_status) or {}).get("storage_error")
+        if error == self._storage_error:
+            return
+        self._storage_error = error
+        line = (f"{time.strftime('%H:%M:%S')} [syncer] " + (f"cannot commit rounds: {error}; updates are refused "
+                                                            "until it can" if error else "commits rounds again"))
+        if self._live is not None:
+            self._events.append(line)
+        else:
+            self._print(line)
 
     def snapshot(self) -> tuple[dict[str, Any] | None, list[LearnerRow]]:
         now = time.monotonic()

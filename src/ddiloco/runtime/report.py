@@ -206,6 +206,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "bytes_received": syncer_status.get("bytes_received"),
             "bytes_sent": syncer_status.get("bytes_sent"),
             "rejections": syncer_status.get("rejections") or {},
+            "storage_error": syncer_status.get("storage_error"),
         },
         "learners": learners,
     }
@@ -433,6 +434,11 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "failed after it, or its checkpoint at its stop could not be written: "
                                f"logs/learner-{learner_id}.log says which)",
                                style="yellow"))
+        elif row.get("checkpoint_inner_step") is None and (row.get("inner_steps_trained") or 0) > 0:
+            console.print(Text(f"learner {learner_id} trained {row['inner_steps_trained']} inner steps but has no "
+                               "checkpoint: a --resume takes the run's position for it, with its optimizer and data "
+                               "afresh (killed before its first checkpoint, or its checkpoints could not be written: "
+                               f"logs/learner-{learner_id}.log says which)", style="yellow"))
     non_finite = ((summary.get("syncer") or {}).get("rejections") or {}).get("non_finite", 0)
     if non_finite:  # the table counts them among the rejections; what they mean is worth a line
         console.print(Text(f"the syncer rejected {non_finite} updates as non-finite: a learner's values were NaN or "

@@ -442,7 +442,7 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
 def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *, console: Any, sink: Any,
             wall_time_s: float) -> int:
     """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
-    from ddiloco.checkpoint import strict_dumps
+    from ddiloco.checkpoint import read_json_object, strict_dumps
     from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import ChildState
@@ -461,6 +461,11 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
     else:
         outcome = "completed"
     failure = supervisor.failure or "; ".join(f"{s.name} {s.state}: {s.reason}" for s in unfinished) or None
+    storage_error = (read_json_object(paths.syncer_status) or {}).get("storage_error")
+    if outcome == "completed" and storage_error:  # the learners' budget reached, their last updates not committed
+        outcome = "failed"
+        failure = (f"the syncer could not commit rounds when the run ended: {storage_error}; the learners' updates "
+                   "since its last commit were refused (logs/syncer.log says since when)")
     if resolved.replaced_command is not None and len(unfinished) == config.num_learners:
         from ddiloco.runtime.run_dir import restore_learner_command
         console.print(restore_learner_command(paths, resolved.replaced_command, resolved.script), highlight=False,
