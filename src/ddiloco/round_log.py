@@ -47,6 +47,11 @@ holds every round: replays, audits (`ddiloco chaos`) and the participation count
 round, and rounds appended after a hole would leave it there for good (docs/runtime.md, Durability and restarts)."""
 
 
+class RoundFileRemoved(ValueError):
+    """A round's tensors file was removed on purpose, once the syncer's full states held it (`RoundLog.prune_before`):
+    a reader replaying from an older state than the newest meets it when the syncer moved on while it read."""
+
+
 class RoundLog:
     """`rounds.jsonl` plus `rounds/round_NNNNNN.safetensors` in a run directory. See the module
     docstring. Only one process (the syncer) appends; anyone may read."""
@@ -202,11 +207,11 @@ class RoundLog:
         except FileNotFoundError:
             first = self.first_held()
             if first is not None and index < first:
-                raise ValueError(f"{self.path}: round {index}'s tensors file {path.name} was removed, as every round "
-                                 f"before {first} was, once the syncer's full states held them (a syncer keeps round "
-                                 "files back to its older full state unless started with --round-files all): a "
-                                 "replay from the genesis, or from a full state older than round "
-                                 f"{first}, cannot be done in this run directory") from None
+                raise RoundFileRemoved(
+                    f"{self.path}: round {index}'s tensors file {path.name} was removed, as every round before {first} "
+                    "was, once the syncer's full states held them (a syncer keeps round files back to its older full "
+                    "state unless started with --round-files all): a replay from the genesis, or from a full state "
+                    f"older than round {first}, cannot be done in this run directory") from None
             raise ValueError(f"{self.path}: round {index} is damaged (its tensors file {path.name} is missing): "
                              "restore it from a backup; a round log cannot skip a round") from None
         except (OSError, ValueError, SafetensorError) as exc:

@@ -49,3 +49,60 @@ def test_export_leaves_a_torn_round_log_byte_for_byte_and_exports_the_rounds_bef
     expected = replay_rounds(config, initial, records)
     assert set(exported) == set(expected)
     assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
+
+
+def test_an_export_racing_a_syncer_that_prunes_rounds_reads_its_newer_state(tmp_path, capsys, monkeypatch):
+    # An export of a live run read the newest full state, then the syncer wrote two more and removed the round files
+    # after the one read: 5 exports in 2098 failed with "round 239's tensors file ... was removed ... cannot be done
+    # in this run directory" (with --full-state-every 2), where the same export a moment later worked.
+    from ddiloco.config import QuorumConfig
+    from ddiloco.runtime import syncer_state
+
+    run_config = RunConfig()
+    config = dataclasses.replace(run_config.diloco, num_fragments=2, sync_every=4)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
+    initial = params_of(TinyNet(seed=SYNCER_SEED))
+    genesis = GenesisRecord(initial, ("token_embedding.weight",), "a test")
+    write_genesis(run_dir, genesis)
+    _, records = committed_rounds(8, config, syncer_seed=SYNCER_SEED)
+    store, syncer, stale = SyncerStore(run_dir), genesis.syncer(config, QuorumConfig()), None
+    for record in records:
+        store.commit(record)
+        syncer.apply_committed([record])
+        if syncer.rounds_committed in (2, 4, 6):
+            store.save(syncer, meta={})
+        if syncer.rounds_committed == 2:
+            stale = syncer_state.load_latest_state(store.state_dir)  # what the export read, just before ...
+    assert not store.log.tensors_path(2).exists()  # ... the states at 4 and 6 held rounds 0-3, and their files went
+
+    real, calls = syncer_state.load_latest_state, []
+
+    def read_before_the_syncer_moved_on(directory):
+        calls.append(directory)
+        return stale if len(calls) == 1 else real(directory)
+
+    monkeypatch.setattr(syncer_state, "load_latest_state", read_before_the_syncer_moved_on)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert "after 8 rounds" in capsys.readouterr().out and len(calls) == 2
+    exported, expected = load_file(out), replay_rounds(config, initial, records)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
+
+
+def test_an_export_of_a_run_missing_round_files_is_refused_once_read(tmp_path, capsys):
+    # The retry above is for a newer state only: a run directory whose rounds are gone says so (exit 2), at once.
+    run_config = RunConfig()
+    config = dataclasses.replace(run_config.diloco, num_fragments=2, sync_every=4)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
+    write_genesis(run_dir, GenesisRecord(params_of(TinyNet(seed=SYNCER_SEED)), ("token_embedding.weight",), "a test"))
+    _, records = committed_rounds(3, config, syncer_seed=SYNCER_SEED)
+    store = SyncerStore(run_dir)
+    for record in records:
+        store.commit(record)
+    store.log.tensors_path(1).unlink()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "model.safetensors")]) == 2
+    assert "round 1 is damaged (its tensors file" in capsys.readouterr().err

@@ -54,7 +54,7 @@ from ddiloco.checkpoint import (
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import RoundRecord
 from ddiloco.model_buffers import persistent_buffers
-from ddiloco.round_log import LOG_DAMAGED, RoundLog
+from ddiloco.round_log import LOG_DAMAGED, RoundFileRemoved, RoundLog
 from ddiloco.syncer import Syncer, replay_rounds
 
 logger = logging.getLogger(__name__)
@@ -255,17 +255,30 @@ def genesis_from_init(init: Mapping[str, torch.Tensor], order: Iterable[str], em
     return GenesisRecord(params, tuple(sorted(embeddings)), source, aliases)
 
 
+EXPORT_READS = 3
+"""How many times `exported_params` reads a live run whose syncer removed round files while it read."""
+
+
 def exported_params(run_dir: str | Path, config: DilocoConfig) -> tuple[dict[str, torch.Tensor], int]:
     """The global parameters after the run's last committed round under every name the model's state_dict
     uses (tied weights under each of their names), and that round count; recomputed from the latest full
     state and the round log, as a restarted syncer would (what `ddiloco export` writes). Only reads the run
     directory: a torn last line of the log is skipped, not cut, because on a live run it is the round the syncer
-    is appending, and cutting it could drop that round once committed."""
+    is appending, and cutting it could drop that round once committed. On a live run the syncer may also write newer
+    full states while this reads and remove the round files after the one read (`RoundFileRemoved`): it is read
+    again, from the newer state (`EXPORT_READS` times at most: a newest state that is damaged makes a restore fall
+    back to the one before it, whose rounds may be gone for good)."""
     genesis = read_genesis(run_dir)
     if genesis is None:
         raise ValueError(f"{run_dir} has no {GENESIS_FILE}: no learner has joined this run yet")
-    syncer = genesis.syncer(config, QuorumConfig())
-    SyncerStore(run_dir).restore(syncer, repair=False)
+    for attempt in range(1, EXPORT_READS + 1):
+        syncer = genesis.syncer(config, QuorumConfig())
+        try:
+            SyncerStore(run_dir).restore(syncer, repair=False)
+            break
+        except RoundFileRemoved:
+            if attempt == EXPORT_READS:
+                raise
     params = syncer.global_params()
     for alias, name in genesis.aliases:
         params[alias] = params[name].clone()
