@@ -143,15 +143,19 @@ def test_a_read_only_run_dir_is_refused_before_any_process_starts(tmp_path, read
 # ---- --resume ---------------------------------------------------------------------------------------------
 
 def test_resume_refuses_settings_a_run_cannot_change_and_leaves_its_config_untouched(tmp_path):
+    from ddiloco.runtime.syncer_state import GenesisRecord, write_genesis
+    from ddiloco.train_tinygpt import initial_params
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     TINY_RUN.save(run_dir / "config.json")
+    write_genesis(run_dir, GenesisRecord(initial_params(TINY_RUN), (), "a test"))  # made with these settings
     before = (run_dir / "config.json").read_bytes()
     out = run_usage_error("--resume", str(run_dir), "--learners", "5", "--model-width", "64", "--inner-steps", "99")
     assert "--learners 5 (the run has 3)" in out and "--model-width 64 (the run has 32)" in out
     assert "--inner-steps 99" not in out  # a budget may change
     assert (run_dir / "config.json").read_bytes() == before
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json"]  # nothing started, nothing written
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "genesis.safetensors"]  # nothing written
 
 
 # ---- a learner given a wrong syncer address ----------------------------------------------------------------

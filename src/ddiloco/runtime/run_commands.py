@@ -115,7 +115,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
     with (`check_resume`), leaves the directory as it was. `local`: the learners start on this machine, so their
     program must be found here. `gpus_per_learner`: the GPUs Ray gives each learner's actor (`--ray`), one for
     each of its ranks."""
-    from ddiloco.run_config import RunConfig, check_resume, run_config_from_args
+    from ddiloco.run_config import RunConfig, check_resume, fixed_differences, run_config_from_args
     from ddiloco.runtime.launcher import require_runnable
     from ddiloco.runtime.run_dir import (
         LAUNCH_SHAPE,
@@ -151,10 +151,15 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             refused.callback(lock.release)
             saved = RunConfig.load(run_dir / "config.json")
             config = run_config_from_args(args, saved)
-            try:
-                check_resume(saved, config)
-            except ValueError as exc:
-                raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
+            changed_before_start = ()
+            if (run_dir / GENESIS_FILE).exists():
+                try:
+                    check_resume(saved, config)
+                except ValueError as exc:
+                    raise ValueError(f"--resume {run_dir}: {exc} (its config.json is unchanged)") from None
+            elif changed := fixed_differences(saved, config):  # no learner joined: nothing was made with them yet
+                changed_before_start = (f"--resume {run_dir}: the run has no genesis yet (no learner ever joined), so "
+                                        f"its settings may change: {', '.join(changed)}",)
             script, script_note = resumed_learner_command(run_dir, config, given, built_in=settings.built_in_learner)
             kept, shape_notes = resumed_launch_shape(
                 run_dir, {name: getattr(args, name) for name in LAUNCH_SHAPE if getattr(args, name) is not None},
@@ -163,7 +168,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
                 settings = dataclasses.replace(settings, **kept)
             except ValueError as exc:
                 raise ValueError(f"--resume {run_dir}: {RunPaths(run_dir).learner_command}: {exc}") from None
-            notes = (*([script_note] if script_note is not None else []), *shape_notes)
+            notes = (*changed_before_start, *([script_note] if script_note is not None else []), *shape_notes)
             if settings.round_files == "all" and (pruned := pruned_rounds_note(run_dir)) is not None:
                 notes = (*notes, pruned)
         else:
@@ -190,7 +195,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
             require_runnable(script)
         if local:
             require_memory_for(config.num_learners * settings.nproc_per_learner + settings.standby_learners)
-        if not script and args.resume is None:
+        if not script:
             _check_built_in_fragments(config)
         if settings.init is not None:
             has_genesis = (run_dir / GENESIS_FILE).exists()
