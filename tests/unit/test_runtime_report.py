@@ -86,6 +86,19 @@ def test_summary_counts_from_the_run_files(tmp_path):
     assert one["tokens"] == 81_920 and one["tokens_merged"] == 32_768
 
 
+def test_counts_the_status_files_missed_at_a_kill_come_from_the_syncers_durable_records(tmp_path):
+    # status.json files are rewritten once a second: after a kill -9 (or a double Ctrl-C) a learner's said 87 updates
+    # sent where the syncer had accepted 90 of them, and the syncer's said versions [4, 4, 4, 3] (15) beside 16
+    # rounds committed in the round log.
+    paths = fake_run(tmp_path)
+    atomic_write_json(paths.syncer_status, {**json.loads(paths.syncer_status.read_text()), "versions": [1, 1]})
+    status = json.loads(paths.learner_status(1).read_text())
+    atomic_write_json(paths.learner_status(1), {**status, "updates_sent": 2})
+    summary = build_summary(paths, num_learners=2, outcome="interrupted", wall_time_s=6.0)
+    assert summary["syncer"]["versions"] == [2, 1]  # rounds.jsonl: fragment 0 at version 2
+    assert summary["learners"]["1"]["updates_sent"] == 3  # the syncer heard of 2 accepted and 1 rejected
+
+
 def test_report_writes_summary_and_three_pngs(tmp_path):
     paths = fake_run(tmp_path)
     summary = write_report(paths, num_learners=2, outcome="completed", wall_time_s=6.0)

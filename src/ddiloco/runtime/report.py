@@ -174,7 +174,8 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "inner_step": position,
             "inner_steps_trained": inner_steps_trained(paths.learner_dir(learner_id), learner_id),
             "checkpoint_inner_step": saved,
-            "updates_sent": status.get("updates_sent"),
+            "updates_sent": _at_least(status.get("updates_sent"), (from_syncer.get("accepted") or 0)
+                                      + (from_syncer.get("rejected") or 0)),
             "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
             "rounds_contributed": contributed.get(learner_id, 0),
@@ -202,7 +203,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         "sessions": sum(1 for e in events if e["event"] == "run_started"),
         "syncer": {
             "restarts": restarts.get("syncer", 0),
-            "versions": syncer_status.get("versions"),
+            "versions": _versions(syncer_status.get("versions"), rounds),
             "bytes_received": syncer_status.get("bytes_received"),
             "bytes_sent": syncer_status.get("bytes_sent"),
             "rejections": syncer_status.get("rejections") or {},
@@ -210,6 +211,25 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         },
         "learners": learners,
     }
+
+
+def _at_least(reported: Any, known: int) -> Any:
+    """A count from a status file, raised to what the syncer's records show (`known`): status files are rewritten
+    once a second, so one killed with its process lags by what happened in its last second."""
+    return max(reported, known) if isinstance(reported, int) else (known or reported)
+
+
+def _versions(reported: Any, rounds: list[dict[str, Any]]) -> Any:
+    """Each fragment's version: the syncer status's, raised to the newest the round log records (the durable record:
+    the status of a syncer killed with SIGKILL lags by its last second)."""
+    if not isinstance(reported, list) or not all(isinstance(v, int) for v in reported):
+        return reported
+    versions = list(reported)
+    for record in rounds:
+        fragment, version = record.get("fragment"), record.get("version")
+        if isinstance(fragment, int) and isinstance(version, int) and 0 <= fragment < len(versions):
+            versions[fragment] = max(versions[fragment], version)
+    return versions
 
 
 def inner_steps_trained(learner_dir: Path, learner_id: int) -> int | None:
