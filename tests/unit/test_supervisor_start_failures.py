@@ -11,8 +11,10 @@ import os
 import signal
 
 import pytest
+from rich.console import Console
 
 from ddiloco.runtime.learner_exits import CrashLoop
+from ddiloco.runtime.report import build_summary, print_summary
 from ddiloco.runtime.supervised_roles import ChildState
 from ddiloco.runtime.supervisor import Supervisor
 from tests.fake_learners import FAST, make_run
@@ -67,9 +69,28 @@ def test_an_evaluator_failing_before_its_first_evaluation_is_given_up_and_the_ru
     supervisor.run()
     evaluator = supervisor.evaluator
     assert evaluator is not None and evaluator.state == ChildState.FAILED and evaluator.exit_codes == [1, 1, 1]
-    assert evaluator.reason.startswith(error) and "3 starts in a row ended before its session started" in \
+    assert evaluator.reason.startswith(error) and "3 starts in a row ended before its first evaluation" in \
         evaluator.reason
     assert [learner.state for learner in supervisor.learners] == [ChildState.DONE, ChildState.DONE]
+
+
+def test_an_evaluator_waiting_to_restart_when_the_run_ends_says_how_its_last_start_ended(tmp_path, fake_command):
+    # A short run ended while its evaluator waited out its backoff: summary.json said `"state": "stopped", "reason":
+    # null` and the console nothing, although every start had failed.
+    error = "ValueError: my evaluate() is broken"
+    launcher = make_run(tmp_path, fake_command, inner_steps=20,
+                        plan={"evaluator": {"exit_code": 1, "message": error}})
+    supervisor = Supervisor(dataclasses.replace(FAST, backoff_initial_s=60.0, backoff_max_s=60.0), launcher=launcher)
+    supervisor.run()
+    evaluator = supervisor.evaluator
+    assert evaluator is not None and evaluator.state == ChildState.STOPPED and evaluator.exit_codes == [1]
+    assert evaluator.reason == f"it was waiting to be started again: its last start exited with exit code 1: {error}"
+    summary = build_summary(launcher.paths, num_learners=2, outcome="completed", wall_time_s=1.0,
+                            evaluator=(str(evaluator.state), evaluator.reason))
+    console = Console(width=400, record=True)
+    print_summary(summary, console)
+    assert (f"the evaluator did not evaluate the final model, so the run measured no validation loss: "
+            f"{evaluator.reason}") in console.export_text()
 
 
 SCHEDULER_ERROR = "ValueError: Tried to step 6 times. The specified number of total steps is 5"

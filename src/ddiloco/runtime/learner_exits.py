@@ -197,10 +197,11 @@ class CrashLoop:
             self.without_progress += 1
 
     def give_up_reason(self, code: int, tail: list[str], log_path: Path, *, max_before_session: int,
-                       max_without_progress: int) -> str | None:
-        """Why the learner is given up after the exit just counted, or None: restart it."""
+                       max_without_progress: int, session: str = "its session started") -> str | None:
+        """Why the learner is given up after the exit just counted, or None: restart it. `session`: what a start
+        that got somewhere reached (the evaluator's: "its first evaluation")."""
         if self.before_session >= max_before_session:
-            why = f"{self.before_session} starts in a row ended before its session started"
+            why = f"{self.before_session} starts in a row ended before {session}"
         elif self.without_progress >= max_without_progress:
             why = (f"{self.without_progress} restarts in a row failed without training past inner step "
                    f"{self.furthest_step}")

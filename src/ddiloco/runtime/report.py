@@ -470,10 +470,11 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
         console.print(Text(f"this session ran no evaluator: the validation loss is the one measured at round "
                            f"{summary['final_val_loss_round']}, {behind} rounds before the last (a --resume with "
                            "--evaluate runs one)", style="yellow"))
-    if evaluator.get("state") == "failed":  # a run is finished without it, but its validation loss stops there
-        what = ("so the run measured no validation loss" if summary.get("final_val_loss") is None
-                else "so the validation loss is the last it measured before")
-        console.print(Text(f"the evaluator failed, {what}: {evaluator['reason']}", style="yellow"))
+    if evaluator.get("reason") and evaluator.get("state") in ("failed", "stopped"):  # the run finished without it,
+        what = ("so the run measured no validation loss" if summary.get("final_val_loss") is None  # but its loss
+                else "so the validation loss is the last it measured before")                     # stops there
+        how = "failed" if evaluator["state"] == "failed" else "did not evaluate the final model"
+        console.print(Text(f"the evaluator {how}, {what}: {evaluator['reason']}", style="yellow"))
     if summary.get("failure"):
         console.print(Text(summary["failure"], style="red"))
 

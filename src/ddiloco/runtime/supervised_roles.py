@@ -138,7 +138,11 @@ class Slot:
     restart_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)
     reason: str = ""
-    """Why it ended (refused, failed), from its log."""
+    """Why it ended (refused, failed), from its log; for an evaluator stopped while it waited to restart, how its last
+    start ended."""
+    last_exit: str = ""
+    """How its latest process ended when that was a failure it is restarted after (`exited with exit code 1:
+    ValueError: ...`); empty until then."""
     pids: list[int] = field(default_factory=list)
     held_until: float | None = None
     """Monotonic time before which it is not restarted (`Supervisor.hold`)."""

@@ -167,6 +167,8 @@ class Supervisor(SupervisionLoop):
             if self.evaluator.pid is not None:
                 self._emit("stopping", self.evaluator, "stopping")
                 self._stop([self.evaluator], self.config.syncer_stop_timeout_s)
+            if self.evaluator.state == ChildState.BACKOFF:  # it measured nothing since: the summary says why
+                self.evaluator.reason = f"it was waiting to be started again: its last start {self.evaluator.last_exit}"
             if not self.evaluator.state.final:
                 self.evaluator.state = ChildState.STOPPED
         if self.syncer.pid is not None:
@@ -335,8 +337,8 @@ class Supervisor(SupervisionLoop):
             slot.state, slot.reason = ChildState.FAILED, reason
             self._emit("failed", slot, f"failed: {slot.reason}", exit_code=code, reason=slot.reason)
         else:
-            self._emit("exited", slot, f"exited with {describe_exit_with(code, lines)}", exit_code=code,
-                       log_tail=tail)
+            slot.last_exit = f"exited with {describe_exit_with(code, lines)}"
+            self._emit("exited", slot, slot.last_exit, exit_code=code, log_tail=tail)
             self._schedule_restart(slot, now)
 
     def _give_up_reason(self, slot: Slot, code: int, tail: list[str], start: Callable[[Slot], None] | None
@@ -349,8 +351,8 @@ class Supervisor(SupervisionLoop):
             return reason_line(tail)
         slot.crash_loop.count(code, self._status_since_start(slot))
         reason = slot.crash_loop.give_up_reason(
-            code, tail, self.launcher.paths.log(slot.name),
-            max_before_session=self.config.max_exits_before_session,
+            code, tail, self.launcher.paths.log(slot.name), session="its session started" if start is None else
+            "its first evaluation", max_before_session=self.config.max_exits_before_session,
             max_without_progress=self.config.max_exits_without_progress)
         if reason is not None:
             return reason
