@@ -67,6 +67,11 @@ DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
 
 
+class ParameterShapeChanged(RuntimeError):
+    """A parameter's shape changed in place after the learner started (not a ValueError: `LearnerRules.receive` takes
+    those for a malformed message and goes on; this is the learner's own model, and it cannot go on)."""
+
+
 @dataclass(frozen=True)
 class _Outstanding:
     base_version: int
@@ -108,6 +113,7 @@ class Learner:
         # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
         # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
         self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
+        self._declared_shapes = {spec.name: spec.shape for spec in self.spec.tensors}
         self.embeddings = embedding_names(model, config.embedding_pattern)
         canonical = {id(p): name for name, p in self._params.items()}
         every = model.named_parameters(remove_duplicate=False)
@@ -322,6 +328,7 @@ class Learner:
         names, num_fragments = self.plan.fragments[p], self.plan.num_fragments
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
+        self._check_shapes(names)
         self._check_range(state)
         at_publish, self._at_publish[p] = self._at_publish[p], None
         carry = at_publish is not None and not force and self.config.keep_overlap_work
@@ -434,9 +441,23 @@ class Learner:
                                  f"of float16's range (65504): loaded, it would be infinite. Train it in bfloat16 "
                                  "or float32 (model.to(torch.bfloat16)), which hold the global model's range")
 
+    def _check_shapes(self, names: tuple[str, ...]) -> None:
+        """ParameterShapeChanged naming the first of `names` whose shape is not the one the learner started with (the
+        identity check, `check_parameters`, cannot see a tensor swapped into the same parameter object)."""
+        declared = self._declared_shapes
+        for name in names:
+            now = tuple(self._params[name].shape)
+            if now != declared[name]:
+                raise ParameterShapeChanged(
+                    f"parameter {name!r} is {list(now)} now, {list(declared[name])} when ddiloco.session(...) started: "
+                    "its shape changed in place (transformers' model.resize_token_embeddings(...) does so, keeping "
+                    "the parameter object). ddiloco synchronises the parameters as they were when the session "
+                    "started: resize the model before ddiloco.session(...)")
+
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
         names = self.plan.fragments[p]
+        self._check_shapes(names)
         current = self.access.read(p, names)
         payload: Mapping[str, bytes]
         if self.deferred:

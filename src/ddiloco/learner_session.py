@@ -366,10 +366,13 @@ class Session(SessionLifecycle):
     def _count_sent(self, update: Any) -> None:
         self.learner.stats.bytes_sent += update.payload_bytes  # (the publisher's thread: the one that writes it)
 
-    def _take_withheld(self) -> None:
-        """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them."""
+    def _take_withheld(self, *, closing: bool = False) -> None:
+        """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them. What failed on its
+        thread is raised here, on the training thread (not while `closing`: the session ends anyway)."""
         if self._publisher is None:
             return
+        if not closing:
+            self._publisher.raise_failure()
         for withheld in self._publisher.take_withheld():
             self.learner.withdraw(withheld.update)
             self.rules.fate(withheld.update, "withheld", f"non-finite pseudo-gradient in {withheld.tensor}")
@@ -502,7 +505,7 @@ class Session(SessionLifecycle):
         flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
         if self._publisher is not None:
             self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
-            self._take_withheld()
+            self._take_withheld(closing=True)
         self.transport.flush(flush_s)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------

@@ -170,6 +170,8 @@ class Publisher:
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self._withheld: list[Withheld] = []
         self._withheld_lock = threading.Lock()
+        self.failure: Exception | None = None
+        """What failed on this thread while it computed an update (`raise_failure`)."""
         self._streams: dict[torch.device, object] = {}
         """This thread's side stream per GPU (`DeviceOrder`); empty on the CPU."""
         self._thread = threading.Thread(target=self._loop, name="learner-publish", daemon=True)
@@ -183,6 +185,13 @@ class Publisher:
         done = threading.Event()
         self._queue.put((_DRAINED, done))
         return done.wait(timeout_s)
+
+    def raise_failure(self) -> None:
+        """Raise, on the caller's (the training) thread, what failed on this one while computing an update: this
+        thread goes on (nothing queued waits for ever), dropping every update, so the learner must stop."""
+        if self.failure is not None:
+            raise RuntimeError(f"an update could not be computed on the publisher's thread: {self.failure!r}") \
+                from self.failure
 
     def take_withheld(self) -> list[Withheld]:
         with self._withheld_lock:
@@ -208,7 +217,18 @@ class Publisher:
                 item[1].set()
                 continue
             deferred = isinstance(item, Update) and isinstance(item.payload, DeferredPayload)
-            if deferred and item.payload.resolve(self._streams) is None:
+            if isinstance(item, Update) and self.failure is not None:
+                self._on_dropped(item, "failed")
+                continue
+            try:
+                resolved = item.payload.resolve(self._streams) if deferred else None
+            except Exception as exc:  # noqa: BLE001 - the training thread raises it (`raise_failure`)
+                logger.exception("[learner %d | inner %d] the update of fragment %d could not be computed",
+                                 item.learner_id, item.inner_step, item.fragment)
+                self.failure = exc
+                self._on_dropped(item, "failed")
+                continue
+            if deferred and resolved is None:
                 logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
                              item.learner_id, item.inner_step, item.payload.non_finite)
                 with self._withheld_lock:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import ddiloco
+from ddiloco.learner import ParameterShapeChanged
 from tests.helpers import TinyNet, make_batches, train_step
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
@@ -77,3 +78,18 @@ def test_freezing_and_unfreezing_a_parameter_keeps_training():
     train(sync, model, optimizer, 3)
     assert sync.inner_step == 6
     sync.close()
+
+
+def test_a_parameter_whose_shape_changed_in_place_is_refused_naming_it_and_its_shapes():
+    # transformers' resize_token_embeddings keeps the Parameter object and gives it a bigger tensor: the identity check
+    # saw nothing, and the first publish failed in `base - current` (a RuntimeError on the publisher's thread, where a
+    # real run then waited with 0 rounds for as long as it ran).
+    model = TinyNet(seed=1)
+    sync = started_session(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        model.token_embedding.weight.data = torch.cat([model.token_embedding.weight, torch.zeros(4, 8)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # (one made after the resize, as a user's would be)
+    with pytest.raises(ParameterShapeChanged, match=r"'token_embedding.weight' is \[20, 8\] now, \[16, 8\] when "
+                                                    r"ddiloco.session\(\.\.\.\) started.*resize_token_embeddings"):
+        train(sync, model, optimizer, CONFIG.sync_every)
+    sync.close(failed=True)

@@ -127,3 +127,23 @@ def test_on_a_gpu_the_pseudo_gradient_is_encoded_while_the_training_stream_is_st
     assert dict(update.payload) == dict(expected.payload)
     host_codes = to_host(torch.arange(4, dtype=torch.uint8, device=device))[0]
     assert host_codes.is_pinned() and host_codes.tolist() == [0, 1, 2, 3]
+
+
+def test_an_update_that_fails_on_the_publishers_thread_is_raised_on_the_training_thread_and_nothing_waits():
+    # A RuntimeError in the pseudo-gradient (a parameter resized in place) killed the thread: the learner trained on,
+    # sent nothing and never said why, its run at 0 rounds for as long as it ran.
+    model, _ = twins()
+    learner = joined(model, deferred=True)
+    sent, dropped = [], []
+    publisher = Publisher(sent.append, on_sent=lambda u: None, on_dropped=lambda u, why: dropped.append(why))
+    (update,) = learner.after_inner_step(4)
+    update.payload._base = {name: value.flatten()[:3] for name, value in update.payload._base.items()}  # other shapes
+    publisher.send(update)
+    assert publisher.drain(5.0)  # the thread goes on
+    with pytest.raises(RuntimeError, match="an update could not be computed on the publisher's thread") as raised:
+        publisher.raise_failure()
+    assert "must match the size" in str(raised.value.__cause__)
+    (later,) = learner.after_inner_step(4)
+    publisher.send(later)
+    assert publisher.drain(5.0) and sent == [] and dropped == ["failed", "failed"]
+    publisher.close(1.0)
