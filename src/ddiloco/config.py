@@ -86,7 +86,9 @@ class DilocoConfig:
     beats the default in the harness (2 slow learners in 4: 2.3433 paced, 2.3466 not; K = M 2.2605), and on real
     processes of equal speed on a loaded machine the pace opened more rounds (docs/results.md)."""
     fragment_strategy: str = "balanced"
-    """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided, single."""
+    """How tensors are dealt into fragments: balanced (bin-packed by bytes), strided (transformer block i to fragment
+    i mod P, blocks found as `blocks.i.`, `layers.i.`, `layer.i.` or `h.i.` in the names; the rest bin-packed),
+    single."""
     embedding_pattern: str = ""
     """Embedding tensors are merged with the plain weighted mean, because they are not near-orthogonal
     across learners. Empty (the default): they are the weights of the model's `nn.Embedding` modules,

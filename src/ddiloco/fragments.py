@@ -13,6 +13,7 @@ learner's dtypes), so every learner and the syncer compute the same plan indepen
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,9 +23,13 @@ from torch import nn
 
 from ddiloco.config import DilocoConfig
 
-BLOCK_PATTERN = r"(?:^|\.)blocks\.(\d+)\."
-"""Where `strided` finds a transformer block index in a parameter name (ddiloco's TinyGPT and most
-GPT-style models keep blocks in a ModuleList named `blocks`)."""
+logger = logging.getLogger(__name__)
+
+BLOCK_PATTERN = r"(?:^|\.)(?:blocks|layers|layer|h)\.(\d+)\."
+"""Where `strided` finds a transformer block index in a parameter name: the first `blocks.N.` (ddiloco's TinyGPT,
+MPT), `layers.N.` (Llama, Mistral, Qwen, GPT-NeoX, OPT), `layer.N.` (BERT) or `h.N.` (GPT-2, Falcon), so a mixture
+of experts' `layers.3.mlp.experts.7.` is block 3. Before 2026-12-06 only `blocks.N.`: a Hugging Face model's
+`strided` plan was `balanced`'s."""
 
 
 def _check_count(sizes: Mapping[str, int], num_fragments: int) -> None:
@@ -72,6 +77,10 @@ def strided(sizes: Mapping[str, int], num_fragments: int, *,
         index = int(match.group(1)) % num_fragments
         bins[index].append(name)
         loads[index] += size
+    if len(rest) == len(sizes):
+        logger.warning("fragment strategy strided: no parameter name holds a block index (%s), so the fragments are "
+                       "balanced's: name the blocks' ModuleList blocks, layers or h, or use --fragment-strategy "
+                       "balanced", BLOCK_PATTERN)
     _pack(sizes, bins, loads, rest)
     if any(not names for names in bins):
         raise ValueError(f"strided fragmentation left a fragment empty with num_fragments={num_fragments}: "

@@ -43,6 +43,24 @@ def test_strided_deals_blocks_round_robin():
     assert fragments == [["emb", "blocks.0.w", "blocks.2.w"], ["blocks.1.w", "blocks.3.w", "head"]]
 
 
+@pytest.mark.parametrize("prefix", ["model.layers", "transformer.h", "encoder.layer", "gpt_neox.layers",
+                                    "model.decoder.layers", "transformer.blocks"])
+def test_strided_finds_the_blocks_of_hugging_face_models(prefix):
+    # Only `blocks.N.` was a block: a Llama's `model.layers.N.` or a GPT-2's `transformer.h.N.` matched nothing, and
+    # --fragment-strategy strided was balanced's plan, with nothing said.
+    sizes = {"embed.weight": 100, **{f"{prefix}.{i}.mlp.experts.{e}.w": 10 for i in range(4) for e in range(3)},
+             "lm_head.weight": 50}
+    fragments = strided(sizes, 2)
+    for i in range(4):
+        assert all(f"{prefix}.{i}.mlp.experts.{e}.w" in fragments[i % 2] for e in range(3)), fragments
+
+
+def test_strided_says_when_no_parameter_name_holds_a_block_index(caplog):
+    with caplog.at_level("WARNING", logger="ddiloco.fragments"):
+        assert strided({"a": 3, "b": 2, "c": 1}, 2) == balanced({"a": 3, "b": 2, "c": 1}, 2)
+    assert "no parameter name holds a block index" in caplog.text
+
+
 def test_due_step_matches_the_formula_by_hand():
     assert [due_step(r, 8, 4) for r in range(8)] == [2, 4, 6, 8, 10, 12, 14, 16]
     assert [due_step(r, 24, 24) for r in range(5)] == [1, 2, 3, 4, 5]
