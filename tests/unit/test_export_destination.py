@@ -131,3 +131,18 @@ def test_an_empty_out_is_refused_by_name(run_dir, capsys):
     assert main(["export", str(run_dir), "--out", ""]) == EXIT_USAGE
     assert capsys.readouterr().err == ("ddiloco export: error: --out is empty: give a file path such as "
                                        "model.safetensors\n")
+
+
+def test_the_export_line_counts_a_tied_weight_once(tmp_path, capsys):
+    # A tied GPT-2 was reported as `29 parameters, 30,080 values` where the model has 28 and 28,032.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunConfig().save(run_dir / "config.json")
+    params = {f"layer{i}.weight": torch.ones(2, 3) for i in range(RunConfig().diloco.num_fragments)}
+    write_genesis(run_dir, GenesisRecord(params, (), "a test", (("head.weight", "layer0.weight"),)))
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: 4 parameters (and 1 tied under a second name), 24 values "
+                                              "in float32, the global model after 0 rounds")
+    with safe_open(str(out), framework="pt") as file:
+        assert sorted(file.keys()) == ["head.weight", *sorted(params)]

@@ -130,7 +130,7 @@ def test_a_torn_line_after_the_state_is_a_crash_mid_append_and_is_cut(tmp_path, 
         file.write('{"round": 4, "frag')
     torn = store.log.path.read_bytes()
 
-    params, rounds = exported_params(run_dir, CONFIG)
+    params, rounds, _ = exported_params(run_dir, CONFIG)
     assert rounds == ROUNDS and store.log.path.read_bytes() == torn
     syncer = fresh_syncer()
     restored = store.restore(syncer)

@@ -388,7 +388,7 @@ def run_export(args: argparse.Namespace) -> int:
     _check_destination(out, run_dir)
     target = _export_file(out)
     config = RunConfig.load(run_dir / "config.json")
-    params, rounds = exported_params(run_dir, config.diloco)
+    params, rounds, aliases = exported_params(run_dir, config.diloco)
     buffers, learners = merged_buffers(run_dir)
     import torch
     from safetensors.torch import save
@@ -403,14 +403,19 @@ def run_export(args: argparse.Namespace) -> int:
         atomic_write_bytes(target, data)
     except OSError as exc:  # what the checks before cannot see: /proc, a full disk, a read-only mount
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    count = sum(t.numel() for n, t in params.items())
+    count = sum(t.numel() for n, t in params.items() if n not in aliases)  # a tied weight once, as the model has it
     written = out if target == out else f"{out} (the link's file {target})"
-    print(f"wrote {written}: {len(params)} parameters, {count:,} values in {args.dtype}, the global model after "
-          f"{rounds} rounds")
+    tied = f" (and {len(aliases)} tied under a second name)" if aliases else ""
+    print(f"wrote {written}: {_count(len(params) - len(aliases), 'parameter')}{tied}, {count:,} values in "
+          f"{args.dtype}, the global model after {rounds} rounds")
     if buffers:
-        print(f"  and {len(buffers)} buffers, their mean over learners {', '.join(map(str, learners))} as of "
+        print(f"  and {_count(len(buffers), 'buffer')}, their mean over learners {', '.join(map(str, learners))} as of "
               "their latest checkpoints (ddiloco.model_buffers)")
     return 0
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 _NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -259,7 +259,17 @@ EXPORT_READS = 3
 """How many times `exported_params` reads a live run whose syncer removed round files while it read."""
 
 
-def exported_params(run_dir: str | Path, config: DilocoConfig) -> tuple[dict[str, torch.Tensor], int]:
+class Exported(NamedTuple):
+    """What `exported_params` reads: a run's global parameters, under every name (tied weights under each)."""
+
+    params: dict[str, torch.Tensor]
+    rounds: int
+    """The rounds committed that they hold."""
+    aliases: tuple[str, ...]
+    """The names in `params` that are a tied parameter's second name (a copy of another entry)."""
+
+
+def exported_params(run_dir: str | Path, config: DilocoConfig) -> Exported:
     """The global parameters after the run's last committed round under every name the model's state_dict
     uses (tied weights under each of their names), and that round count; recomputed from the latest full
     state and the round log, as a restarted syncer would (what `ddiloco export` writes). Only reads the run
@@ -282,7 +292,7 @@ def exported_params(run_dir: str | Path, config: DilocoConfig) -> tuple[dict[str
     params = syncer.global_params()
     for alias, name in genesis.aliases:
         params[alias] = params[name].clone()
-    return params, syncer.rounds_committed
+    return Exported(params, syncer.rounds_committed, tuple(alias for alias, _ in genesis.aliases))
 
 
 def replay_genesis(run_dir: str | Path, config: DilocoConfig,
