@@ -12,10 +12,11 @@ from typing import Any, Protocol
 import torch
 
 from ddiloco.clock import Clock
+from ddiloco.config import DilocoConfig
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import LearnerRules
-from ddiloco.messages import LearnerMessage, Leave, SyncerMessage
+from ddiloco.messages import Join, LearnerMessage, Leave, SyncerMessage
 from ddiloco.run_config import RunConfig
 
 
@@ -87,6 +88,22 @@ class HubTransport:
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins}
 
 
+def check_join_fits(join: Join, config: DilocoConfig) -> None:
+    """ValueError when the learner's join, which describes every tensor of its model (name, dtype, shape) in one gRPC
+    message, is larger than one data chunk may be (`MAX_CHUNK_BYTES`: the message limit keeps 1 MiB beside that for
+    headers, and the Welcome describes the model again with sizes). A model of about 100,000 tensors does not fit:
+    its learner retried the join for as long as it ran, each time `RESOURCE_EXHAUSTED: Sent message larger than
+    max`."""
+    from ddiloco.transport.grpc_codec import MAX_CHUNK_BYTES, encode_join
+
+    size = encode_join(join, config).ByteSize()
+    if size > MAX_CHUNK_BYTES:
+        raise ValueError(f"the model has {len(join.model_spec.tensors):,} parameter tensors: their description alone "
+                         f"is {size / 2**20:.1f} MiB, more than the {MAX_CHUNK_BYTES / 2**20:.0f} MiB a message "
+                         "between a learner and the syncer may hold. Fuse small tensors (a mixture of experts' "
+                         "experts into one tensor per layer, as transformers does) so that the model has fewer")
+
+
 class GrpcTransport:
     """The real runtime: `LearnerIO`'s threads around one `SyncerClient`."""
 
@@ -118,7 +135,9 @@ class GrpcTransport:
             params = dict(given) if given is not None else {n: p.detach() for n, p in learner.model.named_parameters()}
             return Genesis(learner.learner_id, params, tuple(sorted(learner.embeddings)), learner.aliases)
 
-        self.io = LearnerIO(self.client, learner.join_message(), heartbeat_every_s=config.learner.heartbeat_every_s,
+        join = learner.join_message()
+        check_join_fits(join, config.diloco)
+        self.io = LearnerIO(self.client, join, heartbeat_every_s=config.learner.heartbeat_every_s,
                             clock=clock, on_fate=rules.fate, genesis=genesis,
                             connect_timeout_s=config.learner.connect_timeout_s)
         self.learner = learner
