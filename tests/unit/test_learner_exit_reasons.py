@@ -109,3 +109,16 @@ def test_a_stop_before_the_budget_that_the_session_was_asked_for_came_from_outsi
     # Stopped again where its last start stopped, without a step in between: done.
     assert not stopped_from_outside(STOPPED_AT_7, last_stop_step=7)
     assert stopped_from_outside({**STOPPED_AT_7, "inner_step": 12}, last_stop_step=7)
+
+
+def test_a_refusal_is_quoted_without_saying_refused_by_the_syncer_twice():
+    # `refused by the syncer: [learner 1] refused by the syncer: FAILED_PRECONDITION: ...` on the console and in the
+    # summary: the launcher's words around the session's own.
+    from ddiloco.runtime.learner_exits import refusal_reason
+
+    said = "FAILED_PRECONDITION: refused: model differs: 'head.weight' is float32[72, 32], expected float32[64, 32]"
+    for tail in (["2026-12-06 13:00:43,238 E ddiloco.learner_session: [learner 1] refused by the syncer: " + said],
+                 ["ddiloco learner: refused by the syncer: " + said],
+                 ["Traceback (most recent call last):", "ddiloco.learner_session.RefusedError: " + said]):
+        assert refusal_reason(tail) in (said, "ddiloco.learner_session.RefusedError: " + said), tail
+    assert refusal_reason(RANK1_REFUSED) == REFUSED.removeprefix("[learner 0] refused by the syncer: ")

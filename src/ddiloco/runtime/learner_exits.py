@@ -71,6 +71,16 @@ def reason_line(tail: list[str]) -> str:
     return _last_exception_line(tail[-RECENT_LINES:]) or tail[-1].strip()
 
 
+def refusal_reason(tail: list[str]) -> str:
+    """Why the syncer refused a learner that exited with `EXIT_REFUSED`, from its last log lines (`reason_line`),
+    without the session's own `[learner N] refused by the syncer: ` (the launcher says that)."""
+    line = reason_line(tail)
+    return line[line.index(REFUSED_BY) + len(REFUSED_BY):] if REFUSED_BY in line else line
+
+
+REFUSED_BY = "refused by the syncer: "
+
+
 def _failed_rank_reason(lines: list[str], rank: int, pid: int, status: int) -> str:
     """Why rank `rank` (the first to fail, with `status`: 128 + N for signal N) ended its learner, from the log's
     other lines."""

@@ -41,6 +41,7 @@ from ddiloco.runtime.learner_exits import (
     describe_exit_with,
     finished_session,
     reason_line,
+    refusal_reason,
     started_wall,
     status_since,
 )
@@ -290,6 +291,7 @@ class RaySupervisor(SupervisionLoop):
             slot.state = ChildState.DONE
             self._emit("done", slot, "exited (done)", exit_code=code)
         elif code == EXIT_REFUSED:
+            last = refusal_reason(tail) if tail else last
             slot.state, slot.reason = ChildState.REFUSED, last
             self._emit("refused", slot, f"refused by the syncer: {last}", exit_code=code, reason=last)
         else:

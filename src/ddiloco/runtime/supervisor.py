@@ -60,6 +60,7 @@ from ddiloco.runtime.learner_exits import (
     describe_outside_stop,
     finished_session,
     reason_line,
+    refusal_reason,
     started_wall,
     status_since,
     stopped_from_outside,
@@ -326,7 +327,7 @@ class Supervisor(SupervisionLoop):
             self._emit("done", slot, f"exited ({how})", exit_code=code)
         elif code == EXIT_REFUSED:
             slot.state = ChildState.REFUSED
-            slot.reason = reason_line(lines) if lines else "refused by the syncer"
+            slot.reason = refusal_reason(lines) if lines else "refused by the syncer"
             self._emit("refused", slot, f"refused by the syncer: {slot.reason}", exit_code=code,
                        reason=slot.reason)
         elif start is None and finished_session(status):
