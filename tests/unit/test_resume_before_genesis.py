@@ -46,3 +46,17 @@ def test_a_resume_before_the_genesis_may_change_the_runs_settings_and_after_it_m
     assert refused.returncode == 1 and "ValueError: --resume" in out, out
     assert "an existing run cannot change --num-fragments 1 (the run has 2)" in out, out
     assert (run_dir / "config.json").read_bytes() == before
+
+
+def test_a_resume_of_a_run_whose_learners_are_all_done_says_it_trains_nothing(tmp_path, fake_command):
+    # It started everything, each learner was done at once, and nothing said that --inner-steps was the thing to give.
+    first, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "5")
+    assert first.wait(timeout=WAIT_S) == 0, finished(first)
+    note = ("every learner of this run is done at --inner-steps 5 or past it: this resume trains nothing (give a "
+            "larger --inner-steps to train on)")
+    again, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir))
+    out = finished(again)
+    assert again.returncode == 0 and note in " ".join(out.split()), out
+    extended, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir), "--inner-steps", "8")
+    out = finished(extended)
+    assert extended.returncode == 0 and "trains nothing" not in out, out

@@ -197,3 +197,17 @@ def test_a_session_whose_launcher_was_killed_counts_in_the_total_wall_time_up_to
     ])
     summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
     assert (summary["wall_time_total_s"], summary["sessions"]) == (26.0, 2)
+
+
+def test_the_validation_plot_says_when_every_validation_loss_was_not_finite(tmp_path, monkeypatch):
+    # It said "no validation loss recorded" beside 14 recorded, each NaN (null in the metrics).
+    import ddiloco.runtime.report as report
+
+    paths = fake_run(tmp_path)
+    write_lines(paths.evaluator_metrics, [{"step": 0, "time": 100.0, "eval/val_loss": None},
+                                          {"step": 3, "time": 104.0, "eval/val_loss": None}])
+    merge_metrics(paths)
+    said: list[str] = []
+    monkeypatch.setattr(report, "_no_data", lambda ax, text: said.append(text))
+    report.plot_val_loss(paths, tmp_path / "val_loss.png")
+    assert said == ["none of the 2 validation losses was finite (NaN or inf)"]

@@ -311,12 +311,15 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
     train: dict[int, list[tuple[float, float]]] = {}
     val: list[tuple[float, float]] = []
+    not_finite = 0  # written as null (strict JSON)
     for record in merged:
         if not isinstance(record.get("time"), int | float):
             continue
         t = record["time"] - start
         if isinstance(record.get(VAL_LOSS), int | float):
             val.append((t, record[VAL_LOSS]))
+        elif VAL_LOSS in record and record[VAL_LOSS] is None:
+            not_finite += 1
         for key, value in record.items():
             match = _LEARNER_LOSS.match(key)
             if match and isinstance(value, int | float):
@@ -326,9 +329,10 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
     if val:
         ax.plot(*zip(*val, strict=True), marker="o", color="black", linewidth=1.8, label="global model, validation")
     else:
-        _no_data(ax, "no validation loss recorded")
+        _no_data(ax, f"none of the {not_finite} validation losses was finite (NaN or inf)" if not_finite
+                 else "no validation loss recorded")
     ax.set_xlabel("wall time since start (s)")
-    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylabel("loss (as the model's loss function measures it)")
     ax.set_title("validation loss vs time")
     if val or train:
         ax.legend(fontsize="small")

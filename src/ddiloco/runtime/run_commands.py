@@ -121,6 +121,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         LAUNCH_SHAPE,
         before_start,
         claim_run_dir,
+        nothing_to_train_note,
         prepare_run_dir,
         pruned_rounds_note,
         record_learner_command,
@@ -168,7 +169,8 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
                 settings = dataclasses.replace(settings, **kept)
             except ValueError as exc:
                 raise ValueError(f"--resume {run_dir}: {RunPaths(run_dir).learner_command}: {exc}") from None
-            notes = (*changed_before_start, *([script_note] if script_note is not None else []), *shape_notes)
+            notes = (*changed_before_start, *([script_note] if script_note is not None else []), *shape_notes,
+                     *filter(None, [nothing_to_train_note(run_dir, config)]))
             if settings.round_files == "all" and (pruned := pruned_rounds_note(run_dir)) is not None:
                 notes = (*notes, pruned)
         else:

@@ -337,6 +337,20 @@ def pruned_rounds_note(run_dir: Path) -> str | None:
             f"before and removed the early ones (it holds {since}): a replay from the genesis is not possible")
 
 
+def nothing_to_train_note(run_dir: Path, config: RunConfig) -> str | None:
+    """A line for the console when a `--resume` has nothing to train: every learner's status says it is done at the
+    run's budget or past it (the resume starts everything, and each learner is done at once); None otherwise."""
+    from ddiloco.runtime.run_paths import RunPaths
+
+    paths = RunPaths(run_dir)
+    statuses = [read_json_object(paths.learner_status(i)) or {} for i in range(config.num_learners)]
+    if not all(s.get("state") == "done" and isinstance(s.get("inner_step"), int) and
+               s["inner_step"] >= config.inner_steps for s in statuses):
+        return None
+    return (f"every learner of this run is done at --inner-steps {config.inner_steps} or past it: this resume trains "
+            "nothing (give a larger --inner-steps to train on)")
+
+
 def resumed_learner_command(run_dir: Path, config: RunConfig, given: Sequence[str], *,
                             built_in: bool = False) -> tuple[tuple[str, ...], str | None]:
     """The learner command a `--resume` of `run_dir` runs, and a line for the console when it is not simply the one
