@@ -1,6 +1,7 @@
 """`ddiloco export` only reads the run directory. A torn last line of `rounds.jsonl` (a syncer appending while the
 export reads it, or one killed mid-append) is skipped, not cut: export once truncated it, which on a live run could
-cut a round the syncer had just committed."""
+cut a round the syncer had just committed. Round files the syncer removes while the export (or a standby syncer)
+reads are read again from the newer full state."""
 
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ def test_export_leaves_a_torn_round_log_byte_for_byte_and_exports_the_rounds_bef
     assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
 
 
-def test_an_export_racing_a_syncer_that_prunes_rounds_reads_its_newer_state(tmp_path, capsys, monkeypatch):
-    # An export of a live run read the newest full state, then the syncer wrote two more and removed the round files
-    # after the one read: 5 exports in 2098 failed with "round 239's tensors file ... was removed ... cannot be done
-    # in this run directory" (with --full-state-every 2), where the same export a moment later worked.
+def pruned_run(tmp_path, monkeypatch):
+    """A run of 8 rounds whose syncer wrote full states at rounds 2, 4 and 6 and so removed the files of rounds 0-3,
+    read by a reader that loaded the state at round 2 just before (`load_latest_state` gives it once, then the newest);
+    (run_dir, config, initial parameters, records, the calls to load_latest_state)."""
     from ddiloco.config import QuorumConfig
     from ddiloco.runtime import syncer_state
 
@@ -74,7 +75,7 @@ def test_an_export_racing_a_syncer_that_prunes_rounds_reads_its_newer_state(tmp_
         if syncer.rounds_committed in (2, 4, 6):
             store.save(syncer, meta={})
         if syncer.rounds_committed == 2:
-            stale = syncer_state.load_latest_state(store.state_dir)  # what the export read, just before ...
+            stale = syncer_state.load_latest_state(store.state_dir)  # what the reader read, just before ...
     assert not store.log.tensors_path(2).exists()  # ... the states at 4 and 6 held rounds 0-3, and their files went
 
     real, calls = syncer_state.load_latest_state, []
@@ -84,11 +85,35 @@ def test_an_export_racing_a_syncer_that_prunes_rounds_reads_its_newer_state(tmp_
         return stale if len(calls) == 1 else real(directory)
 
     monkeypatch.setattr(syncer_state, "load_latest_state", read_before_the_syncer_moved_on)
+    return run_dir, config, initial, records, calls
+
+
+def test_an_export_racing_a_syncer_that_prunes_rounds_reads_its_newer_state(tmp_path, capsys, monkeypatch):
+    # An export of a live run read the newest full state, then the syncer wrote two more and removed the round files
+    # after the one read: 5 exports in 2098 failed with "round 239's tensors file ... was removed ... cannot be done
+    # in this run directory" (with --full-state-every 2), where the same export a moment later worked.
+    run_dir, config, initial, records, calls = pruned_run(tmp_path, monkeypatch)
     out = tmp_path / "model.safetensors"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0, capsys.readouterr().err
     assert "after 8 rounds" in capsys.readouterr().out and len(calls) == 2
     exported, expected = load_file(out), replay_rounds(config, initial, records)
     assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
+
+
+def test_a_standby_racing_a_primary_that_prunes_rounds_reads_its_newer_state(tmp_path, monkeypatch):
+    # The same race ended a standby syncer (`ddiloco run --standby-syncer`) with that ValueError.
+    from types import SimpleNamespace
+
+    from ddiloco.interrupts import StopFlag
+    from ddiloco.runtime.syncer_standby import follow_primary
+
+    run_dir, config, initial, records, calls = pruned_run(tmp_path, monkeypatch)
+    run_config = dataclasses.replace(RunConfig.load(run_dir / "config.json"), diloco=config)
+    lock = SimpleNamespace(try_acquire=iter([False, False, True]).__next__, holder=lambda: 4242)  # gone at the third
+    syncer, _ = follow_primary(run_dir, run_config, lock, StopFlag())
+    assert syncer.rounds_committed == 8 and len(calls) == 2
+    expected = replay_rounds(config, initial, records)
+    assert all(torch.equal(syncer.global_params()[name], tensor) for name, tensor in expected.items())
 
 
 def test_an_export_of_a_run_missing_round_files_is_refused_once_read(tmp_path, capsys):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ddiloco.interrupts import StopFlag
 from ddiloco.messages import RoundRecord
-from ddiloco.round_log import LOG_DAMAGED, RoundLog
+from ddiloco.round_log import LOG_DAMAGED, RoundFileRemoved, RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.process_lock import ProcessLock
 from ddiloco.runtime.syncer_state import Restored, SyncerStore, read_genesis
@@ -91,17 +91,27 @@ def follow_primary(run_dir: str | Path, run_config: RunConfig, lock: SyncerLock,
     logger.warning("[syncer] standby: following %s until its syncer (pid %s) is gone", run_dir, lock.holder())
     while not stop.is_set():
         primary_gone = lock.try_acquire()
-        if syncer is None:
-            genesis = read_genesis(run_dir)
-            if genesis is not None:
-                syncer = genesis.syncer(run_config.diloco, run_config.quorum)
-                restored = store.restore(syncer, repair=False)  # the primary may be appending: it owns the log
-                logger.warning("[syncer] standby: at round %d (state at %d + %d replayed)", syncer.rounds_committed,
-                            restored.state_rounds, restored.replayed)
-        if syncer is not None:
-            records = follower.new_records(after=syncer.rounds_committed)
-            syncer.apply_committed(records)
-            restored.replayed += len(records)
+        try:
+            if syncer is None:
+                genesis = read_genesis(run_dir)
+                if genesis is not None:
+                    syncer = genesis.syncer(run_config.diloco, run_config.quorum)
+                    restored = store.restore(syncer, repair=False)  # the primary may be appending: it owns the log
+                    logger.warning("[syncer] standby: at round %d (state at %d + %d replayed)",
+                                   syncer.rounds_committed, restored.state_rounds, restored.replayed)
+            if syncer is not None:
+                records = follower.new_records(after=syncer.rounds_committed)
+                syncer.apply_committed(records)
+                restored.replayed += len(records)
+        except RoundFileRemoved:
+            if primary_gone:  # nobody removes files any more: they are gone for good
+                raise
+            # The primary wrote newer full states and removed round files this standby had not read yet (while it
+            # loaded an older state, or fell behind): read its newest state again.
+            logger.info("[syncer] standby: the primary removed round files not read yet; reading its newest state")
+            syncer, restored, follower = None, Restored(), LogFollower(store.log)
+            stop.wait(FOLLOW_POLL_S)
+            continue
         if primary_gone:
             store.log.repair()  # ours now: a torn last line was never sent to anyone
             logger.warning("[syncer] standby: the primary is gone; taking over at round %d",
