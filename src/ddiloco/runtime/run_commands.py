@@ -427,6 +427,7 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     def on_signal(signum: int, frame: object) -> None:
         supervisor.request_stop(signal.Signals(signum).name)
 
+    alive = _AliveEvents(sink)
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     if interrupts.received():  # a Ctrl-C before these handlers, swallowed by an import (`ddiloco.interrupts`)
         supervisor.request_stop(signal.SIGINT.name)
@@ -434,7 +435,7 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     try:
         try:
             with progress:
-                supervisor.run(on_tick=progress.tick)
+                supervisor.run(on_tick=lambda: (progress.tick(), alive.tick()))
         except BaseException:
             sink.close()  # a start that failed: `run` may remove the file (`_undo_failed_start`)
             raise
@@ -444,6 +445,21 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+ALIVE_EVERY_S = 10.0
+"""How often the launcher writes an `alive` event to `launcher/metrics.jsonl`: a session whose launcher is killed
+(no `run_finished`) counts in the summary's total wall time up to its last event (`report._sessions_wall_s`)."""
+
+
+class _AliveEvents:
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.last = sink, time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.last >= ALIVE_EVERY_S:
+            self.last = time.monotonic()
+            self.sink.event("alive")
 
 
 def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *, console: Any, sink: Any,
