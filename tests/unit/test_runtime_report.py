@@ -211,3 +211,13 @@ def test_the_validation_plot_says_when_every_validation_loss_was_not_finite(tmp_
     monkeypatch.setattr(report, "_no_data", lambda ax, text: said.append(text))
     report.plot_val_loss(paths, tmp_path / "val_loss.png")
     assert said == ["none of the 2 validation losses was finite (NaN or inf)"]
+
+
+def test_a_narrow_terminal_folds_the_summary_tables_numbers_instead_of_cutting_them(tmp_path):
+    # At 80 columns the tokens column read `122,…` and the headers `lear…`, `acce…`.
+    paths = fake_run(tmp_path)
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
+    console = Console(width=60, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert "…" not in text and "81," in text and "920" in text, text  # every digit there, if folded

@@ -424,7 +424,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     table = Table(title=escape(f"ddiloco run {summary['run_dir']}"), caption=escape(caption), caption_justify="left")
     for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
                    "bytes sent", "bytes received"):
-        table.add_column(header, justify="left" if header == "state" else "right")
+        # Folded, not cut, where the terminal is narrow: at 80 columns `122,880` showed as `122,…`.
+        table.add_column(header, justify="left" if header == "state" else "right", overflow="fold")
     for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
         state = row["state"] + (f" ({row['reason']})" if row.get("reason") else "")
         table.add_row(learner_id, Text(state), str(row["restarts"]), _cell(row["updates_accepted"]),
