@@ -21,7 +21,9 @@ from ddiloco.checkpoint import read_json_object
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import finish_run
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# make acceptance (21-26 s on 2 cores): its two behaviours have fake-child siblings in the default suite,
+# tests/unit/test_resume_live_run.py and tests/unit/test_resume_learner_command.py
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.acceptance]
 
 REPO = Path(__file__).parents[2]
 WAIT_S = 180.0
