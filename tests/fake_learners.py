@@ -14,6 +14,7 @@ import argparse
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -211,6 +212,16 @@ def start_driver(tmp_path: Path, fake_command, *flags: str, plan=None) -> tuple[
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True, cwd=Path(__file__).parents[1], env=env)
     return popen, run_dir
+
+
+def driver_output(popen: subprocess.Popen) -> str:
+    """The output of a `start_driver` launcher once it exits (within WAIT_S); its process group is killed if not."""
+    try:
+        out, _ = popen.communicate(timeout=WAIT_S)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+    return out
 
 
 def wait_for_learners(run_dir: Path, popen: subprocess.Popen, count: int) -> list[int]:

@@ -26,14 +26,21 @@ def digest(directory) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_export_leaves_a_torn_round_log_byte_for_byte_and_exports_the_rounds_before_it(tmp_path, capsys):
+def new_run(tmp_path):
+    """A run directory with its config.json (2 fragments, H = 4) and genesis: (run_dir, config, initial, genesis)."""
     run_config = RunConfig()
     config = dataclasses.replace(run_config.diloco, num_fragments=2, sync_every=4)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
     initial = params_of(TinyNet(seed=SYNCER_SEED))
-    write_genesis(run_dir, GenesisRecord(initial, ("token_embedding.weight",), "a test"))
+    genesis = GenesisRecord(initial, ("token_embedding.weight",), "a test")
+    write_genesis(run_dir, genesis)
+    return run_dir, config, initial, genesis
+
+
+def test_export_leaves_a_torn_round_log_byte_for_byte_and_exports_the_rounds_before_it(tmp_path, capsys):
+    run_dir, config, initial, _ = new_run(tmp_path)
     _, records = committed_rounds(3, config, syncer_seed=SYNCER_SEED)
     store = SyncerStore(run_dir)
     for record in records:
@@ -59,14 +66,7 @@ def pruned_run(tmp_path, monkeypatch):
     from ddiloco.config import QuorumConfig
     from ddiloco.runtime import syncer_state
 
-    run_config = RunConfig()
-    config = dataclasses.replace(run_config.diloco, num_fragments=2, sync_every=4)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
-    initial = params_of(TinyNet(seed=SYNCER_SEED))
-    genesis = GenesisRecord(initial, ("token_embedding.weight",), "a test")
-    write_genesis(run_dir, genesis)
+    run_dir, config, initial, genesis = new_run(tmp_path)
     _, records = committed_rounds(8, config, syncer_seed=SYNCER_SEED)
     store, syncer, stale = SyncerStore(run_dir), genesis.syncer(config, QuorumConfig()), None
     for record in records:
@@ -118,12 +118,7 @@ def test_a_standby_racing_a_primary_that_prunes_rounds_reads_its_newer_state(tmp
 
 def test_an_export_of_a_run_missing_round_files_is_refused_once_read(tmp_path, capsys):
     # The retry above is for a newer state only: a run directory whose rounds are gone says so (exit 2), at once.
-    run_config = RunConfig()
-    config = dataclasses.replace(run_config.diloco, num_fragments=2, sync_every=4)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    dataclasses.replace(run_config, diloco=config).save(run_dir / "config.json")
-    write_genesis(run_dir, GenesisRecord(params_of(TinyNet(seed=SYNCER_SEED)), ("token_embedding.weight",), "a test"))
+    run_dir, config, _, _ = new_run(tmp_path)
     _, records = committed_rounds(3, config, syncer_seed=SYNCER_SEED)
     store = SyncerStore(run_dir)
     for record in records:

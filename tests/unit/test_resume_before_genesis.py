@@ -7,32 +7,20 @@ joined it may not (tests/integration/test_user_errors.py). Real `ddiloco run`, f
 
 from __future__ import annotations
 
-import os
-import signal
-
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import GENESIS_FILE
-from tests.fake_learners import WAIT_S, start_driver
-
-
-def finished(popen) -> str:
-    try:
-        out, _ = popen.communicate(timeout=WAIT_S)
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)
-    return out
+from tests.fake_learners import WAIT_S, driver_output, start_driver
 
 
 def test_a_resume_before_the_genesis_may_change_the_runs_settings_and_after_it_may_not(tmp_path, fake_command):
     first, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "5")
-    assert first.wait(timeout=WAIT_S) == 0, finished(first)
+    assert first.wait(timeout=WAIT_S) == 0, driver_output(first)
     assert RunConfig.load(run_dir / "config.json").diloco.num_fragments == 4
     assert not (run_dir / GENESIS_FILE).exists()  # the fake learners never join
 
     resumed, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir), "--num-fragments", "2",
                               "--inner-steps", "5")
-    out = finished(resumed)
+    out = driver_output(resumed)
     assert resumed.returncode == 0, out
     assert (f"--resume {run_dir}: the run has no genesis yet (no learner ever joined), so its settings may change: "
             "--num-fragments 2 (the run has 4)") in " ".join(out.split()), out
@@ -41,7 +29,7 @@ def test_a_resume_before_the_genesis_may_change_the_runs_settings_and_after_it_m
     (run_dir / GENESIS_FILE).write_bytes(b"")  # a learner joined: the run was made with its settings
     before = (run_dir / "config.json").read_bytes()
     refused, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir), "--num-fragments", "1")
-    out = finished(refused)
+    out = driver_output(refused)
     # (the driver calls `run_commands.run`, not the CLI: the ValueError that `ddiloco` prints in one line, exit 2)
     assert refused.returncode == 1 and "ValueError: --resume" in out, out
     assert "an existing run cannot change --num-fragments 1 (the run has 2)" in out, out
@@ -51,12 +39,12 @@ def test_a_resume_before_the_genesis_may_change_the_runs_settings_and_after_it_m
 def test_a_resume_of_a_run_whose_learners_are_all_done_says_it_trains_nothing(tmp_path, fake_command):
     # It started everything, each learner was done at once, and nothing said that --inner-steps was the thing to give.
     first, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "5")
-    assert first.wait(timeout=WAIT_S) == 0, finished(first)
+    assert first.wait(timeout=WAIT_S) == 0, driver_output(first)
     note = ("every learner of this run is done at --inner-steps 5 or past it: this resume trains nothing (give a "
             "larger --inner-steps to train on)")
     again, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir))
-    out = finished(again)
+    out = driver_output(again)
     assert again.returncode == 0 and note in " ".join(out.split()), out
     extended, _ = start_driver(tmp_path, fake_command, "--resume", str(run_dir), "--inner-steps", "8")
-    out = finished(extended)
+    out = driver_output(extended)
     assert extended.returncode == 0 and "trains nothing" not in out, out

@@ -5,28 +5,16 @@ was in logs/syncer.log and syncer_status.json alone (real `ddiloco run`, fake ch
 
 from __future__ import annotations
 
-import os
-import signal
-
 from ddiloco.checkpoint import read_json_object
-from tests.fake_learners import WAIT_S, start_driver
+from tests.fake_learners import driver_output, start_driver
 
 FULL = "the syncer cannot make round 0 durable ([Errno 28] No space left on device)"
-
-
-def finished(popen) -> str:
-    try:
-        out, _ = popen.communicate(timeout=WAIT_S)
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGKILL)
-    return out
 
 
 def test_a_syncer_that_cannot_write_its_rounds_is_said_at_once_and_the_run_is_failed(tmp_path, fake_command):
     popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "60",
                                   plan={"syncer": {"storage_error": FULL}})
-    out = finished(popen)
+    out = driver_output(popen)
     assert popen.returncode == 1, out
     assert out.count(f"[syncer] cannot commit rounds: {FULL}; updates are refused until it can") == 1, out
     summary = read_json_object(run_dir / "summary.json")
@@ -38,6 +26,6 @@ def test_a_syncer_that_cannot_write_its_rounds_is_said_at_once_and_the_run_is_fa
 
 def test_a_syncer_that_writes_its_rounds_says_nothing_of_it(tmp_path, fake_command):
     popen, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "20")
-    out = finished(popen)
+    out = driver_output(popen)
     assert popen.returncode == 0 and "cannot commit" not in out, out
     assert read_json_object(run_dir / "summary.json")["syncer"]["storage_error"] is None
