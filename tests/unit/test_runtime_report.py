@@ -221,3 +221,11 @@ def test_a_narrow_terminal_folds_the_summary_tables_numbers_instead_of_cutting_t
     print_summary(summary, console)
     text = console.export_text()
     assert "…" not in text and "81," in text and "920" in text, text  # every digit there, if folded
+
+
+def test_the_summary_names_the_run_directory_absolutely_whatever_path_reached_it(tmp_path, monkeypatch):
+    # `ddiloco run --resume r3` wrote "run_dir": "r3" where the run's first session had written the absolute path.
+    fake_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    summary = build_summary(RunPaths(Path("run")), num_learners=2, outcome="completed", wall_time_s=6.0)
+    assert summary["run_dir"] == str(tmp_path / "run")

@@ -189,7 +189,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
     val_loss = final_val_loss(paths)
     total_wall_s = _sessions_wall_s(events)
     return {
-        "run_dir": str(paths.root),
+        "run_dir": str(paths.root.absolute()),  # as a new run writes it: a --resume RUN was relative
         "outcome": outcome,
         "failure": failure,
         "evaluator": None if evaluator is None else {"state": evaluator[0], "reason": evaluator[1] or None},
