@@ -39,8 +39,9 @@ from ddiloco.checks import require_int
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig
 from ddiloco.downlink import rebuild
-from ddiloco.fragment_access import FragmentAccess, LocalParameters, ParameterObjects
-from ddiloco.fragments import FragmentPlan, embedding_names, persistent_buffer_names
+from ddiloco.fragment_access import FragmentAccess, LocalParameters
+from ddiloco.fragments import FragmentPlan
+from ddiloco.learner_model import DeclaredModel
 from ddiloco.learner_stats import LearnerStats
 from ddiloco.messages import (
     FragmentDelta,
@@ -48,7 +49,6 @@ from ddiloco.messages import (
     Heartbeat,
     Join,
     LearnerMessage,
-    ModelSpec,
     Refused,
     Rejected,
     RejectReason,
@@ -65,11 +65,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
-
-
-class ParameterShapeChanged(RuntimeError):
-    """A parameter's shape changed in place after the learner started (not a ValueError: `LearnerRules.receive` takes
-    those for a malformed message and goes on; this is the learner's own model, and it cannot go on)."""
 
 
 @dataclass(frozen=True)
@@ -107,20 +102,12 @@ class Learner:
         self.other_optimizers: tuple[torch.optim.Optimizer, ...] = ()
         """Optimizers besides `optimizer` that train this model (a GAN's second one, kept in the session's `state=`):
         `recover` makes them forget their non-finite state too. Set by the session (`ddiloco.session_setup`)."""
-        self._params = dict(model.named_parameters())
+        self.declared = DeclaredModel(model, config.embedding_pattern)
+        """The model as this learner declares it at join, and the checks that it still is (`ddiloco.learner_model`)."""
+        self._params = self.declared.params
         self.access: FragmentAccess = access or LocalParameters(self._params)
-        self._parameter_objects = ParameterObjects(model)
-        # Declared in float32 whatever the learner trains in (bf16 parameters): the global model is float32, and
-        # so is everything on the wire; a fragment is loaded into the parameter's own dtype (mixed precision).
-        self.spec = ModelSpec.from_named_tensors(self._params.items()).in_dtype("float32")
-        self._declared_shapes = {spec.name: spec.shape for spec in self.spec.tensors}
-        self.embeddings = embedding_names(model, config.embedding_pattern)
-        canonical = {id(p): name for name, p in self._params.items()}
-        every = model.named_parameters(remove_duplicate=False)
-        self.aliases = tuple(sorted((alias, canonical[id(p)]) for alias, p in every if canonical[id(p)] != alias))
-        """Tied weights: (state_dict key, parameter name) pairs for parameters known under two names."""
-        self.buffers = tuple(sorted(persistent_buffer_names(model)))
-        """The names of the model's persistent buffers, sent with the join (an --init file may hold them)."""
+        self.spec, self.embeddings = self.declared.spec, self.declared.embeddings
+        self.aliases, self.buffers = self.declared.aliases, self.declared.buffers
         self.plan = FragmentPlan.for_tensors(self._params, config, embeddings=self.embeddings)
         self._codec = get_codec(config.codec)
         num = self.plan.num_fragments
@@ -328,8 +315,8 @@ class Learner:
         names, num_fragments = self.plan.fragments[p], self.plan.num_fragments
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
-        self._check_shapes(names)
-        self._check_range(state)
+        self.declared.check_shapes(names)
+        self.declared.check_range(state.tensors)
         at_publish, self._at_publish[p] = self._at_publish[p], None
         carry = at_publish is not None and not force and self.config.keep_overlap_work
         # The base is what the next pseudo-gradient is measured from: the exact global value.
@@ -418,46 +405,18 @@ class Learner:
 
     def check_parameters(self) -> None:
         """Raise ValueError naming each parameter replaced, added or removed since the learner started
-        (`ParameterObjects.check`: identities only, no tensor work)."""
-        self._parameter_objects.check()
+        (`DeclaredModel.check_objects`: identities only, no tensor work)."""
+        self.declared.check_objects()
 
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
         outstanding = self._outstanding.get(p)
         return outstanding is not None and outstanding.base_version == self.versions[p]
 
-    def _check_range(self, state: FragmentState) -> None:
-        """TypeError when a float16 parameter cannot hold its global value (|x| > 65504: infinite once loaded), as for
-        any parameter of a dtype the run cannot sync (`ddiloco.session`): the learner withheld every update of that
-        fragment as non-finite, recovered by loading the same value, and so on for good. Not a ValueError, which
-        `LearnerRules.receive` takes for a malformed message and ignores: the fault is this learner's dtype."""
-        for name, value in state.tensors.items():
-            dtype = self._params[name].dtype
-            if dtype != torch.float16 or value.numel() == 0:
-                continue
-            largest = float(value.abs().max())
-            if largest > torch.finfo(dtype).max:
-                raise TypeError(f"parameter {name!r} is float16, and its global value (|x| up to {largest:.6g}) is out "
-                                 f"of float16's range (65504): loaded, it would be infinite. Train it in bfloat16 "
-                                 "or float32 (model.to(torch.bfloat16)), which hold the global model's range")
-
-    def _check_shapes(self, names: tuple[str, ...]) -> None:
-        """ParameterShapeChanged naming the first of `names` whose shape is not the one the learner started with (the
-        identity check, `check_parameters`, cannot see a tensor swapped into the same parameter object)."""
-        declared = self._declared_shapes
-        for name in names:
-            now = tuple(self._params[name].shape)
-            if now != declared[name]:
-                raise ParameterShapeChanged(
-                    f"parameter {name!r} is {list(now)} now, {list(declared[name])} when ddiloco.session(...) started: "
-                    "its shape changed in place (transformers' model.resize_token_embeddings(...) does so, keeping "
-                    "the parameter object). ddiloco synchronises the parameters as they were when the session "
-                    "started: resize the model before ddiloco.session(...)")
-
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
         names = self.plan.fragments[p]
-        self._check_shapes(names)
+        self.declared.check_shapes(names)
         current = self.access.read(p, names)
         payload: Mapping[str, bytes]
         if self.deferred:

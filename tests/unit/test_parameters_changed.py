@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ddiloco
-from ddiloco.learner import ParameterShapeChanged
+from ddiloco.learner_model import ParameterShapeChanged
 from tests.helpers import TinyNet, make_batches, train_step
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")
