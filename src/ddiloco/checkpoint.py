@@ -33,7 +33,7 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -250,19 +250,23 @@ def read_json_object(path: str | Path) -> dict[str, Any] | None:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, [] when it does not exist; a torn line (its writer killed mid-line) and
     anything that is not an object are skipped."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """`read_jsonl`'s objects one at a time, for files too long to hold (a long run's metrics: a line per inner step).
+    Nothing when the file does not exist."""
     try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        with Path(path).open(encoding="utf-8", errors="replace") as file:
+            for line in file:
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(value, dict):
+                    yield value
     except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            records.append(value)
-    return records
+        return
 
 
 # ---- checksums -------------------------------------------------------------------------------------

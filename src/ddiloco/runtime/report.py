@@ -19,12 +19,16 @@ sources only grow, and the merge is rewritten from them each time:
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 import math
 import os
 import re
+from array import array
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.checkpoint import atomic_write_json, read_json_object, read_jsonl, state_files, strict_dumps
+from ddiloco.checkpoint import atomic_write_json, iter_jsonl, read_json_object, read_jsonl, state_files, strict_dumps
 from ddiloco.runtime.progress import format_bytes
 from ddiloco.runtime.run_paths import RunPaths
 
@@ -43,6 +47,8 @@ VAL_LOSS = "eval/val_loss"
 """The syncer's metric name for the global model's validation loss (process contract)."""
 PLOT_DPI = 110
 PLOT_SIZE_IN = (7.0, 4.0)
+PLOT_MAX_POINTS = 4000
+"""The most points a learner's training loss is drawn with (`_bucket_means`): about five per pixel of the plot."""
 _LEARNER_LOSS = re.compile(r"^learner/(\d+)/loss$")
 
 
@@ -62,20 +68,61 @@ def metric_sources(paths: RunPaths) -> dict[str, Path]:
 
 
 def merge_metrics(paths: RunPaths) -> int:
-    """Rewrite `DIR/metrics.jsonl` from every source; returns the number of lines written."""
-    records = []
-    for source, path in metric_sources(paths).items():
-        for record in read_jsonl(path):
-            records.append({**record, "source": source})
-    records.sort(key=lambda r: r.get("time", 0.0) if isinstance(r.get("time"), int | float) else 0.0)
+    """Rewrite `DIR/metrics.jsonl` from every source; returns the number of lines written.
+
+    Each line is tagged with its process (`source`: `syncer`, `learner/N`, ...); a line's own `source` (the syncer's
+    `start` and `genesis` events have one) is kept as `event_source`. Each source's file is in time order (one process
+    appends it), so the merge streams them, holding a line per source: a long run has a line per learner per inner
+    step, millions, which a merge in memory held all at once (1.3 GB for a million). A source out of time order (a
+    clock set back between two sessions) is merged in memory, sorted, as before."""
     tmp = paths.metrics.with_name(paths.metrics.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as file:
+    sources = metric_sources(paths)
+    try:
+        count = _write_merged(tmp, heapq.merge(*(_in_time_order(path, source) for source, path in sources.items()),
+                                              key=_time_key))
+    except _OutOfOrder as error:
+        logger.info("%s is not in time order: merged in memory", error)
+        records = [_tagged(record, source) for source, path in sources.items() for record in iter_jsonl(path)]
+        records.sort(key=_time_key)
+        count = _write_merged(tmp, records)
+    os.replace(tmp, paths.metrics)
+    return count
+
+
+class _OutOfOrder(Exception):
+    """A metrics file whose lines are not in time order (`merge_metrics`)."""
+
+
+def _time_key(record: Mapping[str, Any]) -> float:
+    return record["time"] if isinstance(record.get("time"), int | float) else 0.0
+
+
+def _tagged(record: dict[str, Any], source: str) -> dict[str, Any]:
+    if "source" in record:
+        record["event_source"] = record.pop("source")
+    record["source"] = source
+    return record
+
+
+def _in_time_order(path: Path, source: str) -> Iterator[dict[str, Any]]:
+    latest = -math.inf
+    for record in iter_jsonl(path):
+        key = _time_key(record)
+        if key < latest:
+            raise _OutOfOrder(path)
+        latest = key
+        yield _tagged(record, source)
+
+
+def _write_merged(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
+    count = 0
+    with path.open("w", encoding="utf-8") as file:
         for record in records:
             file.write(strict_dumps(record, default=str)[0] + "\n")
+            count += 1
         file.flush()
         os.fsync(file.fileno())
-    os.replace(tmp, paths.metrics)
-    return len(records)
+    return count
 
 
 def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
@@ -242,28 +289,42 @@ def inner_steps_trained(learner_dir: Path, learner_id: int) -> int | None:
     it took) to the last step it reached (its ledger's events and the step lines of `learners/N/metrics.jsonl` in its
     time window: a process killed without a trace counts to its last step line). Steps trained again after a restart
     from a checkpoint count again: this is work done, not progress."""
-    starts: list[list[dict[str, Any]]] = []
-    for event in read_jsonl(learner_dir / "work.jsonl"):
+    starts: list[_Start] = []  # streamed: a long run's ledger and metrics hold a line per publish and per step
+    for event in iter_jsonl(learner_dir / "work.jsonl"):
         if event.get("event") == "start" or not starts:
-            starts.append([])
-        starts[-1].append(event)
+            first = int(event.get("inner_step", 0))
+            starts.append(_Start(float(event.get("time", -math.inf)), first, first))
+        start = starts[-1]
+        if event.get("event") == "position":  # the run's position, taken at the join, before any step
+            start.first = int(event["inner_step"])
+        if isinstance(event.get("inner_step"), int):
+            start.reached = max(start.reached, int(event["inner_step"]))
     if not starts:
         return None
+    begins = [start.begin for start in starts]
+    ends = [*begins[1:], math.inf]  # each start's window: from its time to the next start's
+    in_order = begins == sorted(begins)
     tokens_key = f"learner/{learner_id}/tokens"  # logged at every inner step
-    step_lines = [(float(m["time"]), int(m["step"])) for m in read_jsonl(learner_dir / "metrics.jsonl")
-                  if tokens_key in m and isinstance(m.get("step"), int) and isinstance(m.get("time"), int | float)]
-    trained = 0
-    for index, events in enumerate(starts):
-        begin = float(events[0].get("time", -math.inf))
-        end = float(starts[index + 1][0].get("time", math.inf)) if index + 1 < len(starts) else math.inf
-        first = int(events[0].get("inner_step", 0))
-        for event in events:
-            if event.get("event") == "position":  # the run's position, taken at the join, before any step
-                first = int(event["inner_step"])
-        reached = [int(e["inner_step"]) for e in events if isinstance(e.get("inner_step"), int)]
-        reached += [step for time, step in step_lines if begin <= time < end]
-        trained += max(0, max(reached, default=first) - first)
+    for line in iter_jsonl(learner_dir / "metrics.jsonl"):
+        step, time = line.get("step"), line.get("time")
+        if tokens_key not in line or not isinstance(step, int) or not isinstance(time, int | float):
+            continue
+        for index in ([bisect.bisect_right(begins, time) - 1] if in_order else range(len(starts))):
+            if index >= 0 and begins[index] <= time < ends[index]:
+                starts[index].reached = max(starts[index].reached, step)
+    trained = sum(max(0, start.reached - start.first) for start in starts)
     return trained
+
+
+@dataclass
+class _Start:
+    """One start of a learner's processes in its work ledger (`inner_steps_trained`)."""
+
+    begin: float
+    first: int
+    """The inner step it began at: its checkpoint's, or the run's position it took."""
+    reached: int
+    """The last inner step it reached (events and step lines)."""
 
 
 def checkpoint_inner_step(learner_dir: Path) -> int | None:
@@ -305,40 +366,58 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
     """Validation loss of the global model vs seconds since the run started, with each learner's
     training loss underneath for context."""
     plt = _pyplot()
-    merged = list(read_jsonl(paths.metrics))
-    times = [r["time"] for r in merged if isinstance(r.get("time"), int | float)]
-    start = min(times) if times else 0.0
-    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
-    train: dict[int, list[tuple[float, float]]] = {}
-    val: list[tuple[float, float]] = []
-    not_finite = 0  # written as null (strict JSON)
-    for record in merged:
+    train: dict[int, tuple[array, array]] = {}
+    val: tuple[array, array] = (array("d"), array("d"))
+    not_finite, start = 0, math.inf  # not finite: written as null (strict JSON)
+    for record in iter_jsonl(paths.metrics):  # a long run's: millions of lines, streamed
         if not isinstance(record.get("time"), int | float):
             continue
-        t = record["time"] - start
+        start = min(start, record["time"])
         if isinstance(record.get(VAL_LOSS), int | float):
-            val.append((t, record[VAL_LOSS]))
+            val[0].append(record["time"])
+            val[1].append(record[VAL_LOSS])
         elif VAL_LOSS in record and record[VAL_LOSS] is None:
             not_finite += 1
         for key, value in record.items():
             match = _LEARNER_LOSS.match(key)
             if match and isinstance(value, int | float):
-                train.setdefault(int(match.group(1)), []).append((t, value))
-    for learner_id, points in sorted(train.items()):
-        ax.plot(*zip(*points, strict=True), linewidth=0.6, alpha=0.4, label=f"learner {learner_id} train")
-    if val:
-        ax.plot(*zip(*val, strict=True), marker="o", color="black", linewidth=1.8, label="global model, validation")
+                times, values = train.setdefault(int(match.group(1)), (array("d"), array("d")))
+                times.append(record["time"])
+                values.append(value)
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    for learner_id, (times, values) in sorted(train.items()):
+        (times, values), steps = _bucket_means(times, values, PLOT_MAX_POINTS)
+        label = f"learner {learner_id} train" + (f" (mean of each {steps} steps)" if steps > 1 else "")
+        ax.plot([t - start for t in times], values, linewidth=0.6, alpha=0.4, label=label)
+    if val[0]:
+        ax.plot([t - start for t in val[0]], val[1], marker="o", color="black", linewidth=1.8,
+                label="global model, validation")
     else:
         _no_data(ax, f"none of the {not_finite} validation losses was finite (NaN or inf)" if not_finite
                  else "no validation loss recorded")
     ax.set_xlabel("wall time since start (s)")
     ax.set_ylabel("loss (as the model's loss function measures it)")
     ax.set_title("validation loss vs time")
-    if val or train:
+    if val[0] or train:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=PLOT_DPI)
     plt.close(fig)
+
+
+def _bucket_means(times: array, values: array, most: int) -> tuple[tuple[array, array], int]:
+    """At most `most` points: the mean time and value of each run of consecutive points (a long run's learner has a
+    training loss per inner step, far more than a plot's width shows); returns them and the points per mean (1: the
+    points as they were)."""
+    steps = max(1, math.ceil(len(times) / most))
+    if steps == 1:
+        return (times, values), 1
+    means = array("d"), array("d")
+    for begin in range(0, len(times), steps):
+        count = min(steps, len(times) - begin)
+        means[0].append(math.fsum(times[begin:begin + count]) / count)
+        means[1].append(math.fsum(values[begin:begin + count]) / count)
+    return means, steps
 
 
 def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
