@@ -27,3 +27,10 @@ def test_a_seed_out_of_range_is_refused_before_any_work(tmp_path, capsys, seed):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--seed" in err and str(MAX_SEED) in err, err
     assert not out.exists()
+
+
+def test_a_column_of_seconds_reads_in_one_format():
+    # `experiment failures` printed 224 and 161 beside 70.5722 and 55.2505 in its virtual_time_s column.
+    from ddiloco.sim.report import format_value
+
+    assert [format_value("virtual_time_s", v) for v in (224.0, 70.5722, 5)] == ["224.0 s", "70.6 s", "5.0 s"]

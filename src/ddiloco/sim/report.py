@@ -41,6 +41,8 @@ def format_value(metric: str, value: Any) -> str:
         return _bytes(value)
     if metric.startswith("tokens"):
         return f"{value / 1e6:.3f} M"
+    if metric.endswith("_s") and isinstance(value, int | float):  # one format down a column: it read 224 and 70.5722
+        return f"{value:.1f} s"
     if isinstance(value, float):
         return f"{value:.4f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
