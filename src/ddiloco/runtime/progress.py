@@ -170,16 +170,17 @@ class ProgressView:
         if now - self._last_refresh < REFRESH_INTERVAL_S:
             return
         self._last_refresh = now
-        self._note_storage_error()
+        snapshot = self.snapshot()  # each status file read once a tick
+        self._note_storage_error(snapshot[0])
         if self._live is not None:
-            self._live.update(self.render(), refresh=True)
+            self._live.update(self.render(snapshot), refresh=True)
         else:
-            self._print_changes(now)
+            self._print_changes(now, snapshot)
 
-    def _note_storage_error(self) -> None:
+    def _note_storage_error(self, syncer_status: Mapping[str, Any] | None) -> None:
         """Say when the syncer starts and stops failing to make its rounds durable (a full disk): meanwhile every
         update is refused as `unavailable`, and the run's lines would otherwise only show no rounds committed."""
-        error = (read_json_object(self.paths.syncer_status) or {}).get("storage_error")
+        error = (syncer_status or {}).get("storage_error")
         if error == self._storage_error:
             return
         self._storage_error = error
@@ -200,15 +201,15 @@ class ProgressView:
                 for slot in self.supervisor.learners if slot.learner_id is not None]
         return syncer_status, rows
 
-    def render(self) -> Group:
-        syncer_status, rows = self.snapshot()
+    def render(self, snapshot: tuple[dict[str, Any] | None, list[LearnerRow]] | None = None) -> Group:
+        syncer_status, rows = snapshot or self.snapshot()
         parts: list[Any] = [syncer_table(self.supervisor.syncer, syncer_status), learners_table(rows)]
         if self._events:
             parts.append(Text("\n".join(self._events), style="dim"))
         return Group(*parts)
 
-    def _print_changes(self, now: float) -> None:
-        syncer_status, rows = self.snapshot()
+    def _print_changes(self, now: float, snapshot: tuple[dict[str, Any] | None, list[LearnerRow]]) -> None:
+        syncer_status, rows = snapshot
         for slot, row in zip(self.supervisor.learners, rows, strict=True):
             # Only the learner's own states (from its status file); process states arrive as events.
             if slot.state == ChildState.RUNNING and row.state != "starting" \
