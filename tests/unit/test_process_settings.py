@@ -112,6 +112,14 @@ def test_a_learner_shows_no_syncer_only_setting_and_run_shows_the_algorithm():
         assert "--min-quorum" in text and "--num-fragments" in text and "--inner-lr" in text
 
 
+def test_each_process_says_which_token_its_token_file_holds():
+    # The evaluator's help said "(a learner's own token, for a learner)": an evaluator takes the run token.
+    helps = {command: next(a.help for a in subcommands()[command]._actions if a.dest == "token_file")
+             for command in ("syncer", "learner", "evaluator")}
+    assert "learner's own" not in helps["evaluator"] and "run token" in helps["evaluator"]
+    assert "this learner's own token" in helps["learner"] and "run token" in helps["syncer"]
+
+
 @pytest.mark.parametrize("cls", [SyncerSettings, LearnerSettings, EvaluatorSettings, RunSettings])
 def test_every_setting_is_documented_where_it_is_declared_and_its_help_says_so(cls):
     # Fields inherited from ProcessSettings (--run-dir, --token-file, ...) keep their base class's docstrings.

@@ -75,7 +75,19 @@ def _add_role_flags(parser: argparse.ArgumentParser, role: str) -> None:
                         help="this process's settings as a JSON object, one key per flag below (what `ddiloco run` "
                              "writes, DIR/settings/NAME.json); flags given beside it override it")
     add_config_flags(parser, cls, title=f"{role} settings", enforce_required=False)
+    for action in parser._actions:  # each role's own words for the token it is given
+        if action.dest == "token_file":
+            action.help = TOKEN_FILE_HELP[role]
     add_run_config_flags(parser, sections=sections, run_fields=run_fields)
+
+
+TOKEN_FILE_HELP = {
+    "syncer": "file holding the run token (DIR/token of a run `ddiloco run` made); a call proves it, or a learner's "
+              "own token derived from it",
+    "learner": "file holding this learner's own token (`ddiloco token --learner N`), or the run token",
+    "evaluator": "file holding the run token (DIR/token of a run `ddiloco run` made): an evaluator is the "
+                 "operator's, not a learner's",
+}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ class ProcessSettings:
     config: str | None = setting(None, metavar="FILE")
     """run config JSON (default: DIR/config.json if present, else defaults); run-config flags override it"""
     token_file: str | None = setting(None, metavar="PATH")
-    """file holding the run's shared token (a learner's own token, for a learner)"""
+    """file holding the run's shared token, or a learner's own (`ddiloco token`); each command's help says which"""
     token_env: str | None = setting(None, metavar="NAME")
     """environment variable holding the run's shared token (instead of --token-file)"""
 
