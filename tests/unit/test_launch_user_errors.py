@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ddiloco.cli import main
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.launcher import LaunchConfig, Launcher
-from ddiloco.runtime.run_commands import PROCESS_MEMORY_FLOOR, require_memory_for
+from ddiloco.runtime.run_checks import PROCESS_MEMORY_FLOOR, require_memory_for
 from ddiloco.runtime.supervised_roles import ChildState
 from ddiloco.runtime.supervisor import Supervisor
 from ddiloco.runtime.syncer_state import GenesisRecord, write_genesis

@@ -116,6 +116,7 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
     program must be found here. `gpus_per_learner`: the GPUs Ray gives each learner's actor (`--ray`), one for
     each of its ranks."""
     from ddiloco.run_config import RunConfig, check_resume, fixed_differences, run_config_from_args
+    from ddiloco.runtime import run_checks
     from ddiloco.runtime.launcher import require_runnable
     from ddiloco.runtime.run_dir import (
         LAUNCH_SHAPE,
@@ -196,15 +197,15 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         if script and local:
             require_runnable(script)
         if local:
-            require_memory_for(config.num_learners * settings.nproc_per_learner + settings.standby_learners)
+            run_checks.require_memory_for(config.num_learners * settings.nproc_per_learner + settings.standby_learners)
         if not script:
-            _check_built_in_fragments(config)
+            run_checks.check_built_in_fragments(config)
         if settings.init is not None:
             has_genesis = (run_dir / GENESIS_FILE).exists()
             if has_genesis and args.resume is not None:  # the syncer ignored it, saying so in its log only
                 raise ValueError(f"--init {settings.init}: the run in {run_dir} has its initial parameters already "
                                  f"({GENESIS_FILE}); --init starts a new run: leave it out of a --resume")
-            _check_init(Path(settings.init), config, built_in=not script, has_genesis=has_genesis)
+            run_checks.check_init(Path(settings.init), config, built_in=not script, has_genesis=has_genesis)
         if settings.evaluate is None:  # resolved here, so that the run's record says whether it has an evaluator
             settings = dataclasses.replace(settings, evaluate=default_evaluator(script))
         before = before_start(run_dir)
@@ -225,71 +226,6 @@ def default_evaluator(script: Sequence[str]) -> bool:
     """Whether a run without `--evaluate` or `--no-evaluate` has an evaluator: the built-in learner has one
     (`ddiloco evaluator`), a script none, since only a script that calls `ddiloco.watch` can be one."""
     return not script
-
-
-PROCESS_MEMORY_FLOOR = 100 * 2**20
-"""Bytes no learner process can do without: Python, torch and gRPC imported, before any model (a learner of a small
-model holds about 250 MB resident, some of it shared). `ddiloco run` refuses, before it starts anything, more
-processes on this machine than its available memory holds at this floor."""
-
-
-def require_memory_for(processes: int, *, available: int | None = None) -> None:
-    """A ValueError when `processes` learner processes cannot fit this machine's available memory (MemAvailable) at
-    PROCESS_MEMORY_FLOOR each. `--learners 100000` forked learners until the kernel's OOM killer took the launcher
-    itself, which left the syncer and the learners started so far running. Nothing is checked where the available
-    memory is not known (not Linux)."""
-    if available is None:
-        try:
-            meminfo = Path("/proc/meminfo").read_text()
-        except OSError:
-            return
-        fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
-        if "MemAvailable" not in fields:
-            return
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    needed = processes * PROCESS_MEMORY_FLOOR
-    if needed > available:
-        raise ValueError(
-            f"{processes} learner processes on this machine need at least {needed / 2**30:.0f} GiB"
-            f" ({PROCESS_MEMORY_FLOOR // 2**20} MiB each before any model), and it has {available / 2**30:.1f} GiB "
-            "available: run fewer (--learners, --nproc-per-learner, --standby-learners), or spread them over machines "
-            "(--ray, docs/clusters.md)")
-
-
-def _check_built_in_fragments(config: RunConfig) -> None:
-    """The built-in learner's model cut into the run's fragments as each learner cuts it: a cut it cannot make (more
-    fragments than the model has tensors) is refused before anything starts, not at every learner's start."""
-    import torch
-
-    from ddiloco.fragments import FragmentPlan, embedding_names
-    from ddiloco.model import build_model
-
-    with torch.device("meta"):
-        model = build_model(config.model)
-    params = dict(model.named_parameters())
-    embeddings = embedding_names(model, config.diloco.embedding_pattern)
-    try:
-        FragmentPlan.for_tensors(params, config.diloco, embeddings=embeddings)
-    except ValueError as exc:
-        raise ValueError(f"the built-in model cannot be cut so: {exc}") from None
-
-
-def _check_init(path: Path, config: RunConfig, *, built_in: bool, has_genesis: bool) -> None:
-    """A ValueError unless the --init file is a readable safetensors file and, for the built-in learner of a run
-    that has no genesis yet, holds TinyGPT's parameters and nothing else. A script's model is known only when its
-    first learner joins, which the syncer then refuses naming the difference (`genesis_from_init`); a run that has
-    its genesis ignores --init (the syncer says so)."""
-    import torch
-
-    from ddiloco.model import build_model
-    from ddiloco.runtime.syncer_state import check_init_file
-
-    if not built_in or has_genesis:
-        check_init_file(path)
-        return
-    with torch.device("meta"):  # names and shapes only: no memory, no initialisation
-        model = build_model(config.model)
-    check_init_file(path, model)
 
 
 def run_settings_from_args(args: argparse.Namespace) -> RunSettings:
