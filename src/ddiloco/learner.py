@@ -519,6 +519,7 @@ class Learner:
         return {
             "learner_id": self.learner_id,
             "inner_step": self.inner_step,
+            "versions": list(self.versions),  # which run's global model it trained on (`LearnerCheckpoint.foreign`)
             **self.schedule.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }

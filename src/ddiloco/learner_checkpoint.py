@@ -119,6 +119,9 @@ class LearnerCheckpoint:
         self.waiting_groups: WaitingGroups | None = None
         """Optimizer parameter groups of the restored checkpoint that the script has not added yet
         (`ddiloco.optimizer_restore`)."""
+        self.restored_versions: list[int] | None = None
+        """The global model's versions the restored checkpoint was taken at (None: none restored, or one written
+        before checkpoints kept them): `foreign` compares them with the syncer's."""
 
     def _user_state(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self.state.items()}
@@ -228,6 +231,9 @@ class LearnerCheckpoint:
             return False
         state, meta, serial = latest
         self.reporter.checkpoint_inner_step = self.reporter.restored_inner_step = serial
+        versions = state["learner"].get("versions")
+        if isinstance(versions, list) and len(versions) == self.learner.plan.num_fragments:
+            self.restored_versions = [int(v) for v in versions]
         saved_optimizer = state["learner"]["optimizer"]
         ranks = state.get("ranks")
         fits = True
@@ -259,6 +265,22 @@ class LearnerCheckpoint:
                 logger.warning("[learner %d] the checkpoint holds no state[%r]: it starts afresh", learner_id, name)
         self.reporter.resume(tokens=int(meta.get("tokens", 0)), counters=meta.get("counters", {}))
         return True
+
+    def foreign(self, versions: list[int]) -> str | None:
+        """Why the restored checkpoint is not this run's, or None: the syncer this learner joined holds an older version
+        of a fragment than the checkpoint was taken at (`versions`: the syncer's, as its Welcome gave them). A syncer
+        never goes back (a round is durable before it is sent), so the checkpoint is another run's: a learner's run
+        directory used again for a new run resumed that run's progress, optimizer and data position in silence."""
+        if self.restored_versions is None:
+            return None
+        for fragment, (saved, now) in enumerate(zip(self.restored_versions, versions, strict=True)):
+            if now < saved:
+                return (f"learner {self.learner.learner_id}'s checkpoint in {self.directory} was taken at version "
+                        f"{saved} of fragment {fragment} of the global model, and the syncer holds version {now}: a "
+                        "syncer never goes back, so the checkpoint is another run's (a run directory used again for "
+                        "a new run), or the syncer's run directory was replaced. Give this learner a new --run-dir "
+                        f"(or move {self.directory.parent} aside) to join this run afresh")
+        return None
 
     def _writer(self) -> dict[str, Any]:
         """Who writes this checkpoint: the optimizer's class, this process, its model and optimizer object."""

@@ -100,6 +100,14 @@ class RefusedError(SystemExit):
         return f"refused by the syncer: {self.reason}"
 
 
+class ForeignCheckpointError(RefusedError):
+    """The learner's checkpoint is another run's (`LearnerCheckpoint.foreign`): exit status 3, as a refusal, since a
+    restart would find the same checkpoint."""
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class UnreachableError(SystemExit):
     """The syncer never answered within `LearnerConfig.connect_timeout_s` (a wrong address, a syncer that is not
     running, a firewall). A `SystemExit` with status 4; `reason` names the address and the last error."""
@@ -276,6 +284,13 @@ class Session(SessionLifecycle):
         self._gather_genesis()
         self.transport.start()
         self._settle()
+        joined = self._checkpoint is not None and self.learner.joined  # (not when stopped before its Welcome)
+        foreign = self._checkpoint.foreign(self.learner.versions) if joined else None
+        if foreign is not None:
+            self._checkpoint = None  # not written over: its run may be resumed
+            logger.error("[learner %d] %s", self.learner_id, foreign)
+            self._finish("refused", flush=False)
+            raise ForeignCheckpointError(foreign)
         self._warn_if_state_starts_afresh()
         if self._genesis is not None:
             # Joined: the full copy goes; the base copies of the global values stand in for it from now on.
