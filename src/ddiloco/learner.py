@@ -137,12 +137,16 @@ class Learner:
         """Fragments due while the result for their last update was still owed: published at the first step after it
         arrives (or the learner stops waiting for it)."""
         self.stats = LearnerStats()
+        self.run_config: dict | None = None
+        """The run config this learner's model and data were built from, declared at join (the built-in learner's:
+        the syncer refuses settings that differ from its run's); None for a script's model."""
 
     # ---- joining -------------------------------------------------------------------------------
 
     def join_message(self) -> Join:
         return Join(self.learner_id, self.spec, self.config.fingerprint(), embeddings=tuple(sorted(self.embeddings)),
-                    aliases=self.aliases, max_tokens_per_step=self.max_tokens_per_step, buffers=self.buffers)
+                    aliases=self.aliases, max_tokens_per_step=self.max_tokens_per_step, buffers=self.buffers,
+                    run_config=self.run_config)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.learner_id, self.inner_step)

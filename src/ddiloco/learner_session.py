@@ -132,7 +132,7 @@ class Session(SessionLifecycle):
                  chaos_control: str | Path | None = None, checkpoint_every_s: float = 10.0,
                  status_every_s: float = 1.0, flush_timeout_s: float = 5.0, handle_sigterm: bool = True,
                  sink: MetricSink | None = None, clock: Clock | None = None, max_tokens_per_step: int = 0,
-                 group: LearnerGroup | None = None) -> None:
+                 group: LearnerGroup | None = None, declare_config: bool = False) -> None:
         super().__init__(handle_sigterm=handle_sigterm and hub is None)
         for name, value in (("checkpoint_every_s", checkpoint_every_s), ("status_every_s", status_every_s)):
             if not value > 0:
@@ -166,6 +166,8 @@ class Session(SessionLifecycle):
                                max_tokens_per_step=max_tokens_per_step, access=group)
         if group is not None:
             group.fragments = self.learner.plan.fragments
+        if declare_config:  # the model and data are `config`'s (the built-in learner): the syncer checks them
+            self.learner.run_config = config.to_dict()
         self._genesis: dict[str, torch.Tensor] | None = None
         """Sharded parameters' full initial values, gathered before the join (`_gather_genesis`)."""
         self._chaos = None

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,6 +117,9 @@ class Join:
     buffers: tuple[str, ...] = ()
     """The names of the model's persistent buffers (`ddiloco.model_buffers`): an --init file may hold them beside
     the parameters (an export of a model with buffers does); they are not taken from it."""
+    run_config: Mapping[str, Any] | None = None
+    """The run config (`RunConfig.to_dict()`) the learner's model and data were built from, where it declares one
+    (the built-in learner): the syncer refuses a join whose settings differ from its run's. None for a script."""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ def session(model: nn.Module, optimizer: torch.optim.Optimizer, *, state: Mappin
     config.json, or a `DilocoConfig`), TLS (`tls_ca=` a PEM file or its bytes, `tls_server_name=`) and
     `link=` ("2.5gbit,40ms", emulated). `inner_steps` sets the budget after which `done` turns true
     (default: the run config's). More `options`: `checkpoint_every_s`, `status_every_s`, `flush_timeout_s`,
-    `handle_sigterm`, `sink`, `chaos_control`, `max_tokens_per_step`: the most `tokens` one `step()` will
+    `handle_sigterm`, `sink`, `chaos_control`, `declare_config` (True: the model and data were built from `config`,
+    as the built-in learner's are, and the syncer refuses the join where its run's settings differ),
+    `max_tokens_per_step`: the most `tokens` one `step()` will
     count (your largest batch), declared to the syncer when joining; a `step()` over it raises ValueError, and
     without it the run's `QuorumConfig.max_tokens_per_step` is the bound (docs/your_model.md, "Tokens per step"),
     and `rank_wait_s`: in a learner of several ranks (gloo), the longest a rank waits for the others where a rank

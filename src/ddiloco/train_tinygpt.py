@@ -46,8 +46,10 @@ def train(config: RunConfig, *, learner_id: int, device: str = "cpu", **session_
     data = shard_stream(load_corpus(), config.data, shard=learner_id, num_shards=config.num_learners)
     # Every batch holds exactly batch_size x context_len targets: the learner declares that, and no more.
     tokens_per_step = config.data.batch_size * config.data.context_len
+    # Its model and data are the run config's: declared at join, so that a syncer whose run has other settings (a
+    # learner started by hand without the run's config.json) refuses it rather than take its model as the run's.
     with ddiloco.session(model, optimizer, state={"data": data}, config=config, learner_id=learner_id,
-                         max_tokens_per_step=tokens_per_step, **session_options) as sync:
+                         max_tokens_per_step=tokens_per_step, declare_config=True, **session_options) as sync:
         while not sync.done:
             batch = data.next_batch()
             # From the session's step count, which a restart resumes: every rank of a group reads the same.

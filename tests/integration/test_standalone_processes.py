@@ -29,6 +29,7 @@ RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--num-fragments", "2", "--sy
 EXIT_WAIT_S = 40.0
 """Hard limit on a process that should stop by itself at its start (it imports torch first)."""
 EXIT_USAGE = 2
+EXIT_REFUSED = 3
 
 
 def write_token(path: Path, token: str) -> Path:
@@ -87,6 +88,16 @@ def test_a_learner_whose_model_differs_from_the_runs_config_is_refused_before_it
     line = error_line(log)
     assert code == EXIT_USAGE, log[-3000:]
     assert "--model-width 64 (the run has 32)" in line and str(run_dir / "config.json") in line, line
+    assert not (run_dir / GENESIS_FILE).exists()
+    # On another host, in a run directory of its own (no config.json to compare with), with the run's settings but
+    # one: the syncer refuses the settings it declares. Before, its model became the run's genesis, for good.
+    elsewhere = procs.start("elsewhere", "learner", "--syncer", address, "--learner-id", "0", "--run-dir",
+                            str(tmp_path / "host-b" / "run"), "--token-file", str(run_token), "--threads", "1",
+                            *TINY_MODEL_FLAGS, "--learners", "2", "--num-fragments", "2", "--sync-every", "8",
+                            "--model-width", "64")
+    code, log = exits(procs, "elsewhere", elsewhere)
+    assert code == EXIT_REFUSED, log[-3000:]
+    assert "this learner's settings differ from the run's: --model-width 64 (the run has 32)" in log, log[-3000:]
     assert not (run_dir / GENESIS_FILE).exists()
     # The run's own settings (and a budget of its own, which may differ) are taken: this learner is the genesis.
     own = procs.start("own", "learner", "--syncer", address, "--learner-id", "1", "--run-dir", str(run_dir),

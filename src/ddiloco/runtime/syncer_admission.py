@@ -15,14 +15,17 @@ service.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ddiloco.clock import Clock
 from ddiloco.messages import Join
-from ddiloco.run_config import RunConfig
+from ddiloco.run_config import RunConfig, fixed_differences
 from ddiloco.runtime.syncer_state import GenesisRecord, genesis_from_init
 from ddiloco.syncer import Syncer
-from ddiloco.transport.grpc_codec import config_difference
+from ddiloco.transport.grpc_codec import config_difference, shortened
 from ddiloco.transport.grpc_common import NO_GENESIS
 from ddiloco.transport.subscription import Subscription
 
@@ -39,10 +42,31 @@ def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloc
     difference = config_difference(run_config.diloco, diloco_config)
     if difference is not None:
         return f"algorithm config differs: {difference}"
+    declared = _declared_differences(run_config, join.run_config)
+    if declared is not None:
+        return declared
     model = syncer.spec.difference(join.model_spec) if syncer is not None else None
     if model is not None:
         return f"model differs from the syncer's: {model}"
     return None
+
+
+def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | None) -> str | None:
+    """Why the run config a learner declared (the built-in learner's: its model and data were built from it) is not
+    this run's, or None. Before 2026-12-06 a learner started by hand without the run's config.json (its own run
+    directory on its host) joined first with the default model, which became the run's genesis for good, and every
+    learner with the run's settings was then refused as a different model."""
+    if declared is None:
+        return None
+    try:
+        theirs = RunConfig.from_dict(dict(declared))
+    except (TypeError, ValueError) as exc:
+        return f"the run config this learner declared is not one: {shortened(str(exc))}"
+    differences = fixed_differences(run_config, theirs)
+    if not differences:
+        return None
+    return (f"this learner's settings differ from the run's: {', '.join(differences)}; start it with the run's "
+            "config.json (--config FILE, a copy of the syncer's DIR/config.json)")
 
 
 def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: int, session: str, *,

@@ -128,7 +128,8 @@ def encode_join(join: Join, config: DilocoConfig) -> wire_pb2.JoinRequest:
         config_fingerprint=join.config_fingerprint, diloco_config_json=json.dumps(config.to_dict(), sort_keys=True),
         model_spec=spec_to_headers(join.model_spec), embeddings=list(join.embeddings),
         aliases=[f"{alias}={name}" for alias, name in join.aliases], max_tokens_per_step=join.max_tokens_per_step,
-        buffers=list(join.buffers))
+        buffers=list(join.buffers),
+        run_config_json="" if join.run_config is None else json.dumps(dict(join.run_config), sort_keys=True))
 
 
 def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
@@ -148,33 +149,34 @@ def decode_join(request: wire_pb2.JoinRequest) -> tuple[Join, dict]:
     # max_tokens_per_step is passed as sent: the syncer core refuses a negative one, or one above the run's limit.
     join = Join(int(request.learner_id), spec, request.config_fingerprint, int(request.schema_version),
                 embeddings=tuple(sorted(set(request.embeddings))), aliases=decode_aliases(request.aliases, names),
-                max_tokens_per_step=int(request.max_tokens_per_step), buffers=tuple(sorted(set(request.buffers))))
+                max_tokens_per_step=int(request.max_tokens_per_step), buffers=tuple(sorted(set(request.buffers))),
+                run_config=decode_config(request.run_config_json, "run_config_json") or None)
     return join, config
 
 
-def decode_config(text: str) -> dict:
-    """A join's algorithm config (a dict) from its JSON, or WireError. The text is bounded before it is parsed
-    (length, nesting) and its integers while it is parsed, so no input makes the decoder raise anything else."""
+def decode_config(text: str, field: str = "diloco_config_json") -> dict:
+    """A join's algorithm config (a dict) from its JSON (or its run config, `field`), or WireError. The text is bounded
+    before it is parsed (length, nesting) and its integers while it is parsed, so no input makes the decoder raise
+    anything else."""
     if not text:
         return {}
     if len(text) > MAX_CONFIG_JSON_CHARS:
-        raise WireError("malformed", f"diloco_config_json has {len(text)} characters: at most {MAX_CONFIG_JSON_CHARS}")
+        raise WireError("malformed", f"{field} has {len(text)} characters: at most {MAX_CONFIG_JSON_CHARS}")
     if json_nests_deeper(text, MAX_CONFIG_JSON_DEPTH):
-        raise WireError("malformed", f"diloco_config_json is nested more than {MAX_CONFIG_JSON_DEPTH} deep: the "
-                        "config is one flat JSON object")
+        raise WireError("malformed", f"{field} is nested more than {MAX_CONFIG_JSON_DEPTH} deep")
     try:
         config = json.loads(text, parse_int=_config_int)
     except json.JSONDecodeError as exc:
-        raise WireError("malformed", f"diloco_config_json is not JSON: {exc}") from None
+        raise WireError("malformed", f"{field} is not JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise WireError("malformed", "diloco_config_json must be a JSON object")
+        raise WireError("malformed", f"{field} must be a JSON object")
     return config
 
 
 def _config_int(digits: str) -> int:
     count = len(digits.lstrip("-"))
     if count > MAX_CONFIG_INT_DIGITS:
-        raise WireError("malformed", f"diloco_config_json holds an integer of {count} digits: at most "
+        raise WireError("malformed", f"a join's config holds an integer of {count} digits: at most "
                         f"{MAX_CONFIG_INT_DIGITS}")
     return int(digits)
 
