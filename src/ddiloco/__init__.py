@@ -22,6 +22,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 (a torch DataLoader starting its workers inside a session, each epoch) printed "Other threads are currently calling
 into gRPC, skipping fork() handlers" into the learner's log; no ddiloco process uses gRPC in a forked child. A value
 the environment already holds is kept."""
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+"""gRPC core's own log lines below ERROR go: a learner retrying a TLS syncer it does not trust printed `I1206 ...
+ssl_transport_security.cc] Handshake failed ...` to stderr at every attempt (23 lines in 40 s) beside ddiloco's one
+line naming the fix. `GRPC_VERBOSITY=INFO` (or DEBUG) in the environment brings them back."""
 
 _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {

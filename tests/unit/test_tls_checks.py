@@ -33,6 +33,10 @@ IPV6_REFUSED = ("UNAVAILABLE: failed to connect to all addresses; last error: UN
 TLS_TO_PLAIN = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50051: Tls "
                 "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:"
                 "OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context: OK")
+EXPIRED = WRONG_CA.replace("self signed certificate", "certificate has expired")
+NOT_YET_VALID = WRONG_CA.replace("self signed certificate", "certificate is not yet valid")
+"""An expired syncer certificate, and one whose start date is ahead (BoringSSL's words): both were read as "not signed
+by the CA this process trusts"."""
 FEW_ATTEMPTS = 5
 NOT_GRPC = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50051: Failed "
             "parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)")
@@ -104,7 +108,9 @@ def test_a_server_name_without_a_ca_is_refused(cls):
 @pytest.mark.parametrize(("error", "fix", "handshake"), [
     (WRONG_CA, "--tls-ca", "TLS"), (WRONG_NAME, "--tls-server-name", "TLS"),
     (TLS_TO_PLAIN, "TLS is on one side only", "TLS"), (PLAIN_TO_TLS, "TLS is on one side only", "TLS"),
-    (NOT_GRPC, "does not speak gRPC, so it is not a syncer", "HTTP/2")])
+    (NOT_GRPC, "does not speak gRPC, so it is not a syncer", "HTTP/2"),
+    (EXPIRED, "the syncer's certificate has expired: give the syncer a new --tls-cert", "TLS"),
+    (NOT_YET_VALID, "the syncer's certificate is not valid yet", "TLS")])
 def test_a_handshake_that_will_fail_again_gives_up_in_a_few_attempts_naming_the_fix(error, fix, handshake):
     watch = ConnectWatch(ADDRESS, connect_timeout_s=120.0, started_at=0.0)
     verdicts = [watch.failed(0.1 * (i + 1), error) for i in range(FEW_ATTEMPTS)]

@@ -145,6 +145,12 @@ changes a flag, whereas a syncer that restarts refuses connections for a while (
 More than one: a syncer killed in the middle of a handshake cuts one short."""
 
 _HANDSHAKE_FAILURES = (
+    (("certificate has expired",),  # before the CA's line: gRPC's error holds both
+     "the syncer's certificate has expired: give the syncer a new --tls-cert and --tls-key (signed by the same CA, "
+     "learners need no change), or check this machine's clock"),
+    (("certificate is not yet valid",),
+     "the syncer's certificate is not valid yet (its start date is in the future): check the clocks of this machine "
+     "and of the machine that issued it, or give the syncer a certificate valid now"),
     (("CERTIFICATE_VERIFY_FAILED",),
      "the syncer's certificate is not signed by the CA this process trusts: give --tls-ca the certificate of the CA "
      "that signed the syncer's --tls-cert (for a self-signed certificate, that certificate itself)"),
