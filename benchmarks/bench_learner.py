@@ -62,6 +62,17 @@ def joined_learner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
     return learner
 
 
+def answer(learner: Learner, updates: list) -> None:
+    """The syncer's result for each update, at once and outside the timed part: the fragment's next version (its value
+    as the learner holds it). A fragment due while its last update's result is still owed waits for it (since
+    2026-12-05), so without results each fragment was published once and every later step measured nothing."""
+    params = dict(learner.model.named_parameters())
+    for update in updates:
+        names = learner.plan.fragments[update.fragment]
+        learner.receive(FragmentState(update.fragment, update.base_version + 1,
+                                      {n: params[n].detach().to(torch.float32, copy=True) for n in names}))
+
+
 def measure(name: str, config: ModelConfig, steps: int, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = build_model(config).to(device)
@@ -91,15 +102,19 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
         (in_flight_s if in_flight else idle_s).append(inner_step())
         if not in_flight:
             started = time.perf_counter()
-            inline.after_inner_step(BATCH * CONTEXT)  # encodes on this thread, as before the publisher
+            published = inline.after_inner_step(BATCH * CONTEXT)  # encodes on this thread, as before the publisher
             synchronize(device)
             blocked_inline_s.append(time.perf_counter() - started)
+            assert len(published) == 1, "every step publishes one fragment (P = H)"
+            answer(inline, published)
         started, cpu_started = time.perf_counter(), time.thread_time()
-        for update in deferred.after_inner_step(BATCH * CONTEXT):
+        published = deferred.after_inner_step(BATCH * CONTEXT)
+        for update in published:
             publisher.send(update)
         synchronize(device)
         blocked_deferred_s.append(time.perf_counter() - started)
         cpu_deferred_s.append(time.thread_time() - cpu_started)
+        answer(deferred, published)
     publisher.close(60.0)
     assert len(sent) == 2 * steps and all(len(update.payload) > 0 for update in sent)
     step_s = statistics.median(idle_s)
