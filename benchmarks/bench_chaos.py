@@ -59,9 +59,14 @@ def main() -> int:
             "--json", *args.extra]
     print("running:", " ".join(argv[2:]), flush=True)
     started = time.monotonic()
-    process = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = process.stdout.strip().splitlines()
-    print("\n".join(lines[:-1]))
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:  # its progress lines as they come (they waited for the end, 9 minutes); then JSON
+        lines.append(line.rstrip("\n"))
+        if not line.startswith("{"):
+            print(line, end="", flush=True)
+    process.wait()
     if not lines or not lines[-1].startswith("{"):
         print(f"ddiloco chaos failed (exit {process.returncode})")
         return 1

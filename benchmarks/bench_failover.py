@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddiloco.checkpoint import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.01
 WAIT_S = 180.0
@@ -67,9 +69,15 @@ def first_commit_after(run_dir: Path, t0: float) -> float | None:
     return None
 
 
-def inner_steps(run_dir: Path, learners: int) -> list[int]:
-    return [(read_json(run_dir / "learners" / str(i) / "status.json") or {}).get("inner_step", 0)
-            for i in range(learners)]
+def steps_between(run_dir: Path, learners: int, start: float, end: float) -> list[int]:
+    """Inner steps each learner finished from `start` to `end` (wall time), from its step lines in its metrics: its
+    status.json, rewritten once a second, read 0 steps in a window shorter than that."""
+    counts = []
+    for i in range(learners):
+        key = f"learner/{i}/tokens"  # logged at every inner step
+        lines = read_jsonl(run_dir / "learners" / str(i) / "metrics.jsonl")
+        counts.append(sum(1 for line in lines if key in line and start <= line.get("time", -1.0) <= end))
+    return counts
 
 
 def standby_follows(run_dir: Path, count: int) -> bool:
@@ -94,16 +102,14 @@ def measure(standby: bool, *, kills: int, learners: int, width: int) -> list[dic
             if standby:
                 wait(lambda kill=kill: standby_follows(run_dir, kill + 1), "the standby following", popen)
             victim = read_json(run_dir / "syncer.json")["pid"]
-            before = inner_steps(run_dir, learners)
             t0 = time.time()
             os.kill(victim, signal.SIGKILL)
             wait(lambda victim=victim: (read_json(run_dir / "syncer.json") or {}).get("pid") not in (None, victim),
                  "a new syncer", popen)
             serving = time.time() - t0
             committed = wait(lambda t0=t0: first_commit_after(run_dir, t0), "its first round", popen)
-            after = inner_steps(run_dir, learners)
             results.append({"serving_s": serving, "first_round_s": committed - t0,
-                            "steps": [a - b for a, b in zip(after, before, strict=True)]})
+                            "steps": steps_between(run_dir, learners, t0, committed)})
             print(f"  {'standby' if standby else 'cold'} kill {kill + 1}: serving after {serving:.2f} s, first round "
                   f"after {committed - t0:.2f} s, learner steps meanwhile {results[-1]['steps']}", flush=True)
     finally:

@@ -73,4 +73,4 @@ def noise_corrected_optimizer(model: torch.nn.Module, config: InnerConfig) -> to
 if __name__ == "__main__":
     decoupled.make_inner_optimizer = noise_corrected_optimizer
     print(f"inner optimizer: AdamW with its second moment's noise share divided by {NOISE_M:g}")
-    bench_sim.main()
+    bench_sim.main(__doc__)

@@ -1,12 +1,12 @@
 """Inner steps per second of a learner under `ddiloco.session` against the same bare PyTorch loop.
 
 Side by side in one process and one run, interleaved (bare, session, bare, session, ...) so that a
-machine whose load changes hurts both alike. The session is the real runtime: a syncer service behind a
-real gRPC server on 127.0.0.1 (in this process, its merge work on its own threads, like a syncer on
-another core or host), one learner (K = 1), P = 4, H = 32, int4 uplink: every 8 inner steps one
-fragment is published (base - local, encoded on the training thread) and every merged fragment is
-applied between two steps. The bare loop is the identical forward/backward/AdamW on the identical
-batches. Target (issue "Your model, your data, your loop"): ratio >= 0.98.
+machine whose load changes hurts both alike. The session is the real runtime: a `ddiloco syncer` process on
+127.0.0.1 (its merge work on its own core, as a syncer on another host), one learner (K = 1), P = 4, H = 32,
+int4 uplink: every 8 inner steps one fragment is published (the training thread copies it; its pseudo-gradient
+and encoding run on the session's publisher thread) and every merged fragment is applied between two steps.
+The bare loop is the identical forward/backward/AdamW on the identical batches. Target (issue "Your model, your
+data, your loop"): ratio >= 0.98.
 
     .venv/bin/python benchmarks/bench_session.py [--steps 400] [--repeats 3] [--model tinygpt|gpt2|both]
 """

@@ -60,4 +60,4 @@ def _apply_and_share(self: DecoupledSim, slot, message) -> None:
 if __name__ == "__main__":
     DecoupledSim._apply = _apply_and_share
     print(f"moments shared at every fragment's new version: {', '.join(KEYS) or 'none (the control)'}")
-    bench_sim.main()
+    bench_sim.main(__doc__)

@@ -116,8 +116,10 @@ def run_spec(spec: str, steps: int, evals: int, *, batch_size: int = 8, val_batc
             f"{time.perf_counter() - start:.0f} s |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(description: str | None = None) -> None:
+    """`description`: the --help text of a benchmark that runs this one with a change of its own."""
+    parser = argparse.ArgumentParser(description=description or __doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--overhead-steps", type=int, default=32)
     parser.add_argument("--sweep", action="store_true", help="run the quality hyper-parameter sweep")

@@ -35,14 +35,21 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-soak-")) / "soak"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "ddiloco.cli", "chaos", "--soak", "--duration", str(args.duration),
-                           "--kill-every-s", str(args.kill_every_s), "--plan-seed", str(args.seed), "--systems",
-                           "decoupled", "--learners", str(args.learners), "--threads", "1", "--run-dir", str(run_dir),
-                           "--json", *TINY], cwd=REPO, capture_output=True, text=True)
+    soak = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "chaos", "--soak", "--duration", str(args.duration),
+                             "--kill-every-s", str(args.kill_every_s), "--plan-seed", str(args.seed), "--systems",
+                             "decoupled", "--learners", str(args.learners), "--threads", "1", "--run-dir",
+                             str(run_dir), "--json", *TINY], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert soak.stdout is not None
+    lines = []
+    for line in soak.stdout:  # its progress lines as they come (nothing showed for the 10 minutes); then its JSON
+        lines.append(line.rstrip("\n"))
+        if not line.startswith("{"):
+            print(line, end="", flush=True)
+    soak.wait()
     wall = time.monotonic() - started
-    if not done.stdout.strip():
-        raise SystemExit(f"ddiloco chaos printed nothing (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not lines or not lines[-1].startswith("{"):
+        raise SystemExit(f"ddiloco chaos printed no result (exit {soak.returncode}): its errors are above")
+    result = json.loads(lines[-1])
     system = run_dir / "decoupled"
     faults = [json.loads(line) for line in (system / "chaos" / "faults.jsonl").read_text().splitlines()]
     record = json.loads((system / "chaos" / "run.json").read_text())
@@ -61,7 +68,7 @@ def main() -> None:
           f"restarts: {sum(n for name, n in restarts.items() if name.startswith('learner'))}")
     for name, ok in result["invariants"].items():
         print(f"invariant {name}: {'holds' if ok else 'BROKEN'}")
-    print(f"exit status of ddiloco chaos: {done.returncode}; run directory {run_dir}")
+    print(f"exit status of ddiloco chaos: {soak.returncode}; run directory {run_dir}")
 
 
 if __name__ == "__main__":
