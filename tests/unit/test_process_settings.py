@@ -232,6 +232,9 @@ def write(path: Path, data: object) -> Path:
      "ddiloco learner: error: --syncer='127.0.0.1:0' is invalid: port 0 is where the syncer is told to pick a port"),
     (("evaluator", "--run-dir", "{run}", "--syncer", "garbage"),
      "ddiloco evaluator: error: --syncer='garbage' is invalid: expected HOST:PORT"),
+    # An IPv6 address without brackets: retried as a host name ("Misformatted domain name") for 120 s, then exit 4.
+    (("learner", "--run-dir", "{run}", "--syncer", "::1:51781", "--learner-id", "0"),
+     "ddiloco learner: error: --syncer='::1:51781' is invalid: an IPv6 address goes in brackets, [::1]:51781"),
     (("learner", "--run-dir", "{run}", "--syncer", "h:1", "--learner-id", "0", "--device", "bogus"),
      "ddiloco learner: error: --device='bogus' is invalid: expected a torch device"),
     (("run", "--run-dir", "{run}", "--device", "cpu,bogus"),

@@ -113,6 +113,9 @@ def split_host_port(address: str) -> tuple[str, int]:
         raise ValueError(f"address {address!r} is invalid: port {port!r} is not a number") from None
     if not 0 <= number <= 65535:
         raise ValueError(f"address {address!r} is invalid: port {number} outside 0..65535")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # gRPC retried `::1:50051` as a name ("Misformatted domain name") for the whole connect timeout.
+        raise ValueError(f"address {address!r} is invalid: an IPv6 address goes in brackets, [{host}]:{port}")
     return host.strip("[]"), number
 
 
