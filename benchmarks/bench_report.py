@@ -72,9 +72,9 @@ def _peak_mb() -> float:
 
 
 def _measure(root: str, learners: int, queue) -> None:
-    from ddiloco.runtime import report
+    from ddiloco.runtime import report, report_plots
     from ddiloco.runtime.run_paths import RunPaths
-    report._pyplot()  # matplotlib's import is not the report's work
+    report_plots._pyplot()  # matplotlib's import is not the report's work
     paths, figures = RunPaths(Path(root)), {}
     before = _peak_mb()
     start = time.perf_counter()
@@ -84,7 +84,7 @@ def _measure(root: str, learners: int, queue) -> None:
     summary = report.build_summary(paths, num_learners=learners, outcome="completed", wall_time_s=1.0)
     figures["build_summary"] = time.perf_counter() - start
     start = time.perf_counter()
-    report.write_plots(paths, summary)
+    report_plots.write_plots(paths, summary)
     figures["write_plots"] = time.perf_counter() - start
     figures["peak_mb"] = _peak_mb() - before
     queue.put(figures)

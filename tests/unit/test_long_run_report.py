@@ -8,8 +8,10 @@ import random
 from pathlib import Path
 
 import ddiloco.runtime.report as report
+import ddiloco.runtime.report_plots as report_plots
 from ddiloco.checkpoint import read_jsonl
-from ddiloco.runtime.report import merge_metrics, plot_val_loss
+from ddiloco.runtime.report import merge_metrics
+from ddiloco.runtime.report_plots import plot_val_loss
 from ddiloco.runtime.run_paths import RunPaths
 
 
@@ -61,7 +63,7 @@ def test_a_training_loss_longer_than_the_plot_is_drawn_as_the_means_of_its_steps
     write_lines(paths.learner_metrics(1), [{"step": 1, "time": 101.0, "learner/1/loss": 7.0}])
     merge_metrics(paths)
     drawn = []
-    monkeypatch.setattr(report, "PLOT_MAX_POINTS", 10)
+    monkeypatch.setattr(report_plots, "PLOT_MAX_POINTS", 10)
     from matplotlib.axes import Axes
     real_plot = Axes.plot
     monkeypatch.setattr(Axes, "plot", lambda ax, x, y, **kw: drawn.append((list(x), list(y), kw["label"]))

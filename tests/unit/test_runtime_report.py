@@ -201,7 +201,7 @@ def test_a_session_whose_launcher_was_killed_counts_in_the_total_wall_time_up_to
 
 def test_the_validation_plot_says_when_every_validation_loss_was_not_finite(tmp_path, monkeypatch):
     # It said "no validation loss recorded" beside 14 recorded, each NaN (null in the metrics).
-    import ddiloco.runtime.report as report
+    import ddiloco.runtime.report_plots as report
 
     paths = fake_run(tmp_path)
     write_lines(paths.evaluator_metrics, [{"step": 0, "time": 100.0, "eval/val_loss": None},

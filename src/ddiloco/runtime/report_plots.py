@@ -1,0 +1,148 @@
+"""The end of a run's plots (`report.write_report` draws them): `val_loss.png` (the global model's validation loss vs
+time, each learner's training loss under it), `participation.png` (which learner was merged in which round, by the
+update's staleness), `bytes.png` (bytes per direction per learner), with matplotlib's Agg backend, from the run
+directory's files. A long run's metrics are streamed, not held: a line per learner per inner step."""
+
+from __future__ import annotations
+
+import math
+import re
+from array import array
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddiloco.checkpoint import iter_jsonl
+from ddiloco.runtime.progress import format_bytes
+from ddiloco.runtime.run_paths import RunPaths
+
+VAL_LOSS = "eval/val_loss"
+"""The syncer's metric name for the global model's validation loss (process contract)."""
+PLOT_DPI = 110
+PLOT_SIZE_IN = (7.0, 4.0)
+PLOT_MAX_POINTS = 4000
+"""The most points a learner's training loss is drawn with (`_bucket_means`): about five per pixel of the plot."""
+_LEARNER_LOSS = re.compile(r"^learner/(\d+)/loss$")
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plot_val_loss(paths: RunPaths, out: Path) -> None:
+    """Validation loss of the global model vs seconds since the run started, with each learner's
+    training loss underneath for context."""
+    plt = _pyplot()
+    train: dict[int, tuple[array, array]] = {}
+    val: tuple[array, array] = (array("d"), array("d"))
+    not_finite, start = 0, math.inf  # not finite: written as null (strict JSON)
+    for record in iter_jsonl(paths.metrics):  # a long run's: millions of lines, streamed
+        if not isinstance(record.get("time"), int | float):
+            continue
+        start = min(start, record["time"])
+        if isinstance(record.get(VAL_LOSS), int | float):
+            val[0].append(record["time"])
+            val[1].append(record[VAL_LOSS])
+        elif VAL_LOSS in record and record[VAL_LOSS] is None:
+            not_finite += 1
+        for key, value in record.items():
+            match = _LEARNER_LOSS.match(key)
+            if match and isinstance(value, int | float):
+                times, values = train.setdefault(int(match.group(1)), (array("d"), array("d")))
+                times.append(record["time"])
+                values.append(value)
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    for learner_id, (times, values) in sorted(train.items()):
+        (times, values), steps = _bucket_means(times, values, PLOT_MAX_POINTS)
+        label = f"learner {learner_id} train" + (f" (mean of each {steps} steps)" if steps > 1 else "")
+        ax.plot([t - start for t in times], values, linewidth=0.6, alpha=0.4, label=label)
+    if val[0]:
+        ax.plot([t - start for t in val[0]], val[1], marker="o", color="black", linewidth=1.8,
+                label="global model, validation")
+    else:
+        _no_data(ax, f"none of the {not_finite} validation losses was finite (NaN or inf)" if not_finite
+                 else "no validation loss recorded")
+    ax.set_xlabel("wall time since start (s)")
+    ax.set_ylabel("loss (as the model's loss function measures it)")
+    ax.set_title("validation loss vs time")
+    if val[0] or train:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _bucket_means(times: array, values: array, most: int) -> tuple[tuple[array, array], int]:
+    """At most `most` points: the mean time and value of each run of consecutive points (a long run's learner has a
+    training loss per inner step, far more than a plot's width shows); returns them and the points per mean (1: the
+    points as they were)."""
+    steps = max(1, math.ceil(len(times) / most))
+    if steps == 1:
+        return (times, values), 1
+    means = array("d"), array("d")
+    for begin in range(0, len(times), steps):
+        count = min(steps, len(times) - begin)
+        means[0].append(math.fsum(times[begin:begin + count]) / count)
+        means[1].append(math.fsum(values[begin:begin + count]) / count)
+    return means, steps
+
+
+def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
+    """One mark per (round, learner merged in it), coloured by the update's staleness."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    xs, ys, colours = [], [], []
+    for record in iter_jsonl(paths.rounds):
+        for participant in record.get("participants", []):
+            xs.append(record["round"])
+            ys.append(participant["learner_id"])
+            colours.append(participant.get("staleness", 0))
+    if xs:
+        points = ax.scatter(xs, ys, c=colours, marker="|", s=60, cmap="viridis")
+        fig.colorbar(points, ax=ax, label="staleness (versions)")
+    else:
+        _no_data(ax, "no committed rounds")
+    ax.set_yticks(range(num_learners))
+    ax.set_xlabel("round")
+    ax.set_ylabel("learner")
+    ax.set_title("per-learner participation in rounds")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
+    """Bytes each learner sent (uplink, pseudo-gradients) and received (downlink, fragments)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    ids = sorted(summary["learners"], key=int)
+    sent = [(summary["learners"][i].get("bytes_sent") or 0) / 1e6 for i in ids]
+    received = [(summary["learners"][i].get("bytes_received") or 0) / 1e6 for i in ids]
+    width = 0.4
+    ax.bar([int(i) - width / 2 for i in ids], sent, width, label="learner -> syncer (uplink)")
+    ax.bar([int(i) + width / 2 for i in ids], received, width, label="syncer -> learner (downlink)")
+    syncer = summary.get("syncer", {})
+    ax.set_title(f"bytes per direction (syncer received {format_bytes(syncer.get('bytes_received'))}, "
+                 f"sent {format_bytes(syncer.get('bytes_sent'))})", fontsize="medium")
+    ax.set_xticks([int(i) for i in ids])
+    ax.set_xlabel("learner")
+    ax.set_ylabel("MB")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def write_plots(paths: RunPaths, summary: Mapping[str, Any]) -> list[Path]:
+    outs = [paths.root / "val_loss.png", paths.root / "participation.png", paths.root / "bytes.png"]
+    plot_val_loss(paths, outs[0])
+    plot_participation(paths, outs[1], int(summary["num_learners"]))
+    plot_bytes(summary, outs[2])
+    return outs
