@@ -105,6 +105,8 @@ class LearnerRules:
         unless the run is synchronous)."""
         self.events: WorkEvents = events or NoWorkEvents()
         self.refusal: str | None = None
+        self.refused_for_another_process = False
+        """The refusal said another process holds this learner id: its checkpoint is not this process's to write."""
         self.welcomes = 0
         self._wait_started: float | None = None
         self.last_wait_s: float | None = None
@@ -117,6 +119,7 @@ class LearnerRules:
         learner = self.learner
         if isinstance(message, Refused):
             self.refusal = message.reason
+            self.refused_for_another_process = message.another_process
         if isinstance(message, Welcome):
             if ((self.synchronous or not self.resumed) and self.welcomes == 0
                     and next_uncommitted_round(message) != learner.schedule.next_round):

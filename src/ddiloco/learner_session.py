@@ -486,8 +486,10 @@ class Session(SessionLifecycle):
                 self.transport.close(leave=state not in ("refused", "unreachable"))
             self.rules.end(state)
             # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks
-            # keeps its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone.
-            if self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group):
+            # keeps its last periodic checkpoint: saving needs every rank, and the failure may be that one is gone. A
+            # process another one replaced leaves the checkpoint to that process (which resumed from it and trains on).
+            if (self._checkpoint is not None and self.rules.welcomes > 0 and not (state == "failed" and self.group)
+                    and not self.rules.refused_for_another_process):
                 self._checkpoint.save()
             self.reporter.stop_requested = self._stop.is_set()
             self.reporter.set(state=state)

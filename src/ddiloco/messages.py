@@ -249,6 +249,9 @@ class Refused:
 
     learner_id: int
     reason: str
+    another_process: bool = False
+    """Refused because another process holds this learner id (it replaced this one, or this one is the second): the
+    learner's checkpoint is that process's to write."""
 
 
 @dataclass(frozen=True)

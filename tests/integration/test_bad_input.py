@@ -208,18 +208,53 @@ def test_a_second_live_process_with_the_same_learner_id_is_refused_naming_the_fi
         next(iter(first))  # its Welcome: learner 1 is connected and alive
         details = refused(syncer, lambda: next(iter(syncer.stub.Subscribe(
             join, metadata=metadata(learner=1, session="hostB/222/bbbb"), timeout=CALL_TIMEOUT_S))),
-            code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="already connected")
+            code=grpc.StatusCode.FAILED_PRECONDITION, reason="another_process", needle="already connected")
         assert "process hostA/111/aaaa" in details and "--learner-id 1" in details
         # A join that names no process (no ddiloco-session metadata) cannot show it is the running one either.
         refused(syncer, lambda: next(iter(syncer.stub.Subscribe(join, metadata=metadata(learner=1),
                                                                  timeout=CALL_TIMEOUT_S))),
-                code=grpc.StatusCode.FAILED_PRECONDITION, reason="refused", needle="no ddiloco-session metadata")
+                code=grpc.StatusCode.FAILED_PRECONDITION, reason="another_process",
+                needle="no ddiloco-session metadata")
         # The same process joining again (a re-join after a missed version) is not a second process.
         again = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session="hostA/111/aaaa"), timeout=600)
         next(iter(again))
         again.cancel()
     finally:
         first.cancel()
+
+
+def test_a_process_replaced_by_another_of_its_learner_id_can_no_longer_act_for_it(syncer):
+    # Before: once another process had joined as learner 1 (the first's stream had ended, or it fell silent), the first
+    # process's update was merged as learner 1's (the two trained the same data), its heartbeats kept learner 1 alive,
+    # and its Leave made the process now holding learner 1 leave.
+    join = encode_join(syncer.learner.join_message(), syncer.config.diloco)
+    join.learner_id = 1
+    old_process, new_process = "hostA/111/cccc", "hostB/222/dddd"
+    first = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session=old_process), timeout=600)
+    next(iter(first))
+    first.cancel()  # its stream ends (a network blip): learner 1 is gone, its process lives on
+    wait_until(lambda: 1 not in status(syncer)["alive_learners"], "learner 1 gone")
+    second = syncer.stub.Subscribe(join, metadata=metadata(learner=1, session=new_process), timeout=600)
+    try:
+        next(iter(second))
+        as_old = metadata(learner=1, session=old_process)
+        for call in (lambda: push(syncer, good_update(syncer, learner_id=1), md=as_old),
+                     lambda: syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=1), metadata=as_old,
+                                                   timeout=CALL_TIMEOUT_S),
+                     lambda: syncer.stub.Leave(wire_pb2.LeaveRequest(learner_id=1), metadata=as_old,
+                                               timeout=CALL_TIMEOUT_S)):
+            details = refused(syncer, call, code=grpc.StatusCode.FAILED_PRECONDITION, reason="another_process",
+                              needle=f"process {new_process}")
+            assert f"this process ({old_process}) was replaced" in details
+        assert 1 in status(syncer)["alive_learners"]  # the process holding learner 1 kept it
+        # The process holding it acts as before; so does a client that names no process (it cannot be told apart).
+        assert syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=1), timeout=CALL_TIMEOUT_S,
+                                     metadata=metadata(learner=1, session=new_process)).known
+        assert syncer.stub.Heartbeat(wire_pb2.HeartbeatRequest(learner_id=1), metadata=metadata(learner=1),
+                                     timeout=CALL_TIMEOUT_S).known
+    finally:
+        second.cancel()
+    wait_until(lambda: 1 not in status(syncer)["alive_learners"], "learner 1 gone")
 
 
 def _lines(text: str, needle: str) -> int:

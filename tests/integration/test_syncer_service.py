@@ -165,6 +165,49 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
     assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
 
 
+@pytest.mark.acceptance  # 20 s; the wire's side of it runs in the default suite (test_bad_input.py)
+@pytest.mark.timeout(300)
+def test_a_learner_process_replaced_while_it_was_frozen_stops_when_it_wakes_and_keeps_off_the_checkpoint(
+        tmp_path, procs):
+    # Before: the frozen process, continued, pushed its update (merged beside the new process's, which trains the same
+    # data), kept learner 1 alive with its heartbeats, and when refused on re-joining wrote its own checkpoint over the
+    # learner directory the new process resumes from.
+    run_dir = tmp_path / "run"
+    syncer, address = start_syncer(procs, run_dir)
+    no_periodic = ("--checkpoint-every-s", "100000")  # a checkpoint only at a process's end
+    learners = [start_learner(procs, run_dir, address, i, *no_periodic) for i in range(2)]
+    wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "both learners alive",
+               alive=[syncer, *learners])
+    wait_until(lambda: learner_status(run_dir, 1).get("inner_step", 0) >= 16, "learner 1 trained",
+               alive=[syncer, *learners])
+    frozen = learners[1]
+    os.kill(frozen.pid, signal.SIGSTOP)  # a paused VM: its connection stays open
+    try:
+        wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0], "learner 1 timed out",
+                   alive=[syncer])
+        replacement = procs.start("learner1-replacement", "learner", "--syncer", address, "--learner-id", "1",
+                                  "--run-dir", str(run_dir), "--threads", "1", *no_periodic)
+        wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "the replacement joined",
+                   alive=[syncer, replacement])
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    assert frozen.wait(timeout=PROCESS_WAIT_S) == 3  # refused
+    log = procs.log("learner1")
+    assert "this process (" in log and ") was replaced" in log, log[-2000:]
+    assert load_latest_state(run_dir / "learners" / "1" / "checkpoint") is None  # it left the checkpoint alone
+    rejections = syncer_status(run_dir)["rejections"]
+    assert rejections.get("another_process", 0) >= 1, rejections
+    rounds = syncer_status(run_dir)["rounds_committed"]
+    wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 4, "rounds with the replacement",
+               alive=[syncer, replacement])
+    assert syncer_status(run_dir).get("alive_learners") == [0, 1]
+    for name, learner in (("learner 0", learners[0]), ("the replacement", replacement)):
+        stop(learner, name)
+    assert load_latest_state(run_dir / "learners" / "1" / "checkpoint") is not None  # the replacement's, at its end
+    stop(syncer, "the syncer")
+    assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
+
+
 def test_a_restarted_syncer_refuses_a_round_damaged_on_disk_and_names_it(tmp_path, procs):
     # Issue 13 item 8. Before: the flipped round replayed silently into another global state.
     run_dir = tmp_path / "run"

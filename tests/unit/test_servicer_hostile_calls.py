@@ -89,6 +89,9 @@ class Handler:
     def is_member(self, learner_id: int) -> bool:
         return True
 
+    def replaced(self, learner_id: int, session: str) -> str | None:
+        return None
+
     def genesis(self, genesis, peer):
         self.proposed.append(genesis)
         return True, ""

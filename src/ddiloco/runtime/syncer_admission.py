@@ -28,6 +28,7 @@ from ddiloco.syncer import Syncer
 from ddiloco.transport.grpc_codec import config_difference, shortened
 from ddiloco.transport.grpc_common import NO_GENESIS
 from ddiloco.transport.subscription import Subscription
+from ddiloco.transport.syncer_handler import AnotherProcess
 
 MIN_DUPLICATE_WINDOW_S = 3.0
 """A learner's process heard from within two of its heartbeat periods (and at least this long) is alive: another
@@ -70,7 +71,7 @@ def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | N
 
 
 def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: int, session: str, *,
-                      old: Subscription | None, clock: Clock) -> str | None:
+                      old: Subscription | None, clock: Clock) -> AnotherProcess | None:
     """Why a join must be refused as a second live process of one learner, or None. `session`: the joining process
     (empty: it sent none); `old`: the learner's open subscription. It belongs to another process, and that process is
     alive: heard from (heartbeats, updates) within two heartbeat periods. A process that died (its stream ended) or
@@ -89,9 +90,24 @@ def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: 
     age = clock.now() - old.since
     held = f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s ago"
     if not session:
-        return (f"{held}; this join does not name its process (no ddiloco-session metadata), so it cannot take that "
-                "process's place while it is alive: join with ddiloco's client, or stop the other process")
-    return f"{held}; two processes were started with --learner-id {learner_id} (stop one)"
+        return AnotherProcess(f"{held}; this join does not name its process (no ddiloco-session metadata), so it "
+                              "cannot take that process's place while it is alive: join with ddiloco's client, or "
+                              "stop the other process")
+    return AnotherProcess(f"{held}; two processes were started with --learner-id {learner_id} (stop one)")
+
+
+def replaced_process(learner_id: int, session: str, *, holder: Subscription | None, clock: Clock) -> str | None:
+    """Why a call of process `session` for `learner_id` is refused, or None. `holder`: the learner's subscription,
+    which another process took after this one's stream ended or it fell silent (`duplicate_process`); this process
+    still calling (a SIGSTOPped process continued, a partition healed) would have its update merged beside the new
+    process's, which trains the same data, its heartbeats keep the learner alive and its Leave end the new process's
+    membership. A call or a subscription that names no process cannot be told apart, and passes."""
+    if holder is None or not holder.session or not session or holder.session == session:
+        return None
+    age = clock.now() - holder.since
+    return (f"learner {learner_id} is held by process {holder.session} from {holder.peer}, joined {age:.0f} s ago; "
+            f"this process ({session}) was replaced (its stream had ended or it fell silent), so it stops and leaves "
+            "the learner's checkpoint to that process")
 
 
 def genesis_for_join(join: Join, init: dict[str, torch.Tensor] | None, init_source: str) -> GenesisRecord | str:

@@ -54,16 +54,16 @@ from ddiloco.messages import (
 )
 from ddiloco.metrics import MetricSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.syncer_admission import duplicate_process, genesis_for_join, join_refusal
+from ddiloco.runtime.syncer_admission import duplicate_process, genesis_for_join, join_refusal, replaced_process
 from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, write_genesis
 from ddiloco.runtime.syncer_tally import SyncerTally, round_metrics
 from ddiloco.syncer import Syncer
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_codec import WireModel, shortened
-from ddiloco.transport.grpc_common import NO_GENESIS
+from ddiloco.transport.grpc_common import ANOTHER_PROCESS, NO_GENESIS
 from ddiloco.transport.grpc_server import STOP_GRACE_S
 from ddiloco.transport.subscription import Subscription
-from ddiloco.transport.syncer_handler import STOPPED, peer_host
+from ddiloco.transport.syncer_handler import STOPPED, AnotherProcess, peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,8 @@ class SyncerService:
                 self._carry_out(actions)
                 self._cond.notify_all()
         if refused:
-            self._record(join.learner_id, "refused", reason, peer=peer)
+            self._record(join.learner_id, ANOTHER_PROCESS if isinstance(reason, AnotherProcess) else "refused", reason,
+                         peer=peer)
             return reason
         logger.info("[syncer] learner %d joined from %s", join.learner_id, peer)
         self.sink.event("join", learner_id=join.learner_id, peer=peer, joins=self.tally.joins[join.learner_id])
@@ -337,6 +338,10 @@ class SyncerService:
         with self._cond:
             info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
             return learner_id in self._subscriptions and info is not None and info.alive
+
+    def replaced(self, learner_id: int, session: str) -> str | None:
+        with self._cond:
+            return replaced_process(learner_id, session, holder=self._subscriptions.get(learner_id), clock=self.clock)
 
     def heartbeat(self, heartbeat: Heartbeat) -> bool:
         with self._cond:

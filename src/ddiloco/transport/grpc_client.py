@@ -337,10 +337,10 @@ class SyncerClient:
         return True
 
     def _as_learner(self, learner_id: int) -> tuple[tuple[str, str], ...]:
-        """Metadata of a call acting for `learner_id`: its own token (derived here when given the run token)."""
-        if not self._token:
-            return self._metadata
-        return ((SCHEMA_KEY, str(SCHEMA_VERSION)), (TOKEN_KEY, token_for_learner(self._token, learner_id)))
+        """Metadata of a call acting for `learner_id`: its own token (derived here when given the run token) and this
+        process's session."""
+        token = ((TOKEN_KEY, token_for_learner(self._token, learner_id)),) if self._token else ()
+        return ((SCHEMA_KEY, str(SCHEMA_VERSION)), *token, (SESSION_KEY, self.session))
 
     def _count(self, *, sent: int = 0, received: int = 0) -> None:
         with self._lock:
@@ -359,8 +359,7 @@ class SyncerClient:
         self._check_partition()
         request = encode_join(join, self.diloco_config)
         self._count(sent=request.ByteSize())
-        metadata = (*self._as_learner(join.learner_id), (SESSION_KEY, self.session))
-        call = self._stub.Subscribe(request, metadata=metadata)
+        call = self._stub.Subscribe(request, metadata=self._as_learner(join.learner_id))
         with self._lock:
             self._subscription = call
         decoder = SyncerStreamDecoder(self.model)

@@ -9,8 +9,9 @@ from ddiloco.transport.grpc_codec import MAX_MESSAGE_BYTES
 
 TOKEN_KEY = "ddiloco-token"
 SESSION_KEY = "ddiloco-session"
-"""Metadata of a Subscribe: which process joins (host/pid/random), so a second live process with the same
-learner id is told apart from the same process joining again."""
+"""Metadata of every call a learner makes: which process makes it (host/pid/random), so a second live process with
+the same learner id is told apart from the same process joining again, and a process another one replaced can no
+longer act for the learner."""
 SCHEMA_KEY = "ddiloco-schema-version"
 REASON_KEY = "ddiloco-reason"
 KEEPALIVE_TIME_MS = 10_000
@@ -40,6 +41,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
 ]
 """Options shared by the server and its clients."""
+
+ANOTHER_PROCESS = "another_process"
+"""The reason of a call refused because another process holds its learner id: a second live process joining, or a
+process that another one replaced (after it fell silent or its stream ended) still calling. Such a process stops and
+leaves the learner's checkpoint to the process that holds the id."""
 
 NO_GENESIS = "no_genesis"
 """The reason of a Subscribe refused because the run has no global model yet (the learner then pushes its

@@ -56,6 +56,7 @@ from ddiloco.transport.grpc_client import (
     error_text,
 )
 from ddiloco.transport.grpc_codec import WireError
+from ddiloco.transport.grpc_common import ANOTHER_PROCESS
 
 RECONNECT_DELAY_S = (0.1, 2.0)
 MALFORMED_JOINS_TO_REFUSE = 3
@@ -264,7 +265,7 @@ class LearnerIO:
             except grpc.RpcError as exc:
                 fault = classify(exc)
                 if fault is Fault.REFUSED:
-                    self._refused(error_text(exc))
+                    self._refused(error_text(exc), error_reason(exc))
                     return
                 code = exc.code() if callable(getattr(exc, "code", None)) else None
                 unreadable = unreadable + 1 if code == grpc.StatusCode.INVALID_ARGUMENT else 0
@@ -343,9 +344,10 @@ class LearnerIO:
                     else "the run already has a genesis")
         return True
 
-    def _refused(self, text: str) -> None:
+    def _refused(self, text: str, reason: str | None = None) -> None:
+        """`reason`: the wire's reason of the refusal (`ddiloco-reason`), when it has one."""
         logger.debug("[learner %d] refused by the syncer: %s", self.learner_id, text)  # the session says it, once
-        self.inbox.put(Refused(self.learner_id, text))
+        self.inbox.put(Refused(self.learner_id, text, another_process=reason == ANOTHER_PROCESS))
 
     # ---- sender ---------------------------------------------------------------------------------------
 
@@ -378,7 +380,7 @@ class LearnerIO:
             if fault is Fault.REFUSED:
                 self.stats.updates_rejected += 1
                 self.on_fate(update, "rejected", error_reason(exc) or "refused")
-                self._refused(error_text(exc))
+                self._refused(error_text(exc), error_reason(exc))
             elif fault is Fault.REJECTED:
                 self.stats.updates_rejected += 1
                 self.on_fate(update, "rejected", error_reason(exc) or str(RejectReason.MALFORMED))
@@ -423,7 +425,7 @@ class LearnerIO:
             known = self.client.heartbeat(self.learner_id, self.inner_step)
         except grpc.RpcError as exc:
             if classify(exc) is Fault.REFUSED:
-                self._refused(error_text(exc))
+                self._refused(error_text(exc), error_reason(exc))
             return
         missed = self.client.take_downlink_missed()
         if not known and self.connected and self._first_unknown(generation):

@@ -19,6 +19,12 @@ STOPPED = "stopped"
 """`SyncerHandler.snapshot`'s answer once the syncer stops."""
 
 
+class AnotherProcess(str):
+    """A join's refusal because another live process holds the learner id: the server ends the call with the reason
+    `grpc_common.ANOTHER_PROCESS` instead of `refused`, so the refused process knows the learner's checkpoint is not
+    its own to write."""
+
+
 def peer_host(peer: str) -> str:
     """A gRPC peer without its port ('ipv4:127.0.0.1:59704' -> 'ipv4:127.0.0.1'): each new connection of one
     client comes from another port."""
@@ -54,6 +60,11 @@ class SyncerHandler(Protocol):
         ...
 
     def is_member(self, learner_id: int) -> bool: ...
+
+    def replaced(self, learner_id: int, session: str) -> str | None:
+        """Why process `session` may no longer act for `learner_id` (another process joined as that learner after
+        it), or None: it holds the id, or either side names no process."""
+        ...
 
     def heartbeat(self, heartbeat: Heartbeat) -> bool: ...
 

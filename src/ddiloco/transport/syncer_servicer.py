@@ -61,19 +61,26 @@ from ddiloco.transport.grpc_codec import (
     shortened,
 )
 from ddiloco.transport.grpc_common import (
+    ANOTHER_PROCESS,
     NO_GENESIS,
     REASON_KEY,
     SESSION_KEY,
 )
 from ddiloco.transport.shared_chunks import SharedChunks
 from ddiloco.transport.subscription import Subscription, _Newest
-from ddiloco.transport.syncer_handler import STOPPED, SyncerHandler
+from ddiloco.transport.syncer_handler import STOPPED, AnotherProcess, SyncerHandler
 from ddiloco.transport.syncer_stream import encode_syncer_message
 from ddiloco.update_values import DecodeBuffers
 
 T = TypeVar("T")
 
 MAX_SESSION_CHARS = 200
+
+
+def call_session(context: grpc.aio.ServicerContext) -> str:
+    """The process a call names (metadata `ddiloco-session`), or "" when it names none."""
+    return str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
+
 CHUNK_TIMEOUT_S = 60.0
 """An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
 UPLOADS_PER_LEARNER = 4
@@ -206,8 +213,7 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
 
     async def _join(self, context: grpc.aio.ServicerContext, join: Join, config: dict) -> Subscription:
         """The learner's subscription, or the call ends with the refusal."""
-        session = str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
-        answer = await self._off_loop(self.handler.join, join, config, context.peer(), session)
+        answer = await self._off_loop(self.handler.join, join, config, context.peer(), call_session(context))
         if answer is NO_GENESIS:
             self._genesis_asked = True
             context.set_trailing_metadata(((REASON_KEY, NO_GENESIS),))
@@ -216,7 +222,8 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
         if answer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down")
         if isinstance(answer, str):
-            context.set_trailing_metadata(((REASON_KEY, "refused"),))
+            context.set_trailing_metadata(((REASON_KEY, ANOTHER_PROCESS if isinstance(answer, AnotherProcess)
+                                            else "refused"),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {shortened(answer)}")
         return answer
 
@@ -276,7 +283,7 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
                                                   "yet: join first", grpc.StatusCode.NOT_FOUND), None)
         assembler = UpdateAssembler(model, buffers=self.decode_buffers)
         try:
-            update = await self._receive_update(request_iterator, identity, assembler)
+            update = await self._receive_update(request_iterator, identity, call_session(context), assembler)
         except WireError as exc:
             refusal = _detached(exc)
         except asyncio.CancelledError:
@@ -297,7 +304,7 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
         accepted, reason, detail = await asyncio.shield(self._off_loop(self._apply, update, assembler))
         return wire_pb2.UpdateReply(accepted=accepted, reason=reason, detail=detail)
 
-    async def _receive_update(self, requests: AsyncIterator, identity: int | None,
+    async def _receive_update(self, requests: AsyncIterator, identity: int | None, session: str,
                               assembler: UpdateAssembler) -> Update:
         first = await self._next_chunk(requests, "update")
         if first is None:
@@ -310,6 +317,9 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
             raise WireError(str(RejectReason.UNKNOWN_LEARNER),
                             f"learner {learner_id} has not joined (or was timed out): join first",
                             grpc.StatusCode.NOT_FOUND)
+        replaced = await self._off_loop(self.handler.replaced, learner_id, session)
+        if replaced is not None:
+            raise WireError(ANOTHER_PROCESS, replaced, grpc.StatusCode.FAILED_PRECONDITION)
         if self._uploads[learner_id] >= UPLOADS_PER_LEARNER:
             raise WireError("too_many_uploads", f"learner {learner_id} already has {UPLOADS_PER_LEARNER} "
                             "updates in flight", grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -334,13 +344,22 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
     async def Heartbeat(self, request: wire_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> wire_pb2.HeartbeatReply:
         learner_id = await self._check_learner_call(context, request.learner_id)
+        await self._check_process(context, learner_id)
         known = await self._off_loop(self.handler.heartbeat, Heartbeat(learner_id, max(0, int(request.inner_step))))
         return wire_pb2.HeartbeatReply(known=known)
 
     async def Leave(self, request: wire_pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> wire_pb2.LeaveReply:
         learner_id = await self._check_learner_call(context, request.learner_id)
+        await self._check_process(context, learner_id)
         await self._off_loop(self.handler.leave, Leave(learner_id))
         return wire_pb2.LeaveReply()
+
+    async def _check_process(self, context: grpc.aio.ServicerContext, learner_id: int) -> None:
+        """A call from a process that another process of its learner id replaced is refused (`ANOTHER_PROCESS`)."""
+        replaced = await self._off_loop(self.handler.replaced, learner_id, call_session(context))
+        if replaced is not None:
+            await self._refuse(context, WireError(ANOTHER_PROCESS, replaced, grpc.StatusCode.FAILED_PRECONDITION),
+                               learner_id)
 
     async def Status(self, request: wire_pb2.StatusRequest,
                      context: grpc.aio.ServicerContext) -> wire_pb2.StatusReply:
