@@ -26,10 +26,12 @@ esac
 """
 DDILOCO = """#!/usr/bin/env bash
 role=$1
+RUN_DIR=${RUN_DIR:-$(for a in "$@"; do [ "${prev:-}" = --run-dir ] && echo "$a"; prev=$a; done)}
 case "$role" in
     token) echo learner-token; exit 0 ;;
     syncer)
         [ -n "${SYNCER_EXITS:-}" ] && exit "$SYNCER_EXITS"
+        [ -s "$RUN_DIR/config.json" ] || echo '{}' > "$RUN_DIR/config.json"
         trap 'echo "syncer stopped, learner finished: $([ -e "$RUN_DIR/finished" ] && echo yes || echo no)" \\
               >> "$RUN_DIR/events"; exit 0' TERM
         echo '{"address": "n0:50051"}' > "$RUN_DIR/syncer.json"
@@ -53,6 +55,8 @@ def start(tmp_path: Path, **env: str) -> subprocess.Popen:
     environment = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[0-1]",
                    "SLURM_JOB_ID": "42", "RUN_DIR": str(run_dir), "SLURM_DIR": str(SLURM),
                    "DDILOCO": str(stubs / "ddiloco"), "STABLE_AFTER_S": "1", **env}
+    if not environment["RUN_DIR"]:
+        del environment["RUN_DIR"]  # the script's default
     return subprocess.Popen(["bash", str(SLURM / "ddiloco.sbatch")], env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -90,3 +94,18 @@ def test_a_second_job_leaves_the_live_syncers_address_file_alone(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the live syncer holds it
         output = finish(start(tmp_path, SYNCER_EXITS="1"))
     assert (run_dir / "syncer.json").read_text() == '{"address": "live"}', output
+
+
+def test_a_new_submission_starts_a_new_run_and_a_requeue_resumes_its_own(tmp_path):
+    # The default run directory was one per job name: a second sbatch resumed the first's finished run and trained
+    # nothing. It is the job's own now, which a requeue (same job id) finds again.
+    outputs = []
+    for job, restarts in (("42", "0"), ("42", "1"), ("43", "0")):
+        output = finish(start(tmp_path, RUN_DIR="", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NAME="exp",
+                              SLURM_JOB_ID=job, SLURM_RESTART_COUNT=restarts))
+        outputs.append(output)
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["slurm-exp-42", "slurm-exp-43"], outputs
+    assert f"run {runs / 'slurm-exp-42'} (a new run)" in outputs[0], outputs[0]
+    assert f"run {runs / 'slurm-exp-42'} (resuming: restart 1 of job 42)" in outputs[1], outputs[1]
+    assert f"run {runs / 'slurm-exp-43'} (a new run)" in outputs[2], outputs[2]
