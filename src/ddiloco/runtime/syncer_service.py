@@ -386,8 +386,9 @@ class SyncerService:
                 return  # counted; summed up by _summarise_refusals
         more = (f" (more from {peer_host(peer) or '-'} are summed up every {self.config.refusal_log_period_s:g} s)"
                 if throttled else "")
-        logger.warning("[syncer] rejected %s from learner %s (%s): %s%s", reason, learner_id, peer or "-", detail,
-                       more)
+        # Before its token is checked a call is nobody's: "from learner None" read as a learner's id.
+        who = f"learner {learner_id}" if learner_id is not None else "a caller"
+        logger.warning("[syncer] rejected %s from %s (%s): %s%s", reason, who, peer or "-", detail, more)
         self.sink.event("rejection", learner_id=learner_id, reason=reason, detail=detail, peer=peer,
                         fragment=fragment, inner_step=inner_step)
 

@@ -155,8 +155,9 @@ _HANDSHAKE_FAILURES = (
      "the syncer's certificate is not signed by the CA this process trusts: give --tls-ca the certificate of the CA "
      "that signed the syncer's --tls-cert (for a self-signed certificate, that certificate itself)"),
     (("Hostname Verification Check failed", "is not in peer certificate"),
-     "the syncer's certificate does not name the host dialled: give --tls-server-name a name the certificate holds "
-     "(its subjectAltName), or dial the syncer by that name"),
+     "the syncer's certificate does not hold the name checked (--tls-server-name when given, else the host dialled): "
+     "give --tls-server-name a name the certificate holds (its subjectAltName: `openssl x509 -noout -ext "
+     "subjectAltName -in CERT`), or dial the syncer by that name"),
     (("WRONG_VERSION_NUMBER",),
      "the syncer does not speak TLS but this process does: TLS is on one side only; drop --tls-ca, or start the "
      "syncer with --tls-cert and --tls-key"),
