@@ -110,7 +110,7 @@ class Watcher:
     def __init__(self, model: nn.Module, evaluate: Evaluate, *, address: str, config: RunConfig,
                  every_s: float = DEFAULT_EVERY_S, token: str | None = None, run_dir: Path | None = None,
                  sink: MetricSink | None = None, tls_ca: bytes | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None, declare_config: bool = False) -> None:
         if not (math.isfinite(every_s) and every_s >= 0):
             raise invalid("every_s", every_s, "seconds >= 0")
         from ddiloco.transport.grpc_client import SyncerClient
@@ -132,6 +132,9 @@ class Watcher:
         self.model = model
         self.evaluate = evaluate
         self.every_s = every_s
+        self._declared = config.to_dict() if declare_config else None
+        """The run config the model and validation data were built from (the built-in evaluator's), which the
+        syncer checks against its run's; None for a script's model."""
         self.run_dir = run_dir
         self.directory = run_dir / EVALUATOR_DIR if run_dir is not None else None
         self.buffers_of: list[int] = []
@@ -176,7 +179,7 @@ class Watcher:
             logger.info("[evaluator] the syncer at %s has no global model yet (no genesis): waiting for it",
                         self.client.address)
         with self._cancelled_when(self._stop.is_set):
-            for welcome in self.client.watch(min_interval_s=self.every_s):
+            for welcome in self.client.watch(min_interval_s=self.every_s, run_config=self._declared):
                 backoff.reset()
                 self._evaluate(welcome)
                 if self._stop.is_set():
@@ -298,11 +301,13 @@ class Watcher:
 def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None, syncer: str | None = None,
           run_dir: str | Path | None = None, token_file: str | Path | None = None, token: str | None = None,
           config: RunConfig | str | Path | None = None, tls_ca: str | Path | None = None,
-          tls_server_name: str | None = None) -> Watcher:
+          tls_server_name: str | None = None, declare_config: bool = False) -> Watcher:
     """Evaluate the run's global model with `evaluate(model)` (a float loss, or a dict of metrics) every
     `every_s` seconds until the run ends (SIGTERM); returns the finished `Watcher`. `evaluate` runs with the model in
     eval mode and under `torch.no_grad()` (`torch.enable_grad()` inside it for a metric that needs gradients). Where
-    to connect comes from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`)."""
+    to connect comes from the environment `ddiloco run` sets, or from the keywords (as for `ddiloco.session`).
+    `declare_config`: the model and the data `evaluate` reads were built from `config` (the built-in evaluator's), so
+    the syncer refuses the watch when a model or data setting differs from its run's."""
     from ddiloco.environment import environment
 
     env = environment()
@@ -333,7 +338,7 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
         tls = read_ca_file(tls_ca)
     period = every_s if every_s is not None else env.eval_every_s
     watcher = Watcher(model, evaluate, address=address, config=run_config, every_s=period, token=token,
-                      run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name)
+                      run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name, declare_config=declare_config)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         # SIGHUP too where it has Python's default (a closed terminal), as a learner's session takes it.

@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
-SCHEMA_VERSION = 5
-"""Bumped on any incompatible change to these messages or their wire encoding."""
+SCHEMA_VERSION = 6
+"""Bumped on any incompatible change to these messages or their wire encoding, and on a change a process of the
+previous version would get around: 6 (2026-12-06) adds the run config the built-in learner declares at its join (a
+learner of 5 declared none, so one with other settings could still become the run's genesis) and the built-in
+evaluator at its watch, and the session every learner call names."""
 
 
 @dataclass(frozen=True)

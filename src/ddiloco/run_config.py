@@ -219,13 +219,14 @@ def flag_name(section: str | None, name: str) -> str:
 _RUN_FIELD = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
-def fixed_differences(saved: RunConfig, wanted: RunConfig) -> list[str]:
+def fixed_differences(saved: RunConfig, wanted: RunConfig, *, sections: tuple[str, ...] | None = None) -> list[str]:
     """Every setting of `wanted` that differs from the run's own (`saved`) but cannot change for an existing run
-    (see RESUMABLE), as its flag with both values: `--model-width 64 (the run has 32)`."""
+    (see RESUMABLE), as its flag with both values: `--model-width 64 (the run has 32)`. `sections`: only the
+    settings of these sections (of every section and the run's own fields when None)."""
     changed = [(None, name, getattr(saved, name), getattr(wanted, name))
-               for name in RUN_FIELDS if name not in RESUMABLE]
+               for name in RUN_FIELDS if name not in RESUMABLE and sections is None]
     for section, (cls, _) in SECTIONS.items():
-        if section not in RESUMABLE:
+        if section not in RESUMABLE and (sections is None or section in sections):
             changed += [(section, f.name, getattr(getattr(saved, section), f.name),
                          getattr(getattr(wanted, section), f.name)) for f in dataclasses.fields(cls)]
     return [f"{flag_name(section, name)} {_shown(new)} (the run has {_shown(old)})"

@@ -63,7 +63,8 @@ def evaluate_global(config: RunConfig, *, device: str = "cpu", **watch_options: 
     """The evaluator: validation loss of the global model on the held-out tail, until the run ends."""
     model = build_model(config.model).to(device)
     batches = validation_batches(load_corpus(), config.data, num_batches=EVAL_BATCHES)
-    ddiloco.watch(model, lambda m: {"val_loss": estimate_loss(m, batches)}, config=config, **watch_options)
+    ddiloco.watch(model, lambda m: {"val_loss": estimate_loss(m, batches)}, config=config, declare_config=True,
+                  **watch_options)
 
 
 def run_config_of(env: LearnerEnvironment) -> RunConfig:

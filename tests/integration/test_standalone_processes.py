@@ -107,6 +107,25 @@ def test_a_learner_whose_model_differs_from_the_runs_config_is_refused_before_it
     assert (run_dir / GENESIS_FILE).exists()
 
 
+def test_an_evaluator_whose_model_or_data_differs_from_the_runs_is_refused(procs, tmp_path, run_token):
+    # Before: an evaluator started by hand on another host with other model settings of the same shapes (4 heads of 8
+    # for the run's 2 of 16) loaded the global model into another architecture, and one with another validation share
+    # measured other data (the learners' training data included): either way a loss that was not the run's, without a
+    # word.
+    run_dir = tmp_path / "run"
+    _, address = start_syncer(procs, run_dir, run_token, *RUN_FLAGS, "--inner-steps", "16")
+    for name, flags, difference in (("heads", ("--model-num-heads", "4"), "--model-num-heads 4 (the run has 2)"),
+                                    ("data", ("--data-val-fraction", "0.2"), "--data-val-fraction 0.2 (the run has "
+                                              "0.05)")):
+        evaluator = procs.start(f"evaluator-{name}", "evaluator", "--syncer", address, "--run-dir",
+                                str(tmp_path / "host-b" / name), "--token-file", str(run_token), "--threads", "1",
+                                *TINY_MODEL_FLAGS, "--num-fragments", "2", "--sync-every", "8", *flags)
+        code, log = exits(procs, f"evaluator-{name}", evaluator)
+        assert code == EXIT_REFUSED, log[-3000:]
+        assert f"this evaluator's settings differ from the run's: {difference}" in log, log[-3000:]
+        assert "--config FILE" in log, log[-3000:]
+
+
 def test_a_restarted_syncer_writes_what_may_change_and_refuses_what_may_not_naming_both_values(
         procs, tmp_path, run_token):
     run_dir = tmp_path / "run"

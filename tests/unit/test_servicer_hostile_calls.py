@@ -92,6 +92,9 @@ class Handler:
     def replaced(self, learner_id: int, session: str) -> str | None:
         return None
 
+    def watch_refusal(self, declared: dict | None) -> str | None:
+        return None
+
     def genesis(self, genesis, peer):
         self.proposed.append(genesis)
         return True, ""

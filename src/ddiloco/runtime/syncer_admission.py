@@ -52,22 +52,32 @@ def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloc
     return None
 
 
-def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | None) -> str | None:
+def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | None, *,
+                          who: str = "learner", sections: tuple[str, ...] | None = None) -> str | None:
     """Why the run config a learner declared (the built-in learner's: its model and data were built from it) is not
     this run's, or None. Before 2026-12-06 a learner started by hand without the run's config.json (its own run
     directory on its host) joined first with the default model, which became the run's genesis for good, and every
-    learner with the run's settings was then refused as a different model."""
+    learner with the run's settings was then refused as a different model. `sections`: compare only these (all
+    that a run cannot change when None)."""
     if declared is None:
         return None
     try:
         theirs = RunConfig.from_dict(dict(declared))
     except (TypeError, ValueError) as exc:
-        return f"the run config this learner declared is not one: {shortened(str(exc))}"
-    differences = fixed_differences(run_config, theirs)
+        return f"the run config this {who} declared is not one: {shortened(str(exc))}"
+    differences = fixed_differences(run_config, theirs, sections=sections)
     if not differences:
         return None
-    return (f"this learner's settings differ from the run's: {', '.join(differences)}; start it with the run's "
+    return (f"this {who}'s settings differ from the run's: {', '.join(differences)}; start it with the run's "
             "config.json (--config FILE, a copy of the syncer's DIR/config.json)")
+
+
+def watch_refusal(run_config: RunConfig, declared: Mapping[str, Any] | None) -> str | None:
+    """Why an evaluator that declared the run config its model and validation data were built from (the built-in
+    evaluator) is refused, or None: a model or data setting differs from the run's. Until 2026-12-06 one started by
+    hand with other settings of the same shapes (4 heads for 2) loaded the global model into another architecture,
+    and one with another validation share measured other data, without a word."""
+    return _declared_differences(run_config, declared, who="evaluator", sections=("model", "data"))
 
 
 def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: int, session: str, *,

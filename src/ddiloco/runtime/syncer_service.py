@@ -54,7 +54,13 @@ from ddiloco.messages import (
 )
 from ddiloco.metrics import MetricSink
 from ddiloco.run_config import RunConfig
-from ddiloco.runtime.syncer_admission import duplicate_process, genesis_for_join, join_refusal, replaced_process
+from ddiloco.runtime.syncer_admission import (
+    duplicate_process,
+    genesis_for_join,
+    join_refusal,
+    replaced_process,
+    watch_refusal,
+)
 from ddiloco.runtime.syncer_state import GenesisRecord, Restored, SyncerStore, write_genesis
 from ddiloco.runtime.syncer_tally import SyncerTally, round_metrics
 from ddiloco.syncer import Syncer
@@ -338,6 +344,9 @@ class SyncerService:
         with self._cond:
             info = self.syncer.learners.get(learner_id) if self.syncer is not None else None
             return learner_id in self._subscriptions and info is not None and info.alive
+
+    def watch_refusal(self, declared: dict | None) -> str | None:
+        return watch_refusal(self.run_config, declared)  # the run config never changes: no lock
 
     def replaced(self, learner_id: int, session: str) -> str | None:
         with self._cond:

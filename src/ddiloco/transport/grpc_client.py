@@ -31,8 +31,9 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -449,10 +450,13 @@ class SyncerClient:
         self._count(sent=sum(c.ByteSize() for c in chunks), received=reply.ByteSize())
         return reply.accepted
 
-    def watch(self, *, min_interval_s: float) -> Iterator[Welcome]:
+    def watch(self, *, min_interval_s: float, run_config: Mapping[str, Any] | None = None) -> Iterator[Welcome]:
         """A read-only subscription (an evaluator): the whole global model, at once and then after new
-        rounds, at most every `min_interval_s`. Ends when the syncer stops or the call is cancelled."""
-        call = self._stub.Watch(wire_pb2.WatchRequest(min_interval_s=min_interval_s), metadata=self._metadata)
+        rounds, at most every `min_interval_s`. Ends when the syncer stops or the call is cancelled. `run_config`: the
+        run config (as a dict) the evaluator's model and data were built from, which the syncer checks, or None."""
+        request = wire_pb2.WatchRequest(min_interval_s=min_interval_s, run_config_json="" if run_config is None
+                                        else json.dumps(dict(run_config), sort_keys=True))
+        call = self._stub.Watch(request, metadata=self._metadata)
         with self._lock:
             self._subscription = call
         decoder = SyncerStreamDecoder(self.model)

@@ -61,6 +61,10 @@ class SyncerHandler(Protocol):
 
     def is_member(self, learner_id: int) -> bool: ...
 
+    def watch_refusal(self, declared: dict | None) -> str | None:
+        """Why a watch whose evaluator declared the run config `declared` (None: it declared none) is refused."""
+        ...
+
     def replaced(self, learner_id: int, session: str) -> str | None:
         """Why process `session` may no longer act for `learner_id` (another process joined as that learner after
         it), or None: it holds the id, or either side names no process."""

@@ -57,6 +57,7 @@ from ddiloco.transport.genesis_codec import Genesis, GenesisAssembler, genesis_l
 from ddiloco.transport.grpc_codec import (
     UpdateAssembler,
     WireError,
+    decode_config,
     decode_join,
     shortened,
 )
@@ -429,6 +430,13 @@ class SyncerServicer(CallChecks, wire_pb2_grpc.SyncerServicer):
         if not (math.isfinite(interval) and interval >= 0):
             await self._refuse(context, WireError("malformed", f"min_interval_s={interval} is invalid: expected >= 0"),
                                None)
+        try:
+            declared = decode_config(request.run_config_json, "run_config_json") or None
+        except WireError as exc:
+            await self._refuse(context, exc, None)
+        refusal = None if declared is None else await self._off_loop(self.handler.watch_refusal, declared)
+        if refusal is not None:
+            await self._refuse(context, WireError("refused", refusal, grpc.StatusCode.FAILED_PRECONDITION), None)
         if self._watches >= WATCHES_AT_ONCE:
             await self._refuse(context, WireError(
                 "too_many_watches", f"{WATCHES_AT_ONCE} watches are open already (a watcher that does not read holds "

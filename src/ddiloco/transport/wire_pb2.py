@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x64iloco/transport/wire.proto\x12\x0c\x64\x64iloco.wire\"X\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0c\n\x04zero\x18\x05 \x01(\x08\"\x8d\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x16\n\x0eschema_version\x18\x02 \x01(\x05\x12\x1a\n\x12\x63onfig_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12\x64iloco_config_json\x18\x04 \x01(\t\x12.\n\nmodel_spec\x18\x05 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\x12\n\nembeddings\x18\x06 \x03(\t\x12\x0f\n\x07\x61liases\x18\x07 \x03(\t\x12\x1b\n\x13max_tokens_per_step\x18\x08 \x01(\x03\x12\x0f\n\x07\x62uffers\x18\t \x03(\t\x12\x17\n\x0frun_config_json\x18\n \x01(\t\"\x84\x01\n\rGenesisHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\x12\n\nembeddings\x18\x03 \x03(\t\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"I\n\x0cGenesisChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.ddiloco.wire.GenesisHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\x0cGenesisReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"&\n\x0cWatchRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\".\n\x06OnTime\x12\x13\n\x0blearner_ids\x18\x01 \x03(\x03\x12\x0f\n\x07margins\x18\x02 \x03(\x02\"\x96\x01\n\x0e\x46ragmentHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12%\n\x07on_time\x18\x05 \x01(\x0b\x32\x14.ddiloco.wire.OnTime\"\xd2\x01\n\x13\x46ragmentDeltaHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12+\n\x07tensors\x18\x05 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\x06 \x01(\x07\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x07\x12%\n\x07on_time\x18\x08 \x01(\x0b\x32\x14.ddiloco.wire.OnTime\"p\n\rWelcomeHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12/\n\tfragments\x18\x03 \x03(\x0b\x32\x1c.ddiloco.wire.FragmentHeader\"m\n\x0fRejectedMessage\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\xfb\x01\n\x0bSyncerChunk\x12.\n\x07welcome\x18\x01 \x01(\x0b\x32\x1b.ddiloco.wire.WelcomeHeaderH\x00\x12\x36\n\x0e\x66ragment_state\x18\x02 \x01(\x0b\x32\x1c.ddiloco.wire.FragmentHeaderH\x00\x12\x31\n\x08rejected\x18\x03 \x01(\x0b\x32\x1d.ddiloco.wire.RejectedMessageH\x00\x12;\n\x0e\x66ragment_delta\x18\x05 \x01(\x0b\x32!.ddiloco.wire.FragmentDeltaHeaderH\x00\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x42\x06\n\x04kind\"\xd7\x01\n\x0cUpdateHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12+\n\x07tensors\x18\x08 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\t \x01(\x07\x12\r\n\x05\x66inal\x18\n \x01(\x08\"G\n\x0bUpdateChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.ddiloco.wire.UpdateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"?\n\x0bUpdateReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\":\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x12\n\ninner_step\x18\x02 \x01(\x03\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\"\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xea\x03\n\x06Syncer\x12\x43\n\tSubscribe\x12\x19.ddiloco.wire.JoinRequest\x1a\x19.ddiloco.wire.SyncerChunk0\x01\x12\x44\n\nPushUpdate\x12\x19.ddiloco.wire.UpdateChunk\x1a\x19.ddiloco.wire.UpdateReply(\x01\x12I\n\tHeartbeat\x12\x1e.ddiloco.wire.HeartbeatRequest\x1a\x1c.ddiloco.wire.HeartbeatReply\x12=\n\x05Leave\x12\x1a.ddiloco.wire.LeaveRequest\x1a\x18.ddiloco.wire.LeaveReply\x12@\n\x06Status\x12\x1b.ddiloco.wire.StatusRequest\x1a\x19.ddiloco.wire.StatusReply\x12G\n\x0bPushGenesis\x12\x1a.ddiloco.wire.GenesisChunk\x1a\x1a.ddiloco.wire.GenesisReply(\x01\x12@\n\x05Watch\x12\x1a.ddiloco.wire.WatchRequest\x1a\x19.ddiloco.wire.SyncerChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x64iloco/transport/wire.proto\x12\x0c\x64\x64iloco.wire\"X\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0c\n\x04zero\x18\x05 \x01(\x08\"\x8d\x02\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x16\n\x0eschema_version\x18\x02 \x01(\x05\x12\x1a\n\x12\x63onfig_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12\x64iloco_config_json\x18\x04 \x01(\t\x12.\n\nmodel_spec\x18\x05 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\x12\n\nembeddings\x18\x06 \x03(\t\x12\x0f\n\x07\x61liases\x18\x07 \x03(\t\x12\x1b\n\x13max_tokens_per_step\x18\x08 \x01(\x03\x12\x0f\n\x07\x62uffers\x18\t \x03(\t\x12\x17\n\x0frun_config_json\x18\n \x01(\t\"\x84\x01\n\rGenesisHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\x12\n\nembeddings\x18\x03 \x03(\t\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"I\n\x0cGenesisChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.ddiloco.wire.GenesisHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\x0cGenesisReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"?\n\x0cWatchRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\".\n\x06OnTime\x12\x13\n\x0blearner_ids\x18\x01 \x03(\x03\x12\x0f\n\x07margins\x18\x02 \x03(\x02\"\x96\x01\n\x0e\x46ragmentHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12%\n\x07on_time\x18\x05 \x01(\x0b\x32\x14.ddiloco.wire.OnTime\"\xd2\x01\n\x13\x46ragmentDeltaHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12+\n\x07tensors\x18\x05 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\x06 \x01(\x07\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x07\x12%\n\x07on_time\x18\x08 \x01(\x0b\x32\x14.ddiloco.wire.OnTime\"p\n\rWelcomeHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12/\n\tfragments\x18\x03 \x03(\x0b\x32\x1c.ddiloco.wire.FragmentHeader\"m\n\x0fRejectedMessage\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\xfb\x01\n\x0bSyncerChunk\x12.\n\x07welcome\x18\x01 \x01(\x0b\x32\x1b.ddiloco.wire.WelcomeHeaderH\x00\x12\x36\n\x0e\x66ragment_state\x18\x02 \x01(\x0b\x32\x1c.ddiloco.wire.FragmentHeaderH\x00\x12\x31\n\x08rejected\x18\x03 \x01(\x0b\x32\x1d.ddiloco.wire.RejectedMessageH\x00\x12;\n\x0e\x66ragment_delta\x18\x05 \x01(\x0b\x32!.ddiloco.wire.FragmentDeltaHeaderH\x00\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x42\x06\n\x04kind\"\xd7\x01\n\x0cUpdateHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12+\n\x07tensors\x18\x08 \x03(\x0b\x32\x1a.ddiloco.wire.TensorHeader\x12\r\n\x05\x63rc32\x18\t \x01(\x07\x12\r\n\x05\x66inal\x18\n \x01(\x08\"G\n\x0bUpdateChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.ddiloco.wire.UpdateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"?\n\x0bUpdateReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\":\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x12\n\ninner_step\x18\x02 \x01(\x03\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\"\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xea\x03\n\x06Syncer\x12\x43\n\tSubscribe\x12\x19.ddiloco.wire.JoinRequest\x1a\x19.ddiloco.wire.SyncerChunk0\x01\x12\x44\n\nPushUpdate\x12\x19.ddiloco.wire.UpdateChunk\x1a\x19.ddiloco.wire.UpdateReply(\x01\x12I\n\tHeartbeat\x12\x1e.ddiloco.wire.HeartbeatRequest\x1a\x1c.ddiloco.wire.HeartbeatReply\x12=\n\x05Leave\x12\x1a.ddiloco.wire.LeaveRequest\x1a\x18.ddiloco.wire.LeaveReply\x12@\n\x06Status\x12\x1b.ddiloco.wire.StatusRequest\x1a\x19.ddiloco.wire.StatusReply\x12G\n\x0bPushGenesis\x12\x1a.ddiloco.wire.GenesisChunk\x1a\x1a.ddiloco.wire.GenesisReply(\x01\x12@\n\x05Watch\x12\x1a.ddiloco.wire.WatchRequest\x1a\x19.ddiloco.wire.SyncerChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,37 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENESISREPLY']._serialized_start=618
   _globals['_GENESISREPLY']._serialized_end=666
   _globals['_WATCHREQUEST']._serialized_start=668
-  _globals['_WATCHREQUEST']._serialized_end=706
-  _globals['_ONTIME']._serialized_start=708
-  _globals['_ONTIME']._serialized_end=754
-  _globals['_FRAGMENTHEADER']._serialized_start=757
-  _globals['_FRAGMENTHEADER']._serialized_end=907
-  _globals['_FRAGMENTDELTAHEADER']._serialized_start=910
-  _globals['_FRAGMENTDELTAHEADER']._serialized_end=1120
-  _globals['_WELCOMEHEADER']._serialized_start=1122
-  _globals['_WELCOMEHEADER']._serialized_end=1234
-  _globals['_REJECTEDMESSAGE']._serialized_start=1236
-  _globals['_REJECTEDMESSAGE']._serialized_end=1345
-  _globals['_SYNCERCHUNK']._serialized_start=1348
-  _globals['_SYNCERCHUNK']._serialized_end=1599
-  _globals['_UPDATEHEADER']._serialized_start=1602
-  _globals['_UPDATEHEADER']._serialized_end=1817
-  _globals['_UPDATECHUNK']._serialized_start=1819
-  _globals['_UPDATECHUNK']._serialized_end=1890
-  _globals['_UPDATEREPLY']._serialized_start=1892
-  _globals['_UPDATEREPLY']._serialized_end=1955
-  _globals['_HEARTBEATREQUEST']._serialized_start=1957
-  _globals['_HEARTBEATREQUEST']._serialized_end=2015
-  _globals['_HEARTBEATREPLY']._serialized_start=2017
-  _globals['_HEARTBEATREPLY']._serialized_end=2048
-  _globals['_LEAVEREQUEST']._serialized_start=2050
-  _globals['_LEAVEREQUEST']._serialized_end=2084
-  _globals['_LEAVEREPLY']._serialized_start=2086
-  _globals['_LEAVEREPLY']._serialized_end=2098
-  _globals['_STATUSREQUEST']._serialized_start=2100
-  _globals['_STATUSREQUEST']._serialized_end=2115
-  _globals['_STATUSREPLY']._serialized_start=2117
-  _globals['_STATUSREPLY']._serialized_end=2151
-  _globals['_SYNCER']._serialized_start=2154
-  _globals['_SYNCER']._serialized_end=2644
+  _globals['_WATCHREQUEST']._serialized_end=731
+  _globals['_ONTIME']._serialized_start=733
+  _globals['_ONTIME']._serialized_end=779
+  _globals['_FRAGMENTHEADER']._serialized_start=782
+  _globals['_FRAGMENTHEADER']._serialized_end=932
+  _globals['_FRAGMENTDELTAHEADER']._serialized_start=935
+  _globals['_FRAGMENTDELTAHEADER']._serialized_end=1145
+  _globals['_WELCOMEHEADER']._serialized_start=1147
+  _globals['_WELCOMEHEADER']._serialized_end=1259
+  _globals['_REJECTEDMESSAGE']._serialized_start=1261
+  _globals['_REJECTEDMESSAGE']._serialized_end=1370
+  _globals['_SYNCERCHUNK']._serialized_start=1373
+  _globals['_SYNCERCHUNK']._serialized_end=1624
+  _globals['_UPDATEHEADER']._serialized_start=1627
+  _globals['_UPDATEHEADER']._serialized_end=1842
+  _globals['_UPDATECHUNK']._serialized_start=1844
+  _globals['_UPDATECHUNK']._serialized_end=1915
+  _globals['_UPDATEREPLY']._serialized_start=1917
+  _globals['_UPDATEREPLY']._serialized_end=1980
+  _globals['_HEARTBEATREQUEST']._serialized_start=1982
+  _globals['_HEARTBEATREQUEST']._serialized_end=2040
+  _globals['_HEARTBEATREPLY']._serialized_start=2042
+  _globals['_HEARTBEATREPLY']._serialized_end=2073
+  _globals['_LEAVEREQUEST']._serialized_start=2075
+  _globals['_LEAVEREQUEST']._serialized_end=2109
+  _globals['_LEAVEREPLY']._serialized_start=2111
+  _globals['_LEAVEREPLY']._serialized_end=2123
+  _globals['_STATUSREQUEST']._serialized_start=2125
+  _globals['_STATUSREQUEST']._serialized_end=2140
+  _globals['_STATUSREPLY']._serialized_start=2142
+  _globals['_STATUSREPLY']._serialized_end=2176
+  _globals['_SYNCER']._serialized_start=2179
+  _globals['_SYNCER']._serialized_end=2669
 # @@protoc_insertion_point(module_scope)
