@@ -9,7 +9,8 @@ import time
 import grpc
 
 from ddiloco.messages import Join, ModelSpec, Refused
-from ddiloco.transport.learner_io import MALFORMED_JOINS_TO_REFUSE, LearnerIO
+from ddiloco.transport.grpc_codec import WireError
+from ddiloco.transport.learner_io import MALFORMED_JOINS_TO_REFUSE, MISFIT_WELCOMES_TO_REFUSE, LearnerIO
 from tests.helpers import StubSyncerClient
 
 WAIT_S = 30.0
@@ -34,7 +35,7 @@ class Answer(grpc.RpcError):
 class Syncer(StubSyncerClient):
     """A client whose every subscription is answered with `answer`."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Exception) -> None:
         self.answer, self.subscriptions = answer, 0
 
     def subscribe(self, join):
@@ -70,6 +71,36 @@ def test_a_syncer_out_of_room_for_now_is_asked_again():
     try:
         deadline = time.monotonic() + WAIT_S
         while syncer.subscriptions <= MALFORMED_JOINS_TO_REFUSE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not any(isinstance(m, Refused) for m in io.inbox.take_ready())
+    finally:
+        io.close(leave=False)
+
+
+def test_a_welcome_that_does_not_fit_the_learners_model_is_a_refusal_after_a_few_in_a_row():
+    # The syncer's fragments held other tensors than the learner's (a process of another version, whose plan for a
+    # Hugging Face model's names differed): the learner re-joined for ever (99 times in 3 minutes), the run never ended.
+    misfit = WireError("wrong_tensors", "fragment 0 holds tensors ['a', 'b'], got ['a', 'c']")
+    syncer = Syncer(misfit)
+    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
+    io.start()
+    try:
+        (refused,) = [m for m in messages_within(io, WAIT_S) if isinstance(m, Refused)]
+    finally:
+        io.close(leave=False)
+    assert syncer.subscriptions == MISFIT_WELCOMES_TO_REFUSE
+    assert "do not fit this learner's model, 3 times in a row (wrong_tensors: fragment 0 holds" in refused.reason
+    assert "--fragment-strategy" in refused.reason
+
+
+def test_a_message_damaged_in_flight_is_joined_again_without_a_bound():
+    syncer = Syncer(WireError("corrupt", "fragment 0: CRC32 of its 64 tensor bytes is 1, the header says 2"))
+    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
+    io.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while syncer.subscriptions <= MISFIT_WELCOMES_TO_REFUSE:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert not any(isinstance(m, Refused) for m in io.inbox.take_ready())

@@ -60,6 +60,13 @@ from ddiloco.transport.grpc_common import ANOTHER_PROCESS
 
 RECONNECT_DELAY_S = (0.1, 2.0)
 MALFORMED_JOINS_TO_REFUSE = 3
+MISFIT_WELCOMES_TO_REFUSE = 3
+"""Messages from the syncer in a row, with no Welcome read between them, that do not fit this learner's model (other
+tensors in a fragment, another fragment count or codec: `MISFITS`), after which the learner stops as refused. Such a
+mismatch (the syncer and the learner cut the model into fragments differently: another ddiloco version, another
+--fragment-strategy) comes back at every join; the learner re-joined for ever while the run never ended. A message
+damaged in flight (`corrupt`, `truncated`) is not one: it is re-joined without a bound."""
+MISFITS = frozenset({str(RejectReason.WRONG_TENSORS), str(RejectReason.BAD_FRAGMENT), str(RejectReason.WRONG_CODEC)})
 """Subscriptions in a row the syncer answers INVALID_ARGUMENT (it cannot read this learner's join) after which the
 learner stops as refused, with the syncer's words: the same join would be answered the same way for ever."""
 """(first, longest) wait between a learner's attempts to subscribe again after its stream to the syncer broke."""
@@ -248,6 +255,7 @@ class LearnerIO:
     def _receive_loop(self) -> None:
         backoff = Backoff(*RECONNECT_DELAY_S)
         unreadable = 0  # joins in a row the syncer could not read (INVALID_ARGUMENT)
+        misfits = 0  # messages in a row that do not fit this learner's model (MISFITS)
         while not self._stop.is_set():
             self._rejoin.clear()
             try:
@@ -258,7 +266,7 @@ class LearnerIO:
                         self.stats.welcomes += 1
                         self._watch.reached()
                         backoff.reset()
-                        unreadable = 0
+                        unreadable = misfits = 0
                     self.inbox.put(message, deliver_at)
             except ChaosFault as exc:
                 logger.info("[learner %d] %s; re-joining", self.learner_id, error_text(exc))
@@ -290,6 +298,13 @@ class LearnerIO:
                         self._fail_over()
             except WireError as exc:
                 self._watch.reached()
+                misfits = misfits + 1 if exc.reason in MISFITS else 0
+                if misfits >= MISFIT_WELCOMES_TO_REFUSE:
+                    self._refused(f"the syncer's messages do not fit this learner's model, {misfits} times in a row "
+                                  f"({exc}): the syncer and this learner cut the model into fragments differently; "
+                                  "run the same ddiloco version and the same --num-fragments and --fragment-strategy "
+                                  "everywhere")
+                    return
                 logger.error("[learner %d] malformed message from the syncer (%s); re-joining", self.learner_id, exc)
             if self.connected:
                 self.stats.disconnects += 1
