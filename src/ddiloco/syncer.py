@@ -487,13 +487,41 @@ class Syncer:
             "outer": self.outer.state_dict(),
             "merged_base": {i: dict(info.merged_base) for i, info in self.learners.items()},
             "downlink_residual": self._downlink.state_dict(),
+            "fragments": [list(names) for names in self.plan.fragments],
         }
+
+    def _plan_difference(self, state: Mapping) -> str | None:
+        """How the fragment plan `state` was written with differs from this syncer's, or None. The outer momentum is
+        kept by position within each fragment: loaded into another plan it lands on other tensors (a tensor of the
+        same shape takes another's momentum without a word). A state from before the plan was saved with it
+        (2026-12-06) is checked by its momentum's shapes."""
+        saved = state.get("fragments")
+        if saved is not None:
+            for p, (theirs, ours) in enumerate(zip(saved, self.plan.fragments, strict=False)):
+                if list(theirs) != list(ours):
+                    return f"fragment {p} held {list(theirs)}, this syncer's plan puts {list(ours)} in it"
+            if len(saved) != self.plan.num_fragments:
+                return f"it has {len(saved)} fragments, this syncer's plan {self.plan.num_fragments}"
+            return None
+        for p, (fragment, outer) in enumerate(zip(self._global, state["outer"], strict=False)):
+            buffers = outer.get("state", {})
+            for position, (name, tensor) in enumerate(fragment.items()):
+                momentum = buffers.get(position, {}).get("momentum_buffer")
+                if momentum is not None and tuple(momentum.shape) != tuple(tensor.shape):
+                    return (f"fragment {p}'s momentum at position {position} has shape {tuple(momentum.shape)}, "
+                            f"where this syncer's plan puts {name!r} {tuple(tensor.shape)}")
+        return None
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping) -> None:
         if state["config_fingerprint"] != self.config.fingerprint():
             raise ValueError("checkpoint was written with a different algorithm config "
                              f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
+        difference = self._plan_difference(state)
+        if difference is not None:
+            raise ValueError(f"the syncer's state was written with another fragment plan ({difference}): a ddiloco "
+                             "version that cuts this model into fragments differently wrote it; resume the run with "
+                             "the version that started it")
         for frag in self._global:
             for name, tensor in frag.items():
                 tensor.copy_(state["global"][name])
