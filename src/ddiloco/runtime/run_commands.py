@@ -311,7 +311,11 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
                ray_options: RayOptions | None, command: Sequence[str] | None, supervisor_config: Any) -> int:
     """`ddiloco run` once its run directory is resolved and claimed: start, supervise, report. `started`: every pid
     this session started, by child name, filled in as they start (empty: no process of the run ran)."""
+    # Everything the end of the run needs (the report too) is imported before its processes start: a package upgraded
+    # on disk under a running launcher (`pip install -U`) had the end of the run import the report from the new version
+    # beside the old modules (an ImportError, no summary, no plots; a Ctrl-C ended in it with status 1).
     from ddiloco.metrics import JsonlSink
+    from ddiloco.runtime import report  # noqa: F401
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.run_dir import record_processes
