@@ -28,11 +28,26 @@ COMMAND_MODULES = (
 EXIT_USAGE = 2
 
 
+class _Version(argparse.Action):
+    """`ddiloco --version`: the package's version and the wire schema its processes speak, which every process of one
+    run must share (a process of another schema is refused as `bad_schema`). The schema is read when asked for: its
+    module imports torch."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show the version and the wire schema, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from ddiloco.messages import SCHEMA_VERSION
+
+        parser.exit(message=f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddiloco",
         description="Decoupled DiLoCo: resilient, low-communication distributed pre-training.")
-    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
+    parser.add_argument("--version", action=_Version)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -78,7 +78,8 @@ class CallChecks:
         if schema != str(SCHEMA_VERSION):
             await self._refuse(context, WireError(
                 "bad_schema", f"wire schema version {schema or 'missing'}, but the syncer speaks {SCHEMA_VERSION}: "
-                "run the same ddiloco version everywhere", grpc.StatusCode.FAILED_PRECONDITION), None)
+                "run the same ddiloco version everywhere (`ddiloco --version` shows each one's schema)",
+                grpc.StatusCode.FAILED_PRECONDITION), None)
         return identity
 
     @staticmethod
