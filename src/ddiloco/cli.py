@@ -40,7 +40,8 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         from ddiloco.messages import SCHEMA_VERSION
 
-        parser.exit(message=f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})\n")
+        print(f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
