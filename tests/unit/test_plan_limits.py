@@ -15,7 +15,8 @@ from ddiloco.cli import main
 from ddiloco.plan.failures import MAX_SLICES_DOWN, FailureModel, max_chips, steady_state_down
 from ddiloco.plan.goodput import SYSTEMS, Estimate, horizon_for, simulate
 from ddiloco.plan.scenario import LayoutConfig, ReconfigurationCosts, Scenario, SimulationConfig
-from ddiloco.plan.systems import group_hardware
+from ddiloco.plan.systems import group_hardware, healthy_chips, quorum_stalls
+from ddiloco.plan.timeline import StepFunction
 
 EXIT_USAGE = 2
 SMALL = SimulationConfig(failures=200, replicas=2, seed=3)
@@ -106,3 +107,57 @@ def test_simulated_goodput_uptime_and_tokens_stay_within_their_ranges():
     for estimate in (result.goodput, result.uptime):
         assert 0.0 <= estimate.low <= estimate.mean <= estimate.high <= 1.0, estimate
     assert 0.0 <= result.tokens_per_hour.low <= result.tokens_per_hour.mean
+
+
+@pytest.mark.parametrize("flags", [("--chips", "1200000", "--chips-per-slice", "10000"), ("--mtbi-s", "100000")])
+def test_a_failure_model_that_keeps_more_chips_down_than_there_are_is_refused(capsys, flags):
+    # Before: printed as results, exit 0: Decoupled -13.3 % and -5.8e11 tokens an hour at 10,000 chips a slice
+    # (each chip failure takes 10,000 chips down for 3,586 s on average, one chip in a year: 1.14 slices down per
+    # slice), -26.2 % at an MTBI of 100,000 s.
+    assert main(["plan", "goodput", *flags, "--no-plot"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "keeps more chips down than the cluster has" in err and "--chips-per-slice" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_chips_down_are_never_more_than_the_group_has():
+    # Below that bound the count still passes the group's size at times: a chip whose slice is already down fails
+    # again and takes a slice more down (the model's upper bound). The healthy chips stop at 0 instead of below.
+    model = FailureModel(chips_per_slice=8000)  # 0.91 slices down per slice on average: 136 of 150
+    chips = 1_200_000
+    hardware = group_hardware(np.random.default_rng(0), chips, model, 3e5)
+    assert hardware.down.levels.max() > chips  # what the model draws here: more than every chip down at times
+    healthy = healthy_chips(hardware, chips)
+    assert healthy.levels.min() == 0.0 and healthy.initial >= 0.0
+    assert np.array_equal(healthy.levels, chips - np.minimum(hardware.down.levels, chips))
+    result = simulate("decoupled", Scenario(layout=LayoutConfig(chips=chips, learners=8), failures=model), SMALL)
+    assert 0.0 <= result.goodput.mean <= 1.0 and result.tokens_per_hour.mean >= 0.0, result
+
+
+def test_quorum_stalls_take_memory_of_the_events_not_of_learners_times_events():
+    # Before: every learner's values on the union of all breakpoints, a learners x breakpoints array: 640 MB here,
+    # 4.75 GiB (a MemoryError) for `plan goodput --chips 1e7 --learners 20000`.
+    rng = np.random.default_rng(5)
+    learners, pauses, horizon_s = 2000, 10, 1e6
+    running = []
+    for _ in range(learners):
+        starts = np.sort(rng.uniform(0.0, horizon_s, pauses))
+        running.append(StepFunction.from_values(np.concatenate([[0.0], starts, starts + 10.0]),
+                                                np.concatenate([[1.0], np.zeros(pauses), np.ones(pauses)]),
+                                                initial=1.0))
+    present = StepFunction(np.array([]), np.array([]), initial=float(learners))
+    tracemalloc.start()
+    try:
+        starts, ends = quorum_stalls(running, present, learners, horizon_s)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < BOUNDED_BYTES, f"{peak / 2**20:.0f} MiB"
+    # With the quorum at every learner, training stalls whenever any learner pauses: the union of the pauses.
+    pauses_from = np.sort(np.concatenate([f.times[f.levels == 0.0] for f in running]))
+    union, end = 0.0, -np.inf
+    for start in pauses_from:  # merged by hand: each pause lasts 10 s
+        union += 10.0 - max(0.0, min(end - start, 10.0))
+        end = max(end, start + 10.0)
+    assert starts[0] == pauses_from[0] and np.all(ends > starts)
+    assert float(np.sum(ends - starts)) == pytest.approx(union, rel=1e-9)

@@ -130,6 +130,15 @@ class Scenario:
             raise ValueError(f"chips={self.layout.chips} is invalid: expected at most {most:.3g} chips with this "
                              f"failure model (mtbi_s={self.failures.mtbi_s:g}), which has {MAX_SLICES_DOWN:.0e} "
                              "slices down at once there, the most one draw can count; use fewer chips")
+        down_per_slice = self.failures.lost_capacity_fraction()
+        if down_per_slice >= 1.0:
+            raise ValueError(f"chips_per_slice={self.failures.chips_per_slice} is invalid: the failure model keeps "
+                             f"more chips down than the cluster has ({down_per_slice:.3g} slices down per slice on "
+                             "average: "
+                             f"a chip fails once in {self.failures.mtbi_s:g} s and takes its slice of "
+                             f"{self.failures.chips_per_slice} chips down for {self.failures.recovery_mean_s():.4g} s "
+                             "on average); use smaller slices (--chips-per-slice), a longer --mtbi-s or shorter "
+                             "recoveries (--recovery-scale-s)")
         if self.failures.chips_per_slice > self.layout.chips_per_learner:
             raise ValueError(f"chips_per_slice={self.failures.chips_per_slice} is invalid: a learner has only "
                              f"{self.layout.chips_per_learner:g} chips (chips={self.layout.chips}, "
