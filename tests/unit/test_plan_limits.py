@@ -161,3 +161,34 @@ def test_quorum_stalls_take_memory_of_the_events_not_of_learners_times_events():
         end = max(end, start + 10.0)
     assert starts[0] == pauses_from[0] and np.all(ends > starts)
     assert float(np.sum(ends - starts)) == pytest.approx(union, rel=1e-9)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    # Before: "lam value too large" and "lam < 0 or lam is NaN" (NumPy's words, no flag), after two RuntimeWarnings.
+    (("goodput", "--mtbi-s", "1e308", "--chips", "1", "--learners", "1", "--chips-per-slice", "1"),
+     "--mtbi-s=1e+308 is invalid"),
+    (("goodput", "--recovery-scale-s", "1e307"), "--recovery-scale-s=1e+307 is invalid"),
+    # Before: printed as results, exit 0, and as `Infinity` / `NaN` in the JSON, which strict parsers refuse.
+    (("goodput", "--tokens-per-chip-s", "1e308"), "tokens_per_hour.mean = inf, not a finite number"),
+    (("bandwidth", "--step-time-s", "1e-300"), "up_gbps = inf, not a finite number"),
+])
+def test_inputs_at_the_edges_of_float64_are_refused_in_one_line_naming_what(capsys, argv, needle):
+    assert main(["plan", *argv, "--no-plot", "--json"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert needle in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "Warning" not in captured.err and "Infinity" not in captured.out, captured
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    # Before: 1e12 failures asked NumPy for 7.28 TiB; a window of a microsecond ran for minutes into gigabytes.
+    (("goodput", "--failures", "1000000000000"), "--failures=1000000000000 is invalid"),
+    (("goodput", "--scavenge-extra-learners", "1", "--scavenge-window-s", "1e-6"), "--scavenge-window-s=1e-06"),
+    # Before: ignored without a word, while --chips 5 still refused the grid as a layout of 5 chips.
+    (("goodput", "--paper-grid", "--systems", "decoupled", "--chips", "5"), "drop --chips, --systems"),
+    # Before: 1e14 fragments of 12e9 parameters needed 83,333 Gbps (a value counted per fragment).
+    (("bandwidth", "--num-fragments", "100000000000000"), "--num-fragments=100000000000000 is invalid"),
+])
+def test_work_without_bound_and_flags_without_effect_are_refused_in_one_line(capsys, argv, needle):
+    assert main(["plan", *argv, "--no-plot"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -127,6 +127,10 @@ class BandwidthConfig:
         require(math.isfinite(self.step_time_s) and self.step_time_s > 0, "step_time_s", "seconds > 0")
         require(isinstance(self.learners, int) and self.learners >= 1, "learners", "an integer >= 1")
         require(isinstance(self.num_fragments, int) and self.num_fragments >= 1, "num_fragments", "an integer >= 1")
+        # More fragments than parameters counted a value per fragment: 1e14 fragments of 12e9 parameters needed 83,333
+        # Gbps instead of about 2.
+        require(self.num_fragments <= self.params, "num_fragments",
+                f"at most the model's parameters ({self.params:g}): a fragment holds at least one")
         require(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an integer >= 1")
         require(isinstance(self.overlap_steps, int) and self.overlap_steps >= 0, "overlap_steps", "an integer >= 0")
         for name in ("codec", "downlink_codec", "gradient_codec"):

@@ -19,7 +19,7 @@ from pathlib import Path
 from ddiloco.flags import add_config_flags, config_from_args
 from ddiloco.plan.bandwidth import BandwidthConfig, plan_bandwidth
 from ddiloco.plan.failures import FailureModel
-from ddiloco.plan.goodput import SYSTEMS, simulate
+from ddiloco.plan.goodput import SYSTEMS, horizon_for, simulate
 from ddiloco.plan.paper_grid import grid_simulation, run_paper_grid
 from ddiloco.plan.scenario import LayoutConfig, ReconfigurationCosts, ScavengeConfig, Scenario, SimulationConfig
 
@@ -142,23 +142,70 @@ def _scenario(args: argparse.Namespace, chips: int | None = None) -> Scenario:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `ddiloco plan goodput` or `ddiloco plan bandwidth`; the exit code."""
-    if args.plan_command == "goodput":
-        return _run_goodput(args)
-    if args.plan_command == "bandwidth":
-        return _run_bandwidth(args)
+    """Run `ddiloco plan goodput` or `ddiloco plan bandwidth`; the exit code. NumPy's overflow warnings are off: a
+    result that is not finite is refused in one line instead (`_out_of_range`)."""
+    import numpy as np
+
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if args.plan_command == "goodput":
+            return _run_goodput(args)
+        if args.plan_command == "bandwidth":
+            return _run_bandwidth(args)
     return _usage_error(args, f"unknown planner {args.plan_command!r}: expected goodput or bandwidth")
 
 
 def _print_json(obj: dict) -> None:
     sys.stdout.flush()
-    print(json.dumps(obj, sort_keys=False))
+    print(json.dumps(obj, sort_keys=False, allow_nan=False))  # results are checked finite first (`_non_finite`)
+
+
+def _non_finite(obj: object, path: str = "") -> tuple[str, float] | None:
+    """The first number in `obj` (a result's dict) that is not finite, with where it is ("results[0].goodput.mean"),
+    or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
+def _out_of_range(args: argparse.Namespace, result: dict) -> int | None:
+    """A usage error when a result is not a finite number (inputs at float64's edges: `--step-time-s 1e-300` gave inf
+    Gbps, `--tokens-per-chip-s 1e308` inf tokens an hour, printed as results and as non-standard JSON), else None."""
+    found = _non_finite(result)
+    if found is None:
+        return None
+    where, value = found
+    return _usage_error(args, f"the inputs give {where} = {value}, not a finite number: an input is too large or too "
+                              "small for float64 arithmetic; give values nearer to a real cluster's")
+
+
+MAX_SCAVENGE_WINDOWS = 1e6
+"""Most availability windows of scavenged learners one replica draws (one at a time): `--scavenge-window-s 1e-6` ran
+for minutes into gigabytes before 2026-12-06."""
+
+
+def _check_paper_grid_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flags `--paper-grid` sets itself (the paper's chip counts, learners and systems), when
+    given: they were ignored without a word, while the scenario checks still ran on them (`--chips 5` refused the
+    grid, which simulates 150 k chips and more)."""
+    given = [flag for flag, value, default in (("--chips", args.chips, None), ("--learners", args.learners, None),
+                                               ("--systems", args.systems, ",".join(SYSTEMS)),
+                                               ("--sweep-chips", args.sweep_chips, "")) if value != default]
+    if given:
+        raise ValueError(f"--paper-grid simulates the paper's chip counts, learners and systems itself: drop "
+                         f"{', '.join(given)} (the failure model, costs, quorum and simulation flags apply)")
 
 
 def _run_goodput(args: argparse.Namespace) -> int:
     from ddiloco.plan import report
 
     try:
+        if args.paper_grid:
+            _check_paper_grid_flags(args)
         systems = _systems(args.systems)
         chips_list = _int_list("--sweep-chips", args.sweep_chips) if args.sweep_chips else [None]
         scenarios = [_scenario(args, chips) for chips in chips_list]
@@ -169,6 +216,21 @@ def _run_goodput(args: argparse.Namespace) -> int:
         else:
             sim = config_from_args(SimulationConfig, args)
         out = _plot_dir(args)
+    except ValueError as exc:
+        return _usage_error(args, _as_flag(exc, GOODPUT_CONFIGS))
+    try:
+        for scenario in scenarios:
+            horizon_s = horizon_for(scenario, sim)
+            if not (math.isfinite(horizon_s) and horizon_s > 0):
+                raise ValueError(f"mtbi_s={scenario.failures.mtbi_s:g} is invalid: {scenario.layout.chips} chips fail "
+                                 f"once in {scenario.failures.mtbi_s / scenario.layout.chips:g} s, so {sim.failures} "
+                                 f"failures take {horizon_s:g} s, past what float64 holds; use a shorter --mtbi-s, "
+                                 "more --chips or fewer --failures")
+            windows = horizon_s / scenario.scavenge.window_s
+            if scenario.scavenge.extra_learners and windows > MAX_SCAVENGE_WINDOWS:
+                raise ValueError(f"window_s={scenario.scavenge.window_s:g} is invalid: the {horizon_s:.3g} s simulated "
+                                 f"would hold about {windows:.3g} availability windows, each drawn in turn (at most "
+                                 f"{MAX_SCAVENGE_WINDOWS:.0e}); give a longer window or fewer --failures")
     except ValueError as exc:
         return _usage_error(args, _as_flag(exc, GOODPUT_CONFIGS))
     con = report.console()
@@ -191,6 +253,9 @@ def _run_goodput(args: argparse.Namespace) -> int:
             if scenario.scavenge.extra_learners:
                 without = simulate(system, baseline, sim)
                 ratios.append(without.tokens_per_hour.mean / result.tokens_per_hour.mean)
+    refused = _out_of_range(args, {"results": [r.to_dict() for r in results], "wall_time_vs_no_scavenging": ratios})
+    if refused is not None:
+        return refused
     con.print(report.goodput_table(results, ratios or None))
     if not args.no_plot:
         con.print(f"plot: {report.plot_goodput(results, out / 'plan_goodput.png')}")
@@ -212,6 +277,9 @@ def _run_bandwidth(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _usage_error(args, _as_flag(exc, BANDWIDTH_CONFIGS))
     plan = plan_bandwidth(config)
+    refused = _out_of_range(args, plan.to_dict())
+    if refused is not None:
+        return refused
     con = report.console()
     for table in report.bandwidth_tables(plan):
         con.print(table)

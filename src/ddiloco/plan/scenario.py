@@ -95,6 +95,11 @@ class ScavengeConfig:
                  "a finite number > 0 (seconds)")
 
 
+MAX_FAILURES = 1_000_000
+"""Most interruptions one replica simulates: its draws are of this order (1e6: 34 s and 1 GB here; 1e12 asked NumPy for
+7.28 TiB)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SimulationConfig:
     """How much to simulate: more failures and replicas give narrower confidence intervals."""
@@ -108,8 +113,8 @@ class SimulationConfig:
     """Seed of every random draw; the same seed gives bitwise the same results."""
 
     def __post_init__(self) -> None:
-        require(isinstance(self.failures, int) and self.failures >= 10, "failures", self.failures,
-                 "an integer >= 10")
+        require(isinstance(self.failures, int) and 10 <= self.failures <= MAX_FAILURES, "failures", self.failures,
+                f"an integer between 10 and {MAX_FAILURES:,} (more replicas narrow the intervals too)")
         require(isinstance(self.replicas, int) and self.replicas >= 2, "replicas", self.replicas,
                  "an integer >= 2 (a confidence interval needs two)")
         require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
@@ -130,6 +135,11 @@ class Scenario:
             raise ValueError(f"chips={self.layout.chips} is invalid: expected at most {most:.3g} chips with this "
                              f"failure model (mtbi_s={self.failures.mtbi_s:g}), which has {MAX_SLICES_DOWN:.0e} "
                              "slices down at once there, the most one draw can count; use fewer chips")
+        recovery_s = self.failures.recovery_mean_s()
+        if not math.isfinite(recovery_s):
+            raise ValueError(f"recovery_scale_s={self.failures.recovery_scale_s:g} is invalid: the mean recovery it "
+                             f"gives is {recovery_s} s, not a finite number; give a recovery scale in seconds a real "
+                             "slice takes (the default is 2400)")
         down_per_slice = self.failures.lost_capacity_fraction()
         if down_per_slice >= 1.0:
             raise ValueError(f"chips_per_slice={self.failures.chips_per_slice} is invalid: the failure model keeps "
