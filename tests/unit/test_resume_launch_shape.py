@@ -124,3 +124,28 @@ def test_round_files_all_on_a_run_that_removed_its_early_rounds_files_says_a_rep
     assert pruned_rounds_note(tmp_path) == (
         "--round-files all keeps every round's file from now on, but this run ran with --round-files recent before "
         "and removed the early ones (it holds from round_000030 on): a replay from the genesis is not possible")
+
+
+def test_a_run_from_before_the_record_that_kept_every_rounds_file_keeps_them_on_a_plain_resume(tmp_path):
+    # A run started before `launcher/command.json` recorded its launch shape kept every round's file (the versions of
+    # then had no --round-files); a plain --resume by this version took today's default, `recent`, and deleted rounds
+    # 0-11 and the first full state without a word: a replay from the genesis was no longer possible.
+    from ddiloco.round_log import RoundLog
+    from ddiloco.runtime.run_dir import LAUNCH_SHAPE, resumed_launch_shape
+    from ddiloco.runtime.run_settings import RunSettings
+
+    defaults = {name: getattr(RunSettings, name) for name in LAUNCH_SHAPE}
+    log = RoundLog(tmp_path)
+    log.path.parent.mkdir(parents=True, exist_ok=True)
+    log.path.write_text('{"round": 0}\n')
+    log.tensor_dir.mkdir(parents=True, exist_ok=True)
+    log.tensors_path(0).write_bytes(b"round 0")
+    kept, notes = resumed_launch_shape(tmp_path, {}, defaults)
+    assert kept == {"round_files": "all"}
+    assert notes == ("resuming with --round-files all: this run was started before ddiloco recorded its launch "
+                     "settings, and it kept every round's file (give --round-files recent to keep only what a restart "
+                     "needs)",)
+    # Given on the resume, the flag is used as given; and a run whose early files are gone has nothing to keep.
+    assert resumed_launch_shape(tmp_path, {"round_files": "recent"}, defaults) == ({}, ())
+    log.tensors_path(0).unlink()
+    assert resumed_launch_shape(tmp_path, {}, defaults) == ({}, ())

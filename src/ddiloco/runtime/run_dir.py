@@ -305,8 +305,10 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
     """The LAUNCH_SHAPE settings a `--resume` of `run_dir` takes from the run's record, and lines for the console:
     each one not `given` (a flag left out) is the run's recorded value, said when it is not the default; one given
     that differs from the record is used, and that is said. A run recorded before the shape was (or none recorded)
-    takes nothing: the flags given and the defaults, as before."""
-    record = _recorded_launch(run_dir) or {}
+    takes the flags given and the defaults, but for its rounds' files: one that kept every round's file (round 0's is
+    there) keeps them (`--round-files all`), as the version that started it did; the default removed them."""
+    recorded = _recorded_launch(run_dir)
+    record = recorded or {}
     kept = {name: record[name] for name in LAUNCH_SHAPE if name not in given and name in record}
     notes = []
     if shown := [_shown(name, value) for name, value in kept.items() if value != defaults[name]]:
@@ -316,7 +318,23 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
         notes.append(f"resuming with {' '.join(_shown(name, given[name]) for name in differ)}, which "
                      f"differs from what the run last ran with: "
                      f"{' '.join(_shown(name, record[name]) for name in differ)}")
+    if recorded is None and "round_files" not in given and _kept_every_round(run_dir):
+        kept["round_files"] = "all"
+        notes.append("resuming with --round-files all: this run was started before ddiloco recorded its launch "
+                     "settings, and it kept every round's file (give --round-files recent to keep only what a restart "
+                     "needs)")
     return kept, tuple(notes)
+
+
+def _kept_every_round(run_dir: Path) -> bool:
+    """Whether the run's round log is not empty and round 0's file is still there."""
+    from ddiloco.round_log import RoundLog
+
+    log = RoundLog(run_dir)
+    try:
+        return log.path.stat().st_size > 0 and log.tensors_path(0).exists()
+    except OSError:
+        return False
 
 
 def pruned_rounds_note(run_dir: Path) -> str | None:
