@@ -307,8 +307,7 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
     that differs from the record is used, and that is said. A run recorded before the shape was (or none recorded)
     takes the flags given and the defaults, but for its rounds' files: one that kept every round's file (round 0's is
     there) keeps them (`--round-files all`), as the version that started it did; the default removed them."""
-    recorded = _recorded_launch(run_dir)
-    record = recorded or {}
+    record = _recorded_launch(run_dir) or {}
     kept = {name: record[name] for name in LAUNCH_SHAPE if name not in given and name in record}
     notes = []
     if shown := [_shown(name, value) for name, value in kept.items() if value != defaults[name]]:
@@ -318,7 +317,7 @@ def resumed_launch_shape(run_dir: Path, given: Mapping[str, Any],
         notes.append(f"resuming with {' '.join(_shown(name, given[name]) for name in differ)}, which "
                      f"differs from what the run last ran with: "
                      f"{' '.join(_shown(name, record[name]) for name in differ)}")
-    if recorded is None and "round_files" not in given and _kept_every_round(run_dir):
+    if "round_files" not in record and "round_files" not in given and _kept_every_round(run_dir):
         kept["round_files"] = "all"
         notes.append("resuming with --round-files all: this run was started before ddiloco recorded its launch "
                      "settings, and it kept every round's file (give --round-files recent to keep only what a restart "
