@@ -229,3 +229,32 @@ def test_the_summary_names_the_run_directory_absolutely_whatever_path_reached_it
     monkeypatch.chdir(tmp_path)
     summary = build_summary(RunPaths(Path("run")), num_learners=2, outcome="completed", wall_time_s=6.0)
     assert summary["run_dir"] == str(tmp_path / "run")
+
+
+def test_a_learner_whose_model_went_non_finite_is_named_under_the_table(tmp_path):
+    # Before: a learner whose loss was NaN at every step read "done" with 19,200 tokens, the run "completed", and only
+    # its log (79 lines) and summary.json's non_finite_recoveries (78) said it had contributed nothing.
+    paths = fake_run(tmp_path)
+    status = json.loads(paths.learner_status(1).read_text())
+    atomic_write_json(paths.learner_status(1), {**status, "non_finite_recoveries": 78})
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("done", "")})
+    console = Console(width=400, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert ("learner 1's model went non-finite (NaN or infinite) 78 times; each time it was put back to the global "
+            "model and its work since was dropped: 2 rounds had its updates (logs/learner-1.log says when)") in text
+    assert "learner 0's model went non-finite" not in text
+
+
+def test_updates_accepted_is_the_learners_own_count_beside_the_rounds_it_took_part_in(tmp_path):
+    # Before: summary.json's updates_accepted was the syncer's count of rounds the learner took part in (76), the
+    # learner's status its accepted updates (83): an update that missed its round is accepted and folded into the
+    # learner's next one, one round for two updates, and seven updates seemed to vanish.
+    paths = fake_run(tmp_path)
+    status = json.loads(paths.learner_status(0).read_text())
+    atomic_write_json(paths.learner_status(0), {**status, "updates_sent": 5, "updates_accepted": 5})
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("done", "")})
+    zero = summary["learners"]["0"]
+    assert (zero["updates_sent"], zero["updates_accepted"], zero["rounds_contributed"]) == (5, 5, 3)

@@ -214,7 +214,9 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "checkpoint_inner_step": saved,
             "updates_sent": _at_least(status.get("updates_sent"), (from_syncer.get("accepted") or 0)
                                       + (from_syncer.get("rejected") or 0)),
-            "updates_accepted": from_syncer.get("accepted", status.get("updates_accepted")),
+            # The learner's own count, as its status.json says: an update that missed its round is accepted and folded
+            # into its next one, so the rounds it took part in (the syncer's count, `rounds_contributed`) can be fewer.
+            "updates_accepted": _at_least(status.get("updates_accepted"), from_syncer.get("accepted") or 0),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
             "rounds_contributed": contributed.get(learner_id, 0),
             "tokens": status.get("tokens"),
@@ -409,6 +411,13 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "checkpoint: a --resume takes the run's position for it, with its optimizer and data "
                                "afresh (killed before its first checkpoint, or its checkpoints could not be written: "
                                f"logs/learner-{learner_id}.log says which)", style="yellow"))
+    for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
+        recoveries = row.get("non_finite_recoveries") or 0
+        if recoveries:  # a learner that diverged reads "done" in the table, and its loss "-"
+            console.print(Text(f"learner {learner_id}'s model went non-finite (NaN or infinite) {recoveries} times; "
+                               "each time it was put back to the global model and its work since was dropped: "
+                               f"{row.get('rounds_contributed', 0)} rounds had its updates "
+                               f"(logs/learner-{learner_id}.log says when)", style="yellow"))
     non_finite = ((summary.get("syncer") or {}).get("rejections") or {}).get("non_finite", 0)
     if non_finite:  # the table counts them among the rejections; what they mean is worth a line
         console.print(Text(f"the syncer rejected {non_finite} updates as non-finite: a learner's values were NaN or "
