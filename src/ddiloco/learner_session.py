@@ -70,7 +70,7 @@ from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_lifecycle import SessionLifecycle
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
-from ddiloco.step_arguments import check_tokens_bound, step_loss
+from ddiloco.step_arguments import check_tokens_bound, step_loss, user_metrics
 from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
@@ -325,6 +325,14 @@ class Session(SessionLifecycle):
                 raise ValueError(f"at inner step {self.learner.inner_step}, after optimizer.add_param_group: {exc}") \
                     from None
             self._optimizer_groups = len(optimizer.param_groups)
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Log scalars of the script's own (accuracy, learning rate, gradient norm) beside ddiloco's, as
+        `learner/N/NAME`: in this learner's metrics.jsonl, the run's merged one and TensorBoard. `step` defaults to
+        the inner step the last `step()` completed, where that step's loss is: call it after `sync.step()` for the
+        step's values. A value is one number (a float, or a tensor or array of one element); a NaN is written as
+        null."""
+        self.sink.log(user_metrics(self.prefix, metrics), step=self.learner.inner_step if step is None else int(step))
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """Call once after each `optimizer.step()`: `tokens` is how many tokens (or samples) the inner step

@@ -70,3 +70,33 @@ def test_a_negative_learner_id_is_refused_naming_it():
         ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=-1)
     with pytest.raises(ValueError, match=r"learner_id='0' is invalid: expected an integer >= 0"):
         ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id="0")
+
+
+def test_a_script_logs_its_own_metrics_beside_the_loss_at_the_step_it_trained():
+    # Before: no way but the session's own sink, which wrote a tensor as the string "tensor(0.7500)" (TensorBoard
+    # dropped it), took any name (one could overwrite learner/0/loss) and, called before sync.step(), put the step's
+    # values one step before its loss.
+    import numpy as np
+
+    from ddiloco.metrics import MemorySink
+
+    sink = MemorySink()
+    model = TinyNet(seed=1)
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=hub(), learner_id=0,
+                         sink=sink) as sync:
+        sync.step(tokens=4, loss=1.5)
+        sync.log({"acc": torch.tensor(0.75), "lr": np.float32(0.5), "grad/norm": 3})
+        sync.log({"acc": 0.5}, step=7)
+        with pytest.raises(ValueError, match="metric name 'loss' is ddiloco's own \\(learner/0/loss\\)"):
+            sync.log({"acc": 0.1, "loss": 1.0})
+        with pytest.raises(ValueError, match=r"acc=<a tensor of shape \(2,\)> is invalid: expected one number"):
+            sync.log({"acc": torch.ones(2)})
+        with pytest.raises(ValueError, match="metric name 'a b' is invalid"):
+            sync.log({"a b": 1})
+        with pytest.raises(TypeError, match="acc='high' is invalid: expected one number .*, got a str"):
+            sync.log({"acc": "high"})
+    assert sink.series("learner/0/acc") == [(1, 0.75), (7, 0.5)]  # nothing of the refused calls
+    assert sink.series("learner/0/loss") == [(1, 1.5)]
+    assert sink.series("learner/0/lr") == [(1, 0.5)] and sink.series("learner/0/grad/norm") == [(1, 3.0)]
+    assert all(type(value) is float for name in ("acc", "lr", "grad/norm")
+               for _, value in sink.series(f"learner/0/{name}"))  # a number, not a tensor's text
