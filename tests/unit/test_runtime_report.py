@@ -258,3 +258,22 @@ def test_updates_accepted_is_the_learners_own_count_beside_the_rounds_it_took_pa
                             final_states={0: ("done", ""), 1: ("done", "")})
     zero = summary["learners"]["0"]
     assert (zero["updates_sent"], zero["updates_accepted"], zero["rounds_contributed"]) == (5, 5, 3)
+
+
+def test_the_live_view_names_the_round_its_validation_loss_was_measured_at(tmp_path):
+    # Before: "[syncer] 216 rounds, val loss 5.543", the loss of round 0 (the evaluator measures every 10 s), read as
+    # the current model's; the live table's "val loss" column the same.
+    from ddiloco.checkpoint import atomic_write_json
+    from ddiloco.runtime.progress import ProgressView
+
+    paths = fake_run(tmp_path)
+    atomic_write_json(paths.evaluator_status, {"rounds_committed": 0, "val_loss": 5.5432})
+    supervisor = SimpleNamespace(syncer=slot(ChildState.RUNNING), learners=[slot(ChildState.RUNNING, pid=11)])
+    console = Console(width=300, record=True)
+    view = ProgressView(paths, supervisor, console=console, live=False)
+    snapshot = view.snapshot()
+    console.print(view.render(snapshot))
+    view._print_changes(float("inf"), snapshot)
+    text = console.export_text()
+    assert "3 rounds, val loss 5.543 at round 0" in text, text
+    assert "5.543 at round 0" in text.split("3 rounds,")[0], text  # the table's column too

@@ -49,6 +49,16 @@ def _num(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if not isinstance(value, int | float) else f"{value:{spec}}{suffix}"
 
 
+def val_loss_text(status: dict[str, Any]) -> str:
+    """The evaluator's latest validation loss with the round it was measured at ("5.543 at round 0"): it evaluates
+    every --eval-every-s, so beside the syncer's round count the bare number read as the current model's (216 rounds,
+    val loss 5.543: the loss of round 0)."""
+    loss, measured = status.get("val_loss"), status.get("val_loss_round")
+    if not isinstance(loss, int | float):
+        return "-"
+    return f"{loss:.3f}" + (f" at round {measured}" if isinstance(measured, int) else "")
+
+
 @dataclass(frozen=True)
 class LearnerRow:
     """One learner as shown: the supervisor's view merged with its latest status file."""
@@ -115,7 +125,7 @@ def syncer_table(slot: Slot, status: Mapping[str, Any] | None) -> Table:
                                                                           "sync_time_s")) + " s",
         "rejections": ", ".join(f"{k} {v}" for k, v in sorted((status.get("rejections") or {}).items())) or "0",
         "bytes in/out": f"{format_bytes(status.get('bytes_received'))} / {format_bytes(status.get('bytes_sent'))}",
-        "val loss": _num(status.get("val_loss"), ".3f"),
+        "val loss": val_loss_text(status),
     }
     for header in columns:
         table.add_column(header, justify="left")
@@ -196,7 +206,8 @@ class ProgressView:
         syncer_status = read_json_object(self.paths.syncer_status)
         evaluator = read_json_object(self.paths.evaluator_status) or {}
         if syncer_status is not None:  # the validation loss comes from the evaluator (ddiloco.watch)
-            syncer_status = {**syncer_status, "val_loss": evaluator.get("val_loss")}
+            syncer_status = {**syncer_status, "val_loss": evaluator.get("val_loss"),
+                             "val_loss_round": evaluator.get("rounds_committed")}
         rows = [learner_row(slot, read_json_object(self.paths.learner_status(slot.learner_id)), syncer_status, now)
                 for slot in self.supervisor.learners if slot.learner_id is not None]
         return syncer_status, rows
@@ -221,4 +232,4 @@ class ProgressView:
             self._last_summary = now
             steps = " ".join(f"{r.learner_id}:{r.inner_step}" for r in rows)
             self._print(f"{time.strftime('%H:%M:%S')} [syncer] {syncer_status.get('rounds_committed', 0)} rounds, "
-                        f"val loss {_num(syncer_status.get('val_loss'), '.3f')}, inner steps {steps}")
+                        f"val loss {val_loss_text(syncer_status)}, inner steps {steps}")
