@@ -63,19 +63,25 @@ def test_a_join_the_syncer_cannot_read_is_refused_after_a_few_answers_with_its_w
     assert refused.reason == f"the syncer cannot read this learner's join (INVALID_ARGUMENT: {MALFORMED})"
 
 
-def test_a_syncer_out_of_room_for_now_is_asked_again():
-    # RESOURCE_EXHAUSTED (too many streams at once) passes: the learner keeps trying, as before.
-    syncer = Syncer(Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many subscriptions"))
+def assert_asked_again_past(answer: Exception, bound: int) -> None:
+    """A learner whose every subscription is answered with `answer` joins more than `bound` times, unrefused."""
+    syncer = Syncer(answer)
     io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
     io.start()
     try:
         deadline = time.monotonic() + WAIT_S
-        while syncer.subscriptions <= MALFORMED_JOINS_TO_REFUSE:
+        while syncer.subscriptions <= bound:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert not any(isinstance(m, Refused) for m in io.inbox.take_ready())
     finally:
         io.close(leave=False)
+
+
+def test_a_syncer_out_of_room_for_now_is_asked_again():
+    # RESOURCE_EXHAUSTED (too many streams at once) passes: the learner keeps trying, as before.
+    assert_asked_again_past(Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many subscriptions"),
+                            MALFORMED_JOINS_TO_REFUSE)
 
 
 def test_a_welcome_that_does_not_fit_the_learners_model_is_a_refusal_after_a_few_in_a_row():
@@ -95,14 +101,5 @@ def test_a_welcome_that_does_not_fit_the_learners_model_is_a_refusal_after_a_few
 
 
 def test_a_message_damaged_in_flight_is_joined_again_without_a_bound():
-    syncer = Syncer(WireError("corrupt", "fragment 0: CRC32 of its 64 tensor bytes is 1, the header says 2"))
-    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
-    io.start()
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while syncer.subscriptions <= MISFIT_WELCOMES_TO_REFUSE:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert not any(isinstance(m, Refused) for m in io.inbox.take_ready())
-    finally:
-        io.close(leave=False)
+    assert_asked_again_past(WireError("corrupt", "fragment 0: CRC32 of its 64 tensor bytes is 1, the header says 2"),
+                            MISFIT_WELCOMES_TO_REFUSE)
