@@ -51,15 +51,21 @@ def messages_within(io: LearnerIO, seconds: float) -> list:
     return seen
 
 
-def test_a_join_the_syncer_cannot_read_is_refused_after_a_few_answers_with_its_words():
-    syncer = Syncer(Answer(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED))
+def refusal_after(answer: Exception) -> tuple[Refused, int]:
+    """The refusal of a learner whose every subscription is answered with `answer`, and how many times it joined."""
+    syncer = Syncer(answer)
     io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
     io.start()
     try:
         (refused,) = [m for m in messages_within(io, WAIT_S) if isinstance(m, Refused)]
     finally:
         io.close(leave=False)
-    assert syncer.subscriptions == MALFORMED_JOINS_TO_REFUSE
+    return refused, syncer.subscriptions
+
+
+def test_a_join_the_syncer_cannot_read_is_refused_after_a_few_answers_with_its_words():
+    refused, joins = refusal_after(Answer(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED))
+    assert joins == MALFORMED_JOINS_TO_REFUSE
     assert refused.reason == f"the syncer cannot read this learner's join (INVALID_ARGUMENT: {MALFORMED})"
 
 
@@ -87,15 +93,8 @@ def test_a_syncer_out_of_room_for_now_is_asked_again():
 def test_a_welcome_that_does_not_fit_the_learners_model_is_a_refusal_after_a_few_in_a_row():
     # The syncer's fragments held other tensors than the learner's (a process of another version, whose plan for a
     # Hugging Face model's names differed): the learner re-joined for ever (99 times in 3 minutes), the run never ended.
-    misfit = WireError("wrong_tensors", "fragment 0 holds tensors ['a', 'b'], got ['a', 'c']")
-    syncer = Syncer(misfit)
-    io = LearnerIO(syncer, Join(0, ModelSpec(()), "x"), heartbeat_every_s=60.0)
-    io.start()
-    try:
-        (refused,) = [m for m in messages_within(io, WAIT_S) if isinstance(m, Refused)]
-    finally:
-        io.close(leave=False)
-    assert syncer.subscriptions == MISFIT_WELCOMES_TO_REFUSE
+    refused, joins = refusal_after(WireError("wrong_tensors", "fragment 0 holds tensors ['a', 'b'], got ['a', 'c']"))
+    assert joins == MISFIT_WELCOMES_TO_REFUSE
     assert "do not fit this learner's model, 3 times in a row (wrong_tensors: fragment 0 holds" in refused.reason
     assert "--fragment-strategy" in refused.reason
 
