@@ -277,3 +277,24 @@ def test_the_live_view_names_the_round_its_validation_loss_was_measured_at(tmp_p
     text = console.export_text()
     assert "3 rounds, val loss 5.543 at round 0" in text, text
     assert "5.543 at round 0" in text.split("3 rounds,")[0], text  # the table's column too
+
+
+def test_the_loss_curves_break_where_a_resume_started_a_session(tmp_path):
+    # Before: the validation line and each learner's training line joined the last point before a stop to the first
+    # after the --resume, straight across the 40 s the run was stopped, with nothing marking it.
+    import math
+
+    from ddiloco.runtime.report_plots import loss_series
+
+    paths = fake_run(tmp_path)
+    write_lines(paths.launcher_metrics, [{"event": "run_started", "time": 99.0},
+                                         {"event": "run_started", "time": 150.0}])
+    write_lines(paths.evaluator_metrics, [{"step": 0, "time": 100.0, "eval/val_loss": 5.0},
+                                          {"step": 3, "time": 151.0, "eval/val_loss": 4.0}])
+    merge_metrics(paths)
+    series = loss_series(paths)
+    assert series.resumed_at == [150.0]
+    times, values = series.val
+    assert list(times) == [100.0, 150.0, 151.0] and values[0] == 5.0 and math.isnan(values[1]) and values[2] == 4.0
+    for learner_times, learner_values in series.train.values():
+        assert 150.0 in learner_times and math.isnan(learner_values[list(learner_times).index(150.0)])

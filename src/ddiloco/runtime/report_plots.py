@@ -10,7 +10,7 @@ import re
 from array import array
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddiloco.checkpoint import iter_jsonl
 from ddiloco.runtime.progress import format_bytes
@@ -36,17 +36,37 @@ def _no_data(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def plot_val_loss(paths: RunPaths, out: Path) -> None:
-    """Validation loss of the global model vs seconds since the run started, with each learner's
-    training loss underneath for context."""
-    plt = _pyplot()
+class LossSeries(NamedTuple):
+    """What `plot_val_loss` draws, read from a run's merged metrics."""
+
+    train: dict[int, tuple[array, array]]
+    """Each learner's (times, training losses)."""
+    val: tuple[array, array]
+    """The global model's (times, validation losses)."""
+    resumed_at: list[float]
+    """When each session after the first started (`run_started`): every series has a NaN there, so that its line
+    breaks instead of joining the last point before a stop to the first after the resume."""
+    not_finite: int
+    """Validation losses that were not finite (written as null)."""
+    start: float
+
+
+def loss_series(paths: RunPaths) -> LossSeries:
     train: dict[int, tuple[array, array]] = {}
     val: tuple[array, array] = (array("d"), array("d"))
-    not_finite, start = 0, math.inf  # not finite: written as null (strict JSON)
+    resumed_at: list[float] = []
+    not_finite, start, sessions = 0, math.inf, 0  # not finite: written as null (strict JSON)
     for record in iter_jsonl(paths.metrics):  # a long run's: millions of lines, streamed
         if not isinstance(record.get("time"), int | float):
             continue
         start = min(start, record["time"])
+        started = record.get("event") == "run_started" and record.get("source") == "launcher"
+        sessions += started
+        if started and sessions > 1:
+            resumed_at.append(record["time"])
+            for times, values in (val, *train.values()):
+                times.append(record["time"])
+                values.append(math.nan)
         if isinstance(record.get(VAL_LOSS), int | float):
             val[0].append(record["time"])
             val[1].append(record[VAL_LOSS])
@@ -58,6 +78,14 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
                 times, values = train.setdefault(int(match.group(1)), (array("d"), array("d")))
                 times.append(record["time"])
                 values.append(value)
+    return LossSeries(train, val, resumed_at, not_finite, start)
+
+
+def plot_val_loss(paths: RunPaths, out: Path) -> None:
+    """Validation loss of the global model vs seconds since the run started, with each learner's
+    training loss underneath for context; a dotted line where a --resume started a session."""
+    plt = _pyplot()
+    train, val, resumed_at, not_finite, start = loss_series(paths)
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
     for learner_id, (times, values) in sorted(train.items()):
         (times, values), steps = _bucket_means(times, values, PLOT_MAX_POINTS)
@@ -69,6 +97,8 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
     else:
         _no_data(ax, f"none of the {not_finite} validation losses was finite (NaN or inf)" if not_finite
                  else "no validation loss recorded")
+    for number, at in enumerate(resumed_at):
+        ax.axvline(at - start, color="grey", linestyle=":", linewidth=1.0, label="resumed" if number == 0 else None)
     ax.set_xlabel("wall time since start (s)")
     ax.set_ylabel("loss (as the model's loss function measures it)")
     ax.set_title("validation loss vs time")
