@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -84,21 +85,53 @@ class JsonlSink:
 
 class TensorBoardSink:
     """Scalars into TensorBoard event files. Construct through `tensorboard_sink`, which returns
-    None when tensorboard is not installed."""
+    None when tensorboard is not installed.
+
+    The writer opens at the first scalar. When the directory holds event files already (a restarted process: a learner
+    resumed from its checkpoint, a syncer from its state), it opens with `purge_step` at that first step, so TensorBoard
+    hides what the earlier process logged from there on, the steps the restart redoes: the curves went back over them
+    before 2026-12-06 (858 points for 800 steps, 58 twice). An event is text at the latest step logged (it was at step
+    0, every one, of which TensorBoard keeps 10); those before the first scalar wait for it."""
 
     def __init__(self, log_dir: str | Path, writer_cls) -> None:
-        self._writer = writer_cls(str(log_dir))
+        self._log_dir = Path(log_dir)
+        self._writer_cls = writer_cls
+        self._writer = None
+        self._step = 0
+        self._waiting: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _open(self, step: int | None) -> Any:
+        earlier = self._log_dir.is_dir() and any(self._log_dir.glob("events.out.tfevents.*"))
+        writer = self._writer_cls(str(self._log_dir), purge_step=step if earlier else None)
+        for tag, text in self._waiting:
+            writer.add_text(tag, text, self._step)
+        self._waiting.clear()
+        return writer
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            if isinstance(value, int | float):
-                self._writer.add_scalar(name, value, step)
+        with self._lock:
+            self._step = step
+            if self._writer is None:
+                self._writer = self._open(step)
+            for name, value in metrics.items():
+                if isinstance(value, int | float):
+                    self._writer.add_scalar(name, value, step)
 
     def event(self, kind: str, **fields: Any) -> None:
-        self._writer.add_text(f"events/{kind}", json.dumps(fields, default=str))
+        text = json.dumps(fields, default=str)
+        with self._lock:
+            if self._writer is None:
+                self._waiting.append((f"events/{kind}", text))
+            else:
+                self._writer.add_text(f"events/{kind}", text, self._step)
 
     def close(self) -> None:
-        self._writer.close()
+        with self._lock:
+            if self._writer is None and self._waiting:
+                self._writer = self._open(None)
+            if self._writer is not None:
+                self._writer.close()
 
 
 def tensorboard_sink(log_dir: str | Path) -> TensorBoardSink | None:
