@@ -463,7 +463,9 @@ class SyncerService:
     def _committed(self, record: RoundRecord) -> None:
         assert self.syncer is not None, "commits come from the core"
         self.tally.count_commit(record, self.syncer.fragment_shares)
-        self.sink.log(round_metrics(record), step=record.round_index)
+        # At the rounds committed with it, the evaluator's step for the model it measures after them: the same model at
+        # one step in TensorBoard (the round's 0-based index put the syncer's a step before the evaluator's).
+        self.sink.log(round_metrics(record), step=record.round_index + 1)
         self.sink.event("commit", round=record.round_index, fragment=record.fragment, version=record.version,
                         learners=[p.learner_id for p in record.participants])
 

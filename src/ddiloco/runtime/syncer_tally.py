@@ -28,7 +28,8 @@ OTHER_REFUSALS = ("various", "other peers")
 
 
 def round_metrics(record: RoundRecord) -> dict[str, float]:
-    """The metrics the service logs for a committed round, at step `record.round_index`."""
+    """The metrics the service logs for a committed round, at step `record.round_index + 1` (the rounds committed with
+    it, as the evaluator's steps count)."""
     staleness = max(p.staleness for p in record.participants)
     return {
         "syncer/rounds_committed": record.round_index + 1,
