@@ -4,6 +4,7 @@ syncer is alive leaves that syncer's address file alone."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -57,15 +58,19 @@ def start(tmp_path: Path, **env: str) -> subprocess.Popen:
                    "DDILOCO": str(stubs / "ddiloco"), "STABLE_AFTER_S": "1", **env}
     if not environment["RUN_DIR"]:
         del environment["RUN_DIR"]  # the script's default
+    # Its own process group: a test that fails ends the stub steps too (a timed-out one left restart.sh and the stub
+    # syncer looping behind it).
     return subprocess.Popen(["bash", str(SLURM / "ddiloco.sbatch")], env=environment, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def finish(process: subprocess.Popen) -> str:
     try:
         output, _ = process.communicate(timeout=TIMEOUT_S)
     finally:
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     return output
 
 
