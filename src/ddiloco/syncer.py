@@ -103,6 +103,13 @@ class RejectionRecord:
     detail: str
 
 
+
+def plan_refusal(difference: str) -> ValueError:
+    """The error of a syncer state written with another fragment plan than this syncer's (`difference` says how)."""
+    return ValueError(f"the syncer's state was written with another fragment plan ({difference}): a ddiloco version "
+                      "that cuts this model into fragments differently wrote it; resume the run with the version that "
+                      "started it")
+
 class Syncer:
     """The global side of Decoupled DiLoCo. See the module docstring."""
 
@@ -519,9 +526,7 @@ class Syncer:
                              f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
         difference = self._plan_difference(state)
         if difference is not None:
-            raise ValueError(f"the syncer's state was written with another fragment plan ({difference}): a ddiloco "
-                             "version that cuts this model into fragments differently wrote it; resume the run with "
-                             "the version that started it")
+            raise plan_refusal(difference)
         for frag in self._global:
             for name, tensor in frag.items():
                 tensor.copy_(state["global"][name])

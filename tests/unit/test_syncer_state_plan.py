@@ -50,3 +50,39 @@ def test_a_state_from_before_the_plan_was_saved_is_checked_by_its_momentums_shap
     with pytest.raises(ValueError, match=f"fragment 0's momentum at position 0 has shape \\(3, 5\\), where this "
                                          f"syncer's plan puts '{first}'"):
         syncer(params).load_state_dict(misfit)
+
+
+def test_a_state_from_before_the_plan_was_saved_is_checked_by_the_round_files_names(tmp_path):
+    # The shapes check alone passed a model of blocks of one shape: 4 x Linear(64, 64) cut [[layers.1, layers.3, head],
+    # [layers.0, layers.2]] by the version that started the run and [[layers.0, layers.2, head], ...] by this one took
+    # the resume without a word, each block's momentum on another block. Each round's file names its fragment's
+    # tensors, as the plan that wrote it had them.
+    from ddiloco.checkpoint import save_state
+    from ddiloco.fragments import FragmentPlan
+    from ddiloco.runtime.syncer_state import SyncerStore
+    from tests.helpers import committed_rounds
+
+    config = DilocoConfig(num_fragments=2, sync_every=4)
+    initial = params_of(TinyNet(seed=100))  # committed_rounds' syncer
+    _, records = committed_rounds(3, config)
+    store = SyncerStore(tmp_path)
+    for record in records:
+        store.commit(record)
+    written = Syncer(config, QuorumConfig(), initial_params=initial)
+    for record in records:
+        written.apply_committed([record])
+    legacy = written.state_dict()
+    del legacy["fragments"]
+    for fragment in legacy["outer"]:
+        fragment["state"] = {}  # no momentum shapes to go by either
+    save_state(store.state_dir, legacy, serial=written.rounds_committed, meta={})
+
+    same = Syncer(config, QuorumConfig(), initial_params=initial)
+    assert store.restore(same, repair=False).state_rounds == 3  # its own plan loads as before
+    # This model has one balanced plan whatever its order: the other version's cut is written out, two tensors swapped.
+    other = Syncer(config, QuorumConfig(), initial_params=initial)
+    (a, b, head), (embedding, c, d) = written.plan.fragments
+    other.plan = FragmentPlan(((a, b, d), (embedding, c, head)), written.plan.embeddings)
+    with pytest.raises(ValueError, match=r"written with another fragment plan \(round \d+'s file holds fragment \d "
+                                         r"as \[.*\], this syncer's plan puts \[.*\] in it\)"):
+        store.restore(other, repair=False)
