@@ -131,7 +131,11 @@ def classify(error: grpc.RpcError) -> Fault:
 def error_text(error: grpc.RpcError) -> str:
     details = error.details() if callable(getattr(error, "details", None)) else None
     code = error.code() if callable(getattr(error, "code", None)) else None
-    return f"{getattr(code, 'name', code)}: {details or error}"
+    text = f"{getattr(code, 'name', code)}: {details or error}"
+    if error_reason(error) == "bad_schema" and "ddiloco --version" not in text:
+        # A syncer of an older version does not say how to tell the versions apart.
+        text += f" (this process speaks wire schema {SCHEMA_VERSION}; `ddiloco --version` shows each one's)"
+    return text
 
 
 UNREACHABLE_WARN_AFTER = 3
