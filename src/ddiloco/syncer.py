@@ -65,6 +65,7 @@ from ddiloco.messages import (
 from ddiloco.open_round import FragmentMerge, OpenRound, PendingUpdate, merge_weight
 from ddiloco.outer import OuterOptimizer
 from ddiloco.round_timing import Ema, bounded_step_time, ema, grace_window, round_margins
+from ddiloco.state_plan import plan_difference, plan_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +105,6 @@ class RejectionRecord:
 
 
 
-def plan_refusal(difference: str) -> ValueError:
-    """The error of a syncer state written with another fragment plan than this syncer's (`difference` says how)."""
-    return ValueError(f"the syncer's state was written with another fragment plan ({difference}): a ddiloco version "
-                      "that cuts this model into fragments differently wrote it; resume the run with the version that "
-                      "started it")
 
 class Syncer:
     """The global side of Decoupled DiLoCo. See the module docstring."""
@@ -497,34 +493,12 @@ class Syncer:
             "fragments": [list(names) for names in self.plan.fragments],
         }
 
-    def _plan_difference(self, state: Mapping) -> str | None:
-        """How the fragment plan `state` was written with differs from this syncer's, or None. The outer momentum is
-        kept by position within each fragment: loaded into another plan it lands on other tensors (a tensor of the
-        same shape takes another's momentum without a word). A state from before the plan was saved with it
-        (2026-12-06) is checked by its momentum's shapes."""
-        saved = state.get("fragments")
-        if saved is not None:
-            for p, (theirs, ours) in enumerate(zip(saved, self.plan.fragments, strict=False)):
-                if list(theirs) != list(ours):
-                    return f"fragment {p} held {list(theirs)}, this syncer's plan puts {list(ours)} in it"
-            if len(saved) != self.plan.num_fragments:
-                return f"it has {len(saved)} fragments, this syncer's plan {self.plan.num_fragments}"
-            return None
-        for p, (fragment, outer) in enumerate(zip(self._global, state["outer"], strict=False)):
-            buffers = outer.get("state", {})
-            for position, (name, tensor) in enumerate(fragment.items()):
-                momentum = buffers.get(position, {}).get("momentum_buffer")
-                if momentum is not None and tuple(momentum.shape) != tuple(tensor.shape):
-                    return (f"fragment {p}'s momentum at position {position} has shape {tuple(momentum.shape)}, "
-                            f"where this syncer's plan puts {name!r} {tuple(tensor.shape)}")
-        return None
-
     @torch.no_grad()
     def load_state_dict(self, state: Mapping) -> None:
         if state["config_fingerprint"] != self.config.fingerprint():
             raise ValueError("checkpoint was written with a different algorithm config "
                              f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
-        difference = self._plan_difference(state)
+        difference = plan_difference(state, self.plan, self._global)
         if difference is not None:
             raise plan_refusal(difference)
         for frag in self._global:

@@ -52,11 +52,11 @@ from ddiloco.checkpoint import (
     verify_checksum,
 )
 from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.fragments import FragmentPlan
 from ddiloco.messages import RoundRecord
 from ddiloco.model_buffers import persistent_buffers
 from ddiloco.round_log import LOG_DAMAGED, RoundFileRemoved, RoundLog
-from ddiloco.syncer import Syncer, plan_refusal, replay_rounds
+from ddiloco.state_plan import plan_refusal, rounds_plan_difference
+from ddiloco.syncer import Syncer, replay_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -400,31 +400,6 @@ class SyncerStore:
                 tally["accepted"] += 1
                 tally["tokens_merged"] += merged_tokens(int(p["tokens"]), shares[int(line["fragment"])])
         return out
-
-
-def rounds_plan_difference(log: RoundLog, plan: FragmentPlan) -> str | None:
-    """How the plan the run's round files were written with differs from `plan`, or None. Each round's file holds its
-    fragment's merged tensors by name: the newest file of each fragment on disk says which tensors that fragment held
-    (compared as sets: a file orders them its own way). For a syncer state from before states recorded their plan
-    (2026-12-06), whose momentum, kept by position within each fragment, would land on other tensors of the same
-    shape without a word."""
-    seen: set[int] = set()
-    for line in reversed(log.lines()):
-        p, index = int(line["fragment"]), int(line["round"])
-        if p in seen or not 0 <= p < plan.num_fragments or not log.tensors_path(index).exists():
-            continue
-        seen.add(p)
-        try:
-            with safe_open(str(log.tensors_path(index)), framework="pt") as tensors:
-                names = sorted(tensors.keys())
-        except (OSError, SafetensorError):
-            continue  # a damaged file: the replay names it
-        if names != sorted(plan.fragments[p]):
-            return (f"round {index}'s file holds fragment {p} as {names}, this syncer's plan puts "
-                    f"{sorted(plan.fragments[p])} in it")
-        if len(seen) == plan.num_fragments:
-            break
-    return None
 
 
 def merged_tokens(tokens: int, share: float) -> float:
