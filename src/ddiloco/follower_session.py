@@ -24,7 +24,7 @@ from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statist
 from ddiloco.optimizer_restore import WaitingGroups, restore_optimizer
 from ddiloco.session_lifecycle import SessionLifecycle
 from ddiloco.sharded_state import local_tensors, reshard_optimizer
-from ddiloco.step_arguments import check_tokens_bound
+from ddiloco.step_arguments import check_tokens_bound, user_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class FollowerSession(SessionLifecycle):
 
     def _open(self) -> None:
         self._serve()
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+        """As `Session.log`, checked the same way so a loop fails alike on every rank; rank 0's values are the
+        learner's, and this rank's are not written."""
+        user_metrics(f"learner/{self.learner_id}", metrics)
 
     def step(self, tokens: int, *, loss: float | None = None) -> None:
         """This rank's inner step is done: `tokens` are its own batch's (rank 0 sums every rank's)."""

@@ -100,3 +100,15 @@ def test_a_script_logs_its_own_metrics_beside_the_loss_at_the_step_it_trained():
     assert sink.series("learner/0/lr") == [(1, 0.5)] and sink.series("learner/0/grad/norm") == [(1, 3.0)]
     assert all(type(value) is float for name in ("acc", "lr", "grad/norm")
                for _, value in sink.series(f"learner/0/{name}"))  # a number, not a tensor's text
+
+
+def test_a_rank_other_than_0_takes_the_same_log_calls_and_writes_nothing():
+    # A multi-rank loop calls sync.log on every rank: it raised AttributeError on the ranks after 0.
+    from types import SimpleNamespace
+
+    from ddiloco.follower_session import FollowerSession
+
+    follower = SimpleNamespace(learner_id=1)
+    assert FollowerSession.log(follower, {"acc": torch.tensor(0.5)}) is None
+    with pytest.raises(ValueError, match="metric name 'loss' is ddiloco's own \\(learner/1/loss\\)"):
+        FollowerSession.log(follower, {"loss": 1.0})
