@@ -59,7 +59,10 @@ from ddiloco.transport.grpc_codec import WireError
 from ddiloco.transport.grpc_common import ANOTHER_PROCESS
 
 RECONNECT_DELAY_S = (0.1, 2.0)
+"""(first, longest) wait between a learner's attempts to subscribe again after its stream to the syncer broke."""
 MALFORMED_JOINS_TO_REFUSE = 3
+"""Subscriptions in a row the syncer answers INVALID_ARGUMENT (it cannot read this learner's join) after which the
+learner stops as refused, with the syncer's words: the same join would be answered the same way for ever."""
 MISFIT_WELCOMES_TO_REFUSE = 3
 """Messages from the syncer in a row, with no Welcome read between them, that do not fit this learner's model (other
 tensors in a fragment, another fragment count or codec: `MISFITS`), after which the learner stops as refused. Such a
@@ -67,9 +70,6 @@ mismatch (the syncer and the learner cut the model into fragments differently: a
 --fragment-strategy) comes back at every join; the learner re-joined for ever while the run never ended. A message
 damaged in flight (`corrupt`, `truncated`) is not one: it is re-joined without a bound."""
 MISFITS = frozenset({str(RejectReason.WRONG_TENSORS), str(RejectReason.BAD_FRAGMENT), str(RejectReason.WRONG_CODEC)})
-"""Subscriptions in a row the syncer answers INVALID_ARGUMENT (it cannot read this learner's join) after which the
-learner stops as refused, with the syncer's words: the same join would be answered the same way for ever."""
-"""(first, longest) wait between a learner's attempts to subscribe again after its stream to the syncer broke."""
 
 logger = logging.getLogger(__name__)
 

@@ -76,12 +76,6 @@ from ddiloco.update_values import DecodeBuffers
 T = TypeVar("T")
 
 MAX_SESSION_CHARS = 200
-
-
-def call_session(context: grpc.aio.ServicerContext) -> str:
-    """The process a call names (metadata `ddiloco-session`), or "" when it names none."""
-    return str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
-
 CHUNK_TIMEOUT_S = 60.0
 """An upload (update or genesis) that sends no chunk for this long is refused (`truncated`)."""
 UPLOADS_PER_LEARNER = 4
@@ -97,6 +91,11 @@ INLINE_ENCODE_BYTES = 1 << 20
 """Messages up to this size are encoded on the event loop (a CRC of 1 MiB takes well under a millisecond)."""
 WATCH_POLL_S = 0.1
 """How often a watcher (an evaluator) asks whether newer rounds have committed."""
+
+
+def call_session(context: grpc.aio.ServicerContext) -> str:
+    """The process a call names (metadata `ddiloco-session`), or "" when it names none."""
+    return str(dict(context.invocation_metadata() or ()).get(SESSION_KEY, ""))[:MAX_SESSION_CHARS]
 
 
 def _detached(error: WireError) -> WireError:
