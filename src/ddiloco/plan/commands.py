@@ -200,6 +200,22 @@ def _check_paper_grid_flags(args: argparse.Namespace) -> None:
                          f"{', '.join(given)} (the failure model, costs, quorum and simulation flags apply)")
 
 
+def _check_horizon(scenario: Scenario, sim: SimulationConfig) -> None:
+    """ValueError when the simulated horizon of `scenario` is past float64, or holds more scavenge windows than one
+    replica draws (`MAX_SCAVENGE_WINDOWS`)."""
+    horizon_s = horizon_for(scenario, sim)
+    if not (math.isfinite(horizon_s) and horizon_s > 0):
+        raise ValueError(f"mtbi_s={scenario.failures.mtbi_s:g} is invalid: {scenario.layout.chips} chips fail once in "
+                         f"{scenario.failures.mtbi_s / scenario.layout.chips:g} s, so {sim.failures} failures take "
+                         f"{horizon_s:g} s, past what float64 holds; use a shorter --mtbi-s, more --chips or fewer "
+                         "--failures")
+    windows = horizon_s / scenario.scavenge.window_s
+    if scenario.scavenge.extra_learners and windows > MAX_SCAVENGE_WINDOWS:
+        raise ValueError(f"window_s={scenario.scavenge.window_s:g} is invalid: the {horizon_s:.3g} s simulated would "
+                         f"hold about {windows:.3g} availability windows, each drawn in turn (at most "
+                         f"{MAX_SCAVENGE_WINDOWS:.0e}); give a longer window or fewer --failures")
+
+
 def _run_goodput(args: argparse.Namespace) -> int:
     from ddiloco.plan import report
 
@@ -216,21 +232,8 @@ def _run_goodput(args: argparse.Namespace) -> int:
         else:
             sim = config_from_args(SimulationConfig, args)
         out = _plot_dir(args)
-    except ValueError as exc:
-        return _usage_error(args, _as_flag(exc, GOODPUT_CONFIGS))
-    try:
         for scenario in scenarios:
-            horizon_s = horizon_for(scenario, sim)
-            if not (math.isfinite(horizon_s) and horizon_s > 0):
-                raise ValueError(f"mtbi_s={scenario.failures.mtbi_s:g} is invalid: {scenario.layout.chips} chips fail "
-                                 f"once in {scenario.failures.mtbi_s / scenario.layout.chips:g} s, so {sim.failures} "
-                                 f"failures take {horizon_s:g} s, past what float64 holds; use a shorter --mtbi-s, "
-                                 "more --chips or fewer --failures")
-            windows = horizon_s / scenario.scavenge.window_s
-            if scenario.scavenge.extra_learners and windows > MAX_SCAVENGE_WINDOWS:
-                raise ValueError(f"window_s={scenario.scavenge.window_s:g} is invalid: the {horizon_s:.3g} s simulated "
-                                 f"would hold about {windows:.3g} availability windows, each drawn in turn (at most "
-                                 f"{MAX_SCAVENGE_WINDOWS:.0e}); give a longer window or fewer --failures")
+            _check_horizon(scenario, sim)
     except ValueError as exc:
         return _usage_error(args, _as_flag(exc, GOODPUT_CONFIGS))
     con = report.console()
@@ -252,7 +255,8 @@ def _run_goodput(args: argparse.Namespace) -> int:
             results.append(result)
             if scenario.scavenge.extra_learners:
                 without = simulate(system, baseline, sim)
-                ratios.append(without.tokens_per_hour.mean / result.tokens_per_hour.mean)
+                ratios.append(without.tokens_per_hour.mean / result.tokens_per_hour.mean
+                              if result.tokens_per_hour.mean > 0 else math.inf)  # refused below as not finite
     refused = _out_of_range(args, {"results": [r.to_dict() for r in results], "wall_time_vs_no_scavenging": ratios})
     if refused is not None:
         return refused
