@@ -411,7 +411,6 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "checkpoint: a --resume takes the run's position for it, with its optimizer and data "
                                "afresh (killed before its first checkpoint, or its checkpoints could not be written: "
                                f"logs/learner-{learner_id}.log says which)", style="yellow"))
-    for learner_id, row in sorted(summary["learners"].items(), key=lambda item: int(item[0])):
         recoveries = row.get("non_finite_recoveries") or 0
         if recoveries:  # a learner that diverged reads "done" in the table, and its loss "-"
             console.print(Text(f"learner {learner_id}'s model went non-finite (NaN or infinite) {recoveries} times; "
