@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.plan.bandwidth import GBPS, BandwidthPlan
+from ddiloco.plan.bandwidth import GBPS, BandwidthPlan, LinkDemand
 from ddiloco.plan.goodput import SYSTEM_LABELS, SYSTEMS, GoodputResult
 from ddiloco.plan.paper_grid import PAPER_GOODPUT_PCT, PAPER_TOLERANCE_PCT, ROW_LABELS, PaperGrid
 
@@ -82,12 +82,35 @@ def bandwidth_tables(plan: BandwidthPlan) -> list[Table]:
                             f"{system.down_bytes_per_inner_step / 1e6:,.1f} MB down per learner and inner step")
         for name in ("link", "up Gbps (avg)", "down Gbps (avg)", "required Gbps"):
             table.add_column(name, justify="left" if name == "link" else "right")
-        links = [system.learner, *system.regions] + ([system.syncer] if system.syncer else [])
-        for link in links:
-            table.add_row(link.name, f"{link.up_bps / GBPS:,.3f}", f"{link.down_bps / GBPS:,.3f}",
+        rows = [(system.learner.name, system.learner), *_collapsed(list(system.regions))]
+        rows += [(system.syncer.name, system.syncer)] if system.syncer else []
+        for name, link in rows:
+            table.add_row(name, f"{link.up_bps / GBPS:,.3f}", f"{link.down_bps / GBPS:,.3f}",
                           f"{link.required_bps / GBPS:,.3f}")
         tables.append(table)
     return tables
+
+
+COLLAPSE_LINKS_ABOVE = 8
+"""Consecutive region links with the same figures beyond this many are one row of the table (`--json` keeps each):
+with one region per learner by default, `--learners 100000` printed 300,000 rows in 97 s."""
+
+
+def _collapsed(links: list[LinkDemand]) -> list[tuple[str, LinkDemand]]:
+    """(name, link) rows: a run of more than COLLAPSE_LINKS_ABOVE consecutive links with the same figures as one row
+    named by its first and last link and its count."""
+    rows, start = [], 0
+    while start < len(links):
+        end = start + 1
+        figures = (links[start].up_bps, links[start].down_bps, links[start].required_bps)
+        while end < len(links) and (links[end].up_bps, links[end].down_bps, links[end].required_bps) == figures:
+            end += 1
+        if end - start > COLLAPSE_LINKS_ABOVE:
+            rows.append((f"{links[start].name} .. {links[end - 1].name} ({end - start:,} links, each)", links[start]))
+        else:
+            rows.extend((link.name, link) for link in links[start:end])
+        start = end
+    return rows
 
 
 def _pyplot():
