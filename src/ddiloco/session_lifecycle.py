@@ -15,6 +15,11 @@ runs handlers on the main thread only, so the handler is installed only there; a
 its start, that a SIGTERM cannot stop it cleanly and what to do.
 A handler of the user's own installed before the session (a SLURM requeue handler) still runs: once, with the
 signal's number and frame, after the session has checkpointed and left, and it is back in place from then on.
+SIGCHLD's Python handler (torch's DataLoader installs one that raises once a worker process died) is held off from a
+stop signal, and while the session closes, to the session's end: `scancel` and systemd's stop send SIGTERM to every
+process of the job, the DataLoader's workers die of theirs, and the handler raised wherever the learner was, its close
+included (it lost its checkpoint at the stop). The DataLoader still says that its workers are gone at the next batch
+asked of it.
 
 The launcher. A process that `ddiloco run` started names it in its environment (`ddiloco.environment()`); the
 session watches it (`ddiloco.launcher_watch`) and, once it is gone, stops as on SIGTERM, on any thread, the user's
@@ -66,6 +71,8 @@ class SessionLifecycle:
         self._sigint_previous: Any = None
         """SIGINT's handler from before the session, where it raised KeyboardInterrupt and the session took SIGINT
         (`_take_sigint`); None where it did not."""
+        self._sigchld_previous: Any = None
+        """SIGCHLD's Python handler, held off from a stop signal or the close to the session's end (`_hold_sigchld`)."""
         self._deferred_signal: tuple[int, Any] | None = None
         """(signum, frame) of the first SIGTERM the session took, for the user's handler from before it."""
         self._launcher_watch: LauncherWatch | None = None
@@ -84,6 +91,7 @@ class SessionLifecycle:
         if exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None)):
             # First, before closing does anything another rank could notice (`ddiloco.rank_failures`).
             rank_failures.record(self._rank_failures, self._rank, explains=isinstance(exc, RanksOutOfStepError))
+        self._hold_sigchld()
         try:
             self.close(failed=exc_type is not None)
         except BaseException as failure:
@@ -159,7 +167,17 @@ class SessionLifecycle:
                 and interrupts.raises_keyboard_interrupt(signal.getsignal(signal.SIGINT))):
             self._sigint_previous = signal.signal(signal.SIGINT, self._on_sigint)
 
+    def _hold_sigchld(self) -> None:
+        """SIGCHLD without its Python handler until `_end` (see the module docstring), on the main thread."""
+        if self._sigchld_previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGCHLD)
+        if callable(handler):
+            self._sigchld_previous = handler
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
     def _on_sighup(self, signum: int, frame: Any) -> None:
+        self._hold_sigchld()
         self.request_stop()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -173,6 +191,7 @@ class SessionLifecycle:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # The session's clean stop first; the user's own handler waits for the end of the session (`_end`).
+        self._hold_sigchld()
         self.request_stop()
         if self._deferred_signal is None and callable(self._previous_handler):
             self._deferred_signal = (signum, frame)
@@ -215,7 +234,7 @@ class SessionLifecycle:
 
     def _restore_sigterm(self) -> None:
         """The SIGTERM handler from before the session, back in place (Python's default where the one before was not
-        Python's to give back)."""
+        Python's to give back), and those of SIGHUP, SIGINT and SIGCHLD that the session took or held off."""
         if self._sigterm_installed:
             self._sigterm_installed = False
             previous = self._previous_handler
@@ -226,6 +245,10 @@ class SessionLifecycle:
         if self._sigint_previous is not None:
             previous, self._sigint_previous = self._sigint_previous, None
             signal.signal(signal.SIGINT, previous)
+        if self._sigchld_previous is not None:
+            previous, self._sigchld_previous = self._sigchld_previous, None
+            if signal.getsignal(signal.SIGCHLD) is signal.SIG_DFL:  # not one set since, by the user's code
+                signal.signal(signal.SIGCHLD, previous)
 
     def _end(self) -> None:
         """The session is over (closed, or its start failed): it is no longer open in this process, its launcher

@@ -7,6 +7,8 @@ now turns that support off unless the environment says otherwise; training with 
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import sys
 import pytest
 
 from ddiloco.checkpoint import read_json_object
+from ddiloco.runtime.ray_cluster import descendants
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import SMALL_RUN, ddiloco_run, finish_run, wait_until
 
@@ -114,3 +117,41 @@ def test_a_run_stopped_while_its_learners_dataloader_workers_run_stops_each_lear
 
 def _status(run_dir, learner: int) -> dict:
     return read_json_object(RunPaths(run_dir).learner_status(learner)) or {}
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_sigterm_to_every_process_of_the_job_stops_each_learner_with_its_checkpoint(tmp_path):
+    # scancel, and systemd's stop of a service (KillMode=control-group), send SIGTERM to every process of the job
+    # at once: the DataLoader's workers died of theirs, torch's SIGCHLD handler raised "DataLoader worker (pid N)
+    # is killed by signal: Terminated" in the learner wherever it was (in its session's close, waiting for the
+    # checkpoint at the stop), and the learner lost its steps since its last periodic checkpoint.
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS)
+    run_dir = tmp_path / "run"
+    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
+                              "--inner-steps", "1000000", "--no-evaluate", "--", sys.executable, str(script)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: all(_status(run_dir, i).get("inner_step", 0) > 20 for i in (0, 1)), "both learners to train",
+                   alive=(popen,))
+        # Each epoch forks its workers anew: the SIGTERMs go out while both learners' workers run.
+        wait_until(lambda: len(set(descendants(popen.pid)) - _learner_and_syncer_pids(run_dir)) >= 4,
+                   "two DataLoader workers of each learner", alive=(popen,))
+        for pid in [popen.pid, *descendants(popen.pid)]:  # the whole job at once, as scancel does
+            os.kill(pid, signal.SIGTERM)
+        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    for learner in (0, 1):
+        status, log = _status(run_dir, learner), (run_dir / "logs" / f"learner-{learner}.log").read_text()
+        assert "learner_session.py" not in log, log[-3000:]  # nothing raised in the session's close
+        assert status["checkpoint_inner_step"] == status["inner_step"], (status, log[-3000:])  # no step lost
+        if status["state"] != "stopped":  # a worker killed before the learner's own SIGTERM: its next batch raises
+            assert status["state"] == "failed" and "next(batches)" in log, (status, log[-3000:], output[-2000:])
+
+
+def _learner_and_syncer_pids(run_dir) -> set[int]:
+    return {_status(run_dir, i)["pid"] for i in (0, 1)} | {
+        int(json.loads((run_dir / "syncer.json").read_text())["pid"])}

@@ -196,6 +196,33 @@ def test_a_sighup_stops_the_session_as_sigterm_does_and_its_default_comes_back(s
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
+def test_a_sigchld_handler_is_held_off_from_a_sigterm_to_the_sessions_end_and_comes_back(syncer, tmp_path,
+                                                                                         sigterm_handler):
+    # torch's DataLoader raises from its SIGCHLD handler once a worker died: a SIGTERM to every process of the job
+    # (scancel) killed the workers, and the handler raised in the session's close, before its checkpoint at the stop.
+    raised = []
+
+    def dataloader_like(signum, frame):
+        raised.append(signum)
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    def on_step(inner_step):
+        if inner_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGCHLD)  # the worker's death, after the learner's own SIGTERM
+
+    with handler_kept(signal.SIGCHLD):
+        signal.signal(signal.SIGCHLD, dataloader_like)
+        model, optimizer = model_and_optimizer()
+        with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
+                             run_dir=tmp_path / "run") as sync:
+            train(sync, model, optimizer, on_step=on_step)
+        assert signal.getsignal(signal.SIGCHLD) is dataloader_like and raised == []
+    assert sync.final_state == "stopped" and sync.inner_step == 2
+    status = json.loads((tmp_path / "run" / "learners" / "0" / "status.json").read_text())
+    assert status["checkpoint_inner_step"] == 2
+
+
 def test_a_first_ctrl_c_stops_the_session_a_second_interrupts_and_the_handler_comes_back(syncer, tmp_path):
     # A Ctrl-C raised KeyboardInterrupt wherever the loop was: a learner run by hand ended `failed`, without its
     # checkpoint at the stop.
