@@ -14,6 +14,11 @@ themselves (like h11 keeps every state transition in one module):
   nothing restored) or when the run is synchronous (K = M: every round commits once, and a learner out
   of phase would make the waiting rule deadlock the round that needs its update). A learner resumed
   from its checkpoint in a run with K < M keeps the checkpoint's position: rounds close without it.
+  At a later Welcome (the same process joined again: the syncer timed it out during a pause or a
+  partition) a learner of a synchronous run takes the position only when it is behind, rounds it had not
+  published committed without it; one ahead (its update lost with a syncer restart) keeps its own and
+  publishes that update again. Before 2026-12-06 it kept its position: every round then waited the
+  learners' `max_wait_s` for an update of another phase (about 60 s a round).
 - **Malformed messages** are faults, not crashes: logged and ignored.
 - **The end** (`finish()`): every fragment's unpublished work is published once more
   (`Learner.flush`), so the final global model includes the learner's last inner steps.
@@ -121,8 +126,17 @@ class LearnerRules:
             self.refusal = message.reason
             self.refused_for_another_process = message.another_process
         if isinstance(message, Welcome):
-            if ((self.synchronous or not self.resumed) and self.welcomes == 0
-                    and next_uncommitted_round(message) != learner.schedule.next_round):
+            run_round = next_uncommitted_round(message)
+            if self.welcomes == 0:
+                move = (self.synchronous or not self.resumed) and run_round != learner.schedule.next_round
+            else:  # a re-join of this process (the syncer timed it out: a pause, a partition)
+                move = self.synchronous and run_round > learner.schedule.next_round
+                if move:
+                    logger.warning("[learner %d | inner %d] re-joined behind the run: rounds %d to %d were committed "
+                                   "without it, so it takes the run's position (round %d next) to publish in phase "
+                                   "with the others", learner.learner_id, learner.inner_step,
+                                   learner.schedule.next_round, run_round - 1, run_round)
+            if move:
                 learner.take_schedule_position(message)
                 self.events.position(inner_step=learner.inner_step, next_round=learner.schedule.next_round)
             self.welcomes += 1

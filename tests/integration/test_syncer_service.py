@@ -165,6 +165,39 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
     assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
 
 
+@pytest.mark.acceptance  # 20 s; the rule itself in the default suite (tests/unit/test_learner_rules.py)
+@pytest.mark.timeout(300)
+def test_a_silent_learner_of_a_synchronous_run_rejoins_in_phase(tmp_path, procs):
+    # Every round waits for every live learner (--min-quorum 2 of 2). The woken learner joined again at the position
+    # it had, rounds it had not published committed without it: out of phase with the other, each round then waited
+    # the learners' --max-wait-s (here 120 s, 60 s by default) for its update.
+    run_dir = tmp_path / "run"
+    syncer, address = start_syncer(procs, run_dir, "--min-quorum", "2", "--max-wait-s", "120")
+    learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
+    wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "both learners alive",
+               alive=[syncer, *learners])
+    os.kill(learners[1].pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0], "learner 1 timed out",
+                   alive=[syncer])
+        rounds = syncer_status(run_dir)["rounds_committed"]
+        wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 10,
+                   "rounds without the silent learner", alive=[syncer, learners[0]])
+    finally:
+        os.kill(learners[1].pid, signal.SIGCONT)
+    wait_until(lambda: learner_status(run_dir, 1).get("joins", 0) >= 2, "learner 1 re-joined", alive=learners)
+    rounds = syncer_status(run_dir)["rounds_committed"]
+    wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 10, "rounds with both learners again",
+               alive=[syncer, *learners])
+    for i, learner in enumerate(learners):
+        stop(learner, f"learner {i}")
+    stop(syncer, "the syncer")
+    assert "re-joined behind the run" in procs.log("learner1")
+    records = assert_log_is_gapless(run_dir)
+    together = [r.round_index for r in records[rounds:rounds + 10] if {p.learner_id for p in r.participants} == {0, 1}]
+    assert len(together) >= 5, records[rounds:rounds + 10]  # the rounds after the re-join merge both learners
+
+
 @pytest.mark.acceptance  # 20 s; the wire's side of it runs in the default suite (test_bad_input.py)
 @pytest.mark.timeout(300)
 def test_a_learner_process_replaced_while_it_was_frozen_stops_when_it_wakes_and_keeps_off_the_checkpoint(

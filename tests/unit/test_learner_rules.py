@@ -95,9 +95,27 @@ def test_a_fresh_incarnation_takes_the_global_position_a_resumed_one_keeps_its_o
     synchronous.learner.inner_step, synchronous.learner.schedule.next_round = 5, 2
     synchronous.receive(welcome_at([3, 3]), 0.0)
     assert (synchronous.learner.inner_step, synchronous.learner.schedule.next_round) == (13, 6)  # K = M: in phase
-    again = welcome_at([4, 4])
-    synchronous.receive(again, 1.0)  # only the first Welcome of an incarnation moves it
-    assert synchronous.learner.inner_step == 13
+    synchronous.receive(welcome_at([3, 3]), 1.0)  # a re-join in phase: nothing moves
+    assert (synchronous.learner.inner_step, synchronous.learner.schedule.next_round) == (13, 6)
+    resumed.receive(welcome_at([4, 4]), 1.0)  # K < M: a re-join keeps its own position, behind or not
+    assert (resumed.learner.inner_step, resumed.learner.schedule.next_round) == (5, 2)
+
+
+def test_a_synchronous_learner_that_re_joins_behind_the_run_takes_its_position_one_ahead_keeps_its_own():
+    # A learner paused past the heartbeat timeout (SIGSTOP, a partition) joined again with the position it had:
+    # rounds 6 and 7 were committed without it, it published round 6 next, and in a run where every round waits
+    # for every live learner each round waited its max_wait_s (60 s) for an update of another phase.
+    rules = rules_for(synchronous=True, events=(events := Recorder()))
+    rules.receive(welcome_at([3, 3]), 0.0)
+    assert (rules.learner.inner_step, rules.learner.schedule.next_round) == (13, 6)
+    rules.receive(welcome_at([4, 4]), 1.0)  # rounds 6 and 7 committed meanwhile: round 8 next, due at step 18
+    assert (rules.learner.inner_step, rules.learner.schedule.next_round) == (17, 8)
+    assert events.events.count(("position", 17, 8)) == 1
+    ahead = rules_for(synchronous=True)
+    ahead.receive(welcome_at([3, 3]), 0.0)
+    ahead.learner.schedule.next_round = 7  # it published round 6, which a syncer restart lost
+    ahead.receive(welcome_at([3, 3]), 1.0)
+    assert (ahead.learner.inner_step, ahead.learner.schedule.next_round) == (13, 7)
 
 
 def test_a_malformed_message_is_ignored_not_a_crash():
