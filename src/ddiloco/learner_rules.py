@@ -19,6 +19,9 @@ themselves (like h11 keeps every state transition in one module):
   published committed without it; one ahead (its update lost with a syncer restart) keeps its own and
   publishes that update again. Before 2026-12-06 it kept its position: every round then waited the
   learners' `max_wait_s` for an update of another phase (about 60 s a round).
+- **A syncer that went back** (a Welcome to this process joining again holds an older version of a
+  fragment than the learner received) is a refusal: its directory was replaced, or the address serves a
+  copy of the run (`_went_back`).
 - **Malformed messages** are faults, not crashes: logged and ignored.
 - **The end** (`finish()`): every fragment's unpublished work is published once more
   (`Learner.flush`), so the final global model includes the learner's last inner steps.
@@ -126,6 +129,9 @@ class LearnerRules:
             self.refusal = message.reason
             self.refused_for_another_process = message.another_process
         if isinstance(message, Welcome):
+            if self.welcomes > 0 and (went_back := self._went_back(message)) is not None:
+                self.refusal = went_back
+                return []
             run_round = next_uncommitted_round(message)
             if self.welcomes == 0:
                 move = (self.synchronous or not self.resumed) and run_round != learner.schedule.next_round
@@ -157,6 +163,23 @@ class LearnerRules:
             if isinstance(reply, Update):
                 self.events.publish(reply)  # published again after a re-join
         return replies
+
+    def _went_back(self, welcome: Welcome) -> str | None:
+        """Why a Welcome to this process joining again comes from a syncer whose state went back, or None: it holds an
+        older version of a fragment than this learner received from it. A syncer never goes back (a round is durable
+        before it is sent), so its run directory was replaced (a backup restored) or the address serves a copy of the
+        run: the learner had trained on in silence from the older state, the rounds since lost (the same learner
+        restarted was refused, by its checkpoint: `LearnerCheckpoint.foreign`)."""
+        versions = self.learner.versions
+        for state in welcome.fragments:
+            if 0 <= state.version < versions[state.fragment]:
+                return (f"the syncer now holds version {state.version} of fragment {state.fragment}, and this learner "
+                        f"had received version {versions[state.fragment]} of it: a syncer never goes back (a round is "
+                        "durable before it is sent), so its run directory was replaced (a backup restored) or its "
+                        "address serves a copy of the run. The learner stops without training on it and keeps its "
+                        "checkpoint; restore the syncer's newer directory, or give the learner a new --run-dir to "
+                        "join the older state afresh")
+        return None
 
     def fate(self, update: Update, fate: str, reason: str) -> None:
         """What became of a published update: accepted, rejected (the syncer's reason) or dropped."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from collections import defaultdict
 
@@ -163,6 +164,35 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
         stop(learner, f"learner {i}")
     stop(syncer, "the syncer")
     assert_state_equals_replay(run_dir, assert_log_is_gapless(run_dir))
+
+
+@pytest.mark.acceptance  # 20 s; the rule itself in the default suite (tests/unit/test_learner_rules.py)
+@pytest.mark.timeout(300)
+def test_a_live_learner_refuses_a_syncer_restarted_from_an_older_copy_of_its_run_directory(tmp_path, procs):
+    # An operator restored a backup of the syncer's directory under a running learner: the learner joined again,
+    # took the older state and trained on in silence, the rounds since lost (restarted, it was refused by its
+    # checkpoint).
+    run_dir, backup = tmp_path / "run", tmp_path / "backup"
+    syncer, address = start_syncer(procs, run_dir)
+    learner = start_learner(procs, run_dir, address, 0)
+    wait_until(lambda: syncer_status(run_dir).get("rounds_committed", 0) >= 10, "rounds", alive=[syncer, learner])
+    stop(syncer, "the syncer")
+    shutil.copytree(run_dir, backup, ignore=lambda directory, names: ["learners"] if directory == str(run_dir) else [])
+    syncer, _ = start_syncer(procs, run_dir, "--bind", address, name="syncer-2")
+    committed = len(RoundLog(backup).lines())
+    wait_until(lambda: syncer_status(run_dir).get("rounds_committed", 0) >= committed + 10, "rounds after the backup",
+               alive=[syncer, learner])
+    stop(syncer, "the syncer")
+    for entry in run_dir.iterdir():
+        if entry.name != "learners":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    shutil.copytree(backup, run_dir, dirs_exist_ok=True)
+    syncer, _ = start_syncer(procs, run_dir, "--bind", address, name="syncer-3")
+    assert learner.wait(timeout=PROCESS_WAIT_S) == 3, procs.log("learner0")[-3000:]
+    assert "the syncer now holds version" in procs.log("learner0")
+    status = learner_status(run_dir, 0)
+    assert status["state"] == "refused" and status["checkpoint_inner_step"] == status["inner_step"], status
+    stop(syncer, "the syncer")
 
 
 @pytest.mark.acceptance  # 20 s; the rule itself in the default suite (tests/unit/test_learner_rules.py)

@@ -118,6 +118,21 @@ def test_a_synchronous_learner_that_re_joins_behind_the_run_takes_its_position_o
     assert (ahead.learner.inner_step, ahead.learner.schedule.next_round) == (13, 7)
 
 
+def test_a_syncer_that_went_back_is_a_refusal_and_its_older_state_is_not_applied():
+    # A syncer restarted from a backup of its run directory (or a copy of the run at the same address): the live
+    # learners joined again, took its older state and trained on in silence, the rounds since lost.
+    rules = rules_for(synchronous=True)
+    rules.receive(welcome_at([3, 3]), 0.0)
+    held = {name: value.detach().clone() for name, value in rules.learner.model.named_parameters()}
+    rules.receive(welcome_at([3, 3]), 1.0)  # the same versions again (a partition): trains on
+    assert rules.refusal is None and rules.next(1.0).action is Action.STEP
+    assert rules.receive(welcome_at([3, 2]), 2.0) == []
+    assert rules.next(2.0).action is Action.REFUSED
+    assert "version 2 of fragment 1" in rules.refusal and "had received version 3" in rules.refusal
+    assert rules.learner.versions == [3, 3]
+    assert all(torch.equal(value, held[name]) for name, value in rules.learner.model.named_parameters())
+
+
 def test_a_malformed_message_is_ignored_not_a_crash():
     rules = rules_for()
     rules.receive(welcome_at([0, 0]), 0.0)
