@@ -10,6 +10,7 @@ The Ray case fails in `RayCluster.start` (no cluster needed); the local one runs
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,11 @@ def test_joining_no_cluster_says_how_to_get_one_in_ddiloco_s_own_flags(monkeypat
     message = str(refused.value)
     assert message.startswith(JOIN_ERROR) and "--address" not in message, message
     assert "ray start --head" in message and "--ray HOST:PORT" in message, message
+
+
+def test_the_retry_command_quotes_a_run_directory_with_spaces(tmp_path, fake_command, monkeypatch, capsys):
+    # `ddiloco run --resume sp ace/rün ☃`, pasted as printed, named three paths.
+    monkeypatch.setenv("FAKE_PLAN", '{"syncer": {"exit_code": 2, "message": "address already in use"}}')
+    run_dir = tmp_path / "sp ace" / "rün ☃"
+    assert run(fake_command, "--inner-steps", "50", "--run-dir", str(run_dir)) == 1
+    assert f"retry it with: ddiloco run --resume {shlex.quote(str(run_dir))}\n" in capsys.readouterr().out

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shlex
 import signal
 import sys
 import time
@@ -300,9 +301,9 @@ def _undo_failed_start(resolved: ResolvedRun) -> None:
 
     left = undo_start(resolved.before)
     if left:
-        retry = (f"ddiloco run --resume {resolved.run_dir}" if resolved.before.paths
-                 else f"remove {resolved.run_dir} and give the same command again, or ddiloco run --resume "
-                      f"{resolved.run_dir}")
+        quoted = shlex.quote(str(resolved.run_dir))
+        retry = (f"ddiloco run --resume {quoted}" if resolved.before.paths
+                 else f"remove {quoted} and give the same command again, or ddiloco run --resume {quoted}")
         print(f"ddiloco run: no process of the run started, and what the start wrote could not all be removed "
               f"({'; '.join(left)}): to retry, {retry}", file=sys.stderr)
 
@@ -442,11 +443,11 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
     print_summary(summary, console)
     console.print(f"run directory: {run_dir} (summary.json, metrics.jsonl, rounds.jsonl, *.png)",
                   highlight=False, soft_wrap=True)
+    resume = f"ddiloco run --resume {shlex.quote(str(run_dir))}"  # pasted as printed, whatever the path holds
     if outcome == "interrupted":
-        console.print(f"continue it with: ddiloco run --resume {run_dir}", highlight=False, soft_wrap=True)
+        console.print(f"continue it with: {resume}", highlight=False, soft_wrap=True)
     elif outcome == "failed":  # the same command again is refused: the directory is not empty
-        console.print(f"once what failed is fixed, retry it with: ddiloco run --resume {run_dir}", highlight=False,
-                      soft_wrap=True)
+        console.print(f"once what failed is fixed, retry it with: {resume}", highlight=False, soft_wrap=True)
     if args.json:
         sys.stdout.flush()
         StdoutLines()(strict_dumps(summary, sort_keys=True)[0])  # a reader gone (a closed terminal): nothing said
