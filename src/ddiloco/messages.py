@@ -333,6 +333,8 @@ class Commit:
     restart could lose; drivers without one (the simulator, the in-process hub) keep it as they like."""
 
     record: RoundRecord
+    capped: tuple[int, ...] = ()
+    """The learners whose update counted with a smaller norm in this round (`QuorumConfig.max_norm_ratio`)."""
 
 
 SyncerAction = Send | Commit

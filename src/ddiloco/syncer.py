@@ -395,7 +395,7 @@ class Syncer:
         if record.version >= 2 and open_round.reference_norm is not None:
             self._reference[p] = open_round.reference_norm
         self._open[p] = self._new_round(p)
-        actions: list[SyncerAction] = [Commit(record)]
+        actions: list[SyncerAction] = [Commit(record, capped=tuple(i for i, _ in open_round.capped))]
         for learner_id in self.alive_learners():
             actions.append(Send(learner_id, broadcast))
             self.bytes_sent += broadcast.payload_bytes

@@ -22,8 +22,9 @@ def initial() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
 
 
-def run_rounds(quorum: QuorumConfig, *, corrupt_in_round: int) -> tuple[Syncer, list]:
-    """4 learners, 4 rounds of small updates; in one round learner 2's `w` holds one value of 1e30."""
+def run_rounds(quorum: QuorumConfig, *, corrupt_in_round: int, commits: list | None = None) -> tuple[Syncer, list]:
+    """4 learners, 4 rounds of small updates; in one round learner 2's `w` holds one value of 1e30. `commits`: the
+    round's Commit actions are appended to it."""
     syncer = Syncer(CONFIG, quorum, initial_params=initial(), embeddings=("emb",))
     for learner_id in range(4):
         syncer.receive(Join(learner_id, syncer.spec, CONFIG.fingerprint()), 0.0)
@@ -39,13 +40,16 @@ def run_rounds(quorum: QuorumConfig, *, corrupt_in_round: int) -> tuple[Syncer, 
             actions = syncer.receive(Update(learner_id, 0, base, 4 * (base + 1), 4, 400, "fp32", payload),
                                      float(round_index))
         records += [a.record for a in actions if isinstance(a, Commit)]
+        if commits is not None:
+            commits += [a for a in actions if isinstance(a, Commit)]
     assert len(records) == 4
     return syncer, records
 
 
 def test_a_corrupted_update_moves_the_global_model_no_further_than_an_ordinary_round():
     quorum = QuorumConfig(min_quorum=4, grace="none")
-    syncer, records = run_rounds(quorum, corrupt_in_round=2)
+    syncer, records = run_rounds(quorum, corrupt_in_round=2, commits=(commits := []))
+    assert [c.capped for c in commits] == [(), (), (2,), ()]  # the service counts them per learner (SyncerTally)
     merged_norms = [{n: l2_norm(t) for n, t in r.merged.items()} for r in records]
     for name in SHAPES:  # the corrupted round's merge: at most what a round with one update at the cap (10 x) gives
         assert merged_norms[2][name] < 10 * max(merged_norms[1][name], merged_norms[3][name])

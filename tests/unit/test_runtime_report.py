@@ -298,3 +298,20 @@ def test_the_loss_curves_break_where_a_resume_started_a_session(tmp_path):
     assert list(times) == [100.0, 150.0, 151.0] and values[0] == 5.0 and math.isnan(values[1]) and values[2] == 4.0
     for learner_times, learner_values in series.train.values():
         assert 150.0 in learner_times and math.isnan(learner_values[list(learner_times).index(150.0)])
+
+
+def test_a_learner_whose_updates_were_capped_is_named_under_the_table(tmp_path):
+    # One learner with 250 times the others' learning rate took the global model off (validation loss 2.74 where the
+    # untrained model scores 1.74, the run "completed"); its 39 capped updates were in logs/syncer.log only.
+    paths = fake_run(tmp_path)
+    status = json.loads(paths.syncer_status.read_text())
+    status["learners"]["1"]["capped"] = 39
+    atomic_write_json(paths.syncer_status, status)
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0,
+                            final_states={0: ("done", ""), 1: ("done", "")})
+    assert (summary["learners"]["0"]["updates_capped"], summary["learners"]["1"]["updates_capped"]) == (0, 39)
+    console = Console(width=400, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert "39 of learner 1's updates were far larger than their fragments' previous rounds" in text
+    assert "of learner 0's updates" not in text

@@ -4,6 +4,8 @@ joined three times showed `joins: 0` in summary.json, and the syncer's bytes onl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ddiloco.runtime.syncer_tally import SyncerTally
 
 META = {"joins": {"0": 1}, "rejections": {"stale": 5}, "rejected": {"1": 2}, "bytes_received": 1000,
@@ -35,3 +37,16 @@ def test_an_older_or_damaged_status_takes_nothing_from_the_full_state():
     assert counters.bytes_base == (1000, 9000)
     counters.carry_over({})  # a new run: no status yet
     assert counters.bytes_base == (1000, 9000)
+
+
+def test_capped_updates_are_counted_per_learner_kept_in_a_full_state_and_carried_over():
+    # A learner whose learning rate diverged had 39 updates capped in one run: logs/syncer.log said so, nothing else.
+    counters = tally()
+    record = SimpleNamespace(participants=(), fragment=0)
+    counters.count_commit(record, [1.0], capped=[1])
+    counters.count_commit(record, [1.0], capped=[1, 0])
+    assert counters.capped == {1: 2, 0: 1} and counters.meta(SimpleNamespace(bytes_received=0, bytes_sent=0))[
+        "capped"] == {"1": 2, "0": 1}
+    assert SyncerTally({"capped": {"1": 2}}, {}, num_learners=2, refusal_log_period_s=60.0).capped == {1: 2}
+    counters.carry_over({"learners": {"1": {"capped": 5}, "0": {"capped": 0}}})
+    assert counters.capped == {1: 5, 0: 1}

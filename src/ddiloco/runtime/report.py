@@ -225,6 +225,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "bytes_received": status.get("bytes_received"),
             "joins": from_syncer.get("joins", status.get("joins")),
             "non_finite_recoveries": status.get("non_finite_recoveries", 0),
+            "updates_capped": from_syncer.get("capped", 0),
         }
     val_loss = final_val_loss(paths)
     total_wall_s = _sessions_wall_s(events)
@@ -417,6 +418,12 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
                                "each time it was put back to the global model and its work since was dropped: "
                                f"{row.get('rounds_contributed', 0)} rounds had its updates "
                                f"(logs/learner-{learner_id}.log says when)", style="yellow"))
+        capped = row.get("updates_capped") or 0
+        if capped:  # one learner far off the others moves the global model, at most this far each round
+            console.print(Text(f"{capped} of learner {learner_id}'s updates were far larger than their fragments' "
+                               "previous rounds and counted at the cap (--max-norm-ratio): a learning rate too high "
+                               "for it, or a corrupted model, still moves the global model up to that much each "
+                               "round (logs/syncer.log names the rounds)", style="yellow"))
     non_finite = ((summary.get("syncer") or {}).get("rejections") or {}).get("non_finite", 0)
     if non_finite:  # the table counts them among the rejections; what they mean is worth a line
         console.print(Text(f"the syncer rejected {non_finite} updates as non-finite: a learner's values were NaN or "

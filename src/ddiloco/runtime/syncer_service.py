@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -444,7 +444,7 @@ class SyncerService:
         assert self.syncer is not None, "actions come from the core"
         for action in actions:
             if isinstance(action, Commit):
-                self._committed(action.record)  # already durable: the core's journal is the store
+                self._committed(action.record, action.capped)  # already durable: the core's journal is the store
             elif isinstance(action, Send):
                 subscription = self._subscriptions.get(action.learner_id)
                 if subscription is None:
@@ -460,9 +460,9 @@ class SyncerService:
         if self._state_writes.attempt(lambda: self.store.save(self.syncer, self.tally.meta(self.syncer))):
             self._rounds_at_save = self.syncer.rounds_committed
 
-    def _committed(self, record: RoundRecord) -> None:
+    def _committed(self, record: RoundRecord, capped: Sequence[int]) -> None:
         assert self.syncer is not None, "commits come from the core"
-        self.tally.count_commit(record, self.syncer.fragment_shares)
+        self.tally.count_commit(record, self.syncer.fragment_shares, capped=capped)
         # At the rounds committed with it, the evaluator's step for the model it measures after them: the same model at
         # one step in TensorBoard (the round's 0-based index put the syncer's a step before the evaluator's).
         self.sink.log(round_metrics(record), step=record.round_index + 1)

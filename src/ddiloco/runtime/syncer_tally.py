@@ -50,6 +50,8 @@ class SyncerTally:
         self.rejections: Counter[str] = Counter(meta.get("rejections", {}))
         self.rejected = Counter({int(k): v for k, v in meta.get("rejected", {}).items()})
         self.joins = Counter({int(k): v for k, v in meta.get("joins", {}).items()})
+        self.capped = Counter({int(k): v for k, v in meta.get("capped", {}).items()})
+        """Per learner, its updates that counted with a smaller norm (`Commit.capped`)."""
         self.refusals = Throttle(refusal_log_period_s, max_keys=MAX_REFUSING_PEERS, overflow_key=OTHER_REFUSALS)
         self.bytes_base = (int(meta.get("bytes_received", 0)), int(meta.get("bytes_sent", 0)))
         self.participation = participation
@@ -66,7 +68,7 @@ class SyncerTally:
         for key, entry in learners.items():
             if not (isinstance(key, str) and key.isdigit() and isinstance(entry, Mapping)):
                 continue
-            for counter, field in ((self.joins, "joins"), (self.rejected, "rejected")):
+            for counter, field in ((self.joins, "joins"), (self.rejected, "rejected"), (self.capped, "capped")):
                 value = entry.get(field)
                 if isinstance(value, int) and not isinstance(value, bool) and value > counter[int(key)]:
                     counter[int(key)] = value
@@ -79,7 +81,8 @@ class SyncerTally:
         if learner_id is not None and 0 <= learner_id < self.num_learners:
             self.rejected[learner_id] += 1  # not per claimed id outside the run: one entry each would pile up
 
-    def count_commit(self, record: RoundRecord, shares: Sequence[float]) -> None:
+    def count_commit(self, record: RoundRecord, shares: Sequence[float], *, capped: Sequence[int] = ()) -> None:
+        self.capped.update(capped)
         for p in record.participants:
             tally = self.participation.setdefault(p.learner_id, {"accepted": 0, "tokens_merged": 0.0})
             tally["accepted"] += 1
@@ -90,6 +93,7 @@ class SyncerTally:
         received, sent = self.bytes_base
         return {"rejections": dict(self.rejections), "rejected": {str(k): v for k, v in self.rejected.items()},
                 "joins": {str(k): v for k, v in self.joins.items()},
+                "capped": {str(k): v for k, v in self.capped.items()},
                 "bytes_received": received + syncer.bytes_received, "bytes_sent": sent + syncer.bytes_sent}
 
     def status(self, syncer: Syncer | None, *, address: str, min_quorum: int, sends_dropped: int) -> dict[str, Any]:
@@ -111,7 +115,7 @@ class SyncerTally:
             learners[str(learner_id)] = {
                 "accepted": tally.get("accepted", 0), "rejected": self.rejected[learner_id],
                 "tokens_merged": round(tally.get("tokens_merged", 0)), "joins": self.joins[learner_id],
-                "alive": bool(info is not None and info.alive)}
+                "capped": self.capped[learner_id], "alive": bool(info is not None and info.alive)}
         return {
             "time": time.time(), "pid": os.getpid(), "address": address, "genesis": True,
             "rounds_committed": s.rounds_committed, "versions": list(s.versions),
