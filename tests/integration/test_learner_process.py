@@ -136,7 +136,7 @@ def test_refused_learners_exit_3_naming_the_mismatch_and_bad_flags_exit_2(tmp_pa
     cases = {
         "token": (run_dir, ("--token-file", str(wrong_token)), "wrong run token"),
         "config": (tmp_path / "b", ("--token-file", str(token_file), *own_config, "--outer-lr", "0.5"),
-                   "outer_lr is 0.5 on the learner"),
+                   "--outer-lr 0.5 (the run has 0.7)"),
         # The settings it declares, before its model could differ from the genesis (the first to join, else).
         "model": (tmp_path / "c", ("--token-file", str(token_file), *own_config, "--model-width", "64"),
                   "this learner's settings differ from the run's: --model-width 64 (the run has 32)"),

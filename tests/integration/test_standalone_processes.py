@@ -99,6 +99,16 @@ def test_a_learner_whose_model_differs_from_the_runs_config_is_refused_before_it
     assert code == EXIT_REFUSED, log[-3000:]
     assert "this learner's settings differ from the run's: --model-width 64 (the run has 32)" in log, log[-3000:]
     assert not (run_dir / GENESIS_FILE).exists()
+    # Without the run's algorithm settings too: every difference in one refusal, with the advice. Before, the first
+    # algorithm setting alone (`num_fragments is 4 on the learner but 2 on the syncer`), then the next, flag by flag.
+    bare = procs.start("bare", "learner", "--syncer", address, "--learner-id", "0", "--run-dir",
+                       str(tmp_path / "host-c" / "run"), "--token-file", str(run_token), "--threads", "1",
+                       *TINY_MODEL_FLAGS, "--learners", "2")
+    code, log = exits(procs, "bare", bare)
+    assert code == EXIT_REFUSED, log[-3000:]
+    refusal = next(line for line in log.splitlines() if "this learner's settings differ" in line)
+    assert "--num-fragments 4 (the run has 2)" in refusal and "--sync-every" in refusal, refusal
+    assert "--config FILE" in refusal, refusal
     # The run's own settings (and a budget of its own, which may differ) are taken: this learner is the genesis.
     own = procs.start("own", "learner", "--syncer", address, "--learner-id", "1", "--run-dir", str(run_dir),
                       "--token-file", str(run_token), "--threads", "1", "--inner-steps", "8")

@@ -40,12 +40,14 @@ def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloc
     if join.learner_id >= run_config.num_learners:
         return (f"learner_id {join.learner_id} is outside 0..{run_config.num_learners - 1}: the run has "
                 f"{run_config.num_learners} learners (data shards)")
-    difference = config_difference(run_config.diloco, diloco_config)
-    if difference is not None:
-        return f"algorithm config differs: {difference}"
+    # The run config a learner declared first: it names every setting that differs (the algorithm's among them) with
+    # the advice to start it with the run's config.json, where the algorithm's check names one (it went flag by flag).
     declared = _declared_differences(run_config, join.run_config)
     if declared is not None:
         return declared
+    difference = config_difference(run_config.diloco, diloco_config)
+    if difference is not None:
+        return f"algorithm config differs: {difference}"
     model = syncer.spec.difference(join.model_spec) if syncer is not None else None
     if model is not None:
         return f"model differs from the syncer's: {model}"
