@@ -63,8 +63,14 @@ class InnerConfig:
 
 
 def make_inner_optimizer(model: nn.Module, config: InnerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                             betas=(config.beta1, config.beta2))
+    """AdamW with `config`'s settings. Its groups carry `initial_lr`, as a torch scheduler's do: `apply_inner_lr` sets
+    their rate each step, so a checkpoint's rate is the schedule's at its step, not a change a restore should warn of
+    (`optimizer_restore`: every resume of the built-in learner said `lr 0.003 -> 0.00025`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.beta1, config.beta2))
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+    return optimizer
 
 
 def inner_lr(config: InnerConfig, step: float, total_steps: int) -> float:

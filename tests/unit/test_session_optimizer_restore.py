@@ -156,3 +156,24 @@ def test_a_learner_starting_at_the_beginning_says_nothing_about_its_state(tmp_pa
         train(hub(), model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path, inner_steps=4,
               state={"data": Counter()})
     assert "start afresh" not in caplog.text
+
+
+def test_the_built_in_learners_scheduled_rate_restored_from_its_checkpoint_is_not_called_a_change(tmp_path, caplog):
+    # Every resume of the built-in learner warned `the optimizer's hyperparameters come back as saved, not as this
+    # script set them (group 0: lr 0.003 -> 0.00025)`: its rate is set each step by its schedule (`apply_inner_lr`).
+    from ddiloco.training import InnerConfig, apply_inner_lr, make_inner_optimizer
+
+    inner = InnerConfig(lr=3e-3, warmup_steps=100)
+    shared, model = hub(), TinyNet(seed=1)
+    optimizer = make_inner_optimizer(model, inner)
+    with ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=8, run_dir=tmp_path) as sync:
+        batches = iter(make_batches(8, seed=0))
+        while not sync.done:
+            apply_inner_lr(optimizer, inner, sync.inner_step, 8)
+            sync.step(tokens=train_step(model, optimizer, next(batches)))
+    again = TinyNet(seed=1)
+    restored = make_inner_optimizer(again, inner)
+    with caplog.at_level(logging.WARNING), ddiloco.session(again, restored, hub=shared, learner_id=0, inner_steps=8,
+                                                           run_dir=tmp_path):
+        assert restored.param_groups[0]["lr"] == 3e-3 * 8 / 100  # the schedule's rate at the checkpoint
+    assert not [r.getMessage() for r in caplog.records if "hyperparameters" in r.getMessage()]
