@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import struct
 import threading
 import time
 import zlib
@@ -270,6 +271,21 @@ def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 # ---- checksums -------------------------------------------------------------------------------------
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """`data`, a safetensors file, with its metadata's entries in sorted order: safetensors writes them in a random
+    order (a hash map), so two saves of the same tensors and metadata differed (twenty gave six byte strings). The
+    tensors' entries keep their order (their offsets') and the data is unchanged; the header is padded to 8 bytes as
+    safetensors pads it."""
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    if "__metadata__" in header:
+        header = {"__metadata__": dict(sorted(header["__metadata__"].items())),
+                  **{name: entry for name, entry in header.items() if name != "__metadata__"}}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + length:]
+
 
 def bytes_checksum(*parts: bytes | memoryview) -> str:
     """The checksum recorded for a file's bytes (`parts`, in order, checksum the bytes they hold one after the

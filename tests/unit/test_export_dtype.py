@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -57,3 +58,13 @@ def test_every_floating_tensor_of_an_export_has_one_dtype_and_a_load_with_assign
     assert exported["1.num_batches_tracked"].dtype == torch.int64
     model = loaded_with_assign(out)
     assert model(torch.randn(3, 4, dtype=dtype)).dtype == dtype  # mixed dtypes failed here
+
+
+def test_two_exports_of_one_run_are_the_same_bytes(run_dir, tmp_path):
+    # Three exports of one run gave three sha256 sums: safetensors writes its metadata in a random order.
+    outs = [tmp_path / f"model{i}.safetensors" for i in range(5)]
+    for out in outs:
+        assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert len({out.read_bytes() for out in outs}) == 1
+    with safe_open(outs[0], "pt") as f:
+        assert set(f.metadata()) == {"ddiloco_run", "rounds_committed", "buffers_of_learners"}

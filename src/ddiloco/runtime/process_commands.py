@@ -385,7 +385,7 @@ def run_export(args: argparse.Namespace) -> int:
     """`ddiloco export`. A path that is not a run directory, an `--out` that is a directory, lies inside the run
     directory or cannot be written, is refused (ValueError: one line, exit status 2), all but a failing write before
     the run's rounds are read."""
-    from ddiloco.checkpoint import atomic_write_bytes
+    from ddiloco.checkpoint import atomic_write_bytes, canonical_safetensors
     from ddiloco.model_buffers import merged_buffers
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.syncer_state import exported_params
@@ -409,8 +409,9 @@ def run_export(args: argparse.Namespace) -> int:
     # One floating dtype: the parameters are the syncer's float32, the buffers as the learners hold them (bf16 in a bf16
     # model), and a load with assign=True took both as they were (a bf16 buffer in a float32 model failed its forward).
     tensors = {n: t.to(dtype).contiguous() if t.is_floating_point() else t for n, t in {**params, **buffers}.items()}
-    data = save(tensors, metadata={"ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
-                                   "buffers_of_learners": ",".join(map(str, learners))})
+    data = canonical_safetensors(save(tensors, metadata={  # the same run exported twice: the same bytes
+        "ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
+        "buffers_of_learners": ",".join(map(str, learners))}))
     try:
         atomic_write_bytes(target, data)
     except OSError as exc:  # what the checks before cannot see: /proc, a full disk, a read-only mount
