@@ -315,3 +315,24 @@ def test_a_learner_whose_updates_were_capped_is_named_under_the_table(tmp_path):
     text = console.export_text()
     assert "39 of learner 1's updates were far larger than their fragments' previous rounds" in text
     assert "of learner 0's updates" not in text
+
+
+def test_losses_that_span_orders_of_magnitude_are_drawn_on_a_log_axis(tmp_path, monkeypatch):
+    # A learner whose loss reached 9e6 (a learning rate far too high) flattened every other curve onto a linear axis,
+    # the validation loss going up with it included.
+    import matplotlib.axes
+
+    import ddiloco.runtime.report_plots as report
+
+    assert report.loss_axis_scale([5.5, 4.2, 3.9]) == "linear"
+    assert report.loss_axis_scale([5.5, 9e6, 0.4]) == "log"
+    assert report.loss_axis_scale([0.0, 9e6]) == "linear" and report.loss_axis_scale([]) == "linear"
+    scales = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yscale",
+                        lambda self, value, **kw: scales.append(value))
+    paths = fake_run(tmp_path)
+    write_lines(paths.evaluator_metrics, [{"step": 0, "time": 100.0, "eval/val_loss": 5.5},
+                                          {"step": 3, "time": 104.0, "eval/val_loss": 9e6}])
+    merge_metrics(paths)
+    report.plot_val_loss(paths, tmp_path / "val_loss.png")
+    assert scales == ["log"]

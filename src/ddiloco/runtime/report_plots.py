@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -87,10 +87,12 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
     plt = _pyplot()
     train, val, resumed_at, not_finite, start = loss_series(paths)
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
+    plotted = list(val[1])
     for learner_id, (times, values) in sorted(train.items()):
         (times, values), steps = _bucket_means(times, values, PLOT_MAX_POINTS)
         label = f"learner {learner_id} train" + (f" (mean of each {steps} steps)" if steps > 1 else "")
         ax.plot([t - start for t in times], values, linewidth=0.6, alpha=0.4, label=label)
+        plotted += values
     if val[0]:
         ax.plot([t - start for t in val[0]], val[1], marker="o", color="black", linewidth=1.8,
                 label="global model, validation")
@@ -101,12 +103,29 @@ def plot_val_loss(paths: RunPaths, out: Path) -> None:
         ax.axvline(at - start, color="grey", linestyle=":", linewidth=1.0, label="resumed" if number == 0 else None)
     ax.set_xlabel("wall time since start (s)")
     ax.set_ylabel("loss (as the model's loss function measures it)")
+    if loss_axis_scale(plotted) == "log":
+        ax.set_yscale("log")
+        ax.set_ylabel("loss, log scale (as the model's loss function measures it)")
     ax.set_title("validation loss vs time")
     if val[0] or train:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=PLOT_DPI)
     plt.close(fig)
+
+
+LOG_SCALE_SPAN = 100.0
+"""Losses (all positive) whose largest is more than this many times their smallest are drawn on a log axis: on a
+linear one a learner whose training loss reached 9e6 flattened every other curve onto the axis, the validation loss
+that went up with it included."""
+
+
+def loss_axis_scale(values: Sequence[float]) -> str:
+    """"log" where the positive `values` span more than LOG_SCALE_SPAN, else "linear" (a loss of 0 or below)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or min(finite) <= 0 or max(finite) <= LOG_SCALE_SPAN * min(finite):
+        return "linear"
+    return "log"
 
 
 def _bucket_means(times: array, values: array, most: int) -> tuple[tuple[array, array], int]:
