@@ -336,3 +336,12 @@ def test_losses_that_span_orders_of_magnitude_are_drawn_on_a_log_axis(tmp_path, 
     merge_metrics(paths)
     report.plot_val_loss(paths, tmp_path / "val_loss.png")
     assert scales == ["log"]
+
+
+def test_a_resumed_runs_caption_says_which_wall_time_is_this_sessions():
+    # `wall time 21.6 s (syncer restarts 1)`: this session's time beside the whole run's rounds and restarts.
+    from ddiloco.runtime.report import _wall_time_text
+
+    assert _wall_time_text({"wall_time_s": 21.6, "sessions": 1, "wall_time_total_s": 21.6}) == "wall time 21.6 s"
+    assert (_wall_time_text({"wall_time_s": 21.6, "sessions": 3, "wall_time_total_s": 95.25})
+            == "wall time 21.6 s this session (95.2 s in its 3 sessions)")

@@ -365,9 +365,20 @@ def _val_loss_text(summary: Mapping[str, Any]) -> str:
     return f"final validation loss {val:.4f}"
 
 
+def _wall_time_text(summary: Mapping[str, Any]) -> str:
+    """`wall time 21.6 s`, and where the run had several sessions, the whole run's beside this session's: the rounds
+    and restarts beside it are the whole run's (until 2026-12-06 it read `wall time 21.6 s (syncer restarts 1)` on a
+    resumed session that had no restart)."""
+    text = f"wall time {summary['wall_time_s']:.1f} s"
+    sessions, total = summary.get("sessions") or 1, summary.get("wall_time_total_s")
+    if sessions > 1 and total is not None:
+        text += f" this session ({total:.1f} s in its {sessions} sessions)"
+    return text
+
+
 def summary_table(summary: Mapping[str, Any]) -> Table:
     caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, {_val_loss_text(summary)}, "
-               f"wall time {summary['wall_time_s']:.1f} s (syncer restarts {summary['syncer']['restarts']})")
+               f"{_wall_time_text(summary)}, syncer restarts {summary['syncer']['restarts']}")
     # Reasons and paths are the learners' and the user's text: "[rank-group]" or "[learner 0]" is not rich markup.
     table = Table(title=escape(f"ddiloco run {summary['run_dir']}"), caption=escape(caption), caption_justify="left")
     for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
