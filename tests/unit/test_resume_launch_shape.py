@@ -149,3 +149,24 @@ def test_a_run_from_before_the_record_that_kept_every_rounds_file_keeps_them_on_
     assert resumed_launch_shape(tmp_path, {"round_files": "recent"}, defaults) == ({}, ())
     log.tensors_path(0).unlink()
     assert resumed_launch_shape(tmp_path, {}, defaults) == ({}, ())
+
+
+def test_a_plain_resume_keeps_the_runs_threads(tmp_path, fake_command, capsys, monkeypatch):
+    # A run started with --threads 2 resumed with the default (cores // learners: 1 on this machine's 2 cores).
+    from ddiloco.runtime import run_commands
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "learner.py").write_text(
+        'import os\nopen("threads.txt", "a").write(os.environ["DDILOCO_THREADS"] + "\\n")\n')
+    run_dir = tmp_path / "run"
+
+    def run_with(*argv: str) -> int:
+        args = run_parser().parse_args(["run", "--no-progress", "--learners", "2", *argv])
+        args.script = list(SCRIPT)
+        return run_commands.run(args, command=fake_command, supervisor_config=FAST)
+
+    assert run_with("--run-dir", str(run_dir), "--threads", "2") == 0
+    capsys.readouterr()
+    assert run_with("--resume", str(run_dir)) == 0
+    assert "resuming with the run's --threads 2\n" in capsys.readouterr().out
+    assert (tmp_path / "threads.txt").read_text().split() == ["2"] * 4  # 2 learners, 2 starts each

@@ -54,7 +54,8 @@ def test_resume_without_a_command_runs_the_runs_own_and_one_that_differs_is_used
     assert run(fake_command, "--run-dir", str(run_dir), script=("python", "learner.py", "first")) == 0
     assert json.loads(RunPaths(run_dir).learner_command.read_text()) == {"command": ["python", "learner.py", "first"],
                                                                           "cwd": str(tmp_path), "nproc_per_learner": 1,
-                                                                          "device": "cpu", "evaluate": False,
+                                                                          "device": "cpu", "threads": None,
+                                                                          "evaluate": False,
                                                                           "round_files": "recent",
                                                                           "full_state_every": 100,
                                                                           "checkpoint_every_s": 10.0}

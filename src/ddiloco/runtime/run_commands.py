@@ -68,9 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="where the run writes everything (default: runs/run-<timestamp>)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="continue a stopped run from its directory (its config.json), with its learner command, "
-                             "--nproc-per-learner, --device, --[no-]evaluate, --round-files, --full-state-every and "
-                             "--checkpoint-every-s unless given (not --link: give it again); --inner-steps and the "
-                             "quorum and learner flags may change it, any other config flag that differs is refused")
+                             "--nproc-per-learner, --device, --threads, --[no-]evaluate, --round-files, "
+                             "--full-state-every and --checkpoint-every-s unless given (not --link: give it again); "
+                             "--inner-steps and the quorum and learner flags may change it, any other config flag "
+                             "that differs is refused")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="start from this run config JSON instead of the defaults")
     parser.add_argument("--no-progress", action="store_true",

@@ -239,15 +239,16 @@ def _describe(script: Sequence[str]) -> str:
     return shlex.join(script) if script else BUILT_IN_LEARNER
 
 
-LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device", "evaluate": "--evaluate",
-                "round_files": "--round-files", "full_state_every": "--full-state-every",
+LAUNCH_SHAPE = {"nproc_per_learner": "--nproc-per-learner", "device": "--device", "threads": "--threads",
+                "evaluate": "--evaluate", "round_files": "--round-files", "full_state_every": "--full-state-every",
                 "checkpoint_every_s": "--checkpoint-every-s"}
 """The `ddiloco run` settings (`RunSettings` fields, by flag) that say how each learner is started, whether an
 evaluator runs beside them and what the syncer and the learners keep: recorded beside its command, so that a
 `--resume` without the flag starts the run's processes as it last ran them. A learner of 2 ranks resumed as one
 process crash-looped in `init_process_group`, without RANK; a script run started with `--evaluate` resumed without its
-evaluator; a run started with `--round-files all` would lose its early rounds' files at a plain `--resume`, and one
-started with `--full-state-every 10` went back to 100 (ten times the rounds' files kept on disk)."""
+evaluator; a run started with `--round-files all` would lose its early rounds' files at a plain `--resume`, one
+started with `--full-state-every 10` went back to 100 (ten times the rounds' files kept on disk), and one with
+`--threads 4` to the default (null in the record: the default, cores // learners, on the machine that resumes it)."""
 
 
 def _shown(name: str, value: Any) -> str:
