@@ -391,8 +391,10 @@ class Syncer:
                            norm / open_round.cap * self.quorum.max_norm_ratio, open_round.cap)
         self.capped_updates += len(open_round.capped)
         # Not from a fragment's first round: it covers the few steps before the schedule's first slot, at the start
-        # of the warm-up, and the next round's norms were up to 8.75 times its own (docs/protocol.md).
-        if record.version >= 2 and open_round.reference_norm is not None:
+        # of the warm-up, and the next round's norms were up to 8.75 times its own (docs/protocol.md). Nor from a round
+        # whose updates were all zero: a reference of 0 caps nothing, so one learner's zero update closing a round
+        # alone (K = 1) took the cap off the next round, where its values of 1e20 went into the global model.
+        if record.version >= 2 and open_round.reference_norm:
             self._reference[p] = open_round.reference_norm
         self._open[p] = self._new_round(p)
         actions: list[SyncerAction] = [Commit(record, capped=tuple(i for i, _ in open_round.capped))]

@@ -86,6 +86,27 @@ def test_a_fragment_nobody_trained_for_a_round_is_not_capped_to_nothing():
     assert not torch.equal(syncer.global_params()["w"], initial()["w"])
 
 
+def test_a_round_of_zero_updates_does_not_take_the_cap_off_the_next():
+    # A learner with its own token pushed an all-zero update that closed a round alone (K = 1): the reference became
+    # 0, which caps nothing, and its next update, of values 1e20, went into the global model (3.9e20 where the largest
+    # parameter had been 3.45), and every learner's model was NaN from then on.
+    syncer = Syncer(CONFIG, QuorumConfig(min_quorum=1, grace="none"), initial_params=initial())
+    syncer.receive(Join(0, syncer.spec, CONFIG.fingerprint()), 0.0)
+    codec, generator = get_codec("fp32"), torch.Generator().manual_seed(3)
+
+    def push(values: dict[str, torch.Tensor], at: float) -> None:
+        base = syncer.versions[0]
+        payload = {name: codec.encode(values[name]) for name in syncer.plan.fragments[0]}
+        syncer.receive(Update(0, 0, base, 4 * (base + 1), 4, 400, "fp32", payload), at)
+
+    for round_index in range(3):  # a reference from the second round on
+        push({name: 1e-2 * torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}, round_index)
+    push({name: torch.zeros(shape) for name, shape in SHAPES.items()}, 3.0)
+    push({name: torch.full(shape, 1e20) for name, shape in SHAPES.items()}, 4.0)
+    assert syncer.versions[0] == 5 and syncer.capped_updates == 1
+    assert max(float(t.abs().max()) for t in syncer.global_params().values()) < 10
+
+
 def test_the_cap_scales_a_whole_update_and_a_capped_update_does_not_raise_the_reference():
     from ddiloco.messages import DecodedTensor
 
