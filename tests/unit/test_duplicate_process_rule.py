@@ -41,7 +41,7 @@ def refusal(held, session: str, *, at: float, subscribed: bool = True) -> str | 
 @pytest.mark.parametrize("session", ["hostB/222/bbbb", ""])
 def test_a_join_while_another_process_is_alive_is_refused_naming_it(held, session):
     reason = refusal(held, session, at=11.0)
-    assert reason is not None and reason.startswith("learner 0 is already connected: process hostA/111/aaaa from "
+    assert reason is not None and reason.startswith("learner 0 is already connected: process hostA/111 from "
                                                     "ipv4:10.0.0.1:5000")
 
 

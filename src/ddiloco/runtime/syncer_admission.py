@@ -100,7 +100,8 @@ def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: 
     if info is None or not info.alive or clock.now() - info.last_seen >= window:
         return None
     age = clock.now() - old.since
-    held = f"learner {learner_id} is already connected: process {old.session} from {old.peer}, joined {age:.0f} s ago"
+    held = (f"learner {learner_id} is already connected: process {shown_session(old.session)} from {old.peer}, "
+            f"joined {age:.0f} s ago")
     if not session:
         return AnotherProcess(f"{held}; this join does not name its process (no ddiloco-session metadata), so it "
                               "cannot take that process's place while it is alive: join with ddiloco's client, or "
@@ -108,18 +109,32 @@ def duplicate_process(run_config: RunConfig, syncer: Syncer | None, learner_id: 
     return AnotherProcess(f"{held}; two processes were started with --learner-id {learner_id} (stop one)")
 
 
+def shown_session(session: str) -> str:
+    """A process's session as a refusal shows it to another caller: its host and pid (`host/1234`), not the random
+    part that sets it apart from a later process of the same pid (`SyncerClient.session`). With the whole of it, a
+    caller holding the learner's token could name itself as the live process and act for it."""
+    host_pid, _, rest = session.rpartition("/")
+    return host_pid if host_pid and rest else session
+
+
 def replaced_process(learner_id: int, session: str, *, holder: Subscription | None, clock: Clock) -> str | None:
     """Why a call of process `session` for `learner_id` is refused, or None. `holder`: the learner's subscription,
     which another process took after this one's stream ended or it fell silent (`duplicate_process`); this process
     still calling (a SIGSTOPped process continued, a partition healed) would have its update merged beside the new
     process's, which trains the same data, its heartbeats keep the learner alive and its Leave end the new process's
-    membership. A call or a subscription that names no process cannot be told apart, and passes."""
-    if holder is None or not holder.session or not session or holder.session == session:
+    membership. A call that names no process while the holder names its own is refused too: every ddiloco client
+    names its process on every call (wire schema 6), and such calls (a Leave in a loop) made the live process leave
+    and join again 195 times in 8 s. A subscription that names no process cannot be told apart, and any call passes."""
+    if holder is None or not holder.session or holder.session == session:
         return None
     age = clock.now() - holder.since
-    return (f"learner {learner_id} is held by process {holder.session} from {holder.peer}, joined {age:.0f} s ago; "
-            f"this process ({session}) was replaced (its stream had ended or it fell silent), so it stops and leaves "
-            "the learner's checkpoint to that process")
+    held = (f"learner {learner_id} is held by process {shown_session(holder.session)} from {holder.peer}, joined "
+            f"{age:.0f} s ago")
+    if not session:
+        return (f"{held}; this call names no process (no ddiloco-session metadata), so it cannot act for it: every "
+                "ddiloco client names its process on each call")
+    return (f"{held}; this process ({session}) was replaced (its stream had ended or it fell silent), so it stops and "
+            "leaves the learner's checkpoint to that process")
 
 
 def genesis_for_join(join: Join, init: dict[str, torch.Tensor] | None, init_source: str) -> GenesisRecord | str:
