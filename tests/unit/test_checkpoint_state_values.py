@@ -2,6 +2,7 @@
 it cannot keep is refused naming where it is, and trees written before numpy values were kept still load."""
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -61,7 +62,7 @@ def test_a_tree_written_before_numpy_values_were_kept_still_loads():
 ])
 def test_a_value_it_cannot_keep_is_refused_naming_where_it_is_and_what_is_kept(value, what):
     with pytest.raises(UnsupportedStateError, match=rf"cannot checkpoint the {what} at /state/data/2/tags: a "
-                                                    r"checkpoint keeps dicts, .*numpy arrays and scalars") as caught:
+                                                    r"checkpoint keeps dicts .*numpy arrays and scalars") as caught:
         split_state({"state": {"data": [1, 2, {"tags": value}]}})
     assert caught.value.keys == ("state", "data", 2, "tags")
 
@@ -82,3 +83,18 @@ def test_the_tensor_dtypes_a_checkpoint_keeps_are_those_the_installed_safetensor
     assert {dtype for dtype in dtypes if _round_trips(dtype)} == TORCH_DTYPES
     tensors, _ = split_state({"x": [torch.zeros(2, dtype=dtype) for dtype in sorted(TORCH_DTYPES, key=str)]})
     assert len(tensors) == len(TORCH_DTYPES)
+
+
+@pytest.mark.parametrize(("key", "what"), [
+    (np.int64(3), "dict key 3 of type int64"),  # every background write failed: int64 is not JSON
+    ((1, 2), "dict key (1, 2) of type tuple"),  # written, then every restore failed
+    (0.5, "dict key 0.5 of type float"),  # came back as 0, merged with the key 0
+    (None, "dict key None of type NoneType"),
+    (True, "dict key True of type bool"),  # came back as 1
+])
+def test_a_dict_key_it_cannot_keep_is_refused_naming_where_it_is(key, what):
+    with pytest.raises(UnsupportedStateError, match=rf"cannot checkpoint the {re.escape(what)} at /state/data/counts: "
+                                                    r"a checkpoint keeps dicts \(their keys str or int\)"):
+        split_state({"state": {"data": {"counts": {0: 1, key: 2}}}})
+    tensors, tree = split_state({"counts": {0: 1, -7: 2, "a": 3}})  # int and str keys come back as they were
+    assert join_state(json.loads(json.dumps(tree)), tensors) == {"counts": {0: 1, -7: 2, "a": 3}}
