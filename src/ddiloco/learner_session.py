@@ -158,6 +158,8 @@ class Session(SessionLifecycle):
         self.directory = self.run_dir / "learners" / str(learner_id) if self.run_dir is not None else None
         self.prefix = f"learner/{learner_id}"
         self.checkpoint_every_s = checkpoint_every_s
+        self._checkpoint_due = False
+        """A periodic checkpoint fell due in `step()`, taken at the next `done` (or the next `step()`, if sooner)."""
         self.status_every_s = status_every_s
         self.flush_timeout_s = flush_timeout_s
         self.group = group
@@ -240,8 +242,21 @@ class Session(SessionLifecycle):
 
     @property
     def done(self) -> bool:
-        """True once the run's inner-step budget is reached, or a stop was requested (SIGTERM)."""
+        """True once the run's inner-step budget is reached, or a stop was requested (SIGTERM). Asked at the top of the
+        loop (`while not sync.done`), it also takes a periodic checkpoint that fell due in the last `step()`: there, the
+        iteration is over, the scheduler stepped after `sync.step()` included (`_checkpoint_due`)."""
+        if self._checkpoint_due:
+            self._take_due_checkpoint()
+        return self._over_budget_or_stopped()
+
+    def _over_budget_or_stopped(self) -> bool:
         return self.learner.inner_step >= self.config.inner_steps or self._stop.is_set()
+
+    def _take_due_checkpoint(self) -> None:
+        self._checkpoint_due = False
+        if self._checkpoint is not None and not self._closed:
+            self._checkpoint.save(wait=False)
+            self._last_checkpoint = self.clock.now()
 
     @property
     def ready(self) -> bool:
@@ -312,7 +327,8 @@ class Session(SessionLifecycle):
     def _end_call(self, *, exit_status: int = 0) -> None:
         """The followers' ranks return from the session call they are in (`LearnerGroup.serve`)."""
         if self.group is not None:
-            self.group.end(self.learner.inner_step, done=self.done or self._closed, exit_status=exit_status)
+            self.group.end(self.learner.inner_step, done=self._over_budget_or_stopped() or self._closed,
+                           exit_status=exit_status)
 
     def _check_added_groups(self) -> None:
         """A group the script added to its optimizer (`add_param_group`) holds only the model's parameters, as the
@@ -361,10 +377,16 @@ class Session(SessionLifecycle):
         if loss is not None:
             metrics[f"{self.prefix}/loss"] = loss
         self.sink.log(metrics, step=self.learner.inner_step)
-        if self._checkpoint is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
-            self._checkpoint.save(wait=False)
-            self._last_checkpoint = self.clock.now()
-        if not self.done:
+        if self._checkpoint_due:  # due at the last step, and `done` not asked since: taken here, as it used to be
+            self._take_due_checkpoint()
+        elif self._checkpoint is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
+            if self.group is None:
+                # At the next `sync.done`, once the loop's iteration is over: taken here, it lacked what the loop does
+                # after `step()` (a scheduler stepped there came back one step behind after a kill -9, per crash).
+                self._checkpoint_due = True
+            else:  # its ranks take part in a checkpoint from inside this call (`LearnerGroup.checkpoint`)
+                self._take_due_checkpoint()
+        if not self._over_budget_or_stopped():
             self._settle()
         self._end_call()
         self._step_started = time.monotonic()
