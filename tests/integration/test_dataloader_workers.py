@@ -96,15 +96,10 @@ def test_a_run_stopped_while_its_learners_dataloader_workers_run_stops_each_lear
     # The launcher's stop sent SIGTERM to each learner's whole process group: the DataLoader's workers died of it
     # before the script reached its next step(), torch raised "DataLoader worker (pid N) is killed by signal:
     # Terminated" in the learner (in its session's close), and the learner failed without its stop checkpoint.
-    script = tmp_path / "endless.py"
-    script.write_text(ENDLESS)
     run_dir = tmp_path / "run"
-    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
-                              "--inner-steps", "1000000", "--no-evaluate", "--", sys.executable, str(script)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    popen = _start_endless_run(tmp_path, run_dir)
     try:
-        wait_until(lambda: all(_status(run_dir, i).get("inner_step", 0) > 20 for i in (0, 1)), "both learners to train",
-                   alive=(popen,))
+        _wait_until_both_train(run_dir, popen)
     finally:
         output = finish_run(popen, timeout_s=RUN_TIMEOUT_S, interrupt=True)
     assert popen.returncode == 128 + signal.SIGINT, output
@@ -119,21 +114,30 @@ def _status(run_dir, learner: int) -> dict:
     return read_json_object(RunPaths(run_dir).learner_status(learner)) or {}
 
 
+def _start_endless_run(tmp_path, run_dir) -> subprocess.Popen:
+    """`ddiloco run` of the ENDLESS script, its own process group, its output piped."""
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS)
+    return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
+                             "--inner-steps", "1000000", "--no-evaluate", "--", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_until_both_train(run_dir, popen) -> None:
+    wait_until(lambda: all(_status(run_dir, i).get("inner_step", 0) > 20 for i in (0, 1)), "both learners to train",
+               alive=(popen,))
+
+
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_sigterm_to_every_process_of_the_job_stops_each_learner_with_its_checkpoint(tmp_path):
     # scancel, and systemd's stop of a service (KillMode=control-group), send SIGTERM to every process of the job
     # at once: the DataLoader's workers died of theirs, torch's SIGCHLD handler raised "DataLoader worker (pid N)
     # is killed by signal: Terminated" in the learner wherever it was (in its session's close, waiting for the
     # checkpoint at the stop), and the learner lost its steps since its last periodic checkpoint.
-    script = tmp_path / "endless.py"
-    script.write_text(ENDLESS)
     run_dir = tmp_path / "run"
-    popen = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
-                              "--inner-steps", "1000000", "--no-evaluate", "--", sys.executable, str(script)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    popen = _start_endless_run(tmp_path, run_dir)
     try:
-        wait_until(lambda: all(_status(run_dir, i).get("inner_step", 0) > 20 for i in (0, 1)), "both learners to train",
-                   alive=(popen,))
+        _wait_until_both_train(run_dir, popen)
         # Each epoch forks its workers anew: the SIGTERMs go out while both learners' workers run.
         wait_until(lambda: len(set(descendants(popen.pid)) - _learner_and_syncer_pids(run_dir)) >= 4,
                    "two DataLoader workers of each learner", alive=(popen,))

@@ -138,15 +138,13 @@ def test_syncer_kill9_and_restart_loses_and_repeats_no_committed_round(tmp_path,
         assert status["state"] == "stopped" and status["bytes_sent"] > 0 and status["bytes_received"] > 0
 
 
-@pytest.mark.acceptance  # 17 s: the default suite's time (the chaos runs' hang faults cover it there too)
-@pytest.mark.timeout(300)  # several processes: minutes when the machine is loaded
-def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs):
-    run_dir = tmp_path / "run"
-    syncer, address = start_syncer(procs, run_dir)
+def silence_learner_1_until_it_is_timed_out(procs, run_dir, *syncer_flags: str):
+    """A syncer (with `syncer_flags`) and learners 0 and 1; learner 1 SIGSTOPped until the syncer has timed it out
+    and committed 10 rounds without it, then continued. Returns the syncer and the learners."""
+    syncer, address = start_syncer(procs, run_dir, *syncer_flags)
     learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
     wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "both learners alive",
                alive=[syncer, *learners])
-
     # SIGSTOP keeps its connection open: only the missing heartbeats give it away.
     os.kill(learners[1].pid, signal.SIGSTOP)
     try:
@@ -157,6 +155,14 @@ def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs
                    "rounds without the silent learner", alive=[syncer, learners[0]])
     finally:
         os.kill(learners[1].pid, signal.SIGCONT)
+    return syncer, learners
+
+
+@pytest.mark.acceptance  # 17 s: the default suite's time (the chaos runs' hang faults cover it there too)
+@pytest.mark.timeout(300)  # several processes: minutes when the machine is loaded
+def test_a_silent_learner_is_timed_out_and_rejoins_when_it_wakes(tmp_path, procs):
+    run_dir = tmp_path / "run"
+    syncer, learners = silence_learner_1_until_it_is_timed_out(procs, run_dir)
     wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "learner 1 back",
                alive=[syncer, *learners])
     wait_until(lambda: learner_status(run_dir, 1).get("joins", 0) >= 2, "learner 1 re-joined", alive=learners)
@@ -202,19 +208,8 @@ def test_a_silent_learner_of_a_synchronous_run_rejoins_in_phase(tmp_path, procs)
     # it had, rounds it had not published committed without it: out of phase with the other, each round then waited
     # the learners' --max-wait-s (here 120 s, 60 s by default) for its update.
     run_dir = tmp_path / "run"
-    syncer, address = start_syncer(procs, run_dir, "--min-quorum", "2", "--max-wait-s", "120")
-    learners = [start_learner(procs, run_dir, address, i) for i in range(2)]
-    wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0, 1], "both learners alive",
-               alive=[syncer, *learners])
-    os.kill(learners[1].pid, signal.SIGSTOP)
-    try:
-        wait_until(lambda: syncer_status(run_dir).get("alive_learners") == [0], "learner 1 timed out",
-                   alive=[syncer])
-        rounds = syncer_status(run_dir)["rounds_committed"]
-        wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 10,
-                   "rounds without the silent learner", alive=[syncer, learners[0]])
-    finally:
-        os.kill(learners[1].pid, signal.SIGCONT)
+    syncer, learners = silence_learner_1_until_it_is_timed_out(procs, run_dir, "--min-quorum", "2",
+                                                               "--max-wait-s", "120")
     wait_until(lambda: learner_status(run_dir, 1).get("joins", 0) >= 2, "learner 1 re-joined", alive=learners)
     rounds = syncer_status(run_dir)["rounds_committed"]
     wait_until(lambda: syncer_status(run_dir)["rounds_committed"] >= rounds + 10, "rounds with both learners again",
