@@ -63,7 +63,8 @@ def test_a_stopped_run_of_two_ranks_per_learner_resumes_as_two_ranks(tmp_path):
     resumed = ddiloco_run("--resume", str(run_dir), "--inner-steps", str(target), "--no-progress", "--json")
     out = finish_run(resumed, timeout_s=WAIT_S)
     assert resumed.returncode == 0, out
-    assert "resuming with the run's --nproc-per-learner 2 --checkpoint-every-s 0.5\n" in out, out  # FAST's, kept
+    kept = "--nproc-per-learner 2 --threads 1 --checkpoint-every-s 0.5"  # FAST's
+    assert f"resuming with the run's {kept}\n" in out, out
     summary = read_json_object(paths.summary)
     assert summary["outcome"] == "completed" and summary["learners"]["0"]["inner_step"] == target, summary
     assert len(read_json_object(paths.learner_dir(0) / "ranks.json")["ranks"]) == 2
