@@ -46,6 +46,11 @@ class LearnerInfo:
     joins: int = 0
     declared_tokens_per_step: int = 0
     """The most tokens per inner step it declared at its last join (0: none, the run's limit applies)."""
+    last_progress: float = 0.0
+    """When it last sent an update that counts as progress (accepted, or refused only because rounds could not be
+    written), or joined: a live learner without one for `Syncer.progress_bound()` seconds is `stalled`."""
+    stalled: bool = False
+    """It is alive but sends no updates: it does not count in the quorum until its next update."""
     step_time_s: float | None = None
     """Moving average of this learner's own step time (seconds per inner step between two of its updates), for
     the margins a round's result reports (`Syncer._margins`)."""

@@ -35,6 +35,11 @@ DEFAULT_MAX_WEIGHT_RATIO = 16.0
 steps x (tokens per step)^2: honest rounds of one batch size reached 11 (real runtime: 33 inner steps beside two
 learners' 3) and a learner with twice the batch weighs 4 times as much. With n participants no share exceeds
 16 / (15 + n): 0.94 of 2, 0.84 of 4, 0.70 of 8 (docs/protocol.md, "Merge weights")."""
+DEFAULT_PROGRESS_TIMEOUT_S = 600.0
+"""Ten minutes: ten times the longest gap a healthy learner showed between its accepted updates in 212 real runs on
+this machine (60.3 s, a learner of a K = M run waiting out `--max-wait-s` while another was paused; 58.7 s from a
+join to the first update of a 50 M-parameter model), and room for a first step's compilation. Measured with
+`benchmarks/bench_update_gaps.py` (docs/protocol.md, "A learner alive without updates")."""
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 """How long a learner that has never reached its syncer keeps trying: far longer than a syncer takes to start
 (imports, restore) or restart, short enough that a wrong address ends in an error within minutes."""
@@ -184,6 +189,12 @@ class QuorumConfig:
     """An update whose base version is more than this many versions behind the fragment is rejected."""
     heartbeat_timeout_s: float = 30.0
     """A learner silent for longer than this is treated as gone and never waited for."""
+    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S
+    """A live learner that has sent no update for this long (since its last one, or its join) stops counting in the
+    quorum, and rounds no longer wait for it, until its next update: a loop that hangs while its heartbeat thread
+    runs, or a learner that only heartbeats, held every round of a K = M run open for as long as it lived. Where
+    `ddiloco.round_timing.STALL_PERIODS` sync periods (sync_every x the run's step time) are longer, they are the
+    bound. 0: off."""
     max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP
     """Tokens (or samples) one inner step may count, at most: a learner declaring more at join is refused, and an
     update with more tokens than steps x this (or than the learner's own, smaller declaration) is rejected as
@@ -224,6 +235,9 @@ class QuorumConfig:
                  self.max_staleness, "an integer >= 0 (versions)")
         require(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
                  "a number > 0 (seconds)")
+        require(isinstance(self.progress_timeout_s, int | float) and not isinstance(self.progress_timeout_s, bool)
+                and math.isfinite(self.progress_timeout_s) and self.progress_timeout_s >= 0, "progress_timeout_s",
+                self.progress_timeout_s, "a finite number >= 0 (seconds; 0: off)")
         require_int("max_tokens_per_step", self.max_tokens_per_step, minimum=1)
         require(isinstance(self.staleness_discount, int | float) and math.isfinite(self.staleness_discount)
                 and self.staleness_discount >= 0, "staleness_discount", self.staleness_discount,

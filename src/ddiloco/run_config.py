@@ -141,15 +141,17 @@ _SAVED_BEFORE: dict[str, tuple[tuple[frozenset[str], dict[str, Any]], ...]] = {
     "data": ((frozenset({"batch_size", "context_len", "val_fraction", "seed"}), {"shard_layout": "contiguous"}),),
     "inner": ((_BEFORE_COOLDOWN, {"cooldown": 0.0, "warmup_steps": 0}),
               (_BEFORE_COOLDOWN | {"cooldown"}, {"warmup_steps": 0})),
-    "quorum": ((_QUORUM_BEFORE_FLOOR, {"grace_min_steps": 0.0, "max_norm_ratio": 0.0}),
-               (_QUORUM_BEFORE_FLOOR | {"grace_min_steps"}, {"max_norm_ratio": 0.0})),
+    "quorum": ((_QUORUM_BEFORE_FLOOR, {"grace_min_steps": 0.0, "max_norm_ratio": 0.0, "progress_timeout_s": 0.0}),
+               (_QUORUM_BEFORE_FLOOR | {"grace_min_steps"}, {"max_norm_ratio": 0.0, "progress_timeout_s": 0.0}),
+               (_QUORUM_BEFORE_FLOOR | {"grace_min_steps", "max_norm_ratio"}, {"progress_timeout_s": 0.0})),
 }
 """Section -> for each generation of it: every field it had then, and the fields added since with a new default, at
 the values runs of then trained with. The data section before the shard layouts (contiguous shards; whole since
 2026-12-04); the inner one before the learning-rate cooldown (a constant rate; 0.2 of the run since 2026-12-04) and
 before the warm-up (none; 45 steps since 2026-12-05); the quorum one before the grace window's floor (none; a quarter
 step since 2026-12-05, later that day) and before the cap on an update's norm (none; 10 times the fragment's previous
-round since 2026-12-05, a session later)."""
+round since 2026-12-05, a session later) and before the bound on a live learner without updates (none; since
+2026-12-07)."""
 
 
 def _saved_before_its_new_field(name: str, section: dict[str, Any]) -> dict[str, Any]:

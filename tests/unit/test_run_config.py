@@ -96,6 +96,7 @@ def test_a_run_saved_before_the_grace_floor_resumes_without_one(tmp_path):
     saved = RunConfig(num_learners=3).to_dict()
     del saved["quorum"]["grace_min_steps"]  # as a run of 2026-12-05's morning wrote it
     del saved["quorum"]["max_norm_ratio"]
+    del saved["quorum"]["progress_timeout_s"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     quorum = RunConfig.load(tmp_path / "config.json").quorum
     assert quorum.grace_min_steps == 0 and quorum.max_norm_ratio == 0
@@ -105,6 +106,7 @@ def test_a_run_saved_before_the_grace_floor_resumes_without_one(tmp_path):
 def test_a_run_saved_before_the_norm_cap_resumes_without_one(tmp_path):
     saved = RunConfig(num_learners=3).to_dict()
     del saved["quorum"]["max_norm_ratio"]  # as a run of 2026-12-05's third session wrote it
+    del saved["quorum"]["progress_timeout_s"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     quorum = RunConfig.load(tmp_path / "config.json").quorum
     assert quorum.max_norm_ratio == 0 and quorum.grace_min_steps == 0.25

@@ -170,6 +170,24 @@ def test_rows_and_tables_render_what_the_contract_provides(tmp_path):
     assert [format_bytes(n) for n in (12, 1_500, 2_500_000, 7e12)] == ["12 B", "1.5 kB", "2.5 MB", "7000.0 GB"]
 
 
+def test_a_stalled_learner_is_shown_in_both_tables(tmp_path):
+    # Alive to the syncer but without updates (a loop that hangs): rounds do not wait for it, and the console says so.
+    paths = fake_run(tmp_path)
+    syncer_status = json.loads(paths.syncer_status.read_text())
+    status = json.loads(paths.learner_status(1).read_text()) | {"pid": 11, "state": "training"}
+    syncer_status |= {"alive_learners": [0, 1], "stalled_learners": [1], "min_quorum": 2, "effective_quorum": 1}
+    syncer_status["learners"]["1"] = syncer_status["learners"].get("1", {}) | {"alive": True, "stalled": True}
+    row = learner_row(slot(ChildState.RUNNING, pid=11), status, syncer_status, 0.0)
+    assert row.state == "stalled (training)"
+    console = Console(width=200, record=True)
+    console.print(learners_table([row]))
+    console.print(syncer_table(slot(ChildState.RUNNING), syncer_status))
+    text = console.export_text()
+    assert "stalled (training)" in text and "1/2 of 2 alive, 1 stalled" in text
+    # Once its process ended it is not shown as stalled (the syncer's view lags the launcher's).
+    assert learner_row(slot(ChildState.BACKOFF, pid=11), status, syncer_status, 0.0).state == "backoff"
+
+
 def test_the_live_view_shows_a_stop_wait_at_once(tmp_path):
     # While the run stops no tick redraws the live view: the line saying whom the launcher waits for must.
     from io import StringIO

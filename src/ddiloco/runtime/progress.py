@@ -93,7 +93,10 @@ def learner_row(slot: Slot, status: Mapping[str, Any] | None, syncer_status: Map
     status = status or {}
     per_learner = ((syncer_status or {}).get("learners") or {}).get(str(slot.learner_id)) or {}
     rounds = per_learner.get("accepted", status.get("updates_accepted"))
-    return LearnerRow(slot.learner_id, slot.pid, learner_state(slot, status or None, now), status.get("inner_step"),
+    state = learner_state(slot, status or None, now)
+    if per_learner.get("stalled") and slot.state == ChildState.RUNNING:
+        state = f"stalled ({state})"  # alive to the syncer, without updates: rounds do not wait for it
+    return LearnerRow(slot.learner_id, slot.pid, state, status.get("inner_step"),
                       status.get("inner_steps"), status.get("loss"), status.get("tokens_per_s"), rounds,
                       slot.restarts)
 
@@ -105,10 +108,21 @@ def learners_table(rows: list[LearnerRow]) -> Table:
     for row in rows:
         step = "-" if row.inner_step is None else f"{row.inner_step}/{row.inner_steps or '?'}"
         style = {"done": "green", "refused": "red", "unreachable": "red", "failed": "red", "disconnected": "yellow",
-                 "waiting": "yellow"}.get(row.state.split()[0], "")
+                 "waiting": "yellow", "stalled": "yellow"}.get(row.state.split()[0], "")
         table.add_row(str(row.learner_id), _num(row.pid, "d"), Text(row.state, style=style), step,
                       _num(row.loss, ".3f"), _num(row.tokens_per_s, ",.0f"), _num(row.rounds, "d"), str(row.restarts))
     return table
+
+
+def quorum_text(status: Mapping[str, Any]) -> str:
+    """The syncer's effective quorum of its minimum, of the learners alive and those of them stalled (alive without
+    updates: rounds do not wait for them)."""
+    if "effective_quorum" not in status:
+        return "-"
+    alive = len(status.get("alive_learners", []))
+    text = f"{status['effective_quorum']}/{status.get('min_quorum', '?')} of {alive} alive"
+    stalled = status.get("stalled_learners") or []
+    return text + (f", {len(stalled)} stalled" if stalled else "")
 
 
 def syncer_table(slot: Slot, status: Mapping[str, Any] | None) -> Table:
@@ -118,8 +132,7 @@ def syncer_table(slot: Slot, status: Mapping[str, Any] | None) -> Table:
         "state": str(slot.state) + (f" (restarts {slot.restarts})" if slot.restarts else ""),
         "rounds": _num(status.get("rounds_committed"), "d"),
         "versions": " ".join(str(v) for v in status.get("versions", [])) or "-",
-        "quorum": (f"{status['effective_quorum']}/{status.get('min_quorum', '?')} of "
-                   f"{len(status.get('alive_learners', []))} alive" if "effective_quorum" in status else "-"),
+        "quorum": quorum_text(status),
         "grace": _num(status.get("grace_s"), ".2f", "s"),
         "step/quorum/sync": "/".join(_num(status.get(k), ".2f") for k in ("step_time_s", "quorum_time_s",
                                                                           "sync_time_s")) + " s",

@@ -103,7 +103,7 @@ class SyncerTally:
         received, sent = self.bytes_base
         if s is None:
             return {"time": time.time(), "pid": os.getpid(), "address": address, "genesis": False,
-                    "rounds_committed": 0, "versions": [], "alive_learners": [],
+                    "rounds_committed": 0, "versions": [], "alive_learners": [], "stalled_learners": [],
                     "min_quorum": min_quorum, "effective_quorum": 0, "grace_s": 0.0,
                     "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
                     "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
@@ -115,11 +115,13 @@ class SyncerTally:
             learners[str(learner_id)] = {
                 "accepted": tally.get("accepted", 0), "rejected": self.rejected[learner_id],
                 "tokens_merged": round(tally.get("tokens_merged", 0)), "joins": self.joins[learner_id],
-                "capped": self.capped[learner_id], "alive": bool(info is not None and info.alive)}
+                "capped": self.capped[learner_id], "alive": bool(info is not None and info.alive),
+                "stalled": bool(info is not None and info.alive and info.stalled)}
         return {
             "time": time.time(), "pid": os.getpid(), "address": address, "genesis": True,
             "rounds_committed": s.rounds_committed, "versions": list(s.versions),
-            "alive_learners": s.alive_learners(), "min_quorum": s.quorum.min_quorum,
+            "alive_learners": s.alive_learners(), "stalled_learners": s.stalled_learners(),
+            "min_quorum": s.quorum.min_quorum,
             "effective_quorum": s.effective_quorum(), "grace_s": s.grace_window(),
             "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
             "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
