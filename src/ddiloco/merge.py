@@ -118,7 +118,8 @@ def period_share(counts: Sequence[tuple[int, int, bool]], sync_every: int) -> fl
     proportion to its steps (the first steps after a fragment is overwritten move the most), so a round of
     a few last steps would otherwise weigh like a whole period: measured on examples/mlp.py, the final
     flush raised the validation loss by up to 30 % (benchmarks/bench_quality.py). The first rounds are not
-    scaled (they are Streaming DiLoCo's). Recorded rounds hold the scaled merge (`RoundRecord.merged`), so
+    scaled (they are Streaming DiLoCo's), nor a fragment's first round that holds last work (`OpenRound.record`:
+    with H at or above the budget it is the whole run). Recorded rounds hold the scaled merge (`RoundRecord.merged`), so
     replay is unchanged."""
     carried = expected = 0.0
     for steps, tokens, final in counts:

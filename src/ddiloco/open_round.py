@@ -158,14 +158,16 @@ class OpenRound:
                sync_every: int) -> RoundRecord:
         """The round of `fragment`, at `version`, closed at `now`: its participants by learner id, their capped
         weights, and the merged pseudo-gradient, scaled down when the round holds less than an outer step
-        (`ddiloco.merge.period_share`). Drops the running sums."""
+        (`ddiloco.merge.period_share`) after the fragment's first round. Drops the running sums."""
         summed_ids = list(self.updates)  # arrival order: the order of the round's sums
         raw = [merge_weight(u, version, quorum.staleness_discount) for u in self.updates.values()]
         capped = dict(zip(summed_ids, cap_weights(raw, quorum.max_weight_ratio), strict=True))
         merged = self._merged(summed_ids, [capped[i] for i in summed_ids])
         learner_ids = sorted(self.updates)
         pending = [self.updates[i] for i in learner_ids]
-        share = period_share([(u.steps, u.tokens, u.final) for u in pending], sync_every)
+        # A fragment's first round is never scaled, even one of last work: with H at or above the learners' budget
+        # it carries the whole run (scaled, the global model kept 40 / 1000 of 40 steps' training).
+        share = period_share([(u.steps, u.tokens, u.final) for u in pending], sync_every) if version else 1.0
         if share < 1.0:
             merged = {name: delta * share for name, delta in merged.items()}
         participants = tuple(

@@ -172,7 +172,7 @@ def test_after_each_round_every_learner_holds_the_syncer_fragment():
 
 def test_syncer_state_dict_round_trip():
     config = DilocoConfig(num_fragments=2, sync_every=2, overlap_steps=4, **FP32)
-    syncer, hub, clock, (learner,) = make_system(1, config, QuorumConfig(grace="none"))
+    syncer, hub, clock, (learner,) = make_system(1, config, QuorumConfig(grace="none", heartbeat_timeout_s=1000.0))
     for t in range(6):
         publish(hub, learner, clock, float(t))
     restored = Syncer(config, QuorumConfig(grace="none"), initial_params=params_of(TinyNet(seed=3)))
@@ -226,3 +226,25 @@ def test_a_learner_that_leaves_after_its_last_work_and_rejoins_at_once_does_not_
         hub.after_inner_step(first, train_step(first.model, first.optimizer, batch))
     assert syncer.rounds_committed == 1
     assert {p.learner_id for p in hub.round_log[0].participants} == {0, 1}
+
+
+def test_a_fragment_whose_only_round_is_the_last_work_takes_all_of_it():
+    """H at or above the learners' budget: no round closes before the end, and the final flush carries the whole run.
+    It was scaled as a partial period (40 / 1000 of an outer step): the global model kept 4 % of the training (the
+    built-in model's validation loss 4.85 where H = 16 reached 2.54). Like a fragment's other first rounds, it is not
+    scaled."""
+    config = single_fragment(sync_every=1000, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0)
+    syncer, hub, clock, (learner,) = make_system(1, config, QuorumConfig(grace="none", heartbeat_timeout_s=1000.0))
+    for t, batch in enumerate(make_batches(40, seed=3)):
+        clock.advance_to(float(t))
+        hub.after_inner_step(learner, train_step(learner.model, learner.optimizer, batch))
+    assert syncer.rounds_committed == 0
+    trained = {name: value.clone() for name, value in params_of(learner.model).items()}
+    for update in learner.flush():
+        assert update.final
+        hub.send(update)
+    hub.leave(learner)
+    assert syncer.rounds_committed == 1
+    # Outer lr 1 without momentum and one participant: the global model is the learner's.
+    for name, value in trained.items():
+        torch.testing.assert_close(syncer.global_params()[name], value, rtol=1e-5, atol=1e-6)

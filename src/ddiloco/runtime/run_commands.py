@@ -221,6 +221,10 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         replaced = record_learner_command(RunPaths(run_dir), script,
                                           {name: getattr(settings, name) for name in LAUNCH_SHAPE})
         refused.pop_all()
+    if config.diloco.sync_every >= config.inner_steps:
+        notes = (*notes, f"note: --sync-every {config.diloco.sync_every} is not below --inner-steps "
+                         f"{config.inner_steps}: no fragment syncs before the end of training; each learner trains "
+                         "alone and the global model is their merged last work")
     return ResolvedRun(run_dir, config, script, settings, notes, lock, before, replaced)
 
 
