@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ from ddiloco.messages import (
     Rejected,
     RejectReason,
     SyncerMessage,
+    Undelivered,
     Update,
     Welcome,
 )
@@ -71,6 +72,9 @@ DEFAULT_INNER_LR = InnerConfig().lr
 class _Outstanding:
     base_version: int
     published_at_step: int
+    undelivered: bool = False
+    """Its transport could not deliver it: no result is owed (it blocks nothing), but a Welcome at its base version
+    publishes that work again at once."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ class Learner:
 
     def _blocking(self) -> list[int]:
         tau = self.config.overlap_steps
-        return sorted(p for p, out in self._outstanding.items() if self.inner_step >= out.published_at_step + tau)
+        return sorted(p for p, out in self._outstanding.items()
+                      if self.inner_step >= out.published_at_step + tau and not out.undelivered)
 
     def stop_waiting(self) -> list[int]:
         """Give up waiting for the fragments that block; returns them. Called by drivers on timeout."""
@@ -213,6 +218,9 @@ class Learner:
             logger.info("[learner %d | inner %d] joined at versions %s (%d update(s) published again)",
                         self.learner_id, self.inner_step, self.versions, len(replies))
             return replies
+        if isinstance(message, Undelivered):
+            self._undelivered(message)
+            return []
         if isinstance(message, Refused):
             self.joined = False
             self.refused_reason = message.reason
@@ -235,6 +243,21 @@ class Learner:
                 return [self.join_message()]
             return []
         raise TypeError(f"learner cannot handle {type(message).__name__}")
+
+    def _undelivered(self, message: Undelivered) -> None:
+        """The update of `message` never reached the syncer (it was unreachable): waiting for its round's result would
+        hold the learner up to `max_wait_s` at each fragment for as long as the syncer is away (4 inner steps in a
+        90 s outage). It blocks nothing any more, and its work counts as not sent: a newer version of the fragment is
+        preceded by that work (`_publish_before`), the fragment's next publish carries it, and a Welcome at its base
+        publishes it again at once."""
+        p = message.fragment
+        outstanding = self._outstanding.get(p)
+        if (outstanding is None or outstanding.base_version != message.base_version
+                or outstanding.published_at_step != message.inner_step):
+            return  # an older update's, or its result arrived meanwhile
+        self._outstanding[p] = replace(outstanding, undelivered=True)
+        if self._published_from[p] == message.base_version:
+            self._published_from[p] = None
 
     def _publish_before(self, state: FragmentState) -> Update | None:
         """The round that produced `state` closed before this learner published its part of it (it
@@ -415,7 +438,7 @@ class Learner:
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
         outstanding = self._outstanding.get(p)
-        return outstanding is not None and outstanding.base_version == self.versions[p]
+        return outstanding is not None and outstanding.base_version == self.versions[p] and not outstanding.undelivered
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:

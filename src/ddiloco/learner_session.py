@@ -201,7 +201,8 @@ class Session(SessionLifecycle):
         if hub is None:
             self.learner.deferred = True
             self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
-                                        on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason))
+                                        on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason),
+                                        on_withheld=self.transport.wake)
         self._released = False
         """Whether the publisher thread, the work ledger and the sink were let go (`_release`)."""
         self._stop = StopFlag()

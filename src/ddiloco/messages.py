@@ -268,8 +268,19 @@ class Rejected:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class Undelivered:
+    """Not a wire message: the learner's own transport could not deliver its update (`fragment`, published at
+    `inner_step` from `base_version`) to the syncer (unreachable, a partition): no round result is owed for it."""
+
+    learner_id: int
+    fragment: int
+    base_version: int
+    inner_step: int
+
+
 LearnerMessage = Join | Update | Heartbeat | Leave
-SyncerMessage = FragmentState | FragmentDelta | Welcome | Refused | Rejected
+SyncerMessage = FragmentState | FragmentDelta | Welcome | Refused | Rejected | Undelivered
 
 
 @dataclass(frozen=True)

@@ -158,12 +158,16 @@ class Publisher:
     """One thread between the session and its transport. See the module docstring."""
 
     def __init__(self, send: Callable[[LearnerMessage], None], *, on_sent: Callable[[Update], None],
-                 on_dropped: Callable[[Update, str], None] = lambda update, reason: None) -> None:
+                 on_dropped: Callable[[Update, str], None] = lambda update, reason: None,
+                 on_withheld: Callable[[], None] = lambda: None) -> None:
         """`send`: the transport's; `on_sent(update)`: an update's bytes are known (the learner counts them);
-        `on_dropped(update, reason)`: an update still queued when the publisher closed, never sent."""
+        `on_dropped(update, reason)`: an update still queued when the publisher closed, never sent; `on_withheld()`:
+        an update was withheld (`take_withheld` has it): the training thread, if it waits for that update's round,
+        must take it now (the transport's `wake`), or it waited out `max_wait_s` (60 s) for a round never to come."""
         self._send = send
         self._on_sent = on_sent
         self._on_dropped = on_dropped
+        self._on_withheld = on_withheld
         self._closed = False
         self._send_lock = threading.Lock()
         """Held while handing a message to the transport: after `close` returns, nothing more is sent."""
@@ -233,6 +237,7 @@ class Publisher:
                              item.learner_id, item.inner_step, item.payload.non_finite)
                 with self._withheld_lock:
                     self._withheld.append(Withheld(item, item.payload.non_finite or "?"))
+                self._on_withheld()
                 continue
             with self._send_lock:
                 if self._closed:

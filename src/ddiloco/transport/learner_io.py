@@ -43,7 +43,7 @@ from ddiloco.backoff import Backoff
 from ddiloco.clock import Clock, MonotonicClock
 from ddiloco.config import DEFAULT_CONNECT_TIMEOUT_S
 from ddiloco.interrupts import SIGNAL_CHECK_S, notify_if_free
-from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Update, Welcome
+from ddiloco.messages import Join, Refused, Rejected, RejectReason, SyncerMessage, Undelivered, Update, Welcome
 from ddiloco.transport.genesis_codec import Genesis
 from ddiloco.transport.grpc_client import (
     ChaosFault,
@@ -416,6 +416,8 @@ class LearnerIO:
     def _dropped(self, update: Update, reason: str) -> None:
         self.stats.updates_dropped += 1
         self.on_fate(update, "dropped", reason)
+        # The training thread stops waiting for its result (`Learner._undelivered`), and wakes if it waits now.
+        self.inbox.put(Undelivered(self.learner_id, update.fragment, update.base_version, update.inner_step))
 
     def _rejected(self, update: Update, reason: str, detail: str, generation: int) -> None:
         try:
