@@ -210,6 +210,16 @@ class Syncer:
             times += [info.last_progress + bound for info in self.learners.values() if info.alive and not info.stalled]
         return min(times) if times else None
 
+    def paused(self, seconds: float) -> None:
+        """The syncer did not run for `seconds` (its process was stopped or its machine suspended, its thread held off):
+        learners could not be heard in that time, so it does not count as their silence (heartbeat timeout, stall).
+        Called by a driver that measures it; without it, every learner was timed out at once after a syncer pause
+        longer than `heartbeat_timeout_s`, its in-flight work lost at the re-join."""
+        for info in self.learners.values():
+            if info.alive:
+                info.last_seen += seconds
+                info.last_progress += seconds
+
     def observe_sync_time(self, seconds: float) -> None:
         """Drivers report how long a merged fragment took to reach a learner (adaptive grace)."""
         self.sync_time.observe(seconds)

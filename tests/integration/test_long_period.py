@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).parents[2]
 
 
+@pytest.mark.acceptance  # about 15 s: the default suite's time; the core's rule has a unit test
 def test_a_period_past_the_budget_is_noted_and_its_only_round_is_the_run(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(tmp_path / "run"),
                            "--no-progress", "--json", "--learners", "2", "--inner-steps", "16", "--sync-every", "100",

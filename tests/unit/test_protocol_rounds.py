@@ -128,3 +128,16 @@ def test_without_overlap_updates_a_moment_apart_share_their_round(grace_min_step
     clock.advance_to(4.0)
     hub.advance()
     assert [[p.learner_id for p in r.participants] for r in hub.round_log] == participants
+
+
+def test_the_syncer_s_own_pause_is_not_its_learners_silence():
+    # A syncer stopped for 40 s (SIGSTOP, a suspended VM) timed every learner out when it ran again.
+    syncer, hub, clock, _ = make_system(2, single_fragment(), QuorumConfig(heartbeat_timeout_s=5.0))
+    syncer.paused(40.0)  # its driver measured the pause (the service's timer woke 40 s late)
+    clock.advance_to(40.0)
+    hub.advance()
+    assert syncer.alive_learners() == [0, 1]
+    assert syncer.next_deadline() == pytest.approx(45.0)  # their full timeout from the end of the pause
+    clock.advance_to(45.0)
+    hub.advance()
+    assert syncer.alive_learners() == []  # silent after it, they are timed out as before

@@ -76,10 +76,16 @@ logger = logging.getLogger(__name__)
 DISCARDED_AT_STOP = "syncer stopped with the round open"
 """Reason of the `discarded` event for each update held in an open round at a clean stop."""
 MIN_TIMER_WAIT_S = 1e-3
-EXIT_CORE_FAULT = 70
-"""The syncer process's exit status when its core raised (`SyncerService._core`): restarted like any crash."""
 """The timer never re-checks sooner than this, so a deadline that `advance` leaves in place (a
 learner exactly at its heartbeat timeout) cannot spin the thread."""
+TIMER_TICK_S = 0.5
+"""The timer wakes at least this often, to measure the syncer's own pauses (`PAUSE_S`)."""
+PAUSE_S = 1.0
+"""A timer wake-up later than asked by more than this is a pause of the syncer (its process stopped, its machine
+suspended, the lock held by a long merge): learners could not be heard meanwhile, and `Syncer.paused` does not count
+it as their silence. After a 40 s SIGSTOP of the syncer every learner was timed out at once."""
+EXIT_CORE_FAULT = 70
+"""The syncer process's exit status when its core raised (`SyncerService._core`): restarted like any crash."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,16 +479,23 @@ class SyncerService:
 
     def _timer_loop(self) -> None:
         with self._cond:
+            due_at: float | None = None  # when the last wait was to end
             while not self._closing:
                 if self.syncer is None:
                     self._cond.wait()  # woken by the genesis (or the stop)
                     continue
                 now = self.clock.now()
+                if due_at is not None and now - due_at > PAUSE_S:
+                    logger.warning("[syncer] paused for %.1f s (its process was stopped or its machine suspended?): "
+                                   "not counted as the learners' silence", now - due_at)
+                    self.syncer.paused(now - due_at)
                 deadline = self.syncer.next_deadline()
                 if deadline is not None and deadline <= now:
                     self._carry_out(self._core(lambda _, at: self.syncer.advance(at), None))
                     deadline = self.syncer.next_deadline()
-                timeout = None if deadline is None else max(MIN_TIMER_WAIT_S, deadline - self.clock.now())
+                now = self.clock.now()
+                timeout = TIMER_TICK_S if deadline is None else min(TIMER_TICK_S, max(MIN_TIMER_WAIT_S, deadline - now))
+                due_at = now + timeout
                 self._cond.wait(timeout)
 
     def _status_loop(self) -> None:
