@@ -1,7 +1,7 @@
 """A learner process's network side: background threads that own the gRPC channel.
 
 The main thread trains and never touches the network. It hands messages to `LearnerIO.send` and
-reads what the syncer sent from the `Inbox` between inner steps. Two background threads do the I/O:
+reads what the syncer sent from the `Inbox` between inner steps. Three background threads do the I/O:
 
 - the receiver joins (a `Subscribe` call is the join) and follows the downlink into the inbox; when
   the stream breaks it re-joins with exponential backoff, and a re-join loads the syncer's current
@@ -13,7 +13,10 @@ reads what the syncer sent from the `Inbox` between inner steps. Two background 
   30 s) and when a learner that has never reached it gives up (`connect_timeout_s`, 0 = never): it
   sets `unreachable` and wakes the main thread. One that has reached it once retries forever;
 - the sender uploads queued updates (each held back until its emulated link would have delivered
-  it) and sends a heartbeat every `heartbeat_every_s`.
+  it);
+- the heartbeat thread sends a heartbeat every `heartbeat_every_s`, whatever the sender does: sent by the sender
+  between uploads until 2026-12-07, none went out while one upload took longer than the heartbeat timeout (a large
+  update over a slow link), and the syncer timed the learner out in the middle of it and refused its update.
 
 Faults are data: an update that cannot be delivered is dropped and counted (lost work costs only
 this learner); a rejection becomes a `Rejected` message for the learner core; a refusal (wrong
@@ -189,7 +192,9 @@ class LearnerIO:
         self._threads = [threading.Thread(target=self._guarded, args=(self._receive_loop,), name="learner-recv",
                                           daemon=True),
                          threading.Thread(target=self._guarded, args=(self._send_loop,), name="learner-send",
-                                          daemon=True)]
+                                          daemon=True),
+                         threading.Thread(target=self._guarded, args=(self._heartbeat_loop,),
+                                          name="learner-heartbeat", daemon=True)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -367,14 +372,8 @@ class LearnerIO:
     # ---- sender ---------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        next_heartbeat = self.clock.now() + self.heartbeat_every_s
         while not self._stop.is_set():
-            try:
-                item = self._outbox.get(timeout=max(0.0, next_heartbeat - self.clock.now()))
-            except queue.Empty:
-                self._heartbeat()
-                next_heartbeat = self.clock.now() + self.heartbeat_every_s
-                continue
+            item = self._outbox.get()
             if item is _STOP:
                 return
             if isinstance(item, threading.Event):
@@ -435,6 +434,10 @@ class LearnerIO:
             return False
         self._unknown_reported = generation
         return True
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_every_s):
+            self._heartbeat()
 
     def _heartbeat(self) -> None:
         generation = self._generation
