@@ -53,7 +53,8 @@ class RunSettings:
     init: str | None = setting(None, metavar="FILE.safetensors")
     """a new run's initial global parameters (default: the first learner's own)"""
     full_state_every: int = setting(DEFAULT_FULL_STATE_EVERY, metavar="ROUNDS")
-    """the syncer writes its full state (global model and outer momentum, 8 bytes a parameter) every this many rounds;
+    """the syncer writes its full state (global model, outer momentum and the int8 downlink's residual, 12 bytes a
+    parameter) every this many rounds;
     a restart replays the rounds since, and rounds/ holds about twice as many rounds' files"""
     round_files: str = setting("recent", metavar="recent|all", choices=ROUND_FILES)
     """which rounds' merged tensors the syncer keeps in rounds/: recent (those a restart replays, after its older
