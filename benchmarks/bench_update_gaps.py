@@ -1,5 +1,5 @@
 """How long a healthy learner goes between its accepted updates: the figures behind `--progress-timeout-s`
-(`QuorumConfig.progress_timeout_s`) and `round_timing.STALL_PERIODS`. Prints figures; run by hand, not a timed test.
+(`QuorumConfig.progress_timeout_s`) and `liveness.STALL_PERIODS`. Prints figures; run by hand, not a timed test.
 
     .venv/bin/python benchmarks/bench_update_gaps.py runs/*            # real runs: their metrics.jsonl
     .venv/bin/python benchmarks/bench_update_gaps.py --harness failures heterogeneous   # harness experiments
@@ -55,16 +55,20 @@ def harness_gaps(name: str) -> tuple[float, float]:
     from ddiloco.cli import main
 
     seconds, periods = [0.0], [0.0]
-    progressed = syncer_module.Syncer._progressed
+    on_update = syncer_module.Syncer._on_update
 
-    def timed(self, learner_id, info, now):  # instrumentation of this benchmark only
-        gap = now - info.last_progress
-        seconds.append(gap)
-        if self.step_time.value:
-            periods.append(gap / (self.config.sync_every * self.step_time.value))
-        return progressed(self, learner_id, info, now)
+    def timed(self, update, now):  # instrumentation of this benchmark only
+        info = self.learners.get(update.learner_id)
+        before = None if info is None else info.last_progress
+        actions = on_update(self, update, now)
+        if info is not None and info.last_progress != before:  # it counted as progress
+            gap = now - before
+            seconds.append(gap)
+            if self.step_time.value:
+                periods.append(gap / (self.config.sync_every * self.step_time.value))
+        return actions
 
-    syncer_module.Syncer._progressed = timed
+    syncer_module.Syncer._on_update = timed
     try:
         with tempfile.TemporaryDirectory() as out:
             try:
@@ -73,7 +77,7 @@ def harness_gaps(name: str) -> tuple[float, float]:
                 if exc.code:
                     raise
     finally:
-        syncer_module.Syncer._progressed = progressed
+        syncer_module.Syncer._on_update = on_update
     return max(seconds), max(periods)
 
 

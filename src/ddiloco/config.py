@@ -193,7 +193,7 @@ class QuorumConfig:
     """A live learner that has sent no update for this long (since its last one, or its join) stops counting in the
     quorum, and rounds no longer wait for it, until its next update: a loop that hangs while its heartbeat thread
     runs, or a learner that only heartbeats, held every round of a K = M run open for as long as it lived. Where
-    `ddiloco.round_timing.STALL_PERIODS` sync periods (sync_every x the run's step time) are longer, they are the
+    `ddiloco.liveness.STALL_PERIODS` sync periods (sync_every x the run's step time) are longer, they are the
     bound. 0: off."""
     max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP
     """Tokens (or samples) one inner step may count, at most: a learner declaring more at join is refused, and an

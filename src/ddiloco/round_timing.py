@@ -60,23 +60,6 @@ class Ema:
         self.value = ema(self.value, sample, self.decay)
 
 
-STALL_PERIODS = 4.0
-"""A live learner stops counting in the quorum once it has sent no update for this many sync periods (sync_every x the
-run's step time), where that is longer than `QuorumConfig.progress_timeout_s` (`progress_bound`). A learner sends an
-update every sync_every / num_fragments inner steps; one that waits out a round (`LearnerConfig.max_wait_s`) or
-restores a checkpoint stays well inside four whole periods."""
-
-
-def progress_bound(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: float | None) -> float | None:
-    """Seconds without an update after which a live learner stops counting in the quorum: the larger of
-    `QuorumConfig.progress_timeout_s` and STALL_PERIODS sync periods at the run's step time `step_time_s`. None where
-    the bound is off (`progress_timeout_s` 0) or no step time is estimated yet (`step_time_s` None: no learner has
-    sent two updates, so no one's pace is known, and a learner's first steps may take long: compilation, a restore)."""
-    if not quorum.progress_timeout_s or step_time_s is None:
-        return None
-    return max(quorum.progress_timeout_s, STALL_PERIODS * config.sync_every * step_time_s)
-
-
 def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: float | None,
                  quorum_time_s: float | None, sync_time_s: float | None) -> float:
     """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap

@@ -9,8 +9,8 @@ A round for fragment p collects updates (`ddiloco.open_round`) until the minimum
 at the learners that can still report: those alive and those gone whose update is in the round, so a quorum larger
 than the live learners never deadlocks). It then waits a grace window for stragglers (`ddiloco.round_timing`). A
 round also closes at once when every live learner has reported. A live learner that sends no update for
-`progress_bound()` seconds (its loop hangs while its heartbeats go on) is `stalled`: it does not count in either rule
-until its next update. Closing merges the updates (token-weighted RDA),
+`progress_bound()` seconds (its loop hangs while its heartbeats go on) is stalled: it does not count in either rule
+until its next update (`ddiloco.liveness`). Closing merges the updates (token-weighted RDA),
 takes the outer step, bumps the version and sends the new fragment to every live learner (with a lossy downlink
 codec, its change, from which the syncer's own global value is rebuilt the way learners rebuild it:
 `ddiloco.downlink`).
@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from ddiloco import liveness
 from ddiloco.admission import Admission, LearnerInfo
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
@@ -66,7 +67,7 @@ from ddiloco.messages import (
 )
 from ddiloco.open_round import FragmentMerge, OpenRound, PendingUpdate, merge_weight
 from ddiloco.outer import OuterOptimizer
-from ddiloco.round_timing import Ema, bounded_step_time, ema, grace_window, progress_bound, round_margins
+from ddiloco.round_timing import Ema, bounded_step_time, ema, grace_window, round_margins
 from ddiloco.state_plan import plan_difference, plan_refusal
 
 logger = logging.getLogger(__name__)
@@ -183,42 +184,31 @@ class Syncer:
                 for learner_id, pending in sorted(open_round.updates.items())]
 
     def alive_learners(self) -> list[int]:
-        return sorted(i for i, info in self.learners.items() if info.alive)
+        return liveness.alive(self.learners)
 
     def stalled_learners(self) -> list[int]:
         """Learners alive that have sent no update for `progress_bound()` seconds: rounds do not wait for them."""
-        return sorted(i for i, info in self.learners.items() if info.alive and info.stalled)
-
-    def _counting(self) -> set[int]:
-        """The learners a round waits for: alive and not stalled."""
-        return {i for i, info in self.learners.items() if info.alive and not info.stalled}
+        return liveness.stalled(self.learners)
 
     def effective_quorum(self) -> int:
-        return max(1, min(self.quorum.min_quorum, len(self._counting())))
+        return max(1, min(self.quorum.min_quorum, len(liveness.counting(self.learners))))
 
     def progress_bound(self) -> float | None:
         """Seconds without an update after which a live learner stops counting in the quorum (None: never;
-        `ddiloco.round_timing.progress_bound`)."""
-        return progress_bound(self.config, self.quorum, step_time_s=self.step_time.value)
+        `ddiloco.liveness.progress_bound`)."""
+        return liveness.progress_bound(self.config, self.quorum, step_time_s=self.step_time.value)
 
     def next_deadline(self) -> float | None:
         """When `advance` must next be called: a grace window ends, a learner may time out or stall."""
         times = [r.close_at for r in self._open if r.close_at is not None]
-        times += [info.last_seen + self.quorum.heartbeat_timeout_s
-                  for info in self.learners.values() if info.alive]
-        if (bound := self.progress_bound()) is not None:
-            times += [info.last_progress + bound for info in self.learners.values() if info.alive and not info.stalled]
+        times += liveness.deadlines(self.learners, heartbeat_timeout_s=self.quorum.heartbeat_timeout_s,
+                                    bound=self.progress_bound())
         return min(times) if times else None
 
     def paused(self, seconds: float) -> None:
-        """The syncer did not run for `seconds` (its process was stopped or its machine suspended, its thread held off):
-        learners could not be heard in that time, so it does not count as their silence (heartbeat timeout, stall).
-        Called by a driver that measures it; without it, every learner was timed out at once after a syncer pause
-        longer than `heartbeat_timeout_s`, its in-flight work lost at the re-join."""
-        for info in self.learners.values():
-            if info.alive:
-                info.last_seen += seconds
-                info.last_progress += seconds
+        """The syncer did not run for `seconds`: not its learners' silence (`ddiloco.liveness.pause`). Called by a
+        driver that measures it."""
+        liveness.pause(self.learners, seconds)
 
     def observe_sync_time(self, seconds: float) -> None:
         """Drivers report how long a merged fragment took to reach a learner (adaptive grace)."""
@@ -245,11 +235,11 @@ class Syncer:
     def advance(self, now: float) -> list[SyncerAction]:
         """Time has reached `now`: time out silent learners and close rounds whose grace has ended."""
         actions: list[SyncerAction] = []
-        for learner_id, info in sorted(self.learners.items()):
-            # >= so that advancing exactly at next_deadline() makes progress (no busy loop).
-            if info.alive and now - info.last_seen >= self.quorum.heartbeat_timeout_s:
-                actions += self._mark_gone(learner_id, now, "heartbeat timeout")
-        actions += self._mark_stalled(now)
+        for learner_id in liveness.silent(self.learners, now, self.quorum.heartbeat_timeout_s):
+            actions += self._mark_gone(learner_id, now, "heartbeat timeout")
+        if liveness.stall(self.learners, now, self.progress_bound()):
+            for p in range(self.plan.num_fragments):  # rounds that waited for them may close
+                actions += self._schedule(p, now)
         for p, open_round in enumerate(self._open):
             if open_round.close_at is not None and open_round.close_at <= now:
                 actions += self._close(p, now)
@@ -261,8 +251,7 @@ class Syncer:
             logger.warning("[syncer] refused learner %d: %s", join.learner_id, refusal)
             return [Send(join.learner_id, Refused(join.learner_id, refusal))]
         info = self.learners.setdefault(join.learner_id, LearnerInfo(alive=True, last_seen=now))
-        info.alive, info.last_seen, info.last_update = True, now, None
-        info.last_progress, info.stalled = now, False
+        liveness.joined(info, now)
         info.declared_tokens_per_step = join.max_tokens_per_step
         info.joins += 1
         logger.info("[syncer] learner %d joined (join #%d)", join.learner_id, info.joins)
@@ -282,33 +271,6 @@ class Syncer:
         for p in range(self.plan.num_fragments):
             actions += self._schedule(p, now)
         return actions
-
-    def _mark_stalled(self, now: float) -> list[SyncerAction]:
-        """Live learners without an update for `progress_bound()` seconds stop counting; rounds waiting for them are
-        scheduled again."""
-        bound = self.progress_bound()
-        if bound is None:
-            return []
-        stalled = [i for i, info in sorted(self.learners.items())
-                   if info.alive and not info.stalled and now - info.last_progress >= bound]
-        for learner_id in stalled:
-            info = self.learners[learner_id]
-            info.stalled = True
-            since = "its last update" if info.last_update is not None else "it joined"
-            logger.warning("[syncer] learner %d has sent no update in the %.0f s since %s, though its heartbeats "
-                           "arrive (a loop that hangs?): rounds no longer wait for it, until its next update",
-                           learner_id, now - info.last_progress, since)
-        actions: list[SyncerAction] = []
-        for p in range(self.plan.num_fragments) if stalled else ():
-            actions += self._schedule(p, now)
-        return actions
-
-    def _progressed(self, learner_id: int, info: LearnerInfo, now: float) -> None:
-        """`info`'s learner sent an update that counts as progress: it counts in the quorum (again)."""
-        info.last_progress = now
-        if info.stalled:
-            info.stalled = False
-            logger.warning("[syncer] learner %d sends updates again: rounds wait for it again", learner_id)
 
     # ---- updates ---------------------------------------------------------------------------------
 
@@ -341,7 +303,7 @@ class Syncer:
         if info is not None and info.alive:
             info.last_seen = now
             if problem is not None and problem[0] == RejectReason.UNAVAILABLE:
-                self._progressed(update.learner_id, info, now)  # the syncer's storage failed, not the learner
+                liveness.progressed(update.learner_id, info, now)  # the syncer's storage failed, not the learner
         if problem is not None:
             return self._reject(update, *problem, now)
         open_round = self._open[update.fragment]
@@ -349,7 +311,7 @@ class Syncer:
         if isinstance(decoded, tuple):
             return self._reject(update, *decoded, now)
         assert info is not None  # an update from a learner that has not joined has a problem
-        self._progressed(update.learner_id, info, now)
+        liveness.progressed(update.learner_id, info, now)
         # Only accepted updates are timed, a rejected one does not even start a learner's spacing: every round's grace
         # window is made of this estimate, and two rejected updates 30 s apart stretched everyone's windows to 6.6 s.
         self._observe_step_time(info, update, now)
@@ -395,7 +357,7 @@ class Syncer:
         # learners report from the current version. A learner that joined again after its last work (a session
         # closed and opened again) has reported: its new session cannot send that work again (refused: the round
         # holds it), and a round that waited for it held every learner up until their max_wait_s.
-        alive = self._counting()  # stalled learners are not waited for
+        alive = liveness.counting(self.learners)  # stalled learners are not waited for
         due = {i for i, u in open_round.updates.items()
                if u.base_version == self.versions[p] and (not u.final or self._joined_since(i, u))}
         # K is capped at who can still report: the learners alive and those gone whose update is here. Not the

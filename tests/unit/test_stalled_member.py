@@ -7,8 +7,8 @@ global model never moved again."""
 import pytest
 
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.liveness import STALL_PERIODS, progress_bound
 from ddiloco.messages import Heartbeat
-from ddiloco.round_timing import STALL_PERIODS, progress_bound
 from ddiloco.run_config import RunConfig
 from tests.helpers import make_system, publish, single_fragment
 
