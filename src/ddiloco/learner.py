@@ -519,21 +519,30 @@ class Learner:
                      "their running statistics; the work since their last results is lost", self.learner_id,
                      self.inner_step, reset, forgotten, restarted)
 
+    def owed_work(self) -> list[int]:
+        """Fragments holding inner steps trained after an update whose round result is still owed. The result keeps
+        those steps on top of the new value (`keep_overlap_work`), after which `flush` can publish them; without
+        `keep_overlap_work` it overwrites them, and nothing is worth waiting for."""
+        if not self.config.keep_overlap_work:
+            return []
+        unpublished = self.unpublished()
+        return [p for p in range(self.plan.num_fragments) if unpublished[p] > 0 and self._owed(p)]
+
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""
         return [self.inner_step - at for at in self.synced_at]
 
     def flush(self) -> list[Update]:
         """At the end of training: publish every fragment that holds unpublished work and has no update
-        still waiting for its round (a newer version of such a fragment overwrites the steps trained
-        after its update anyway), so the final global model includes this learner's last inner steps.
-        Rounds are not advanced: the learner is finishing."""
+        still waiting for its round, so the final global model includes this learner's last inner steps.
+        Rounds are not advanced: the learner is finishing. A fragment whose update still waits (`owed_work`) is
+        published by a second flush, once its result has arrived with those steps kept on top of it."""
         if not self.joined:
             return []
         unpublished = self.unpublished()
         updates = []
         for p in range(self.plan.num_fragments):
-            if unpublished[p] > 0 and self.steps_since[p] > 0 and p not in self._outstanding:
+            if unpublished[p] > 0 and self.steps_since[p] > 0 and not self._owed(p):
                 update = self._publish(p, final=True)
                 if update is not None:
                     updates.append(update)

@@ -552,11 +552,44 @@ class Session(SessionLifecycle):
             # publishes (an update one version stale is still merged, see the syncer's late-update rule).
             for update in self.rules.finish():
                 self._send(update)
+            if self._await_owed_results():
+                for update in self.rules.finish():
+                    self._send(update)
         flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
         if self._publisher is not None:
             self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
             self._take_withheld(closing=True)
         self.transport.flush(flush_s)
+
+    def _await_owed_results(self) -> bool:
+        """Wait (at most `LearnerConfig.max_wait_s`, as for a round during training) for the results of the fragments
+        whose update still awaits its round while later steps were trained on them (`Learner.owed_work`): applied,
+        they keep those steps on top, and the next flush publishes them. Without this a learner's last steps of such
+        a fragment (up to `overlap_steps`) never reached the global model: each learner of a run had about one
+        period of one fragment fewer merged than it trained. Returns whether there was anything to wait for."""
+        owed = set(self.learner.owed_work())
+        if not owed:
+            return False
+        started = time.monotonic()
+        deadline = started + self.config.learner.max_wait_s
+        while True:
+            self._apply_inbox()
+            if not owed & set(self.learner.owed_work()) or self._stop.is_set() or not self.transport.connected:
+                break
+            if not getattr(self.transport, "blocking", True):
+                self.transport.wait(0.0)  # in process: a round whose grace ended closes now; nothing else can happen
+                self._apply_inbox()
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self.transport.wait(remaining)
+        left = sorted(owed & set(self.learner.owed_work()))
+        (logger.warning if left else logger.info)(
+            "[learner %d | inner %d] waited %.2f s for the round results of fragments %s to publish the steps "
+            "trained after their updates%s", self.learner_id, self.learner.inner_step, time.monotonic() - started,
+            sorted(owed), f": fragments {left} still owed, their last steps are not sent" if left else "")
+        return True
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

@@ -86,6 +86,8 @@ def test_short_run_writes_the_run_directory_and_summary(tmp_path):
         assert learner["inner_step"] == 48 and learner["tokens"] > 0
         assert learner["updates_accepted"] > 0 and learner["updates_rejected"] is not None
         assert learner["rounds_contributed"] > 0
+        # Every token it trained reached the global model, its last steps included (tests/unit/test_last_work.py).
+        assert learner["tokens_merged"] == learner["tokens"], learner
         # Its last step ran at the cooldown's last rate (the optimizer of its checkpoint at the end).
         state, _, serial = load_latest_state(run_dir / "learners" / learner_id / "checkpoint")
         assert serial == 48
