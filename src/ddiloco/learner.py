@@ -137,6 +137,8 @@ class Learner:
         self.joined = False
         self.refused_reason: str | None = None
         self._outstanding: dict[int, _Outstanding] = {}
+        self.finishing = False
+        """Its budget is trained (`flush` ran): an update published again is `final` too."""
         self._waiting_to_publish: set[int] = set()
         """Fragments due while the result for their last update was still owed: published at the first step after it
         arrives (or the learner stops waiting for it)."""
@@ -208,7 +210,7 @@ class Learner:
                     # Published from the version the syncer still has: that update was lost (the syncer
                     # restarted with its round open, or it never arrived). Publish again at once, so a
                     # round that waits for every learner (K = M) does not wait a whole period for it.
-                    update = self._publish(p)
+                    update = self._publish(p, final=self.finishing)
                     if update is not None:
                         replies.append(update)
             self._outstanding = {p: o for p, o in self._outstanding.items()
@@ -519,6 +521,11 @@ class Learner:
                      "their running statistics; the work since their last results is lost", self.learner_id,
                      self.inner_step, reset, forgotten, restarted)
 
+    def undelivered_work(self) -> list[int]:
+        """Fragments whose last update never reached the syncer (`Undelivered`) and whose work no later update carries:
+        a Welcome at their base publishes them again."""
+        return sorted(p for p, out in self._outstanding.items() if out.undelivered)
+
     def owed_work(self) -> list[int]:
         """Fragments holding inner steps trained after an update whose round result is still owed. The result keeps
         those steps on top of the new value (`keep_overlap_work`), after which `flush` can publish them; without
@@ -539,6 +546,7 @@ class Learner:
         published by a second flush, once its result has arrived with those steps kept on top of it."""
         if not self.joined:
             return []
+        self.finishing = True
         unpublished = self.unpublished()
         updates = []
         for p in range(self.plan.num_fragments):

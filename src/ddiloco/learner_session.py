@@ -547,6 +547,7 @@ class Session(SessionLifecycle):
         self.sink.close()
 
     def _send_last_work(self, state: str, *, flush: bool) -> None:
+        flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
         if flush and self.learner.joined:
             # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
             # publishes (an update one version stale is still merged, see the syncer's late-update rule).
@@ -555,7 +556,7 @@ class Session(SessionLifecycle):
             if self._await_owed_results():
                 for update in self.rules.finish():
                     self._send(update)
-        flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
+            self._deliver_last_work(flush_s)
         if self._publisher is not None:
             self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
             self._take_withheld(closing=True)
@@ -590,6 +591,40 @@ class Session(SessionLifecycle):
             "trained after their updates%s", self.learner_id, self.learner.inner_step, time.monotonic() - started,
             sorted(owed), f": fragments {left} still owed, their last steps are not sent" if left else "")
         return True
+
+    def _deliver_last_work(self, flush_s: float) -> None:
+        """Make sure the last updates reached the syncer: one that could not (the syncer restarting, a partition) is
+        sent again from the Welcome of the syncer's return (`Learner.receive`), waited for at most
+        `LearnerConfig.max_wait_s`. A learner whose budget ended while its syncer restarted exited `done` with every
+        last update dropped as `unreachable` within milliseconds (a probe: a quarter of both learners' tokens never
+        merged, the run `completed` without a word)."""
+        if not getattr(self.transport, "blocking", True):
+            return  # in process: delivery is immediate
+        started = time.monotonic()
+        deadline, said = started + self.config.learner.max_wait_s, False
+        while True:
+            if self._publisher is not None:
+                self._publisher.drain(flush_s)
+            self.transport.flush(flush_s)
+            sent = self.learner.stats.updates_sent
+            self._apply_inbox()  # the notices of updates not delivered; a Welcome publishes their work again
+            if self.learner.stats.updates_sent != sent and time.monotonic() < deadline:
+                continue  # sent again: delivered (or not) before anything else is decided
+            lost = self.learner.undelivered_work()
+            if not lost or self._stop.is_set() or time.monotonic() >= deadline:
+                break
+            if not said:
+                said = True
+                logger.warning("[learner %d | inner %d] its last work of fragments %s did not reach the syncer: "
+                               "waiting up to %.0f s (--max-wait-s) for it to come back", self.learner_id,
+                               self.learner.inner_step, lost, self.config.learner.max_wait_s)
+            self.transport.wait(max(0.0, deadline - time.monotonic()))
+        if lost:
+            logger.error("[learner %d | inner %d] its last work of fragments %s never reached the syncer: not in the "
+                         "global model", self.learner_id, self.learner.inner_step, lost)
+        elif said:
+            logger.info("[learner %d | inner %d] its last work reached the syncer after %.1f s", self.learner_id,
+                        self.learner.inner_step, time.monotonic() - started)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

@@ -7,11 +7,13 @@ test_short_run_writes_the_run_directory_and_summary."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import ddiloco
-from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.messages import FragmentDelta, FragmentState, Update
+from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
+from ddiloco.messages import FragmentDelta, FragmentState, Undelivered, Update
 from ddiloco.run_config import RunConfig
 from tests.helpers import TinyNet, make_batches, train_step
 
@@ -50,16 +52,41 @@ class LateResults:
         self.released, self.held = self.released + self.held, []
 
 
-def train(inner_steps: int, *, keep_overlap_work: bool = True):
-    """One learner, one fragment, H = 4, tau = 3, `inner_steps` steps: (its transport, the syncer)."""
+class SyncerAway(LateResults):
+    """The syncer restarts as the learner finishes: its `final` updates are not delivered (`Undelivered`, as
+    `LearnerIO` reports an update dropped as unreachable); the syncer is back, and the learner re-joined (the
+    receiver thread's Welcome), at the next wait, or never with `back=False`."""
+
+    def __init__(self, transport, *, back: bool = True) -> None:
+        super().__init__(transport)
+        self.away, self.back, self.dropped = True, back, []
+
+    def send(self, message) -> None:
+        if isinstance(message, Update) and message.final and self.away:
+            self.dropped.append(message)
+            self.released.append(Undelivered(message.learner_id, message.fragment, message.base_version,
+                                             message.inner_step))
+            return
+        super().send(message)
+
+    def wait(self, timeout_s) -> None:
+        if self.dropped and self.away and self.back:
+            self.away = False
+            self.inner.send(self.inner.learner.join_message())  # the hub answers with a Welcome
+        super().wait(timeout_s)
+
+
+def train(inner_steps: int, *, keep_overlap_work: bool = True, transport=LateResults, max_wait_s: float = 60.0):
+    """One learner, one fragment, H = 4, tau = 3, `inner_steps` steps: (its transport, the syncer, the session)."""
     diloco = DilocoConfig(**{**CONFIG.__dict__, "keep_overlap_work": keep_overlap_work})
     syncer_config = QuorumConfig(grace="none", heartbeat_timeout_s=1000.0)
     hub = ddiloco.InProcessHub(config=diloco, quorum=syncer_config)
     model = TinyNet(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = RunConfig(diloco=diloco, quorum=syncer_config, num_learners=1)
+    config = RunConfig(diloco=diloco, quorum=syncer_config, num_learners=1,
+                       learner=LearnerConfig(max_wait_s=max_wait_s))
     sync = ddiloco.session(model, optimizer, hub=hub, learner_id=0, config=config, inner_steps=inner_steps)
-    transport = LateResults(sync.transport)
+    transport = transport(sync.transport)
     sync.transport = transport
     with sync:
         for batch in make_batches(inner_steps, seed=1):
@@ -85,3 +112,19 @@ def test_without_keep_overlap_work_the_result_would_overwrite_them_so_nothing_wa
     # The result of step 8's update replaces the fragment, steps 9 and 10 included: no wait, no final update.
     assert [u.inner_step for u in transport.sent] == [4, 8]
     assert syncer.learners[0].tokens_merged == sum(u.tokens for u in transport.sent)
+
+
+def test_last_work_the_syncer_did_not_get_is_sent_again_when_it_is_back():
+    transport, syncer, sync = train(10, transport=SyncerAway)
+    assert [u.inner_step for u in transport.dropped] == [10]
+    again = [u for u in transport.sent if u.final]
+    assert [(u.inner_step, u.tokens) for u in again] == [(10, 2 * TOKENS)]
+    assert syncer.learners[0].tokens_merged == 10 * TOKENS
+
+
+def test_a_syncer_that_does_not_come_back_is_waited_for_at_most_max_wait_s(caplog):
+    started = time.monotonic()
+    transport, syncer, _ = train(10, transport=lambda t: SyncerAway(t, back=False), max_wait_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 10
+    assert syncer.learners[0].tokens_merged == 8 * TOKENS
+    assert "its last work of fragments [0] never reached the syncer" in caplog.text
