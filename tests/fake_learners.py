@@ -79,10 +79,14 @@ def fake_ddiloco() -> None:
         listener.listen()
         address = f"{host}:{listener.getsockname()[1]}"
         write(run / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
+        with (run / "rounds.jsonl").open("a") as rounds:  # committed rounds, as many as the plan says (1)
+            for _ in range(behaviour.get("rounds", 1)):
+                rounds.write(json.dumps({"round": 0, "fragment": 0, "version": 1, "participants": []}) + "\n")
         while not stop:
             write(run / "syncer_status.json", {"time": time.time(), "pid": os.getpid(), "address": address,
                                                "rounds_committed": 0, "versions": [0],
-                                               "storage_error": behaviour.get("storage_error")})
+                                               "storage_error": behaviour.get("storage_error"),
+                                               "rejections": behaviour.get("rejections", {})})
             time.sleep(step_s * 5)
         sys.exit(0)
     if role == "evaluator":

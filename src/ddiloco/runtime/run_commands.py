@@ -408,11 +408,25 @@ class _AliveEvents:
             self.sink.event("alive")
 
 
+def _no_round_failure(paths: Any) -> str:
+    """Why a run whose learners all reached their budget is failed all the same: not one round was committed, so the
+    global model (what `ddiloco export` writes) is still the initial one. Such a run read `completed: 0 rounds
+    committed`, exit 0 (every learner's model went non-finite at once, its updates withheld)."""
+    from ddiloco.checkpoint import read_json_object
+
+    rejections = (read_json_object(paths.syncer_status) or {}).get("rejections") or {}
+    refused = sum(int(n) for n in rejections.values() if isinstance(n, int))
+    why = (f"the syncer refused every update ({', '.join(f'{n} {reason}' for reason, n in sorted(rejections.items()))})"
+           if refused else "no update reached the syncer (a learner withholds one whose pseudo-gradient is not "
+           "finite: logs/learner-N.log says so)")
+    return f"no round was committed, so the global model is still the initial one: {why}"
+
+
 def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *, console: Any, sink: Any,
             wall_time_s: float) -> int:
     """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
     from ddiloco.checkpoint import read_json_object, strict_dumps
-    from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.report import print_summary, read_rounds, write_report
     from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import ChildState
     from ddiloco.stdout_pipe import StdoutLines
@@ -435,6 +449,8 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
         outcome = "failed"
         failure = (f"the syncer could not commit rounds when the run ended: {storage_error}; the learners' updates "
                    "since its last commit were refused (logs/syncer.log says since when)")
+    if outcome == "completed" and not read_rounds(paths):
+        outcome, failure = "failed", _no_round_failure(paths)
     if resolved.replaced_command is not None and len(unfinished) == config.num_learners:
         from ddiloco.runtime.run_dir import restore_learner_command
         console.print(restore_learner_command(paths, resolved.replaced_command, resolved.script), highlight=False,
