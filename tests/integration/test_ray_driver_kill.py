@@ -4,7 +4,7 @@ A kill -9 of the `ddiloco run --ray` driver takes its local Ray instance with it
 driver); each actor's worker then exits, and its learner must get SIGTERM (`PR_SET_PDEATHSIG`), not Ray's SIGKILL,
 so that it saves a checkpoint at the inner step it reached and says stopped, as under the local launcher. And a
 plain `--ray` starts its own instance even where `RAY_ADDRESS` names a cluster. Skipped only where Ray is not
-installed (`pip install ddiloco[ray]`; CI installs it).
+installed (`pip install -e '.[ray]'`; CI installs it).
 """
 
 from __future__ import annotations

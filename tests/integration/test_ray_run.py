@@ -5,7 +5,7 @@ with a syncer actor and two learner actors, each running the same `ddiloco` proc
 of learner 1's process makes its actor end itself, Ray restarts the actor (a new actor worker process),
 and the new learner process resumes and contributes to rounds again. After a Ctrl-C every process the run
 had (Ray's GCS, raylet, agents and workers, and the ddiloco children) is gone. Skipped only where Ray is
-not installed (`pip install ddiloco[ray]`; CI installs it).
+not installed (`pip install -e '.[ray]'`; CI installs it).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def test_ray_without_ray_installed_is_a_usage_error_naming_the_extra_and_writes_
     run_dir = tmp_path / "run"
     code, err = run_cli(capsys, "--ray", "--run-dir", str(run_dir))
     assert code == 2
-    assert "--ray needs Ray" in err and "pip install 'ddiloco[ray]'" in err
+    assert "--ray needs Ray" in err and "pip install 'ray==2.58.0'" in err
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
     assert not run_dir.exists()
 

@@ -1,6 +1,6 @@
 """`ddiloco run --ray [ADDRESS]`: the flags, their config, and the one place Ray is imported from.
 
-Ray is an optional extra (`pip install ddiloco[ray]`): nothing here imports it at module level, so
+Ray is an optional extra (`pip install -e '.[ray]'` in the checkout): nothing here imports it at module level, so
 `ddiloco` works without it, and `--ray` without it is a usage error naming the install command, raised
 before anything is written. The launcher that uses these options is `ddiloco.runtime.ray_supervisor`.
 """
@@ -18,7 +18,7 @@ from ddiloco.flags import add_config_flags, flag_fields, setting
 
 RAY_VERSION = "2.58.0"
 """The Ray release the extra pins (it installs beside torch==2.13.0 without touching it)."""
-INSTALL_HINT = f"pip install 'ddiloco[ray]' (Ray {RAY_VERSION})"
+INSTALL_HINT = f"pip install 'ray=={RAY_VERSION}' (the checkout's extra: pip install -e '.[ray]')"
 LOCAL = ""
 """`--ray` without an address: start a Ray instance on this machine for the run, stop it at the end."""
 SYNCER_CPUS = 1.0
