@@ -14,7 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "ddiloco"
 
 LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
-    (("cli", ("ddiloco.cli",)),),
+    (("cli", ("ddiloco.__main__", "ddiloco.cli")),),
     (("commands", ("ddiloco.*.commands", "ddiloco.runtime.process_commands", "ddiloco.runtime.run_commands")),),
     (("chaos", ("ddiloco.chaos", "ddiloco.chaos.*")),),
     (("runtime", ("ddiloco.runtime", "ddiloco.runtime.*")), ("sim", ("ddiloco.sim", "ddiloco.sim.*")),

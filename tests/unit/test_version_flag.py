@@ -18,6 +18,13 @@ def test_the_version_flag_names_the_wire_schema():
     assert done.stdout.strip() == f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})"
 
 
+def test_python_m_ddiloco_is_the_ddiloco_command():
+    # `python -m ddiloco` answered "No module named ddiloco.__main__" (an environment without its scripts on PATH).
+    done = subprocess.run([sys.executable, "-m", "ddiloco", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})"
+
+
 def test_a_refusal_for_another_schema_names_this_processs_schema_whatever_the_syncer_says():
     # A syncer of an older version refuses a newer learner without the hint a current syncer gives: the learner adds it.
     import grpc
