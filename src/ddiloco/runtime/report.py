@@ -247,6 +247,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "versions": _versions(syncer_status.get("versions"), rounds),
             "bytes_received": syncer_status.get("bytes_received"),
             "bytes_sent": syncer_status.get("bytes_sent"),
+            "bytes_watched": syncer_status.get("bytes_watched"),
             "rejections": syncer_status.get("rejections") or {},
             "storage_error": syncer_status.get("storage_error"),
         },

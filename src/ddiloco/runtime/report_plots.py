@@ -178,8 +178,9 @@ def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
     ax.bar([int(i) - width / 2 for i in ids], sent, width, label="learner -> syncer (uplink)")
     ax.bar([int(i) + width / 2 for i in ids], received, width, label="syncer -> learner (downlink)")
     syncer = summary.get("syncer", {})
+    watched = f", to the evaluator {format_bytes(syncer['bytes_watched'])}" if syncer.get("bytes_watched") else ""
     ax.set_title(f"bytes per direction (syncer: updates in {format_bytes(syncer.get('bytes_received'))}, "
-                 f"fragments out {format_bytes(syncer.get('bytes_sent'))})", fontsize="medium")
+                 f"fragments out {format_bytes(syncer.get('bytes_sent'))}{watched})", fontsize="medium")
     ax.set_xticks([int(i) for i in ids])
     ax.set_xlabel("learner")
     ax.set_ylabel("MB")

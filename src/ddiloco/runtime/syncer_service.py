@@ -300,6 +300,7 @@ class SyncerService:
             if not ready or self.clock.now() < not_before:
                 return None
             states = tuple(self.syncer.fragment_state(p) for p in range(self.syncer.plan.num_fragments))
+            self.tally.bytes_watched += sum(state.payload_bytes for state in states)
             return self.syncer.rounds_committed, Welcome(0, states, self.syncer.config.fingerprint())
 
     def update(self, update: Update) -> tuple[bool, str, str]:
