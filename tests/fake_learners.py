@@ -78,6 +78,7 @@ def fake_ddiloco() -> None:
         listener.bind((host, int(port)))
         listener.listen()
         address = f"{host}:{listener.getsockname()[1]}"
+        time.sleep(behaviour.get("serve_after_s", 0))  # a slow start: syncer.json only then
         write(run / "syncer.json", {"pid": os.getpid(), "address": address, "started_at": time.time()})
         with (run / "rounds.jsonl").open("a") as rounds:  # committed rounds, as many as the plan says (1)
             for _ in range(behaviour.get("rounds", 1)):

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import time
 
 import pytest
 from rich.console import Console
@@ -17,7 +18,7 @@ from ddiloco.runtime.learner_exits import CrashLoop
 from ddiloco.runtime.report import build_summary, print_summary
 from ddiloco.runtime.supervised_roles import ChildState
 from ddiloco.runtime.supervisor import Supervisor
-from tests.fake_learners import FAST, make_run
+from tests.fake_learners import FAST, make_run, poll_until
 
 IMPORT_ERROR = "ModuleNotFoundError: No module named 'my_model'"
 
@@ -164,3 +165,23 @@ def test_a_start_that_fails_halfway_stops_what_it_started(tmp_path, fake_command
         for pid in supervisor.pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("launcher_paused", [True, False])
+def test_time_the_launcher_did_not_run_is_not_the_syncer_s_start_up(tmp_path, fake_command, launcher_paused):
+    # The syncer serves after 4.5 s, its start-up timeout is 3 s. A launcher that did not run for 3.5 s of that (its
+    # job stopped) killed it at its next poll: `no syncer.json after 3 s`. Without the pause, 3 s is 3 s.
+    launcher = make_run(tmp_path, fake_command, learners=1, plan={"syncer": {"serve_after_s": 4.5}})
+    supervisor = Supervisor(dataclasses.replace(FAST, syncer_start_timeout_s=3.0), launcher=launcher)
+    supervisor.start()
+    try:
+        supervisor.poll()
+        if launcher_paused:
+            time.sleep(3.5)  # no poll: the launcher stopped
+        poll_until(supervisor, lambda: supervisor.syncer.state != ChildState.STARTING, "the syncer to serve or fail")
+        if launcher_paused:
+            assert supervisor.syncer.state == ChildState.RUNNING and supervisor.syncer.exit_codes == []
+        else:
+            assert supervisor.syncer.exit_codes, "the start-up timeout killed it"
+    finally:
+        supervisor.shutdown()

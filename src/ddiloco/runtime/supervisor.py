@@ -86,6 +86,10 @@ STOP_HINTS = {"learner": "a learner stops at its next step() call",
               SYNCER: "the syncer makes its last round durable first"}
 """What a child of each role does between its SIGTERM and its exit, for the line that says the launcher waits."""
 
+PAUSE_S = 2.0
+"""A poll this much later than the poll interval says the launcher itself did not run meanwhile (its job stopped with
+SIGSTOP or Ctrl-Z, its machine held): that time is not the syncer's start-up (`_discount_pause`)."""
+
 
 class Supervisor(SupervisionLoop):
     """Runs a syncer and M learners to completion. See the module docstring."""
@@ -116,6 +120,7 @@ class Supervisor(SupervisionLoop):
         self._kill_now = False
         self.failure: str | None = None
         """Why the run cannot go on (the syncer cannot run), if so."""
+        self._last_poll: float | None = None
 
     # ---- control ---------------------------------------------------------------------------------
 
@@ -134,6 +139,7 @@ class Supervisor(SupervisionLoop):
         """One supervision step: notice exits, start what is due."""
         # Wall time throughout: the children are real processes (their start times are monotonic too).
         now = time.monotonic()
+        self._discount_pause(now)
         self._poll_syncer(now)
         for slot in self.learners:
             self._poll_learner(slot, now)
@@ -141,6 +147,16 @@ class Supervisor(SupervisionLoop):
             self._poll_learner(self.evaluator, now, start=self._start_evaluator)
         if self._stop_reason is None:
             self.standby.fill()
+
+    def _discount_pause(self, now: float) -> None:
+        """A syncer starting while the launcher did not run (the whole job stopped, say) gets that time back: its
+        start-up timeout counted it, and a job suspended for 125 s before syncer.json existed had its syncer killed
+        and started again when it went on (`no syncer.json after 120 s`)."""
+        last, self._last_poll = self._last_poll, now
+        gap = 0.0 if last is None else now - last - self.config.poll_interval_s
+        if gap > PAUSE_S and self.syncer.state == ChildState.STARTING:
+            self.syncer.starting_since += gap
+            logger.info("[syncer] the launcher did not run for %.1f s: not counted in the syncer's start-up", gap)
 
     @property
     def pids(self) -> list[int]:
