@@ -363,3 +363,19 @@ def test_a_resumed_runs_caption_says_which_wall_time_is_this_sessions():
     assert _wall_time_text({"wall_time_s": 21.6, "sessions": 1, "wall_time_total_s": 21.6}) == "wall time 21.6 s"
     assert (_wall_time_text({"wall_time_s": 21.6, "sessions": 3, "wall_time_total_s": 95.25})
             == "wall time 21.6 s this session (95.2 s in its 3 sessions)")
+
+
+def test_update_counts_a_kill_left_behind_in_status_json_come_from_the_work_ledger(tmp_path):
+    # An audit: after 3 kill -9 of a learner, summary.json said 85 updates sent and accepted, its status.json's count
+    # (each kill lost that file's last second); its work ledger, appended at each publish and fate, held 89 and 89.
+    paths = fake_run(tmp_path)
+    status = json.loads(paths.learner_status(0).read_text())
+    atomic_write_json(paths.learner_status(0), {**status, "updates_sent": 3, "updates_accepted": 3})
+    with (paths.learner_dir(0) / "work.jsonl").open("a") as ledger:
+        for step in range(1, 8):
+            ledger.write(json.dumps({"event": "publish", "fragment": 0, "inner_step": step}) + "\n")
+            fate = "withheld" if step == 7 else "accepted"  # a non-finite one, never sent after all
+            ledger.write(json.dumps({"event": "fate", "fragment": 0, "inner_step": step, "fate": fate}) + "\n")
+    summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
+    zero = summary["learners"]["0"]
+    assert (zero["updates_sent"], zero["updates_accepted"]) == (6, 6)
