@@ -86,3 +86,13 @@ def test_an_inbox_wake_returns_at_once_while_another_thread_holds_its_lock_and_e
     assert time.monotonic() - started < 1.0
     release.set()
     assert ended.wait(WAIT_S)
+
+
+def test_a_ctrl_c_inside_watched_is_forgotten_at_its_end():
+    # Left set, a command run in the same process later (`run_commands.run` from a test) read that old Ctrl-C at its
+    # start and stopped at once, exit 130: tests/unit/test_child_environments.py after test_chaos_stops.py's Ctrl-C.
+    from ddiloco import interrupts
+
+    with pytest.raises(KeyboardInterrupt), interrupts.watched():
+        signal.raise_signal(signal.SIGINT)
+    assert not interrupts.received()
