@@ -339,7 +339,7 @@ class RoundRecord:
 
 @dataclass(frozen=True)
 class Commit:
-    """Syncer action: round `record` is committed. A syncer with a journal (`ddiloco.syncer.Journal`, the
+    """Syncer action: round `record` is committed. A syncer with a journal (`ddiloco.round_journal.Journal`, the
     runtime's round log) made it durable before changing any state, so no learner ever holds a version that a
     restart could lose; drivers without one (the simulator, the in-process hub) keep it as they like."""
 

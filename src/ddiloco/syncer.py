@@ -16,10 +16,8 @@ codec, its change, from which the syncer's own global value is rebuilt the way l
 `ddiloco.downlink`).
 
 Durability comes first: a syncer given a `Journal` (the runtime's round log) hands it each round before
-changing any state for it. When the journal cannot write (a full disk), nothing changes: the round's
-updates are rejected as `unavailable` (their learners' work goes out again with their next updates, from
-the same base), and so is every update that arrives until STORAGE_RETRY_S has passed; the next round
-that closes then tries again, and the first one that is written ends the outage (`storage_error`).
+changing any state for it, and refuses updates for a while when it cannot (`ddiloco.round_journal`). The values and
+what an outer step does to them are `ddiloco.global_model`'s.
 
 An update that arrives after its round closed goes into the next round of that fragment, within the rules of
 `ddiloco.admission` (which also refuses joins that cannot take part); anything else is rejected with a recorded
@@ -35,7 +33,6 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -43,13 +40,11 @@ from ddiloco import liveness
 from ddiloco.admission import Admission, LearnerInfo
 from ddiloco.compression import get_codec
 from ddiloco.config import DilocoConfig, QuorumConfig
-from ddiloco.downlink import make_downlink
 from ddiloco.fragments import FragmentPlan
-from ddiloco.fused_close import make_fused_close
+from ddiloco.global_model import GlobalModel
 from ddiloco.kernel_threads import KernelThreads
 from ddiloco.messages import (
     Commit,
-    FragmentDelta,
     FragmentState,
     Heartbeat,
     Join,
@@ -67,24 +62,14 @@ from ddiloco.messages import (
 )
 from ddiloco.open_round import FragmentMerge, OpenRound, PendingUpdate, merge_weight
 from ddiloco.outer import OuterOptimizer
+from ddiloco.round_journal import Journal, RoundJournal
 from ddiloco.round_timing import Ema, bounded_step_time, ema, grace_window, round_margins
-from ddiloco.state_plan import plan_difference, plan_refusal
 
 logger = logging.getLogger(__name__)
 
 MAX_REJECTION_RECORDS = 1000
 """The newest rejections the core keeps as records (`Syncer.rejections`, about 400 B each), for tests and inspection;
 `rejection_counts` counts every one, and a driver's event log holds them all."""
-STORAGE_RETRY_S = 1.0
-"""After a round could not be made durable, updates are refused as `unavailable` for this long before the
-next round tries the journal again."""
-
-
-class Journal(Protocol):
-    """Where rounds become durable before the syncer's state changes (the runtime's `SyncerStore`)."""
-
-    def commit(self, record: RoundRecord) -> None:
-        """Make `record` durable, all or nothing; OSError when it cannot (the round then never happened)."""
 
 
 @dataclass(frozen=True)
@@ -127,24 +112,15 @@ class Syncer:
         self.spec = ModelSpec.from_named_tensors(initial_params.items())
         self.plan = FragmentPlan.for_tensors(initial_params, config, embeddings=embeddings)
         self._admission = Admission(config, quorum, spec=self.spec, plan=self.plan)
-        # Contiguous copies: a model's parameter may be a strided view (`nn.Parameter(w.t())`), and the kernels
-        # write the global values in place as flat runs.
-        self._global = [{name: initial_params[name].detach().to("cpu", torch.float32, copy=True,
-                                                                 memory_format=torch.contiguous_format)
-                         for name in names} for names in self.plan.fragments]
         shapes = {name: tuple(t.shape) for name, t in initial_params.items()}
         codec = get_codec(config.codec)
         # The merge's and the close's passes over values run on the process's torch thread count (`--threads`).
         self._threads = KernelThreads()
         self._merges = [FragmentMerge(names, shapes, codec, config.merge, self.plan.embeddings, self._threads)
                         for names in self.plan.fragments]
-        self.outer = OuterOptimizer(self._global, lr=config.outer_lr, momentum=config.outer_momentum)
-        self._downlink = make_downlink(config.downlink_codec, self.plan, shapes)
-        self._fused_close = make_fused_close(self.outer, self._downlink, self.plan, self._global, self._threads)
-        counts = [sum(t.numel() for t in tensors.values()) for tensors in self._global]
-        self.fragment_shares = [count / sum(counts) if sum(counts) else 1 / len(counts) for count in counts]
+        self.model = GlobalModel(config, self.plan, initial_params, threads=self._threads)
+        self.fragment_shares = self.model.fragment_shares
         """Each fragment's share of the model's values (they sum to 1; all equal for a model without values)."""
-        self.versions = [0] * self.plan.num_fragments
         self.rounds_committed = 0
         self._reference: list[float | None] = [None] * self.plan.num_fragments
         """Per fragment, the reference norm from its last committed round (`QuorumConfig.max_norm_ratio`); None until
@@ -160,22 +136,39 @@ class Syncer:
         self.sync_time = Ema(quorum.estimate_decay)
         self.bytes_received = 0
         self.bytes_sent = 0
-        self.journal = journal
-        self.storage_error: str | None = None
-        """Why the last round could not be made durable, while the journal fails; None otherwise."""
-        self._storage_retry_at = 0.0
+        self._journal = RoundJournal(journal)
 
     # ---- reading state ---------------------------------------------------------------------------
 
+    @property
+    def versions(self) -> list[int]:
+        """Each fragment's version: the rounds committed of it."""
+        return self.model.versions
+
+    @property
+    def outer(self) -> OuterOptimizer:
+        return self.model.outer
+
+    @property
+    def journal(self) -> Journal | None:
+        """Where each round is made durable before it changes anything (None: kept in memory)."""
+        return self._journal.journal
+
+    @journal.setter
+    def journal(self, journal: Journal | None) -> None:
+        self._journal.journal = journal
+
+    @property
+    def storage_error(self) -> str | None:
+        """Why the last round could not be made durable, while the journal fails; None otherwise."""
+        return self._journal.error
+
     def global_params(self) -> dict[str, torch.Tensor]:
         """A copy of the whole global model, by parameter name."""
-        return {name: t.clone() for frag in self._global for name, t in frag.items()}
+        return self.model.params()
 
     def fragment_state(self, fragment: int) -> FragmentState:
-        # A snapshot: later rounds update the global tensors in place, and a state may sit in a
-        # simulated link (or a send queue) for a while before it is applied.
-        tensors = {name: t.clone() for name, t in self._global[fragment].items()}
-        return FragmentState(fragment, self.versions[fragment], tensors)
+        return self.model.fragment_state(fragment)
 
     def held_updates(self) -> list[HeldUpdate]:
         """Updates accepted into rounds that have not closed, by fragment and learner."""
@@ -297,7 +290,7 @@ class Syncer:
     def _on_update(self, update: Update, now: float) -> list[SyncerAction]:
         self.bytes_received += update.payload_bytes
         info = self.learners.get(update.learner_id)
-        refusing = self.storage_error if now < self._storage_retry_at else None
+        refusing = self._journal.refusing(now)
         problem = self._admission.update_problem(update, info, storage_error=refusing, versions=self.versions,
                                                  rounds=self._open)
         if info is not None and info.alive:
@@ -385,17 +378,17 @@ class Syncer:
                                    quorum=self.quorum, sync_every=self.config.sync_every)
         learner_ids = [q.learner_id for q in record.participants]
         pending = [open_round.updates[i] for i in learner_ids]
-        overflow, fused = self._check_step(p, record.merged)
+        overflow, fused = self.model.check_step(p, record.merged)
         if overflow is not None:
             detail = f"the merged round of fragment {p} would make {overflow} non-finite: not committed"
             logger.error("[syncer] %s (learners %s)", detail, learner_ids)
             return self._discard(p, learner_ids, pending, RejectReason.NON_FINITE, detail, now)
-        unwritten = self._make_durable(record, now)
+        unwritten = self._journal.write(record, now)
         if unwritten is not None:
             return self._discard(p, learner_ids, pending, RejectReason.UNAVAILABLE, unwritten, now)
         # Durable (or kept in memory): from here on the round changes the syncer's state.
         on_time = tuple(i for i, u in zip(learner_ids, pending, strict=True) if u.base_version == version_before)
-        broadcast = dataclasses.replace(self._outer_step(p, record.merged, record.version, fused=fused),
+        broadcast = dataclasses.replace(self.model.step(p, record.merged, record.version, fused=fused),
                                         on_time=on_time, margins=self._margins(open_round, on_time))
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
@@ -442,49 +435,6 @@ class Syncer:
         return round_margins(self.config, step_time_s=self.step_time.value, quorum_at=open_round.quorum_at,
                              grace_s=open_round.grace_s, arrivals=arrivals)
 
-    def _make_durable(self, record: RoundRecord, now: float) -> str | None:
-        """Hand `record` to the journal; why it could not be written, or None."""
-        if self.journal is None:
-            return None
-        try:
-            self.journal.commit(record)
-        except OSError as exc:
-            first = self.storage_error is None
-            self.storage_error = f"the syncer cannot make round {record.round_index} durable ({exc})"
-            self._storage_retry_at = now + STORAGE_RETRY_S
-            (logger.error if first else logger.warning)("[syncer] %s: not committed, refusing updates for %.1f s",
-                                                        self.storage_error, STORAGE_RETRY_S)
-            return f"{self.storage_error}: not committed"
-        if self.storage_error is not None:
-            logger.warning("[syncer] rounds are durable again (round %d written)", record.round_index)
-            self.storage_error = None
-        return None
-
-    def _check_step(self, p: int, merged: Mapping[str, torch.Tensor]) -> tuple[str | None, bool]:
-        """(the first tensor the outer step of fragment p with `merged` would make non-finite, or None; whether the
-        fused close can take the step, `ddiloco.fused_close`)."""
-        if self._fused_close is None:
-            return self.outer.non_finite_result(p, merged), False
-        return self._fused_close.check(p, merged)
-
-    def _outer_step(self, p: int, merged: Mapping[str, torch.Tensor], version: int, *,
-                    fused: bool | None = None) -> FragmentState | FragmentDelta:
-        """The outer step of fragment p to `version`, through the downlink rule (`ddiloco.downlink`: with a lossy
-        downlink codec the global value becomes what learners rebuild); returns the round's broadcast. `fused`:
-        whether `_check_step` allowed the fused close (None: not checked yet). Both ways give the same bits."""
-        if fused is None and self._fused_close is not None:
-            fused = self._check_step(p, merged)[1]
-        if fused:
-            assert self._fused_close is not None
-            self.versions[p] = version
-            return self._fused_close.step(p, version, merged)
-        if self._fused_close is not None:
-            self._fused_close.forget(p)
-        previous = self._downlink.before_step(p, self._global[p])
-        self.outer.step(p, merged)
-        self.versions[p] = version
-        return self._downlink.after_step(p, version, previous, self._global[p])
-
     def _discard(self, p: int, learner_ids: list[int], pending: list[PendingUpdate], reason: RejectReason,
                  detail: str, now: float) -> list[SyncerAction]:
         """A round that cannot be committed (its outer step would not be finite, or it cannot be made durable)
@@ -507,13 +457,9 @@ class Syncer:
         Open rounds are not kept: their updates are lost, which costs only those learners' work."""
         return {
             "config_fingerprint": self.config.fingerprint(),
-            "versions": list(self.versions),
             "rounds_committed": self.rounds_committed,
-            "global": self.global_params(),
-            "outer": self.outer.state_dict(),
             "merged_base": {i: dict(info.merged_base) for i, info in self.learners.items()},
-            "downlink_residual": self._downlink.state_dict(),
-            "fragments": [list(names) for names in self.plan.fragments],
+            **self.model.state_dict(),
         }
 
     @torch.no_grad()
@@ -521,18 +467,8 @@ class Syncer:
         if state["config_fingerprint"] != self.config.fingerprint():
             raise ValueError("checkpoint was written with a different algorithm config "
                              f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
-        difference = plan_difference(state, self.plan, self._global)
-        if difference is not None:
-            raise plan_refusal(difference)
-        for frag in self._global:
-            for name, tensor in frag.items():
-                tensor.copy_(state["global"][name])
-        self.versions = [int(v) for v in state["versions"]]
+        self.model.load_state_dict(state)
         self.rounds_committed = int(state["rounds_committed"])
-        self.outer.load_state_dict(state["outer"])
-        self._downlink.load_state_dict(state["downlink_residual"])
-        if self._fused_close is not None:
-            self._fused_close.forget()
         self._reference = [None] * self.plan.num_fragments
         self._open = [self._new_round(p) for p in range(self.plan.num_fragments)]
         # Learners must join again; remembering what was merged keeps double counting impossible.
@@ -551,7 +487,7 @@ class Syncer:
             if record.version != self.versions[record.fragment] + 1:
                 raise ValueError(f"round {record.round_index} produced version {record.version} of fragment "
                                  f"{record.fragment}, but the state holds version {self.versions[record.fragment]}")
-            self._outer_step(record.fragment, record.merged, record.version)
+            self.model.step(record.fragment, record.merged, record.version)
             self.rounds_committed += 1
             for participant in record.participants:
                 info = self.learners.setdefault(participant.learner_id, LearnerInfo(alive=False, last_seen=0.0))

@@ -298,7 +298,8 @@ def test_replay_and_restart_are_bit_exact_with_the_int8_downlink():
     restored.load_state_dict(middle)
     restored.apply_committed(hub.round_log[done:])
     assert all(torch.equal(restored.global_params()[n], t) for n, t in final.items())
-    assert all(torch.equal(restored._downlink.state_dict()[n], t) for n, t in syncer._downlink.state_dict().items())
+    residual = restored.model.downlink.state_dict()
+    assert all(torch.equal(residual[n], t) for n, t in syncer.model.downlink.state_dict().items())
 
 
 def test_a_restored_syncer_without_residuals_is_refused():

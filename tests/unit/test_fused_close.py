@@ -72,11 +72,11 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 @pytest.mark.parametrize("spike_round", [None, 2])
 def test_the_compiled_and_the_eager_syncer_hold_the_same_bits(monkeypatch, spike_round):
     fused = _run(5, spike_round=spike_round)
-    assert fused[2]._fused_close is not None
+    assert fused[2].model.fused_close is not None
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "compiled", None)
         eager = _run(5, spike_round=spike_round)
-        assert eager[2]._fused_close is None
+        assert eager[2].model.fused_close is None
     for r_fused, r_eager in zip(fused[1], eager[1], strict=True):
         assert _same_tensors(r_fused.merged, r_eager.merged)
     for b_fused, b_eager in zip(fused[0], eager[0], strict=True):

@@ -19,11 +19,12 @@ from ddiloco.clock import VirtualClock
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.messages import Commit, Join, Rejected, RejectReason, RoundRecord, Send, Update
 from ddiloco.metrics import JsonlSink, MemorySink, NullSink
+from ddiloco.round_journal import STORAGE_RETRY_S
 from ddiloco.round_log import RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_service import SyncerService, SyncerServiceConfig
 from ddiloco.runtime.syncer_state import SyncerStore
-from ddiloco.syncer import STORAGE_RETRY_S, Syncer, replay_rounds
+from ddiloco.syncer import Syncer, replay_rounds
 from tests.helpers import TinyNet, filled_update, params_of
 
 CONFIG = DilocoConfig(num_fragments=2, fragment_strategy="strided", codec="fp32", sync_every=4)
