@@ -49,20 +49,3 @@ def test_a_welcome_at_its_base_publishes_it_again_at_once():
     (again,) = learner.receive(welcome)
     assert (again.fragment, again.base_version, again.steps) == (0, 0, 4)
     assert isinstance(welcome.fragments[0], FragmentState)
-
-
-def test_its_work_precedes_a_welcome_with_a_newer_version_of_the_fragment():
-    # The learner is away (its syncer restarted, say) while another's round moves the fragment on: the Welcome of its
-    # re-join brings version 1. Applied at once, it overwrote the lost work; the work goes out first, from its base,
-    # one version late, and the next round merges it.
-    syncer, hub, learner, other, update = undelivered_setup()
-    learner.receive(Undelivered(learner.learner_id, update.fragment, update.base_version, update.inner_step))
-    hub.disconnect(learner.learner_id)  # it hears nothing of the round below
-    for batch in make_batches(4, seed=3):
-        hub.after_inner_step(other, train_step(other.model, other.optimizer, batch))
-    assert syncer.versions == [1] and learner.versions == [0]
-    welcome = [a.message for a in syncer.receive(learner.join_message(), 1.0) if hasattr(a, "message")][0]
-    (first,) = learner.receive(welcome)
-    assert (first.fragment, first.base_version, first.steps) == (0, 0, 4) and learner.versions == [1]
-    assert [a for a in syncer.receive(first, 1.0) if type(a).__name__ == "Rejected"] == []
-    assert [(h.learner_id, h.base_version) for h in syncer.held_updates()] == [(learner.learner_id, 0)]
