@@ -86,8 +86,7 @@ def fake_ddiloco() -> None:
         while not stop:
             write(run / "syncer_status.json", {"time": time.time(), "pid": os.getpid(), "address": address,
                                                "rounds_committed": 0, "versions": [0],
-                                               "storage_error": behaviour.get("storage_error"),
-                                               "rejections": behaviour.get("rejections", {})})
+                                               "storage_error": behaviour.get("storage_error")})
             time.sleep(step_s * 5)
         sys.exit(0)
     if role == "evaluator":

@@ -15,7 +15,8 @@ from ddiloco.checkpoint import read_json
 from tests.helpers import TINY_MODEL_FLAGS, wait_until
 from tests.integration.test_standalone_processes import run_token, start_syncer  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.integration
+# 16 s: tests/unit/test_learner_undelivered.py runs the rule by default.
+pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 
 OUTAGE_S = 8.0
 
