@@ -199,12 +199,15 @@ class Learner:
         if isinstance(message, Welcome):
             if message.learner_id != self.learner_id:
                 raise ValueError(f"Welcome for learner {message.learner_id} delivered to {self.learner_id}")
+            replies: list[LearnerMessage] = []
             for state in message.fragments:
                 # A fragment still at the version this learner holds is the one its local work continues
                 # from (a re-join after a partition or a syncer restart): keep that work.
                 if not 0 <= state.version == self.versions[state.fragment]:
+                    early = self._send_before_welcome(state)
+                    if early is not None:
+                        replies.append(early)
                     self._apply(state, force=True)
-            replies: list[LearnerMessage] = []
             for p, outstanding in sorted(self._outstanding.items()):
                 if outstanding.base_version == self.versions[p]:
                     # Published from the version the syncer still has: that update was lost (the syncer
@@ -277,6 +280,22 @@ class Learner:
             return None
         self.schedule.closed_before_publish(p, state.version, self.inner_step)
         self.stats.updates_published_early += 1
+        return update
+
+    def _send_before_welcome(self, state: FragmentState) -> Update | None:
+        """A Welcome one version past the fragment this learner trained on (a round committed while it was away)
+        overwrites that work: work never sent (its update undelivered, or none published since the base) goes out
+        first, one version late, as before a newer `FragmentState` (`_publish_before`). Until 2026-12-07 it was
+        overwritten: a learner cut off from a restarting syncer lost what it trained meanwhile on every fragment
+        that others moved on before it joined again. Its work ledger records it before the Welcome
+        (`LearnerRules.receive`): it was trained on the version this learner held before."""
+        p = state.fragment
+        if (not 0 <= p < self.plan.num_fragments or self.versions[p] < 0 or state.version != self.versions[p] + 1
+                or self.steps_since[p] == 0 or self._published_from[p] == self.versions[p]):
+            return None
+        update = self._publish(p, final=self.finishing)
+        if update is not None:
+            self.stats.updates_published_early += 1
         return update
 
     def _follow_close(self, state: FragmentState) -> None:

@@ -154,14 +154,21 @@ class LearnerRules:
             logger.error("[learner %d | inner %d] ignored a message from the syncer: %s",
                          learner.learner_id, learner.inner_step, exc)
             return []
+        updates = [reply for reply in replies if isinstance(reply, Update)]
         if isinstance(message, Welcome):
+            # Work trained on a version older than the Welcome's (`Learner._send_before_welcome`) was published on
+            # the version held before it: the ledger says so by its order; the rest is published again after it.
+            welcomed = {state.fragment: state.version for state in message.fragments}
+            for update in updates:
+                if update.base_version < welcomed.get(update.fragment, update.base_version):
+                    self.events.publish(update)
+            updates = [u for u in updates if u.base_version >= welcomed.get(u.fragment, u.base_version)]
             replaced = [p for p, v in enumerate(before) if v < 0 or v != learner.versions[p]]
             self.events.welcome(message, inner_step=learner.inner_step, replaced=replaced)
         elif isinstance(message, FragmentState | FragmentDelta) and learner.stats.fragments_applied > applied:
             self.events.received(message, inner_step=learner.inner_step)
-        for reply in replies:
-            if isinstance(reply, Update):
-                self.events.publish(reply)  # published again after a re-join
+        for update in updates:
+            self.events.publish(update)  # published again after a re-join
         return replies
 
     def _went_back(self, welcome: Welcome) -> str | None:
