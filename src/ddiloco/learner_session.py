@@ -39,9 +39,10 @@ applies what the syncer sent; while the waiting rule blocks it waits, bounded by
 unpublished work once more, so the final global model includes it. Embedding tables are found by
 module type (`nn.Embedding`), or by `DilocoConfig.embedding_pattern` when it is set.
 
-This module owns the `Session` and how it ends (`RefusedError`, `UnreachableError`); its checkpoint is
-`ddiloco.learner_checkpoint`, its progress, counters and status file `ddiloco.learner_status`, and the `with`
-block and SIGTERM handling it shares with `FollowerSession` `ddiloco.session_lifecycle`.
+This module owns the `Session` and how it ends (`RefusedError`, `UnreachableError`); what it applies and sends, and
+how its last work gets out, are `ddiloco.session_messages`, its checkpoint is `ddiloco.learner_checkpoint`, its
+progress, counters and status file `ddiloco.learner_status`, and the `with` block and SIGTERM handling it shares with
+`FollowerSession` `ddiloco.session_lifecycle`.
 """
 
 from __future__ import annotations
@@ -63,12 +64,11 @@ from ddiloco.learner_checkpoint import LearnerCheckpoint, Stateful, stateful_obj
 from ddiloco.learner_group import LearnerGroup, unwrap
 from ddiloco.learner_rules import Action, LearnerRules
 from ddiloco.learner_status import StatusReporter
-from ddiloco.messages import Update
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.model_checks import check_optimizer_of_model
-from ddiloco.publisher import Publisher
 from ddiloco.run_config import RunConfig
 from ddiloco.session_lifecycle import SessionLifecycle
+from ddiloco.session_messages import SessionMessages
 from ddiloco.session_transport import GrpcTransport, HubTransport, SessionTransport
 from ddiloco.step_arguments import check_tokens_bound, step_loss, user_metrics
 from ddiloco.work_ledger import WorkLedger, fragment_shares
@@ -195,18 +195,14 @@ class Session(SessionLifecycle):
             self.transport = GrpcTransport(self.learner, self.rules, address=syncer, token=token, config=config,
                                             link=link, tls_ca=tls_ca, tls_server_name=tls_server_name,
                                             chaos=self._chaos, clock=self.clock, genesis_params=params)
-        self._publisher: Publisher | None = None
-        """Over gRPC, the thread that takes and encodes pseudo-gradients (`ddiloco.publisher`); none in process,
-        where delivery stays synchronous."""
-        if hub is None:
-            self.learner.deferred = True
-            self._publisher = Publisher(self.transport.send, on_sent=self._count_sent,
-                                        on_dropped=lambda update, reason: self.rules.fate(update, "dropped", reason),
-                                        on_withheld=self.transport.wake)
-        self._released = False
-        """Whether the publisher thread, the work ledger and the sink were let go (`_release`)."""
         self._stop = StopFlag()
         """Set by `request_stop`, from a signal handler too (a `threading.Event` there could wait for ever)."""
+        self.messages = SessionMessages(self.learner, self.rules, self.transport, config=config.learner,
+                                        clock=self.clock, stop=self._stop, publish_off_thread=hub is None)
+        """What the session applies and sends, its publisher thread over gRPC, its last work
+        (`ddiloco.session_messages`)."""
+        self._released = False
+        """Whether the publisher thread, the work ledger and the sink were let go (`_release`)."""
         self.reporter = StatusReporter(self.learner, self.transport, inner_steps=config.inner_steps,
                                        directory=self.directory, every_s=status_every_s, sink=self.sink,
                                        prefix=self.prefix)
@@ -220,8 +216,6 @@ class Session(SessionLifecycle):
         self._step_started: float | None = None
         self._optimizer_groups = len(self.learner.optimizer.param_groups)
         """The optimizer's parameter groups when last checked (`_check_added_groups`)."""
-        self._warned_weightless = False
-        """Whether an update that counts no tokens was warned about (`_warn_if_weightless`)."""
         self.final_state: str | None = None
 
     # ---- what the loop reads -------------------------------------------------------------------------
@@ -367,10 +361,10 @@ class Session(SessionLifecycle):
             if stop:
                 self.request_stop()
         self._straggle(started)
-        self._take_withheld()
+        self.messages.take_withheld()
         step_s = time.monotonic() - started
         for update in self.rules.after_inner_step(tokens):
-            self._send(update)
+            self.messages.send(update)
         total = self.reporter.progress.tokens + tokens
         self.reporter.set(state="training" if self.transport.connected else "disconnected",
                           loss=loss if loss is not None else self.reporter.progress.loss, tokens=total)
@@ -392,39 +386,6 @@ class Session(SessionLifecycle):
         self._end_call()
         self._step_started = time.monotonic()
 
-    def _send(self, message: Any) -> None:
-        if isinstance(message, Update):
-            self._warn_if_weightless(message)
-        if self._publisher is not None:
-            self._publisher.send(message)
-        else:
-            self.transport.send(message)
-
-    def _warn_if_weightless(self, update: Update) -> None:
-        """Warn, once, when an update counts no tokens: its merge weight is 0, so a loop that passes `tokens=0` at every
-        step trained a run whose export was its genesis, with nothing said."""
-        if update.tokens > 0 or self._warned_weightless:
-            return
-        self._warned_weightless = True
-        logger.warning("[learner %d | inner %d] its update of fragment %d counts 0 tokens over %d inner steps: the "
-                       "merge weights an update by tokens^2 / steps, so this one (and every other that counts none) "
-                       "weighs nothing and its training is lost. Pass sync.step(tokens=<tokens or samples in the "
-                       "batch>) (said once)", self.learner_id, self.learner.inner_step, update.fragment, update.steps)
-
-    def _count_sent(self, update: Any) -> None:
-        self.learner.stats.bytes_sent += update.payload_bytes  # (the publisher's thread: the one that writes it)
-
-    def _take_withheld(self, *, closing: bool = False) -> None:
-        """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them. What failed on its
-        thread is raised here, on the training thread (not while `closing`: the session ends anyway)."""
-        if self._publisher is None:
-            return
-        if not closing:
-            self._publisher.raise_failure()
-        for withheld in self._publisher.take_withheld():
-            self.learner.withdraw(withheld.update)
-            self.rules.fate(withheld.update, "withheld", f"non-finite pseudo-gradient in {withheld.tensor}")
-
     def _straggle(self, started: float) -> None:
         """A straggler injected by a chaos run: this step takes `slowdown` times its compute time."""
         if self._chaos is None:
@@ -437,7 +398,7 @@ class Session(SessionLifecycle):
         """Apply what arrived; then wait as the rules say until the next inner step may run (gRPC), or
         until nothing more can happen without another learner's step (in process)."""
         while True:
-            self._apply_inbox()
+            self.messages.apply_inbox()
             now = self.clock.now()
             nxt = self.rules.next(now)
             if nxt.action is Action.REFUSED:
@@ -451,7 +412,7 @@ class Session(SessionLifecycle):
                 return
             if not getattr(self.transport, "blocking", True):
                 self.transport.wait(0.0)  # in process: rounds whose grace ended close now
-                self._apply_inbox()
+                self.messages.apply_inbox()
                 return
             if nxt.action is Action.JOIN:
                 if self.transport.unreachable is not None:
@@ -461,12 +422,6 @@ class Session(SessionLifecycle):
             else:
                 self.reporter.set(state="waiting")
                 self.transport.wait(max(0.0, (nxt.until or now) - now))
-
-    def _apply_inbox(self) -> None:
-        self._take_withheld()
-        for message in self.transport.take_ready():
-            for reply in self.rules.receive(message, self.clock.now()):
-                self._send(reply)
 
     def _refused(self) -> None:
         reason = self.rules.refusal or "refused"
@@ -510,10 +465,10 @@ class Session(SessionLifecycle):
         ended = False
         try:
             try:
-                self._send_last_work(state, flush=flush)
+                self.messages.send_last_work(flush=flush, flush_s=self.flush_timeout_s if state == "done"
+                                             else STOP_FLUSH_S)
             finally:
-                if self._publisher is not None and not self._publisher.closed:  # interrupted before it was closed
-                    self._publisher.close(0.0)
+                self.messages.close_publisher(0.0)  # interrupted before it was closed
                 self.transport.close(leave=state not in ("refused", "unreachable"))
             self.rules.end(state)
             # Before the first Welcome no inner step ran: nothing new to keep. A failed learner of several ranks
@@ -540,91 +495,10 @@ class Session(SessionLifecycle):
         if self._released:
             return
         self._released = True
-        if self._publisher is not None and not self._publisher.closed:
-            self._publisher.close(0.0)
+        self.messages.close_publisher(0.0)
         if self._ledger is not None:
             self._ledger.close()
         self.sink.close()
-
-    def _send_last_work(self, state: str, *, flush: bool) -> None:
-        flush_s = self.flush_timeout_s if state == "done" else STOP_FLUSH_S
-        if flush and self.learner.joined:
-            # Not the inbox first: a merged fragment waiting there would overwrite the very steps the flush
-            # publishes (an update one version stale is still merged, see the syncer's late-update rule).
-            for update in self.rules.finish():
-                self._send(update)
-            if self._await_owed_results():
-                for update in self.rules.finish():
-                    self._send(update)
-            self._deliver_last_work(flush_s)
-        if self._publisher is not None:
-            self._publisher.close(flush_s)  # the queued updates go to the transport, which flushes them next
-            self._take_withheld(closing=True)
-        self.transport.flush(flush_s)
-
-    def _await_owed_results(self) -> bool:
-        """Wait (at most `LearnerConfig.max_wait_s`, as for a round during training) for the results of the fragments
-        whose update still awaits its round while later steps were trained on them (`Learner.owed_work`): applied,
-        they keep those steps on top, and the next flush publishes them. Without this a learner's last steps of such
-        a fragment (up to `overlap_steps`) never reached the global model: each learner of a run had about one
-        period of one fragment fewer merged than it trained. Returns whether there was anything to wait for."""
-        owed = set(self.learner.owed_work())
-        if not owed:
-            return False
-        started = time.monotonic()
-        deadline = started + self.config.learner.max_wait_s
-        while True:
-            self._apply_inbox()
-            if not owed & set(self.learner.owed_work()) or self._stop.is_set() or not self.transport.connected:
-                break
-            if not getattr(self.transport, "blocking", True):
-                self.transport.wait(0.0)  # in process: a round whose grace ended closes now; nothing else can happen
-                self._apply_inbox()
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self.transport.wait(remaining)
-        left = sorted(owed & set(self.learner.owed_work()))
-        (logger.warning if left else logger.info)(
-            "[learner %d | inner %d] waited %.2f s for the round results of fragments %s to publish the steps "
-            "trained after their updates%s", self.learner_id, self.learner.inner_step, time.monotonic() - started,
-            sorted(owed), f": fragments {left} still owed, their last steps are not sent" if left else "")
-        return True
-
-    def _deliver_last_work(self, flush_s: float) -> None:
-        """Make sure the last updates reached the syncer: one that could not (the syncer restarting, a partition) is
-        sent again from the Welcome of the syncer's return (`Learner.receive`), waited for at most
-        `LearnerConfig.max_wait_s`. A learner whose budget ended while its syncer restarted exited `done` with every
-        last update dropped as `unreachable` within milliseconds (a probe: a quarter of both learners' tokens never
-        merged, the run `completed` without a word)."""
-        if not getattr(self.transport, "blocking", True):
-            return  # in process: delivery is immediate
-        started = time.monotonic()
-        deadline, said = started + self.config.learner.max_wait_s, False
-        while True:
-            if self._publisher is not None:
-                self._publisher.drain(flush_s)
-            self.transport.flush(flush_s)
-            sent = self.learner.stats.updates_sent
-            self._apply_inbox()  # the notices of updates not delivered; a Welcome publishes their work again
-            if self.learner.stats.updates_sent != sent and time.monotonic() < deadline:
-                continue  # sent again: delivered (or not) before anything else is decided
-            lost = self.learner.undelivered_work()
-            if not lost or self._stop.is_set() or time.monotonic() >= deadline:
-                break
-            if not said:
-                said = True
-                logger.warning("[learner %d | inner %d] its last work of fragments %s did not reach the syncer: "
-                               "waiting up to %.0f s (--max-wait-s) for it to come back", self.learner_id,
-                               self.learner.inner_step, lost, self.config.learner.max_wait_s)
-            self.transport.wait(max(0.0, deadline - time.monotonic()))
-        if lost:
-            logger.error("[learner %d | inner %d] its last work of fragments %s never reached the syncer: not in the "
-                         "global model", self.learner_id, self.learner.inner_step, lost)
-        elif said:
-            logger.info("[learner %d | inner %d] its last work reached the syncer after %.1f s", self.learner_id,
-                        self.learner.inner_step, time.monotonic() - started)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

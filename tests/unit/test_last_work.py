@@ -1,8 +1,8 @@
 """A learner's last inner steps reach the global model: at the end of its budget, a fragment whose update still awaits
 its round (`Learner.owed_work`) is waited for, its result applied with the steps trained since the update kept on top,
-and those steps published with the others (`Session._send_last_work`). Before, they were dropped: a run's learners
-had about one period of one fragment fewer merged than they trained (tokens_merged 4,990 of 5,120 each, 2 learners,
-P = 2, H = 4, 40 steps). A whole run: tests/integration/test_run.py,
+and those steps published with the others (`SessionMessages.send_last_work`). Before, they were dropped: a run's
+learners had about one period of one fragment fewer merged than they trained (tokens_merged 4,990 of 5,120 each, 2
+learners, P = 2, H = 4, 40 steps). A whole run: tests/integration/test_run.py,
 test_short_run_writes_the_run_directory_and_summary."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def train(inner_steps: int, *, keep_overlap_work: bool = True, transport=LateRes
                        learner=LearnerConfig(max_wait_s=max_wait_s))
     sync = ddiloco.session(model, optimizer, hub=hub, learner_id=0, config=config, inner_steps=inner_steps)
     transport = transport(sync.transport)
-    sync.transport = transport
+    sync.transport = sync.messages.transport = transport
     with sync:
         for batch in make_batches(inner_steps, seed=1):
             if sync.done:

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
     (("runtime", ("ddiloco.runtime", "ddiloco.runtime.*")), ("sim", ("ddiloco.sim", "ddiloco.sim.*")),
      ("plan", ("ddiloco.plan", "ddiloco.plan.*"))),
     (("session", ("ddiloco.learner_session", "ddiloco.session_setup", "ddiloco.session_transport",
+                  "ddiloco.session_messages",
                   "ddiloco.session_lifecycle", "ddiloco.learner_status", "ddiloco.learner_checkpoint",
                   "ddiloco.follower_session", "ddiloco.learner_group", "ddiloco.sharded_state", "ddiloco.evaluator",
                   "ddiloco.train_tinygpt", "ddiloco.work_ledger", "ddiloco.inprocess",
