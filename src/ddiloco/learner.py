@@ -238,10 +238,19 @@ class Learner:
             (logger.warning if message.reason == RejectReason.BAD_COUNTERS else logger.info)(
                 "[learner %d | inner %d] update for fragment %d rejected: %s %s",
                 self.learner_id, self.inner_step, message.fragment, reason, message.detail)
-            outstanding = self._outstanding.get(message.fragment)
+            p = message.fragment
+            outstanding = self._outstanding.get(p)
             if outstanding is not None and outstanding.base_version == message.base_version:
-                # That update will never be merged: no round result is owed to this learner for it.
-                del self._outstanding[message.fragment]
+                if message.reason == RejectReason.UNKNOWN_LEARNER:
+                    # Refused for who sent it (the syncer restarted, or timed this learner out), not for what it
+                    # carries: its work counts as not sent, as an undelivered update's (`_undelivered`), and the
+                    # re-join's Welcome publishes it again. Until 2026-12-07 it was forgotten, and the next version of
+                    # the fragment overwrote it (a syncer kill -9 lost a learner 48 inner steps of a fragment).
+                    self._outstanding[p] = replace(outstanding, undelivered=True)
+                    if self._published_from[p] == message.base_version:
+                        self._published_from[p] = None
+                else:  # that update will never be merged: no round result is owed to this learner for it
+                    del self._outstanding[p]
             if message.reason == RejectReason.UNKNOWN_LEARNER:
                 # The syncer forgot us (heartbeat timeout or restart): load its state again.
                 self.joined = False

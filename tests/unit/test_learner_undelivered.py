@@ -5,7 +5,7 @@ tests/integration/test_syncer_away.py)."""
 from ddiloco.checkpoint import read_jsonl
 from ddiloco.config import LearnerConfig, QuorumConfig
 from ddiloco.learner_rules import LearnerRules
-from ddiloco.messages import FragmentState, Undelivered
+from ddiloco.messages import FragmentState, Rejected, RejectReason, Undelivered
 from ddiloco.work_ledger import WorkLedger
 from tests.helpers import make_batches, make_system, single_fragment, train_step
 
@@ -91,3 +91,41 @@ def test_its_ledger_line_precedes_the_welcome(tmp_path):
     assert [(e["event"], e.get("base_version")) for e in lines] == [("publish", 0), ("welcome", None)]
     assert lines[1]["versions"] == [1] and lines[1]["unpublished"] == [0]
     assert first.base_version == 0 and learner.versions == [1]
+
+
+def forgotten_setup():
+    """`undelivered_setup`, but the update reached a syncer that no longer knew the learner (it restarted, or timed the
+    learner out): rejected `unknown_learner`, which asks the learner to join again."""
+    syncer, hub, learner, other, update = undelivered_setup()
+    (join,) = learner.receive(Rejected(learner.learner_id, update.fragment, update.base_version,
+                                       RejectReason.UNKNOWN_LEARNER))
+    assert not learner.joined
+    return syncer, hub, learner, other, update, join
+
+
+def test_an_update_of_a_learner_the_syncer_forgot_is_published_again_at_the_welcome():
+    # Its work was refused for who sent it, not for what it carries. Before, the learner forgot the update: a Welcome
+    # at its base published nothing, and the fragment's next version overwrote the work (a syncer kill -9 in a real
+    # run: a learner's 48 inner steps of a fragment lost).
+    syncer, _, learner, _, update, join = forgotten_setup()
+    welcome = [a.message for a in syncer.receive(join, 1.0) if hasattr(a, "message")][0]
+    (again,) = learner.receive(welcome)
+    assert (again.fragment, again.base_version, again.steps) == (0, 0, 4)
+
+
+def test_an_update_of_a_learner_the_syncer_forgot_precedes_a_newer_version_of_the_fragment():
+    syncer, hub, learner, other, update, join = forgotten_setup()
+    hub.disconnect(learner.learner_id)
+    for batch in make_batches(4, seed=3):
+        hub.after_inner_step(other, train_step(other.model, other.optimizer, batch))
+    assert syncer.versions == [1] and learner.versions == [0]
+    welcome = [a.message for a in syncer.receive(join, 1.0) if hasattr(a, "message")][0]
+    (first,) = learner.receive(welcome)
+    assert (first.fragment, first.base_version, first.steps) == (0, 0, 4) and learner.versions == [1]
+
+
+def test_an_update_rejected_for_what_it_carries_is_not_sent_again():
+    syncer, _, learner, _, update = undelivered_setup()
+    learner.receive(Rejected(learner.learner_id, update.fragment, update.base_version, RejectReason.STALE))
+    welcome = [a.message for a in syncer.receive(learner.join_message(), 1.0) if hasattr(a, "message")][0]
+    assert learner.receive(welcome) == []
