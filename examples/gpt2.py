@@ -2,7 +2,7 @@
 
 Shows that ddiloco needs nothing from the model: a stock `GPT2LMHeadModel` built from a config (no
 weights downloaded), trained on the embedded Shakespeare corpus as bytes (vocabulary 256). It is a
-plain PyTorch loop; the ddiloco lines are marked `# ddiloco`. Needs `pip install transformers`.
+plain PyTorch loop; the ddiloco lines are marked `# ddiloco`. Needs `pip install "transformers==5.23.0"`.
 
     ddiloco run --learners 2 --inner-steps 300 --evaluate -- python examples/gpt2.py
     ddiloco export RUN_DIR --out gpt2.safetensors   # then model.load_state_dict(safetensors.torch.load_file(...))

@@ -3,7 +3,7 @@
 Shows a model whose loss is more than cross-entropy: 8 experts per layer, 2 active per token, and a
 router load-balancing loss added to the language-model loss. Built from a config (no download),
 trained on the embedded Shakespeare corpus as bytes. The ddiloco lines are marked `# ddiloco`. Needs
-`pip install transformers`.
+`pip install "transformers==5.23.0"`.
 
     ddiloco run --learners 2 --inner-steps 300 --evaluate -- python examples/moe.py
     ddiloco export RUN_DIR --out moe.safetensors
