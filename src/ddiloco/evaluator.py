@@ -340,10 +340,14 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
     watcher = Watcher(model, evaluate, address=address, config=run_config, every_s=period, token=token,
                       run_dir=run_dir, tls_ca=tls, tls_server_name=tls_server_name, declare_config=declare_config)
     previous = {}
+
+    def stop(signum: int, frame: object) -> None:
+        watcher.request_stop()
+
     if threading.current_thread() is threading.main_thread():
         # SIGHUP too where it has Python's default (a closed terminal), as a learner's session takes it.
         stops = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else [])
-        previous = {signum: signal.signal(signum, lambda signum, frame: watcher.request_stop()) for signum in stops}
+        previous = {signum: signal.signal(signum, stop) for signum in stops}
     # A launcher that is gone (killed) ends the run as its SIGTERM would, also behind a wrapper (launcher_watch).
     launcher = watch_launcher(env.launcher, name="evaluator", on_gone=watcher.request_stop)
     try:
@@ -354,5 +358,6 @@ def watch(model: nn.Module, evaluate: Evaluate, *, every_s: float | None = None,
         if launcher is not None:
             launcher.stop()
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) is stop:  # one the evaluation's code set meanwhile stays, as in a session
+                signal.signal(signum, handler)
     return watcher

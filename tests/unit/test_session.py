@@ -235,6 +235,70 @@ def test_a_loop_that_ends_before_the_budget_stops_the_session_with_a_warning(cap
     assert "its loop ended before the run's budget of 8 inner steps" in caplog.text
 
 
+@pytest.mark.parametrize("code", [0, None])
+def test_sys_exit_0_inside_the_session_ends_it_as_a_break_does(code):
+    # Early stopping by `sys.exit(0)`: the session ended `failed`, its last work never sent (a probe: 3 rounds
+    # committed where a `break` at the same step made 7).
+    shared = hub()
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trained = 0
+    with pytest.raises(SystemExit), ddiloco.session(model, optimizer, hub=shared, learner_id=0, inner_steps=8) as sync:
+        for batch in make_batches(6, seed=0):
+            tokens = train_step(model, optimizer, batch)
+            sync.step(tokens=tokens)
+            trained += tokens
+        raise SystemExit(code)
+    assert sync.final_state == "stopped" and sync.inner_step == 6
+    assert sync.learner.unpublished() == [0, 0]
+    assert shared.syncer.learners[0].tokens_merged == CONFIG.num_fragments * trained  # (each fragment's update counts)
+
+
+def test_sys_exit_with_an_error_status_inside_the_session_is_a_failure():
+    model = TinyNet(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SystemExit), ddiloco.session(model, optimizer, hub=hub(), learner_id=0, inner_steps=8) as sync:
+        for batch in make_batches(6, seed=0):
+            sync.step(tokens=train_step(model, optimizer, batch))
+        raise SystemExit(2)
+    assert sync.final_state == "failed" and sync.learner.unpublished() != [0, 0]
+
+
+def test_an_in_process_session_never_closed_and_dropped_is_let_go_and_its_learner_can_start_again():
+    # A notebook cell started a session and a Ctrl-C kept it from its close: the process's registry of open sessions
+    # kept it, its model and optimizer for the life of the process, and refused the re-run's session of the learner.
+    import gc
+    import weakref
+
+    shared = hub()
+    model = TinyNet(seed=1)
+    sync = ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0,
+                           inner_steps=8)
+    sync.start()
+    sync.step(tokens=train_step(model, sync.optimizer, make_batches(1, seed=0)[0]))
+    gone, first_model = weakref.ref(sync), weakref.ref(model)
+    del sync, model
+    gc.collect()
+    assert gone() is None
+    model = TinyNet(seed=1)
+    with ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0,
+                         inner_steps=8) as again:
+        for batch in make_batches(8, seed=1):
+            again.step(tokens=train_step(model, again.optimizer, batch))
+    assert again.final_state == "done"
+    del shared, again
+    gc.collect()
+    assert first_model() is None  # the hub held it; nothing else does
+
+
+def test_a_second_session_of_a_learner_whose_first_is_still_held_is_refused():
+    shared = hub()
+    model = TinyNet(seed=1)
+    with (ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0),
+          pytest.raises(RuntimeError, match="a second ddiloco.session")):
+        ddiloco.session(model, torch.optim.SGD(model.parameters(), lr=0.1), hub=shared, learner_id=0).start()
+
+
 def test_a_compiled_model_syncs_under_its_plain_names_beside_a_plain_learner():
     # torch.compile wraps the module: its parameters are named `_orig_mod.*`. Under those names the export did not
     # load into the plain model, and a compiled learner was refused by a run of plain ones.

@@ -256,6 +256,32 @@ def test_a_sighup_handler_of_the_users_or_nohups_is_left_alone(syncer, tmp_path,
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 
 
+def test_handlers_the_users_code_sets_during_the_session_stay_after_it(syncer, tmp_path):
+    # A preemption library set up lazily inside the loop installs its own handlers: the session's end put back the
+    # ones from before it (SIG_DFL, default_int_handler), and the library never heard of a later signal.
+    def users(signum, frame):
+        pass
+
+    with handler_kept(signal.SIGTERM), handler_kept(signal.SIGINT), handler_kept(signal.SIGHUP):
+        for signum, handler in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler),
+                                (signal.SIGHUP, signal.SIG_DFL)):
+            signal.signal(signum, handler)
+        model, optimizer = model_and_optimizer()
+
+        def on_step(inner_step):
+            if inner_step == 2:
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(signum, users)
+            if inner_step == 4:
+                sync.request_stop()
+
+        with ddiloco.session(model, optimizer, syncer=syncer, learner_id=0, config=RUN,
+                             run_dir=tmp_path / "run") as sync:
+            train(sync, model, optimizer, on_step=on_step)
+        assert sync.final_state == "stopped"
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)] == [users] * 3
+
+
 def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):
     model, optimizer = model_and_optimizer()
     opened = threading.Event()
