@@ -33,6 +33,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -156,6 +157,11 @@ class JsonLines:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._release_fd = weakref.finalize(self, os.close, self._fd)
+        """Closes the file if this object goes without `close` (a session made and dropped without being entered held
+        its metrics.jsonl and work.jsonl open for the life of the process). Not at the interpreter's exit, where a
+        daemon thread may still append."""
+        self._release_fd.atexit = False
         self._mid_line = _ends_mid_line(self.path)
         """The file ends in a line cut short (a host crash mid-write): the first line appended starts on a line of its
         own, else it was glued to the cut one and both were lost to every reader."""
@@ -208,8 +214,8 @@ class JsonLines:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                os.close(self._fd)
                 self._fd = None
+                self._release_fd()
 
 
 def _ends_mid_line(path: Path) -> bool:

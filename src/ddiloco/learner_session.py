@@ -276,6 +276,7 @@ class Session(SessionLifecycle):
         """Resume from the local checkpoint (if any), join, and return once the global parameters are loaded. A start
         that fails or is interrupted (Ctrl-C while it waits for the syncer) ends as a failed session: its threads go
         with it, instead of retrying the syncer behind the script (a notebook's next session joined beside them)."""
+        self.messages.open()
         try:
             self._join()
         except BaseException:

@@ -44,18 +44,24 @@ class SessionMessages:
         self.clock = clock
         self._stop = stop
         self.publisher: Publisher | None = None
-        """The thread that takes and encodes pseudo-gradients (`ddiloco.publisher`), or None."""
-        if publish_off_thread:
-            learner.deferred = True
-            self.publisher = Publisher(transport.send, on_sent=self._count_sent,
-                                       on_dropped=lambda update, reason: rules.fate(update, "dropped", reason),
-                                       on_withheld=transport.wake)
+        """The thread that takes and encodes pseudo-gradients (`ddiloco.publisher`), from `open()` on, or None."""
+        self._publish_off_thread = publish_off_thread
+        learner.deferred = publish_off_thread
         self._warned_weightless = False
         """Whether an update that counts no tokens was warned about (`_warn_if_weightless`)."""
 
     @property
     def learner_id(self) -> int:
         return self.learner.learner_id
+
+    def open(self) -> None:
+        """Start the publisher's thread (once), as the session starts: a session made and never entered started it and
+        kept it for the life of the process."""
+        if self._publish_off_thread and self.publisher is None:
+            rules, transport = self.rules, self.transport
+            self.publisher = Publisher(transport.send, on_sent=self._count_sent,
+                                       on_dropped=lambda update, reason: rules.fate(update, "dropped", reason),
+                                       on_withheld=transport.wake)
 
     # ---- between inner steps ----------------------------------------------------------------------------------------
 

@@ -282,6 +282,27 @@ def test_handlers_the_users_code_sets_during_the_session_stay_after_it(syncer, t
         assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)] == [users] * 3
 
 
+def test_a_session_made_and_dropped_without_being_entered_holds_no_thread_and_no_file(tmp_path):
+    # Each such session started its publisher thread and kept its metrics.jsonl and work.jsonl open for the life of
+    # the process (a probe: 3 threads and 6 files for 3 sessions).
+    import gc
+
+    def open_files():
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [name for name in names if name.startswith(str(tmp_path))]
+
+    threads = set(threading.enumerate())
+    for number in range(2):
+        model, optimizer = model_and_optimizer()
+        ddiloco.session(model, optimizer, syncer="127.0.0.1:1", learner_id=0, config=RUN,
+                        run_dir=tmp_path / f"run{number}")
+    gc.collect()
+    assert [t.name for t in set(threading.enumerate()) - threads] == [] and open_files() == []
+
+
 def test_a_session_on_another_thread_warns_that_sigterm_cannot_stop_it_cleanly(syncer, tmp_path, caplog):
     model, optimizer = model_and_optimizer()
     opened = threading.Event()
