@@ -241,7 +241,8 @@ class Learner:
             p = message.fragment
             outstanding = self._outstanding.get(p)
             if outstanding is not None and outstanding.base_version == message.base_version:
-                if message.reason == RejectReason.UNKNOWN_LEARNER:
+                if (message.reason == RejectReason.UNKNOWN_LEARNER
+                        and message.inner_step == outstanding.published_at_step):
                     # Refused for who sent it (the syncer restarted, or timed this learner out), not for what it
                     # carries: its work counts as not sent, as an undelivered update's (`_undelivered`), and the
                     # re-join's Welcome publishes it again. Until 2026-12-07 it was forgotten, and the next version of

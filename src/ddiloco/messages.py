@@ -266,6 +266,9 @@ class Rejected:
     base_version: int
     reason: RejectReason
     detail: str = ""
+    inner_step: int = -1
+    """The rejected update's inner step, where the learner's side knows it (its transport, the in-process syncer); -1
+    where not (not on the wire). It tells an update from a later one of the same fragment and base."""
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,7 @@ class Syncer:
         logger.info("[syncer] rejected update of learner %d for fragment %d: %s (%s)",
                     update.learner_id, update.fragment, reason, detail)
         actions: list[SyncerAction] = [Send(update.learner_id, Rejected(
-            update.learner_id, update.fragment, update.base_version, reason, detail))]
+            update.learner_id, update.fragment, update.base_version, reason, detail, inner_step=update.inner_step))]
         if reason == RejectReason.STALE and info is not None and info.alive:
             # Bring the learner up to date so its next update is not stale too.
             state = self.fragment_state(update.fragment)
@@ -447,7 +447,8 @@ class Syncer:
             self.rejections.append(record)
             self.rejection_counts[str(reason)] += 1
             self.learners[learner_id].rejected += 1
-            actions.append(Send(learner_id, Rejected(learner_id, p, update.base_version, reason, detail)))
+            actions.append(Send(learner_id, Rejected(learner_id, p, update.base_version, reason, detail,
+                                                     inner_step=update.inner_step)))
         return actions
 
     # ---- checkpoints -----------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def forgotten_setup():
     learner out): rejected `unknown_learner`, which asks the learner to join again."""
     syncer, hub, learner, other, update = undelivered_setup()
     (join,) = learner.receive(Rejected(learner.learner_id, update.fragment, update.base_version,
-                                       RejectReason.UNKNOWN_LEARNER))
+                                       RejectReason.UNKNOWN_LEARNER, inner_step=update.inner_step))
     assert not learner.joined
     return syncer, hub, learner, other, update, join
 
@@ -129,3 +129,21 @@ def test_an_update_rejected_for_what_it_carries_is_not_sent_again():
     learner.receive(Rejected(learner.learner_id, update.fragment, update.base_version, RejectReason.STALE))
     welcome = [a.message for a in syncer.receive(learner.join_message(), 1.0) if hasattr(a, "message")][0]
     assert learner.receive(welcome) == []
+
+
+def test_the_refusal_of_an_older_update_of_the_same_base_leaves_the_later_one_as_it_was():
+    # The refusal names the update by its inner step: one for an update the learner published before its latest of the
+    # same base (the later one was accepted meanwhile) marked the later one as never sent, and the re-join published
+    # its work a second time (tests/integration/test_chaos_injectors.py: accepted, then rejected as stale).
+    syncer, _, learner, _, update = undelivered_setup()
+    later = []
+    for batch in make_batches(4, seed=2):
+        if not learner.can_step:
+            learner.stop_waiting()  # the round of the first update never comes: the learner trains on
+        later += learner.after_inner_step(train_step(learner.model, learner.optimizer, batch))
+    (second,) = later
+    assert (second.base_version, second.inner_step) == (update.base_version, 8)
+    learner.receive(Rejected(learner.learner_id, update.fragment, update.base_version, RejectReason.UNKNOWN_LEARNER,
+                             inner_step=update.inner_step))
+    welcome = [a.message for a in syncer.receive(learner.join_message(), 1.0) if hasattr(a, "message")][0]
+    assert learner.receive(welcome) == [] and learner.undelivered_work() == []

@@ -425,7 +425,8 @@ class LearnerIO:
             why = RejectReason.MALFORMED  # a wire-level reason (oversize, truncated): the update was bad
         if why is RejectReason.UNKNOWN_LEARNER and not self._first_unknown(generation):
             return
-        self.inbox.put(Rejected(self.learner_id, update.fragment, update.base_version, why, detail))
+        self.inbox.put(Rejected(self.learner_id, update.fragment, update.base_version, why, detail,
+                                inner_step=update.inner_step))
 
     def _first_unknown(self, generation: int) -> bool:
         # "Unknown learner" asks the core to join again; once per joined session is enough, and an
