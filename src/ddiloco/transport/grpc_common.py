@@ -24,7 +24,14 @@ default is 60 s, so with the first alone a learner behind a dead link read itsel
 MIN_PING_INTERVAL_MS = 5_000
 """The server accepts pings this often (must not exceed the clients' keepalive time)."""
 RECONNECT_BACKOFF_MS = (100, 2_000)
-"""(first, longest) delay between a client channel's reconnection attempts."""
+"""(first, longest) delay between the starts of a client channel's connection attempts (a refused connection, a
+syncer restarting, fails at once: the learner finds it back within about 2 s)."""
+MIN_CONNECT_TIMEOUT_MS = 20_000
+"""The least time a connection attempt is given to finish its handshake (TCP, TLS, HTTP/2 settings), gRPC's own
+default. gRPC core reads it from `grpc.min_reconnect_backoff_ms`, a name that reads like a backoff: until 2026-12-07
+that option was 100 ms, so an attempt was cut after the current backoff, at most about 2.4 s, and a handshake slower
+than that never finished (a probe: over TLS at a 1.2 s round trip both learners exited `unreachable`; at 600 ms a
+learner took 4.4 s instead of 1.1 s to its Welcome; tests/integration/test_far_link.py)."""
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -37,8 +44,8 @@ CHANNEL_OPTIONS = [
     # gRPC's own reconnect backoff grows to minutes by default; a learner waiting for a restarted
     # syncer should find it within a couple of seconds.
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),  # (the least time an attempt is given)
 ]
 """Options shared by the server and its clients."""
 
