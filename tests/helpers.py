@@ -424,3 +424,57 @@ def wait_process_stopped(pid: int, *, stopped: bool, timeout_s: float) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+class TcpProxy:
+    """A real TCP proxy on 127.0.0.1: forwards both ways between its `port` and `target`, each direction on a thread of
+    its own. A subclass decides what passes (`passes`): a link that freezes, one with a long round trip."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self._sockets += [client, upstream]
+            for source, sink, to_client in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(source, sink, to_client), daemon=True).start()
+
+    def _pump(self, source, sink, to_client: bool) -> None:
+        import time
+
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not self.passes(to_client, time.monotonic()):
+                continue  # swallowed
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def passes(self, to_client: bool, received: float) -> bool:
+        """Whether bytes received at `received` (monotonic) go on, towards the client or the server; may hold them."""
+        return True
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()

@@ -20,6 +20,7 @@ import pytest
 
 from ddiloco.transport import grpc_common
 from ddiloco.transport.grpc_server import _bind_error
+from tests.helpers import TcpProxy
 
 pytestmark = pytest.mark.integration
 
@@ -29,51 +30,19 @@ NOTICED_WITHIN_S = 30.0
 """Ping period plus the shipped 5 s ping timeout is about 6 s; without an effective ping timeout it is 61 s."""
 
 
-class FreezingProxy:
+class FreezingProxy(TcpProxy):
     """Forwards TCP both ways between its port and `target` until `freeze()`, then reads and sends nothing more while
     keeping every socket open: to either end the peer is simply silent."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
         self.frozen = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            if self.frozen.is_set():
-                self.frozen.wait()
-                continue  # swallowed: nothing gets through any more, and nothing is closed
-            try:
-                sink.sendall(data)
-            except OSError:
-                return
+    def passes(self, to_client: bool, received: float) -> bool:
+        return not self.frozen.is_set()  # swallowed once frozen: nothing gets through any more, and nothing is closed
 
     def freeze(self) -> None:
         self.frozen.set()
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            sock.close()
 
 
 def _options(options: list[tuple[str, int]]) -> list[tuple[str, int]]:

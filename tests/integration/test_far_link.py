@@ -10,8 +10,6 @@ Real gRPC on 127.0.0.1 through a real TCP proxy that holds the server's bytes ba
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from concurrent import futures
 
@@ -19,6 +17,7 @@ import grpc
 import pytest
 
 from ddiloco.transport import grpc_common
+from tests.helpers import TcpProxy
 
 pytestmark = pytest.mark.integration
 
@@ -26,46 +25,17 @@ SERVER_DELAY_S = 3.0
 """How long the proxy holds every byte from the server: longer than the longest reconnect backoff (2 s + 20 %)."""
 
 
-class DelayingProxy:
+class DelayingProxy(TcpProxy):
     """Forwards TCP between its port and `target`: the client's bytes at once, the server's `delay_s` late."""
 
     def __init__(self, target: tuple[str, int], delay_s: float) -> None:
-        self.target, self.delay_s = target, delay_s
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = [self._listener]
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.delay_s = delay_s
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            upstream = socket.create_connection(self.target)
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.delay_s), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-                if not data:
-                    return
-                received = time.monotonic()
-                if delay_s:  # one chunk at a time: later ones arrived later, so each is held exactly delay_s
-                    time.sleep(max(0.0, received + delay_s - time.monotonic()))
-                sink.sendall(data)
-            except OSError:
-                return
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            sock.close()
+    def passes(self, to_client: bool, received: float) -> bool:
+        if to_client:  # one chunk at a time: later ones arrived later, so each is held exactly delay_s
+            time.sleep(max(0.0, received + self.delay_s - time.monotonic()))
+        return True
 
 
 def test_a_handshake_slower_than_the_reconnect_backoff_still_connects():
