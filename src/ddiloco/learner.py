@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,21 +60,13 @@ from ddiloco.messages import (
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
 from ddiloco.publisher import DeferredPayload, pseudo_gradient
 from ddiloco.round_schedule import RoundSchedule, next_uncommitted_round
+from ddiloco.sent_updates import SentUpdates
 from ddiloco.training import InnerConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
-
-
-@dataclass(frozen=True)
-class _Outstanding:
-    base_version: int
-    published_at_step: int
-    undelivered: bool = False
-    """Its transport could not deliver it: no result is owed (it blocks nothing), but a Welcome at its base version
-    publishes that work again at once."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +117,8 @@ class Learner:
         self.inner_step = 0
         self.schedule = RoundSchedule(config.sync_every, num, pace_rounds=config.pace_rounds)
         """When this learner publishes: the round clock, its phase and pace (`ddiloco.round_schedule`)."""
-        self._published_from: list[int | None] = [None] * num
-        """Per fragment, the base version of the last update published (None: none yet)."""
+        self.sent = SentUpdates(num)
+        """Its last update of each fragment and what became of it (`ddiloco.sent_updates`)."""
         self.deferred = False
         """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
         then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
@@ -136,7 +128,6 @@ class Learner:
         arrives (`config.keep_overlap_work`: the work trained after that point is carried onto it)."""
         self.joined = False
         self.refused_reason: str | None = None
-        self._outstanding: dict[int, _Outstanding] = {}
         self.finishing = False
         """Its budget is trained (`flush` ran): an update published again is `final` too."""
         self._waiting_to_publish: set[int] = set()
@@ -169,15 +160,12 @@ class Learner:
         return blocking
 
     def _blocking(self) -> list[int]:
-        tau = self.config.overlap_steps
-        return sorted(p for p, out in self._outstanding.items()
-                      if self.inner_step >= out.published_at_step + tau and not out.undelivered)
+        return self.sent.blocking(self.inner_step, self.config.overlap_steps)
 
     def stop_waiting(self) -> list[int]:
         """Give up waiting for the fragments that block; returns them. Called by drivers on timeout."""
         blocked = self.blocking_fragments()
-        for p in blocked:
-            del self._outstanding[p]
+        self.sent.abandon(blocked)
         self.stats.waits_abandoned += len(blocked)
         if blocked:
             logger.warning("[learner %d | inner %d] stopped waiting for fragments %s",
@@ -208,16 +196,15 @@ class Learner:
                     if early is not None:
                         replies.append(early)
                     self._apply(state, force=True)
-            for p, outstanding in sorted(self._outstanding.items()):
-                if outstanding.base_version == self.versions[p]:
+            for p, sent in self.sent.items():
+                if sent.base_version == self.versions[p]:
                     # Published from the version the syncer still has: that update was lost (the syncer
                     # restarted with its round open, or it never arrived). Publish again at once, so a
                     # round that waits for every learner (K = M) does not wait a whole period for it.
                     update = self._publish(p, final=self.finishing)
                     if update is not None:
                         replies.append(update)
-            self._outstanding = {p: o for p, o in self._outstanding.items()
-                                 if o.published_at_step == self.inner_step and o.base_version == self.versions[p]}
+            self.sent.keep_after_welcome(self.inner_step, self.versions)
             self.joined = True
             self.stats.joins += 1
             logger.info("[learner %d | inner %d] joined at versions %s (%d update(s) published again)",
@@ -238,20 +225,11 @@ class Learner:
             (logger.warning if message.reason == RejectReason.BAD_COUNTERS else logger.info)(
                 "[learner %d | inner %d] update for fragment %d rejected: %s %s",
                 self.learner_id, self.inner_step, message.fragment, reason, message.detail)
-            p = message.fragment
-            outstanding = self._outstanding.get(p)
-            if outstanding is not None and outstanding.base_version == message.base_version:
-                if (message.reason == RejectReason.UNKNOWN_LEARNER
-                        and message.inner_step == outstanding.published_at_step):
-                    # Refused for who sent it (the syncer restarted, or timed this learner out), not for what it
-                    # carries: its work counts as not sent, as an undelivered update's (`_undelivered`), and the
-                    # re-join's Welcome publishes it again. Until 2026-12-07 it was forgotten, and the next version of
-                    # the fragment overwrote it (a syncer kill -9 lost a learner 48 inner steps of a fragment).
-                    self._outstanding[p] = replace(outstanding, undelivered=True)
-                    if self._published_from[p] == message.base_version:
-                        self._published_from[p] = None
-                else:  # that update will never be merged: no round result is owed to this learner for it
-                    del self._outstanding[p]
+            # Refused for who sent it (unknown_learner), the work of that update counts as not sent, and the
+            # re-join's Welcome publishes it again: until 2026-12-07 it was forgotten, and the next version of the
+            # fragment overwrote it (a syncer kill -9 lost a learner 48 inner steps of a fragment).
+            self.sent.refused(message.fragment, message.base_version, for_sender_at=message.inner_step
+                              if message.reason == RejectReason.UNKNOWN_LEARNER else None)
             if message.reason == RejectReason.UNKNOWN_LEARNER:
                 # The syncer forgot us (heartbeat timeout or restart): load its state again.
                 self.joined = False
@@ -265,14 +243,7 @@ class Learner:
         90 s outage). It blocks nothing any more, and its work counts as not sent: a newer version of the fragment is
         preceded by that work (`_publish_before`), the fragment's next publish carries it, and a Welcome at its base
         publishes it again at once."""
-        p = message.fragment
-        outstanding = self._outstanding.get(p)
-        if (outstanding is None or outstanding.base_version != message.base_version
-                or outstanding.published_at_step != message.inner_step):
-            return  # an older update's, or its result arrived meanwhile
-        self._outstanding[p] = replace(outstanding, undelivered=True)
-        if self._published_from[p] == message.base_version:
-            self._published_from[p] = None
+        self.sent.undelivered(message.fragment, message.base_version, message.inner_step)
 
     def _publish_before(self, state: FragmentState) -> Update | None:
         """The round that produced `state` closed before this learner published its part of it (it
@@ -283,7 +254,7 @@ class Learner:
         behind to be worth sending) and when the work since the base has not gone out yet."""
         p = state.fragment
         if (not self.joined or not 0 <= p < self.plan.num_fragments or state.version != self.versions[p] + 1
-                or self.steps_since[p] == 0 or self._published_from[p] == self.versions[p]):
+                or self.steps_since[p] == 0 or self.sent.sent_since(p, self.versions[p])):
             return None
         update = self._publish(p)
         if update is None:
@@ -301,7 +272,7 @@ class Learner:
         (`LearnerRules.receive`): it was trained on the version this learner held before."""
         p = state.fragment
         if (not 0 <= p < self.plan.num_fragments or self.versions[p] < 0 or state.version != self.versions[p] + 1
-                or self.steps_since[p] == 0 or self._published_from[p] == self.versions[p]):
+                or self.steps_since[p] == 0 or self.sent.sent_since(p, self.versions[p])):
             return None
         update = self._publish(p, final=self.finishing)
         if update is not None:
@@ -316,7 +287,7 @@ class Learner:
         if (not self.schedule.follows_rounds or not self.joined or not 0 <= p < self.plan.num_fragments
                 or state.version != self.versions[p] + 1 or state.version < 2):
             return
-        outstanding = self._outstanding.get(p)
+        outstanding = self.sent.get(p)
         if outstanding is None or outstanding.base_version != self.versions[p]:
             return  # nothing published for this round (or that update was refused)
         named = None if state.on_time is None else self.learner_id in state.on_time
@@ -401,9 +372,7 @@ class Learner:
             self.synced_at[p] = self.inner_step
         self.stats.bytes_received += state.payload_bytes if payload_bytes is None else payload_bytes
         self.stats.fragments_applied += 1
-        outstanding = self._outstanding.get(p)
-        if outstanding is not None and state.version > outstanding.base_version:
-            del self._outstanding[p]
+        self.sent.applied(p, state.version)
 
     def _track_round_clock(self, round_index: int) -> None:
         """A round's result arrived: the schedule measures this learner's pace against the rounds' clock
@@ -468,8 +437,7 @@ class Learner:
 
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
-        outstanding = self._outstanding.get(p)
-        return outstanding is not None and outstanding.base_version == self.versions[p] and not outstanding.undelivered
+        return self.sent.owed(p, self.versions[p])
 
     @torch.no_grad()
     def _publish(self, p: int, *, final: bool = False) -> Update | None:
@@ -498,8 +466,7 @@ class Learner:
             # The copy just taken is the fragment's value at this publish (never changed in place after it).
             self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],
                                              self.inner_step)
-        self._outstanding[p] = _Outstanding(self.versions[p], self.inner_step)
-        self._published_from[p] = self.versions[p]
+        self.sent.published(p, self.versions[p], self.inner_step)
         self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
         if not self.deferred:
@@ -512,11 +479,7 @@ class Learner:
         p = update.fragment
         self.stats.updates_sent -= 1
         self.stats.updates_withheld_non_finite += 1
-        outstanding = self._outstanding.get(p)
-        if outstanding is not None and outstanding.base_version == update.base_version:
-            del self._outstanding[p]
-        if self._published_from[p] == update.base_version:
-            self._published_from[p] = None
+        self.sent.withdrawn(p, update.base_version)
         self._at_publish[p] = None  # nothing of that work went out: none of it is carried as unpublished
         self.recover()
 
@@ -553,7 +516,7 @@ class Learner:
     def undelivered_work(self) -> list[int]:
         """Fragments whose last update never reached the syncer (`Undelivered`) and whose work no later update carries:
         a Welcome at their base publishes them again."""
-        return sorted(p for p, out in self._outstanding.items() if out.undelivered)
+        return self.sent.undelivered_fragments()
 
     def owed_work(self) -> list[int]:
         """Fragments holding inner steps trained after an update whose round result is still owed. The result keeps

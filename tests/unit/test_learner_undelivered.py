@@ -131,7 +131,7 @@ def test_an_update_rejected_for_what_it_carries_is_not_sent_again():
     assert learner.receive(welcome) == []
 
 
-def test_the_refusal_of_an_older_update_of_the_same_base_leaves_the_later_one_as_it_was():
+def test_the_refusal_of_an_older_update_of_the_same_base_does_not_send_the_later_ones_work_again():
     # The refusal names the update by its inner step: one for an update the learner published before its latest of the
     # same base (the later one was accepted meanwhile) marked the later one as never sent, and the re-join published
     # its work a second time (tests/integration/test_chaos_injectors.py: accepted, then rejected as stale).

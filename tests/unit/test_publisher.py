@@ -87,10 +87,10 @@ def test_a_non_finite_pseudo_gradient_is_withheld_and_the_learner_forgets_that_p
     withheld = publisher.take_withheld()
     assert [(w.update, w.tensor) for w in withheld] == [(bad, name)]
     assert bad not in sent
-    assert fragment in learner._outstanding  # published, as far as the learner knew
+    assert fragment in learner.sent  # published, as far as the learner knew
     sent_before = learner.stats.updates_sent
     learner.withdraw(bad)
-    assert fragment not in learner._outstanding  # so the waiting rule never waits for its round
+    assert fragment not in learner.sent  # so the waiting rule never waits for its round
     assert learner.stats.updates_withheld_non_finite == 1 and learner.stats.updates_sent == sent_before - 1
     publisher.close(10.0)
 
