@@ -478,3 +478,46 @@ class TcpProxy:
     def close(self) -> None:
         for sock in self._sockets:
             sock.close()
+
+
+class DelayingProxy(TcpProxy):
+    """A link with a long round trip: every byte goes on `to_client_s` (towards the client) or `to_server_s` (towards
+    the server) after it arrived, whatever follows it (latency, not bandwidth: a writer thread per direction)."""
+
+    def __init__(self, target: tuple[str, int], *, to_client_s: float = 0.0, to_server_s: float = 0.0) -> None:
+        self.to_client_s, self.to_server_s = to_client_s, to_server_s
+        super().__init__(target)
+
+    def _pump(self, source, sink, to_client: bool) -> None:
+        import collections
+        import threading
+        import time
+
+        delay_s = self.to_client_s if to_client else self.to_server_s
+        held: collections.deque = collections.deque()
+        arrived = threading.Condition()
+
+        def deliver() -> None:
+            while True:
+                with arrived:
+                    arrived.wait_for(lambda: held)
+                    due, data = held.popleft()
+                if data is None:
+                    return
+                time.sleep(max(0.0, due - time.monotonic()))
+                try:
+                    sink.sendall(data)
+                except OSError:
+                    return
+
+        threading.Thread(target=deliver, daemon=True).start()
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            with arrived:
+                held.append((time.monotonic() + delay_s, data or None))
+                arrived.notify()
+            if not data:
+                return

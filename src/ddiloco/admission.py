@@ -19,6 +19,7 @@ Checks only: they read the state passed in and change nothing. The syncer core (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -106,6 +107,8 @@ class Admission:
         if update.steps < 1 or update.tokens < 0 or update.inner_step < update.steps:
             return RejectReason.BAD_COUNTERS, (f"steps={update.steps} tokens={update.tokens} "
                                                f"inner_step={update.inner_step}")
+        if update.step_time_s is not None and not (math.isfinite(update.step_time_s) and update.step_time_s >= 0):
+            return RejectReason.BAD_COUNTERS, f"step_time_s={update.step_time_s}: expected seconds >= 0"
         per_step = info.declared_tokens_per_step or self.quorum.max_tokens_per_step
         if update.tokens > update.steps * per_step:
             # The merge weight is tokens^2 / steps: a count nobody bounds is a weight nobody bounds.

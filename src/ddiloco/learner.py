@@ -133,6 +133,9 @@ class Learner:
         self._waiting_to_publish: set[int] = set()
         """Fragments due while the result for their last update was still owed: published at the first step after it
         arrives (or the learner stops waiting for it)."""
+        self.step_time_s: float | None = None
+        """Seconds per inner step between its last two updates, as the driver timed them (None: not timed)."""
+        self._timed_s, self._timed_steps = 0.0, 0
         self.stats = LearnerStats()
         self.run_config: dict | None = None
         """The run config this learner's model and data were built from, declared at join (the built-in learner's:
@@ -396,8 +399,9 @@ class Learner:
 
     # ---- inner steps -----------------------------------------------------------------------------
 
-    def after_inner_step(self, tokens: int) -> list[Update]:
-        """Record one finished inner step of `tokens` tokens; return the updates now due."""
+    def after_inner_step(self, tokens: int, *, seconds: float | None = None) -> list[Update]:
+        """Record one finished inner step of `tokens` tokens, which took `seconds` if the driver timed it (its waits
+        for results left out: the next update's `step_time_s`); return the updates now due."""
         if not self.joined:
             raise RuntimeError("inner step before joining: the learner must load the global parameters "
                                "first (see can_step)")
@@ -408,6 +412,9 @@ class Learner:
             raise ValueError(f"tokens={tokens} is more than the max_tokens_per_step={self.max_tokens_per_step} this "
                              "learner declared: declare the largest batch it trains on")
         self.inner_step += 1
+        if seconds is not None:
+            self._timed_s += seconds
+            self._timed_steps += 1
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
@@ -460,8 +467,11 @@ class Learner:
                     self.recover()
                     return None
                 payload[name] = self._codec.encode(delta.cpu())
+        if self._timed_steps:
+            self.step_time_s = self._timed_s / self._timed_steps
+            self._timed_s, self._timed_steps = 0.0, 0
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
-                        self.tokens_since[p], self.config.codec, payload, final=final)
+                        self.tokens_since[p], self.config.codec, payload, final=final, step_time_s=self.step_time_s)
         if self.config.keep_overlap_work:
             # The copy just taken is the fragment's value at this publish (never changed in place after it).
             self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],

@@ -217,9 +217,10 @@ class LearnerRules:
     def waiting_since(self) -> float | None:
         return self._wait_started
 
-    def after_inner_step(self, tokens: int) -> list[Update]:
-        """One inner step of `tokens` tokens is done: the updates now due, recorded as published."""
-        updates = self.learner.after_inner_step(tokens)
+    def after_inner_step(self, tokens: int, *, seconds: float | None = None) -> list[Update]:
+        """One inner step of `tokens` tokens is done, in `seconds` of compute (if timed): the updates now due, recorded
+        as published."""
+        updates = self.learner.after_inner_step(tokens, seconds=seconds)
         for update in updates:
             self.events.publish(update)  # before a sender thread can report its fate
         return updates

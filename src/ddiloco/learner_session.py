@@ -364,7 +364,7 @@ class Session(SessionLifecycle):
         self._straggle(started)
         self.messages.take_withheld()
         step_s = time.monotonic() - started
-        for update in self.rules.after_inner_step(tokens):
+        for update in self.rules.after_inner_step(tokens, seconds=step_s):
             self.messages.send(update)
         total = self.reporter.progress.tokens + tokens
         self.reporter.set(state="training" if self.transport.connected else "disconnected",

@@ -156,6 +156,11 @@ class Update:
     final: bool = False
     """The learner's last work before it leaves (`Learner.flush`): like a late update, it rides in a
     round without making one, so learners finishing together are merged in one round."""
+    step_time_s: float | None = None
+    """Seconds the learner's inner steps took since its previous update, per step, its waits for results left out (its
+    driver times them: `LearnerSession.step`); None where nothing timed them (the harness). The syncer's step time is
+    made of these where they are given (`Syncer._observe_step_time`): the spacing of updates counts those waits, which
+    a long link makes long."""
     decoded: Mapping[str, DecodedTensor] | None = field(default=None, repr=False, compare=False)
     """The payload already decoded and checked by the wire layer (`ddiloco.update_values.decode_payload`), outside
     the syncer's lock; None: the syncer core decodes it. Never sent: the wire carries `payload`. The values may sit

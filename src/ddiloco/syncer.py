@@ -317,15 +317,21 @@ class Syncer:
         return self._schedule(update.fragment, now)
 
     def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
-        """The spacing of a learner's accepted updates, per inner step, into the run's step time (each sample bounded
-        relative to it: `ddiloco.round_timing.bounded_step_time`) and the learner's own."""
+        """The step time the learner timed (`Update.step_time_s`), or else the spacing of its accepted updates per inner
+        step, into the run's step time (each sample bounded relative to it: `ddiloco.round_timing.bounded_step_time`)
+        and the learner's own. The spacing counts the learner's waits for results: over a 600 ms round trip the run's
+        step time came out several times the learners' and every grace window sat at its cap (until 2026-12-07)."""
+        sample = update.step_time_s or None
         if info.last_update is not None:
             last_at, last_step = info.last_update
-            if update.inner_step > last_step and now >= last_at:
+            if update.inner_step <= last_step:
+                sample = None  # no step since its last update (its last work, one update per fragment)
+            elif sample is None and now >= last_at:
                 sample = (now - last_at) / (update.inner_step - last_step)
-                self.step_time.observe(bounded_step_time(sample, self.step_time.value))
-                # The learner's own estimate, unbounded: it only measures the margins its own results report.
-                info.step_time_s = ema(info.step_time_s, sample, self.quorum.estimate_decay)
+        if sample is not None:
+            self.step_time.observe(bounded_step_time(sample, self.step_time.value))
+            # The learner's own estimate, unbounded: it only measures the margins its own results report.
+            info.step_time_s = ema(info.step_time_s, sample, self.quorum.estimate_decay)
         info.last_update = (now, update.inner_step)
 
     # ---- rounds ----------------------------------------------------------------------------------
