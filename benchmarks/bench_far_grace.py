@@ -1,18 +1,18 @@
 """One learner near the syncer, one far from it: what the adaptive grace window costs the near one. Run by hand.
 
-    .venv/bin/python benchmarks/bench_far_grace.py                      # 300 ms each way, adaptive and none (~2 min)
+    .venv/bin/python benchmarks/bench_far_grace.py                      # 300 ms each way, adaptive and none (~1 min)
     .venv/bin/python benchmarks/bench_far_grace.py --latency-ms 100 --inner-steps 400
 
 A real syncer and two real learners (`ddiloco syncer`, `ddiloco learner`, a small TinyGPT, one torch thread each):
 learner 0 talks to the syncer over 127.0.0.1 as it is, learner 1 through an emulated link (`--link`, the learner's
 own traffic shaping) of `--latency-ms` each way. Each case is one run to `--inner-steps`, with `--grace adaptive`
-(the default) and `--grace none`. Printed per case: the syncer's step time and last grace window
-(`syncer_status.json`), the learners' own compute time per step (`learner/N/step_s`), how often and how long the near
-learner waited for a result (`learner/0/wait_s`), rounds committed and the wall time.
+(the default) and `--grace none`. Printed per case: the syncer's step time, sync time, path time and last grace
+window (`syncer_status.json`), the learners' own compute time per step (`learner/N/step_s`), how often and how long
+the near learner waited for a result (`learner/0/wait_s`), rounds committed and the wall time.
 
 Until 2026-12-07 the syncer's step time was the spacing of the learners' updates, which the far learner's waits
-stretch, and the window sat at its cap. `PYTHONPATH=<an older checkout>/src` runs this against that code
-(docs/clusters.md, "Links with a long round trip", has both).
+stretch, its sync time left the link out, and the window sat at its cap. `PYTHONPATH=<an older checkout>/src` runs
+this against that code (docs/clusters.md, "Links with a long round trip", has both).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def run_case(root: Path, *, grace: str, latency_ms: int, inner_steps: int, timeo
     waits = series("learner/0/wait_s")
     return {"grace": grace, "exit": [p.returncode for p in learners], "wall_s": wall_s,
             "step_time_s": status.get("step_time_s"), "grace_s": status.get("grace_s"),
+            "path_time_s": status.get("path_time_s"), "sync_time_s": status.get("sync_time_s"),
             "rounds": status.get("rounds_committed"),
             "compute_s": [statistics.fmean(series(f"learner/{i}/step_s")) for i in (0, 1)],
             "near_waits": sum(1 for w in waits if w > 0), "near_wait_s": sum(waits),
@@ -104,9 +105,10 @@ def main() -> None:
         for grace in args.grace:
             r = run_case(Path(root), grace=grace, latency_ms=args.latency_ms, inner_steps=args.inner_steps,
                          timeout_s=args.timeout_s)
-            print(f"grace {r['grace']:8s} exit {r['exit']}  syncer step time {_ms(r['step_time_s'])}, last window "
-                  f"{_ms(r['grace_s'])}; learners' compute {_ms(r['compute_s'][0])} and {_ms(r['compute_s'][1])} per "
-                  f"step; near learner waited {r['near_waits']} times, {r['near_wait_s']:.2f} s (its compute "
+            print(f"grace {r['grace']:8s} exit {r['exit']}  syncer step time {_ms(r['step_time_s'])}, sync time "
+                  f"{_ms(r['sync_time_s'])}, path time {_ms(r.get('path_time_s'))}, last window "
+                  f"{_ms(r['grace_s'])}; learners' compute {_ms(r['compute_s'][0])} and {_ms(r['compute_s'][1])} "
+                  f"per step; near learner waited {r['near_waits']} times, {r['near_wait_s']:.2f} s (its compute "
                   f"{r['near_compute_s']:.2f} s); {r['rounds']} rounds in {r['wall_s']:.1f} s", flush=True)
 
 

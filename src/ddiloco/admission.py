@@ -52,6 +52,9 @@ class LearnerInfo:
     written), or joined: a live learner without one for `Syncer.progress_bound()` seconds is `stalled`."""
     stalled: bool = False
     """It is alive but sends no updates: it does not count in the quorum until its next update."""
+    held: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """fragment -> (the version its last round made, seconds from this learner's on-time update's arrival to that
+    round's close): what the syncer held it, to take from the result delay its next update reports."""
     step_time_s: float | None = None
     """Moving average of this learner's own step time (seconds per inner step between two of its updates), for
     the margins a round's result reports (`Syncer._margins`)."""
@@ -107,8 +110,9 @@ class Admission:
         if update.steps < 1 or update.tokens < 0 or update.inner_step < update.steps:
             return RejectReason.BAD_COUNTERS, (f"steps={update.steps} tokens={update.tokens} "
                                                f"inner_step={update.inner_step}")
-        if update.step_time_s is not None and not (math.isfinite(update.step_time_s) and update.step_time_s >= 0):
-            return RejectReason.BAD_COUNTERS, f"step_time_s={update.step_time_s}: expected seconds >= 0"
+        for name, seconds in (("step_time_s", update.step_time_s), ("result_delay_s", update.result_delay_s)):
+            if seconds is not None and not (math.isfinite(seconds) and seconds >= 0):
+                return RejectReason.BAD_COUNTERS, f"{name}={seconds}: expected seconds >= 0"
         per_step = info.declared_tokens_per_step or self.quorum.max_tokens_per_step
         if update.tokens > update.steps * per_step:
             # The merge weight is tokens^2 / steps: a count nobody bounds is a weight nobody bounds.

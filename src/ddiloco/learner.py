@@ -136,6 +136,8 @@ class Learner:
         self.step_time_s: float | None = None
         """Seconds per inner step between its last two updates, as the driver timed them (None: not timed)."""
         self._timed_s, self._timed_steps = 0.0, 0
+        self._result_delays: dict[int, tuple[int, float]] = {}
+        """fragment -> (version, seconds from its last update to that version's arrival), for its next update."""
         self.stats = LearnerStats()
         self.run_config: dict | None = None
         """The run config this learner's model and data were built from, declared at join (the built-in learner's:
@@ -442,6 +444,11 @@ class Learner:
         (`DeclaredModel.check_objects`: identities only, no tensor work)."""
         self.declared.check_objects()
 
+    def result_arrived(self, p: int, version: int, delay_s: float) -> None:
+        """Version `version` of fragment `p`, the result of the round of its last update, arrived `delay_s` after that
+        update was published (the driver times it): its next update from that version reports the delay."""
+        self._result_delays[p] = (version, delay_s)
+
     def _owed(self, p: int) -> bool:
         """Whether fragment `p`'s last update, published from the version this learner holds, awaits its round."""
         return self.sent.owed(p, self.versions[p])
@@ -470,8 +477,10 @@ class Learner:
         if self._timed_steps:
             self.step_time_s = self._timed_s / self._timed_steps
             self._timed_s, self._timed_steps = 0.0, 0
+        delay = self._result_delays.pop(p, None)
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
-                        self.tokens_since[p], self.config.codec, payload, final=final, step_time_s=self.step_time_s)
+                        self.tokens_since[p], self.config.codec, payload, final=final, step_time_s=self.step_time_s,
+                        result_delay_s=delay[1] if delay is not None and delay[0] == self.versions[p] else None)
         if self.config.keep_overlap_work:
             # The copy just taken is the fragment's value at this publish (never changed in place after it).
             self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],

@@ -161,6 +161,11 @@ class Update:
     driver times them: `LearnerSession.step`); None where nothing timed them (the harness). The syncer's step time is
     made of these where they are given (`Syncer._observe_step_time`): the spacing of updates counts those waits, which
     a long link makes long."""
+    result_delay_s: float | None = None
+    """Seconds from the learner's previous update of this fragment to the arrival of its round's result, the version
+    this update is based on, on the learner's clock (its driver times them: `SessionMessages`); None where not timed.
+    Less the time the syncer held that update, it is the path the syncer does not see (the upload, the download,
+    latency both ways), of which the adaptive grace window leaves room (`Syncer._observe_path_time`)."""
     decoded: Mapping[str, DecodedTensor] | None = field(default=None, repr=False, compare=False)
     """The payload already decoded and checked by the wire layer (`ddiloco.update_values.decode_payload`), outside
     the syncer's lock; None: the syncer core decodes it. Never sent: the wire carries `payload`. The values may sit

@@ -23,7 +23,7 @@ from ddiloco.config import LearnerConfig
 from ddiloco.interrupts import StopFlag
 from ddiloco.learner import Learner
 from ddiloco.learner_rules import LearnerRules
-from ddiloco.messages import Update
+from ddiloco.messages import FragmentDelta, FragmentState, Update
 from ddiloco.publisher import Publisher
 from ddiloco.session_transport import SessionTransport
 
@@ -49,6 +49,9 @@ class SessionMessages:
         learner.deferred = publish_off_thread
         self._warned_weightless = False
         """Whether an update that counts no tokens was warned about (`_warn_if_weightless`)."""
+        self._published_at: dict[int, tuple[int, float]] = {}
+        """fragment -> (base version, clock time) of its last update sent: the delay to its round's result, which the
+        fragment's next update reports (`Update.result_delay_s`)."""
 
     @property
     def learner_id(self) -> int:
@@ -68,6 +71,7 @@ class SessionMessages:
     def send(self, message: Any) -> None:
         if isinstance(message, Update):
             self._warn_if_weightless(message)
+            self._published_at[message.fragment] = (message.base_version, self.clock.now())
         if self.publisher is not None:
             self.publisher.send(message)
         else:
@@ -76,9 +80,20 @@ class SessionMessages:
     def apply_inbox(self) -> None:
         """Apply what arrived, and send the rules' replies (an update published again after a re-join)."""
         self.take_withheld()
-        for message in self.transport.take_ready():
+        for arrived_at, message in self.transport.take_ready_at():
+            self._time_result(message, self.clock.now() if arrived_at is None else arrived_at)
             for reply in self.rules.receive(message, self.clock.now()):
                 self.send(reply)
+
+    def _time_result(self, message: Any, arrived_at: float) -> None:
+        """A fragment's next version after the base of its last update sent: the result of that update's round (or of
+        the round that closed before it), `arrived_at` - its publish after it (`Learner.result_arrived`)."""
+        if not isinstance(message, FragmentState | FragmentDelta):
+            return
+        published = self._published_at.get(message.fragment)
+        if published is not None and message.version == published[0] + 1:
+            del self._published_at[message.fragment]
+            self.learner.result_arrived(message.fragment, message.version, max(0.0, arrived_at - published[1]))
 
     def take_withheld(self, *, closing: bool = False) -> None:
         """Updates the publisher withheld (a non-finite pseudo-gradient): the learner forgets them. What failed on its

@@ -27,7 +27,8 @@ class SessionTransport(Protocol):
 
     def start(self) -> None: ...
     def send(self, message: LearnerMessage) -> None: ...
-    def take_ready(self) -> list[SyncerMessage]: ...
+    def take_ready_at(self) -> list[tuple[float | None, SyncerMessage]]:
+        """What has arrived, each with its arrival time on the session's clock (None: now)."""
     def wait(self, timeout_s: float | None) -> None: ...
     def wake(self) -> None: ...
     def flush(self, timeout_s: float) -> bool: ...
@@ -62,8 +63,8 @@ class HubTransport:
     def send(self, message: LearnerMessage) -> None:
         self.hub.send(message)
 
-    def take_ready(self) -> list[SyncerMessage]:
-        ready = list(self._inbox)
+    def take_ready_at(self) -> list[tuple[float | None, SyncerMessage]]:
+        ready = [(None, message) for message in self._inbox]  # delivered as it is sent: its arrival is now
         self._inbox.clear()  # in place: the hub holds this very list's append
         return ready
 
@@ -157,12 +158,12 @@ class GrpcTransport:
         self.io.inner_step = self.learner.inner_step
         self.io.send(message)
 
-    def take_ready(self) -> list[SyncerMessage]:
+    def take_ready_at(self) -> list[tuple[float | None, SyncerMessage]]:
         if self.io.failure is not None:
             raise RuntimeError(f"the learner's connection to the syncer failed: {type(self.io.failure).__name__}: "
                                f"{self.io.failure}") from self.io.failure
         self.io.inner_step = self.learner.inner_step
-        return self.io.inbox.take_ready()
+        return list(self.io.inbox.take_ready_at())
 
     def wait(self, timeout_s: float | None) -> None:
         self.io.inbox.wait(timeout_s)

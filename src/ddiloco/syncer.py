@@ -134,6 +134,9 @@ class Syncer:
         self.step_time = Ema(quorum.estimate_decay)
         self.quorum_time = Ema(quorum.estimate_decay)
         self.sync_time = Ema(quorum.estimate_decay)
+        self.path_time = Ema(quorum.estimate_decay)
+        """From a learner's publish to its round's result at the learner, less the time the syncer held the update
+        (`_observe_path_time`): where learners report it, the grace window's sync time."""
         self.bytes_received = 0
         self.bytes_sent = 0
         self._journal = RoundJournal(journal)
@@ -308,6 +311,7 @@ class Syncer:
         # Only accepted updates are timed, a rejected one does not even start a learner's spacing: every round's grace
         # window is made of this estimate, and two rejected updates 30 s apart stretched everyone's windows to 6.6 s.
         self._observe_step_time(info, update, now)
+        self._observe_path_time(info, update)
         pending = PendingUpdate((update.payload,), update.base_version, update.steps, update.tokens,
                                 update.inner_step, update.final, arrived_at=now, join=info.joins)
         weight = merge_weight(pending, self.versions[update.fragment], self.quorum.staleness_discount)
@@ -334,13 +338,26 @@ class Syncer:
             info.step_time_s = ema(info.step_time_s, sample, self.quorum.estimate_decay)
         info.last_update = (now, update.inner_step)
 
+    def _observe_path_time(self, info: LearnerInfo, update: Update) -> None:
+        """The path of a round's result that the syncer does not see: the learner's delay from its update to the result
+        (`Update.result_delay_s`) less what the syncer held that update, when this update is based on that result. The
+        learner's upload, the merge and the download, latency both ways: the driver's sync time (the syncer handing
+        the result to gRPC) left them out, and a learner 300 ms from the syncer waited at every publish for a window
+        that assumed it had slack (until 2026-12-07, `benchmarks/bench_far_grace.py`)."""
+        held = info.held.pop(update.fragment, None)
+        if held is None or update.result_delay_s is None or update.base_version != held[0]:
+            return
+        self.path_time.observe(max(0.0, update.result_delay_s - held[1]))
+
     # ---- rounds ----------------------------------------------------------------------------------
 
     def grace_window(self) -> float:
         """Seconds to wait for stragglers once the quorum is present, from the current estimates
-        (`ddiloco.round_timing.grace_window`)."""
+        (`ddiloco.round_timing.grace_window`): the sync time is the path the learners report where they do
+        (`path_time`), else the driver's."""
+        sync_time_s = self.path_time.value if self.path_time.value is not None else self.sync_time.value
         return grace_window(self.config, self.quorum, step_time_s=self.step_time.value,
-                            quorum_time_s=self.quorum_time.value, sync_time_s=self.sync_time.value)
+                            quorum_time_s=self.quorum_time.value, sync_time_s=sync_time_s)
 
     def _joined_since(self, learner_id: int, pending: PendingUpdate) -> bool:
         """Whether the learner is alive and joined again after `pending` arrived."""
@@ -399,6 +416,8 @@ class Syncer:
         for i, u in zip(learner_ids, pending, strict=True):
             info = self.learners[i]
             info.merged_base[p] = u.base_version
+            if u.base_version == version_before:
+                info.held[p] = (record.version, now - u.arrived_at)
             info.accepted += 1
             info.tokens_merged += u.tokens
         if open_round.first_at is not None:

@@ -41,10 +41,10 @@ class LateResults:
             self.sent.append(message)
         self.inner.send(message)
 
-    def take_ready(self):
+    def take_ready_at(self):
         ready, self.released = self.released, []
-        for message in self.inner.take_ready():
-            (self.held if isinstance(message, (FragmentState, FragmentDelta)) else ready).append(message)
+        for arrived in self.inner.take_ready_at():
+            (self.held if isinstance(arrived[1], (FragmentState, FragmentDelta)) else ready).append(arrived)
         return ready
 
     def wait(self, timeout_s) -> None:
@@ -64,8 +64,8 @@ class SyncerAway(LateResults):
     def send(self, message) -> None:
         if isinstance(message, Update) and message.final and self.away:
             self.dropped.append(message)
-            self.released.append(Undelivered(message.learner_id, message.fragment, message.base_version,
-                                             message.inner_step))
+            self.released.append((None, Undelivered(message.learner_id, message.fragment, message.base_version,
+                                                    message.inner_step)))
             return
         super().send(message)
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import ddiloco
 from ddiloco.compression import get_codec
 from ddiloco.config import QuorumConfig
 from ddiloco.inprocess import InProcessHub
@@ -88,3 +89,84 @@ def test_a_learners_update_carries_the_mean_time_of_its_steps_since_its_last_upd
     untimed = Learner(config, learner_id=1, model=other, optimizer=sgd(other))
     hub.join(untimed)
     assert [u.step_time_s for _ in range(4) for u in untimed.after_inner_step(4)] == [None]
+
+
+PATH_S = 0.6
+"""What the syncer does not see of a result's way to the learner: upload, download, latency both ways."""
+
+
+def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
+    """Each learner reports, with its next update of a fragment, how long its last one took to come back as the round's
+    result (`Update.result_delay_s`); less what the syncer held that update, it is the path the syncer's own sync time
+    (handing the result to gRPC) leaves out. Behind a 0.6 s path the overlap (tau = 3 steps of 0.01 s) has no slack
+    left: the window is its floor (a quarter step), not its cap (two steps)."""
+    config = single_fragment(overlap_steps=3)
+    syncer = Syncer(config, QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
+                    initial_params=params_of(TinyNet(seed=1)))
+    codec = get_codec(config.codec)
+    payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
+    syncer.receive(Join(0, syncer.spec, config.fingerprint()), now=0.0)
+    now, inner_step = 0.0, 0
+    windows = []
+    for _ in range(12):
+        now += STEPS_PER_UPDATE * STEP_S
+        inner_step += STEPS_PER_UPDATE
+        # The round closes at once (its one learner reported); the result reaches the learner PATH_S after its update.
+        delay = PATH_S if inner_step > STEPS_PER_UPDATE else None
+        update = Update(0, 0, syncer.versions[0], inner_step, STEPS_PER_UPDATE, STEPS_PER_UPDATE, config.codec,
+                        payload, step_time_s=STEP_S, result_delay_s=delay)
+        syncer.receive(update, now)
+        windows.append(syncer.grace_window())
+        now += PATH_S
+        syncer.advance(now)
+    assert syncer.path_time.value == pytest.approx(PATH_S, rel=0.01)
+    assert windows[0] == pytest.approx(2 * STEP_S)  # no path reported yet: the driver's sync time (none here)
+    assert windows[-1] == pytest.approx(0.25 * STEP_S)
+
+
+def test_a_result_delay_of_another_base_is_not_taken():
+    """A delay names the result its update is based on: an update from any other version (its result was lost, a
+    newer one arrived first) gives no sample."""
+    config = single_fragment(overlap_steps=3)
+    syncer = Syncer(config, QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
+                    initial_params=params_of(TinyNet(seed=1)))
+    codec = get_codec(config.codec)
+    payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
+    for learner_id in (0, 1):
+        syncer.receive(Join(learner_id, syncer.spec, config.fingerprint()), now=0.0)
+    syncer.receive(Update(0, 0, 0, 4, 4, 4, config.codec, payload), 1.0)
+    syncer.advance(2.0)
+    assert syncer.versions[0] == 1 and syncer.learners[0].held[0][0] == 1
+    syncer.receive(Update(1, 0, 1, 4, 4, 4, config.codec, payload), 3.0)  # learner 1 alone makes version 2
+    syncer.advance(4.0)
+    # Learner 0 is based on version 2 (it never got version 1: a Welcome brought it 2): its delay is not version 1's.
+    syncer.receive(Update(0, 0, 2, 8, 4, 4, config.codec, payload, result_delay_s=9.0), 5.0)
+    assert syncer.versions[0] == 2 and syncer.path_time.value is None and 0 not in syncer.learners[0].held
+
+
+def test_a_session_reports_the_delay_of_each_result_with_its_next_update():
+    """In process, through the hub: the session times each result from its update's publish on its clock."""
+    from ddiloco.clock import VirtualClock
+
+    config = single_fragment(sync_every=4, overlap_steps=8)
+    clock = VirtualClock()
+    hub = InProcessHub(config=config, quorum=QuorumConfig(min_quorum=1, grace="fixed", grace_s=0.5), clock=clock)
+    model = TinyNet(seed=1)
+    optimizer = sgd(model)
+    sent = []
+    sync = ddiloco.session(model, optimizer, hub=hub, learner_id=0, inner_steps=12, clock=clock)
+    sync.start()
+    idle_model = TinyNet(seed=1)  # joined and alive, never training: each round waits its 0.5 s window for it
+    idle = ddiloco.session(idle_model, sgd(idle_model), hub=hub, learner_id=1, inner_steps=12, clock=clock)
+    idle.start()
+    original = sync.messages.send
+    sync.messages.send = lambda message: (sent.append(message), original(message))[1]
+    try:
+        while not sync.done:
+            clock.advance_to(clock.now() + 0.1)
+            sync.step(tokens=4)
+    finally:
+        sync.close()
+        idle.close()
+    delays = [u.result_delay_s for u in sent if isinstance(u, Update) and not u.final]
+    assert delays[0] is None and all(d is not None and d >= 0.5 for d in delays[1:]), delays

@@ -123,8 +123,9 @@ def test_update_round_trips(model, params):
     chunks = list(encode_update(update, model.spec, chunk_bytes=SMALL_CHUNK))
     assert chunks[0].HasField("header") and len(chunks[0].data) == SMALL_CHUNK and len(chunks) >= 2
     assert _assemble(model, chunks) == update
-    timed = _update(model, params, step_time_s=0.0125)  # the learner's own step time (its waits left out)
-    assert _assemble(model, list(encode_update(timed, model.spec))).step_time_s == 0.0125
+    timed = _update(model, params, step_time_s=0.0125, result_delay_s=0.75)  # times the learner measured
+    back = _assemble(model, list(encode_update(timed, model.spec)))
+    assert (back.step_time_s, back.result_delay_s) == (0.0125, 0.75)
 
 
 @pytest.mark.parametrize(("edit", "reason", "needle"), [
@@ -138,6 +139,7 @@ def test_update_round_trips(model, params):
     (lambda h: setattr(h, "inner_step", 2), "bad_counters", "inner_step=2"),
     (lambda h: setattr(h, "step_time_s", math.nan), "bad_counters", "step_time_s=nan"),
     (lambda h: setattr(h, "step_time_s", -0.5), "bad_counters", "step_time_s=-0.5"),
+    (lambda h: setattr(h, "result_delay_s", math.inf), "bad_counters", "result_delay_s=inf"),
     (lambda h: setattr(h.tensors[0], "nbytes", h.tensors[0].nbytes - 1), "malformed", "declares"),
     (lambda h: setattr(h.tensors[0], "nbytes", 10**12), "oversize", "at most"),
 ])

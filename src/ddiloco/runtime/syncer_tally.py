@@ -112,7 +112,7 @@ class SyncerTally:
             return {"time": time.time(), "pid": os.getpid(), "address": address, "genesis": False,
                     "rounds_committed": 0, "versions": [], "alive_learners": [], "stalled_learners": [],
                     "min_quorum": min_quorum, "effective_quorum": 0, "grace_s": 0.0,
-                    "step_time_s": None, "quorum_time_s": None, "sync_time_s": None,
+                    "step_time_s": None, "quorum_time_s": None, "sync_time_s": None, "path_time_s": None,
                     "rejections": dict(self.rejections), "bytes_received": received, "bytes_sent": sent,
                     "bytes_watched": self.bytes_watched, "learners": {}, "sends_dropped": sends_dropped,
                     "storage_error": None}
@@ -132,7 +132,7 @@ class SyncerTally:
             "min_quorum": s.quorum.min_quorum,
             "effective_quorum": s.effective_quorum(), "grace_s": s.grace_window(),
             "step_time_s": s.step_time.value, "quorum_time_s": s.quorum_time.value,
-            "sync_time_s": s.sync_time.value, "rejections": dict(self.rejections),
+            "sync_time_s": s.sync_time.value, "path_time_s": s.path_time.value, "rejections": dict(self.rejections),
             "bytes_received": received + s.bytes_received, "bytes_sent": sent + s.bytes_sent,
             "bytes_watched": self.bytes_watched, "learners": learners, "sends_dropped": sends_dropped,
             "storage_error": s.storage_error,

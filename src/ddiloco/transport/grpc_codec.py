@@ -409,7 +409,7 @@ def encode_update(update: Update, spec: ModelSpec, chunk_bytes: int = CHUNK_BYTE
     header = wire_pb2.UpdateChunk(header=wire_pb2.UpdateHeader(
         learner_id=update.learner_id, fragment=update.fragment, base_version=update.base_version,
         inner_step=update.inner_step, steps=update.steps, tokens=update.tokens, codec=update.codec,
-        final=update.final, step_time_s=update.step_time_s or 0.0,
+        final=update.final, step_time_s=update.step_time_s or 0.0, result_delay_s=update.result_delay_s or 0.0,
         tensors=[wire_pb2.TensorHeader(name=n, dtype=shapes[n].dtype, shape=list(shapes[n].shape),
                                        nbytes=len(update.payload[n]), zero=n in zero) for n in names],
         crc32=crc32_of(update.payload[n] for n in names)))
@@ -422,8 +422,9 @@ def _check_counters(h: wire_pb2.UpdateHeader) -> None:
     for name, value in values.items():
         if not 0 <= value <= MAX_COUNTER:
             raise WireError(str(RejectReason.BAD_COUNTERS), f"{name}={value} is outside 0..2^53")
-    if not (math.isfinite(h.step_time_s) and h.step_time_s >= 0):
-        raise WireError(str(RejectReason.BAD_COUNTERS), f"step_time_s={h.step_time_s}: expected seconds >= 0")
+    for name, seconds in (("step_time_s", h.step_time_s), ("result_delay_s", h.result_delay_s)):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise WireError(str(RejectReason.BAD_COUNTERS), f"{name}={seconds}: expected seconds >= 0")
     if h.steps < 1 or h.inner_step < h.steps:
         raise WireError(str(RejectReason.BAD_COUNTERS),
                         f"steps={h.steps} inner_step={h.inner_step}: expected 1 <= steps <= inner_step")
@@ -494,7 +495,7 @@ class UpdateAssembler:
             raise WireError(str(reason), f"tensor {detail}")
         return Update(int(h.learner_id), int(h.fragment), int(h.base_version), int(h.inner_step), int(h.steps),
                       int(h.tokens), h.codec, payload, final=bool(h.final), step_time_s=h.step_time_s or None,
-                      decoded=decoded,
+                      result_delay_s=h.result_delay_s or None, decoded=decoded,
                       zero=frozenset(t.name for t in h.tensors if t.zero))
 
     def release(self) -> None:

@@ -99,11 +99,16 @@ class Inbox:
 
     def take_ready(self) -> list[SyncerMessage]:
         """Every message whose delivery time has come, in delivery order."""
+        return [message for _, message in self.take_ready_at()]
+
+    def take_ready_at(self) -> list[tuple[float, SyncerMessage]]:
+        """Every message whose delivery time has come, with that time (on `clock`), in delivery order."""
         now = self.clock.now()
         with self._cond:
             ready = []
             while self._heap and self._heap[0][0] <= now:
-                ready.append(heapq.heappop(self._heap)[2])
+                when, _, message = heapq.heappop(self._heap)
+                ready.append((when, message))
             return ready
 
     def wait(self, timeout_s: float | None) -> None:
