@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 KEEP_STATES = 2
 """How many durable states a directory keeps: the newest, plus one in case the newest is damaged."""
 _STATE_NAME = re.compile(r"^state_(\d{9})\.json$")
+_TEMP_NAME = re.compile(r"^\..+\.(\d+)\.tmp$")
+"""A file `atomic_write_bytes` was writing: `.NAME.PID.tmp`."""
 CHECKSUM_KEY = "tensors_checksum"
 """Where a state's JSON, a round's line and the genesis metadata record their tensors' checksum."""
 # ---- atomic files --------------------------------------------------------------------------------
@@ -82,6 +84,44 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Remove the files `atomic_write_bytes` left in `directory` (not below it) when its process was killed while
+    writing (`.NAME.PID.tmp`, PID no longer running; a live one's are its writes in flight); returns them. Nothing
+    else removed them: a probe's kill -9 in the middle of writes left six, each the size of what was being written
+    (a syncer state is 12 bytes per parameter), through every later save and resume (until 2026-12-07)."""
+    removed = []
+    try:
+        names = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for path in names:
+        match = _TEMP_NAME.match(path.name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
+    if removed:
+        logger.info("removed %d file(s) a killed process left half-written in %s: %s", len(removed), directory,
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # not ours to signal (or no such number): leave its files alone
+    return True
 
 
 class WriteTrouble:
@@ -373,6 +413,7 @@ def save_split_state(directory: str | Path, split: tuple[dict[str, torch.Tensor]
     for _, old in state_files(directory)[:-KEEP_STATES]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
+    remove_stale_temps(directory)
     return json_path
 
 

@@ -47,6 +47,7 @@ from ddiloco.checkpoint import (
     atomic_write_bytes,
     bytes_checksum,
     load_latest_state,
+    remove_stale_temps,
     save_state,
     state_files,
     verify_checksum,
@@ -360,6 +361,8 @@ class SyncerStore:
             restored.replayed += 1
         if repair:
             self.log.repair()
+            for directory in (self.run_dir, self.log.tensor_dir, self.state_dir):
+                remove_stale_temps(directory)  # what a syncer killed while writing left
         return restored
 
     def _shorter_than_state(self, held: int, state_rounds: int) -> str:
