@@ -140,7 +140,12 @@ def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
             assert torch.equal(slot["momentum_buffer"], b["state"][index]["momentum_buffer"])
     assert {i: info.merged_base for i, info in restored_syncer.learners.items()} == \
         {i: info.merged_base for i, info in live.learners.items()}
+    reads = []
+    lines = store.log.lines
+    store.log.lines = lambda: reads.append(1) or lines()
     participation = store.participation(live.fragment_shares)
+    assert reads == []  # the lines the restore read: a syncer's start parsed the whole log twice (until 2026-12-07)
+    assert store.participation(live.fragment_shares) == participation and reads == [1]  # later: read afresh
     assert participation[0]["accepted"] == live.learners[0].accepted
     # Each token counted once, not once per fragment: tokens x the fragment's share of the model, summed.
     shares = live.fragment_shares
