@@ -257,14 +257,12 @@ class Learner:
         skipped: the update is one version late and the syncer folds it into the fragment's next round
         (docs/protocol.md, "Rounds"). Only for the version right after the base (an older base is too far
         behind to be worth sending) and when the work since the base has not gone out yet."""
-        p = state.fragment
-        if (not self.joined or not 0 <= p < self.plan.num_fragments or state.version != self.versions[p] + 1
-                or self.steps_since[p] == 0 or self.sent.sent_since(p, self.versions[p])):
+        if not self.joined or not self._overwrites_unsent_work(state):
             return None
-        update = self._publish(p)
+        update = self._publish(state.fragment)
         if update is None:
             return None
-        self.schedule.closed_before_publish(p, state.version, self.inner_step)
+        self.schedule.closed_before_publish(state.fragment, state.version, self.inner_step)
         self.stats.updates_published_early += 1
         return update
 
@@ -275,14 +273,19 @@ class Learner:
         overwritten: a learner cut off from a restarting syncer lost what it trained meanwhile on every fragment
         that others moved on before it joined again. Its work ledger records it before the Welcome
         (`LearnerRules.receive`): it was trained on the version this learner held before."""
-        p = state.fragment
-        if (not 0 <= p < self.plan.num_fragments or self.versions[p] < 0 or state.version != self.versions[p] + 1
-                or self.steps_since[p] == 0 or self.sent.sent_since(p, self.versions[p])):
+        if not self._overwrites_unsent_work(state):
             return None
-        update = self._publish(p, final=self.finishing)
+        update = self._publish(state.fragment, final=self.finishing)
         if update is not None:
             self.stats.updates_published_early += 1
         return update
+
+    def _overwrites_unsent_work(self, state: FragmentState) -> bool:
+        """Whether applying `state`, the version right after the one this learner trained its fragment on (an older
+        base is too far behind to be worth sending), would overwrite work since that base that has not gone out."""
+        p = state.fragment
+        return (0 <= p < self.plan.num_fragments and self.versions[p] >= 0 and state.version == self.versions[p] + 1
+                and self.steps_since[p] > 0 and not self.sent.sent_since(p, self.versions[p]))
 
     def _follow_close(self, state: FragmentState) -> None:
         """Keep this learner's updates inside the rounds (docs/protocol.md, "Rounds"): the result of the round its last
