@@ -379,3 +379,28 @@ def test_update_counts_a_kill_left_behind_in_status_json_come_from_the_work_ledg
     summary = build_summary(paths, num_learners=2, outcome="completed", wall_time_s=6.0)
     zero = summary["learners"]["0"]
     assert (zero["updates_sent"], zero["updates_accepted"]) == (6, 6)
+
+
+def test_a_restarted_learner_without_a_checkpoint_is_not_shown_joining_at_step_0(tmp_path):
+    # A probe read "joining at inner step 0/300", then the learner trained on from 171: it had no checkpoint of its own
+    # and took the run's position at its Welcome. A first start, or a restart from a checkpoint, shows its step.
+    from ddiloco.checkpoint import atomic_write_json
+    from ddiloco.runtime.progress import ProgressView
+
+    paths = fake_run(tmp_path)
+    learner = slot(ChildState.RUNNING, pid=11)
+    supervisor = SimpleNamespace(syncer=slot(ChildState.RUNNING), learners=[learner])
+    console = Console(width=300, record=True)
+    view = ProgressView(paths, supervisor, console=console, live=False)
+    atomic_write_json(paths.learner_status(1), {"state": "joining", "inner_step": 0, "inner_steps": 300, "pid": 11})
+    view._print_changes(0.0, view.snapshot())
+    learner.restarts = 1
+    view._shown_states.clear()
+    view._print_changes(0.0, view.snapshot())
+    atomic_write_json(paths.learner_status(1), {"state": "joining", "inner_step": 120, "inner_steps": 300, "pid": 11})
+    view._shown_states.clear()
+    view._print_changes(0.0, view.snapshot())
+    lines = [line.split("] ", 1)[1] for line in console.export_text().splitlines() if "[learner-1]" in line]
+    assert lines == ["joining at inner step 0/300, loss -",
+                     "joining without a checkpoint of its own: it takes the run's position",
+                     "joining at inner step 120/300, loss -"], lines

@@ -239,8 +239,13 @@ class ProgressView:
             if slot.state == ChildState.RUNNING and row.state != "starting" \
                     and self._shown_states.get(row.learner_id) != row.state:
                 self._shown_states[row.learner_id] = row.state
-                self._print(f"{time.strftime('%H:%M:%S')} [learner-{row.learner_id}] {row.state} at inner step "
-                            f"{row.inner_step}/{row.inner_steps}, loss {_num(row.loss, '.3f')}")
+                if row.state == "joining" and slot.restarts and not row.inner_step:
+                    # Restarted with no checkpoint of its own: the Welcome gives it the run's position (a probe
+                    # read "joining at inner step 0/300", then the learner trained on from 171).
+                    where = "without a checkpoint of its own: it takes the run's position"
+                else:
+                    where = f"at inner step {row.inner_step}/{row.inner_steps}, loss {_num(row.loss, '.3f')}"
+                self._print(f"{time.strftime('%H:%M:%S')} [learner-{row.learner_id}] {row.state} {where}")
         if now - self._last_summary >= LINE_SUMMARY_EVERY_S and syncer_status is not None:
             self._last_summary = now
             steps = " ".join(f"{r.learner_id}:{r.inner_step}" for r in rows)
