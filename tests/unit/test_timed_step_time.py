@@ -26,23 +26,29 @@ WAIT_S = 0.5
 STEPS_PER_UPDATE = 4
 
 
-def run_syncer(step_time_s: float | None) -> Syncer:
-    """Two learners publishing every STEPS_PER_UPDATE inner steps of STEP_S, each update followed by a WAIT_S wait;
-    each update names `step_time_s` (None: not timed)."""
+def joined_syncer(learners: int, quorum: QuorumConfig | None = None) -> tuple[Syncer, dict]:
+    """A syncer core of one fragment (tau = 3) with `learners` joined, and a zero payload for their updates."""
     config = single_fragment(overlap_steps=3)
-    syncer = Syncer(config, QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
+    syncer = Syncer(config, quorum or QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
                     initial_params=params_of(TinyNet(seed=1)))
     codec = get_codec(config.codec)
     payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
-    for learner_id in (0, 1):
+    for learner_id in range(learners):
         syncer.receive(Join(learner_id, syncer.spec, config.fingerprint()), now=0.0)
+    return syncer, payload
+
+
+def run_syncer(step_time_s: float | None) -> Syncer:
+    """Two learners publishing every STEPS_PER_UPDATE inner steps of STEP_S, each update followed by a WAIT_S wait;
+    each update names `step_time_s` (None: not timed)."""
+    syncer, payload = joined_syncer(2)
     now, inner_step = 0.0, 0
     for _ in range(20):
         now += STEPS_PER_UPDATE * STEP_S
         inner_step += STEPS_PER_UPDATE
         for learner_id in (0, 1):
             update = Update(learner_id, 0, syncer.versions[0], inner_step, STEPS_PER_UPDATE, STEPS_PER_UPDATE,
-                            config.codec, payload, step_time_s=step_time_s)
+                            syncer.config.codec, payload, step_time_s=step_time_s)
             actions = syncer.receive(update, now)
             assert not [a for a in actions if isinstance(a, Send) and isinstance(a.message, Rejected)]
         now += WAIT_S
@@ -61,12 +67,8 @@ def test_the_step_time_the_learners_timed_leaves_their_waits_out():
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -0.01])
 def test_a_step_time_that_is_no_duration_is_refused(bad):
-    config = single_fragment()
-    syncer = Syncer(config, QuorumConfig(min_quorum=1), initial_params=params_of(TinyNet(seed=1)))
-    syncer.receive(Join(0, syncer.spec, config.fingerprint()), now=0.0)
-    codec = get_codec(config.codec)
-    payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
-    actions = syncer.receive(Update(0, 0, 0, 1, 1, 1, config.codec, payload, step_time_s=bad), 1.0)
+    syncer, payload = joined_syncer(1, QuorumConfig(min_quorum=1))
+    actions = syncer.receive(Update(0, 0, 0, 1, 1, 1, syncer.config.codec, payload, step_time_s=bad), 1.0)
     (rejected,) = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, Rejected)]
     assert rejected.reason == RejectReason.BAD_COUNTERS and "step_time_s" in rejected.detail
     assert syncer.step_time.value is None
@@ -100,12 +102,7 @@ def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
     result (`Update.result_delay_s`); less what the syncer held that update, it is the path the syncer's own sync time
     (handing the result to gRPC) leaves out. Behind a 0.6 s path the overlap (tau = 3 steps of 0.01 s) has no slack
     left: the window is its floor (a quarter step), not its cap (two steps)."""
-    config = single_fragment(overlap_steps=3)
-    syncer = Syncer(config, QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
-                    initial_params=params_of(TinyNet(seed=1)))
-    codec = get_codec(config.codec)
-    payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
-    syncer.receive(Join(0, syncer.spec, config.fingerprint()), now=0.0)
+    syncer, payload = joined_syncer(1)
     now, inner_step = 0.0, 0
     windows = []
     for _ in range(12):
@@ -113,8 +110,8 @@ def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
         inner_step += STEPS_PER_UPDATE
         # The round closes at once (its one learner reported); the result reaches the learner PATH_S after its update.
         delay = PATH_S if inner_step > STEPS_PER_UPDATE else None
-        update = Update(0, 0, syncer.versions[0], inner_step, STEPS_PER_UPDATE, STEPS_PER_UPDATE, config.codec,
-                        payload, step_time_s=STEP_S, result_delay_s=delay)
+        update = Update(0, 0, syncer.versions[0], inner_step, STEPS_PER_UPDATE, STEPS_PER_UPDATE,
+                        syncer.config.codec, payload, step_time_s=STEP_S, result_delay_s=delay)
         syncer.receive(update, now)
         windows.append(syncer.grace_window())
         now += PATH_S
@@ -127,20 +124,14 @@ def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
 def test_a_result_delay_of_another_base_is_not_taken():
     """A delay names the result its update is based on: an update from any other version (its result was lost, a
     newer one arrived first) gives no sample."""
-    config = single_fragment(overlap_steps=3)
-    syncer = Syncer(config, QuorumConfig(min_quorum=1, grace="adaptive", heartbeat_timeout_s=1000.0),
-                    initial_params=params_of(TinyNet(seed=1)))
-    codec = get_codec(config.codec)
-    payload = {spec.name: codec.encode(torch.zeros(spec.shape)) for spec in syncer.spec.tensors}
-    for learner_id in (0, 1):
-        syncer.receive(Join(learner_id, syncer.spec, config.fingerprint()), now=0.0)
-    syncer.receive(Update(0, 0, 0, 4, 4, 4, config.codec, payload), 1.0)
+    syncer, payload = joined_syncer(2)
+    syncer.receive(Update(0, 0, 0, 4, 4, 4, syncer.config.codec, payload), 1.0)
     syncer.advance(2.0)
     assert syncer.versions[0] == 1 and syncer.learners[0].held[0][0] == 1
-    syncer.receive(Update(1, 0, 1, 4, 4, 4, config.codec, payload), 3.0)  # learner 1 alone makes version 2
+    syncer.receive(Update(1, 0, 1, 4, 4, 4, syncer.config.codec, payload), 3.0)  # learner 1 alone makes version 2
     syncer.advance(4.0)
     # Learner 0 is based on version 2 (it never got version 1: a Welcome brought it 2): its delay is not version 1's.
-    syncer.receive(Update(0, 0, 2, 8, 4, 4, config.codec, payload, result_delay_s=9.0), 5.0)
+    syncer.receive(Update(0, 0, 2, 8, 4, 4, syncer.config.codec, payload, result_delay_s=9.0), 5.0)
     assert syncer.versions[0] == 2 and syncer.path_time.value is None and 0 not in syncer.learners[0].held
 
 
