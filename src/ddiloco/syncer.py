@@ -323,8 +323,9 @@ class Syncer:
     def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
         """The step time the learner timed (`Update.step_time_s`), or else the spacing of its accepted updates per inner
         step, into the run's step time (each sample bounded relative to it: `ddiloco.round_timing.bounded_step_time`)
-        and the learner's own. The spacing counts the learner's waits for results: over a 600 ms round trip the run's
-        step time came out several times the learners' and every grace window sat at its cap (until 2026-12-07)."""
+        and the learner's own. The spacing counts the learner's waits for results: behind a 0.5 s round trip the run's
+        step time came out 41 times the learner's and every grace window sat at its cap (until 2026-12-07,
+        tests/integration/test_far_link.py)."""
         sample = update.step_time_s or None
         if info.last_update is not None:
             last_at, last_step = info.last_update
@@ -347,7 +348,9 @@ class Syncer:
         held = info.held.pop(update.fragment, None)
         if held is None or update.result_delay_s is None or update.base_version != held[0]:
             return
-        self.path_time.observe(max(0.0, update.result_delay_s - held[1]))
+        # Bounded as a step time is, relative to the estimate: one learner's report cannot set every round's window.
+        sample = max(0.0, update.result_delay_s - held[1])
+        self.path_time.observe(bounded_step_time(sample, self.path_time.value))
 
     # ---- rounds ----------------------------------------------------------------------------------
 

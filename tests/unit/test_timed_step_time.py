@@ -161,3 +161,19 @@ def test_a_session_reports_the_delay_of_each_result_with_its_next_update():
         idle.close()
     delays = [u.result_delay_s for u in sent if isinstance(u, Update) and not u.final]
     assert delays[0] is None and all(d is not None and d >= 0.5 for d in delays[1:]), delays
+
+
+def test_one_learners_report_cannot_set_the_path_time():
+    """Each sample counts within a factor of 32 of the estimate (as a step time does): a learner that reports a delay of
+    a million seconds moves it at most d + (1 - d) x 32 = 7.2 times (d = 0.8), and the others' reports take it back."""
+    syncer, payload = joined_syncer(2, QuorumConfig(min_quorum=2, grace="adaptive", heartbeat_timeout_s=1000.0))
+    now = 0.0
+    for round_index in range(30):
+        now += 1.0
+        for learner_id in (0, 1):
+            delay = (1e6 if learner_id == 1 and round_index == 6 else PATH_S) if round_index else None
+            syncer.receive(Update(learner_id, 0, syncer.versions[0], 4 * (round_index + 1), 4, 4, syncer.config.codec,
+                                  payload, step_time_s=STEP_S, result_delay_s=delay), now)
+        if round_index == 6:
+            assert syncer.path_time.value <= 7.2 * PATH_S * 1.0001
+    assert syncer.path_time.value == pytest.approx(PATH_S, rel=0.1)
