@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +42,7 @@ from ddiloco.fragment_access import FragmentAccess, LocalParameters
 from ddiloco.fragments import FragmentPlan
 from ddiloco.learner_model import DeclaredModel
 from ddiloco.learner_stats import LearnerStats
+from ddiloco.local_fragments import LocalFragments
 from ddiloco.messages import (
     FragmentDelta,
     FragmentState,
@@ -58,7 +58,7 @@ from ddiloco.messages import (
     Welcome,
 )
 from ddiloco.non_finite import forget_non_finite_state, reset_non_finite_statistics
-from ddiloco.publisher import DeferredPayload, pseudo_gradient
+from ddiloco.publisher import DeferredPayload
 from ddiloco.round_schedule import RoundSchedule, next_uncommitted_round
 from ddiloco.sent_updates import SentUpdates
 from ddiloco.training import InnerConfig
@@ -69,18 +69,13 @@ DEFAULT_INNER_LR = InnerConfig().lr
 """AdamW learning rate used when the user passes no optimizer: the run's default inner learning rate."""
 
 
-@dataclass(frozen=True)
-class _AtPublish:
-    """A fragment as it was published: the work after it is not in that update."""
-
-    tensors: dict[str, torch.Tensor]
-    steps_since: int
-    tokens_since: int
-    inner_step: int
-
-
 class Learner:
     """One learner's protocol state around a user's model. See the module docstring."""
+
+    versions = property(lambda self: self.local.versions, doc="Per fragment, the global version it holds.")
+    steps_since = property(lambda self: self.local.steps_since, doc="Per fragment, inner steps not yet published.")
+    tokens_since = property(lambda self: self.local.tokens_since, doc="Per fragment, their tokens.")
+    synced_at = property(lambda self: self.local.synced_at, doc="Per fragment, the step its unpublished work follows.")
 
     def __init__(self, config: DilocoConfig, *, learner_id: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, max_tokens_per_step: int = 0,
@@ -107,13 +102,8 @@ class Learner:
         self.plan = FragmentPlan.for_tensors(self._params, config, embeddings=self.embeddings)
         self._codec = get_codec(config.codec)
         num = self.plan.num_fragments
-        self._base: list[dict[str, torch.Tensor]] = [{} for _ in range(num)]
-        self.versions = [-1] * num
-        self.steps_since = [0] * num
-        self.tokens_since = [0] * num
-        self.synced_at = [0] * num
-        """Per fragment, the inner step at which it was last published or received: the steps after it are
-        this learner's unpublished work on that fragment."""
+        self.local = LocalFragments(self.plan, self._params, self.access)
+        """Its fragments against the global ones: bases, versions, the work since (`ddiloco.local_fragments`)."""
         self.inner_step = 0
         self.schedule = RoundSchedule(config.sync_every, num, pace_rounds=config.pace_rounds)
         """When this learner publishes: the round clock, its phase and pace (`ddiloco.round_schedule`)."""
@@ -123,9 +113,6 @@ class Learner:
         """Leave the pseudo-gradient and its encoding to a background thread (`ddiloco.publisher`): a publish
         then costs the training thread only the copy of the fragment. Set by drivers that send from one."""
         self._blocked_since_result = False
-        self._at_publish: list[_AtPublish | None] = [None] * num
-        """Per fragment, its local value and counters when it was last published, until a newer version
-        arrives (`config.keep_overlap_work`: the work trained after that point is carried onto it)."""
         self.joined = False
         self.refused_reason: str | None = None
         self.finishing = False
@@ -321,7 +308,7 @@ class Learner:
         if delta.base_version != self.versions[p]:
             problem = f"it holds version {self.versions[p]}, the change applies to {delta.base_version}"
         else:
-            rebuilt = rebuild(delta, self._base[p], self.plan.fragments[p],
+            rebuilt = rebuild(delta, self.local.base[p], self.plan.fragments[p],
                               {name: tuple(self._params[name].shape) for name in self.plan.fragments[p]})
             if not isinstance(rebuilt, str):
                 state = FragmentState(p, delta.version, rebuilt, delta.on_time, delta.margins)
@@ -340,7 +327,6 @@ class Learner:
                        self.learner_id, self.inner_step, p, delta.version, problem)
         return [self.join_message()]
 
-    @torch.no_grad()
     def _apply(self, state: FragmentState, *, force: bool = False, payload_bytes: int | None = None) -> None:
         """`payload_bytes`: what the message carried, when it was not `state` itself (a rebuilt change)."""
         p = state.fragment
@@ -349,35 +335,15 @@ class Learner:
         if not force and state.version <= self.versions[p]:
             self.stats.fragments_ignored_stale += 1
             return
-        names, num_fragments = self.plan.fragments[p], self.plan.num_fragments
+        names = self.plan.fragments[p]
         if set(state.tensors) != set(names):
             raise ValueError(f"fragment {p} state carries the wrong tensors")
         self.declared.check_shapes(names)
         self.declared.check_range(state.tensors)
-        at_publish, self._at_publish[p] = self._at_publish[p], None
-        carry = at_publish is not None and not force and self.config.keep_overlap_work
-        # The base is what the next pseudo-gradient is measured from: the exact global value.
-        bases = {name: state.tensors[name].to(device=self._params[name].device, dtype=torch.float32, copy=True)
-                 for name in names}
-        if carry:
-            # The steps trained since the publish are not in the update: keep them on the new value.
-            current = self.access.read(p, names)
-            self.access.write(p, {name: bases[name] + (current[name] - at_publish.tensors[name].to(torch.float32))
-                                  for name in names})
-        else:
-            self.access.write(p, state.tensors)
-        self._base[p].update(bases)
         if not force:
-            self._track_round_clock(num_fragments * (state.version - 1) + p)
-        self.versions[p] = state.version
-        if carry:
-            self.steps_since[p] -= at_publish.steps_since
-            self.tokens_since[p] -= at_publish.tokens_since
-            self.synced_at[p] = at_publish.inner_step
-        else:
-            self.steps_since[p] = 0
-            self.tokens_since[p] = 0
-            self.synced_at[p] = self.inner_step
+            self._track_round_clock(self.plan.num_fragments * (state.version - 1) + p)
+        self.local.take(p, state.tensors, state.version, self.inner_step,
+                        carry=not force and self.config.keep_overlap_work)
         self.stats.bytes_received += state.payload_bytes if payload_bytes is None else payload_bytes
         self.stats.fragments_applied += 1
         self.sent.applied(p, state.version)
@@ -398,7 +364,7 @@ class Learner:
         phase with the others, and the waiting rule deadlocks the round that needs its update until the
         driver's wait bound breaks it. K = 1 does not depend on the phase."""
         self.inner_step = self.schedule.take_position(next_uncommitted_round(welcome))
-        self.synced_at = [self.inner_step] * self.plan.num_fragments
+        self.local.restart_at(self.inner_step)
         logger.info("[learner %d | inner %d] took the global schedule position: round %d next",
                     self.learner_id, self.inner_step, self.schedule.next_round)
 
@@ -420,9 +386,7 @@ class Learner:
         if seconds is not None:
             self._timed_s += seconds
             self._timed_steps += 1
-        for p in range(self.plan.num_fragments):
-            self.steps_since[p] += 1
-            self.tokens_since[p] += tokens
+        self.local.count_step(tokens)
         # Where a period is as short as a move of the schedule (H = 1 or 2), one move can make a fragment due twice
         # after the same step: one update carries that work, a second would send the same work again.
         due = dict.fromkeys(r % self.plan.num_fragments for r in self.schedule.due_rounds(self.inner_step))
@@ -461,22 +425,18 @@ class Learner:
         names = self.plan.fragments[p]
         self.declared.check_shapes(names)
         current = self.access.read(p, names)
-        payload: Mapping[str, bytes]
-        if self.deferred:
-            # Only the copy above on this thread; the pseudo-gradient and its encoding on the publisher's.
-            payload = DeferredPayload({name: self._base[p][name] for name in names}, current, self._codec,
-                                      dtypes={name: self._params[name].dtype for name in names})
-        else:
-            payload = {}
-            for name in names:
-                delta = pseudo_gradient(self._base[p][name], current[name], self._params[name].dtype)
-                if not bool(torch.isfinite(delta).all()):
-                    self.stats.updates_withheld_non_finite += 1
-                    logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
-                                 self.learner_id, self.inner_step, name)
-                    self.recover()
-                    return None
-                payload[name] = self._codec.encode(delta.cpu())
+        # Deferred, only the copy above is on this thread: the pseudo-gradient and its encoding are on the publisher's.
+        payload: Mapping[str, bytes] | None = DeferredPayload(
+            {name: self.local.base[p][name] for name in names}, current, self._codec,
+            dtypes={name: self._params[name].dtype for name in names})
+        if not self.deferred:
+            deferred, payload = payload, payload.resolve()
+            if payload is None:
+                self.stats.updates_withheld_non_finite += 1
+                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                             self.learner_id, self.inner_step, deferred.non_finite)
+                self.recover()
+                return None
         if self._timed_steps:
             self.step_time_s = self._timed_s / self._timed_steps
             self._timed_s, self._timed_steps = 0.0, 0
@@ -484,12 +444,8 @@ class Learner:
         update = Update(self.learner_id, p, self.versions[p], self.inner_step, self.steps_since[p],
                         self.tokens_since[p], self.config.codec, payload, final=final, step_time_s=self.step_time_s,
                         result_delay_s=delay[1] if delay is not None and delay[0] == self.versions[p] else None)
-        if self.config.keep_overlap_work:
-            # The copy just taken is the fragment's value at this publish (never changed in place after it).
-            self._at_publish[p] = _AtPublish(dict(current), self.steps_since[p], self.tokens_since[p],
-                                             self.inner_step)
+        self.local.published(p, current, self.inner_step, keep_value=self.config.keep_overlap_work)
         self.sent.published(p, self.versions[p], self.inner_step)
-        self.synced_at[p] = self.inner_step
         self.stats.updates_sent += 1
         if not self.deferred:
             self.stats.bytes_sent += update.payload_bytes  # deferred: counted once encoded (`Publisher`)
@@ -502,7 +458,7 @@ class Learner:
         self.stats.updates_sent -= 1
         self.stats.updates_withheld_non_finite += 1
         self.sent.withdrawn(p, update.base_version)
-        self._at_publish[p] = None  # nothing of that work went out: none of it is carried as unpublished
+        self.local.forget_publish(p)  # nothing of that work went out: none of it is carried as unpublished
         self.recover()
 
     @torch.no_grad()
@@ -514,16 +470,7 @@ class Learner:
         every parameter whose state is not finite (on every rank: `FragmentAccess.forget_non_finite_state`), and
         running statistics that are not finite start again (`reset_running_stats`). The learner then trains on from
         the global model. Does nothing when all is finite (an update withheld earlier, already recovered from)."""
-        reset = []
-        for p, names in enumerate(self.plan.fragments):
-            current = self.access.read(p, names)
-            if all(bool(torch.isfinite(value).all()) for value in current.values()):
-                continue
-            self.access.write(p, self._base[p])
-            self.steps_since[p] = self.tokens_since[p] = 0
-            self.synced_at[p] = self.inner_step
-            self._at_publish[p] = None  # the value it would carry from is gone
-            reset.append(p)
+        reset = self.local.reset_non_finite(self.inner_step)
         forgotten = sum(forget_non_finite_state(o) for o in (self.optimizer, *self.other_optimizers))
         forgotten += self.access.forget_non_finite_state()
         restarted = reset_non_finite_statistics(self.model)
@@ -551,7 +498,7 @@ class Learner:
 
     def unpublished(self) -> list[int]:
         """Per fragment, inner steps trained since it was last published or received."""
-        return [self.inner_step - at for at in self.synced_at]
+        return self.local.unpublished(self.inner_step)
 
     def flush(self) -> list[Update]:
         """At the end of training: publish every fragment that holds unpublished work and has no update
@@ -587,6 +534,6 @@ class Learner:
             raise ValueError(f"checkpoint belongs to learner {state['learner_id']}, not {self.learner_id}")
         self.inner_step = int(state["inner_step"])
         self.schedule.load_state_dict(state)
-        self.synced_at = [self.inner_step] * self.plan.num_fragments
+        self.local.restart_at(self.inner_step)
         self.optimizer.load_state_dict(state["optimizer"])
 

@@ -307,7 +307,7 @@ class Session(SessionLifecycle):
         self._warn_if_state_starts_afresh()
         if self._genesis is not None:
             # Joined: the full copy goes; the base copies of the global values stand in for it from now on.
-            self._genesis = {name: base[name] for base in self.learner._base for name in base}
+            self._genesis = {name: base[name] for base in self.learner.local.base for name in base}
         self._end_call()
         self._step_started = time.monotonic()
 

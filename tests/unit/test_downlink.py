@@ -36,7 +36,7 @@ def _assert_hold_the_global(syncer, learner):
     for p, names in enumerate(syncer.plan.fragments):
         assert learner.versions[p] == syncer.versions[p]
         for name in names:
-            assert torch.equal(learner._base[p][name], global_[name]), name
+            assert torch.equal(learner.local.base[p][name], global_[name]), name
     # Parameters equal the global only where nothing was trained since the fragment arrived.
     for p, names in enumerate(syncer.plan.fragments):
         if learner.steps_since[p] == 0:
@@ -218,7 +218,7 @@ def test_a_checksum_that_disagrees_makes_the_learner_join_again_without_applying
     # A genuine change of fragment 0 from the version the learner holds, made by the rule itself.
     names = syncer.plan.fragments[0]
     downlink = DeltaDownlink("int8", syncer.plan, {n: tuple(t.shape) for n, t in before.items()})
-    tensors = {n: learner._base[0][n].clone() for n in names}
+    tensors = {n: learner.local.base[0][n].clone() for n in names}
     previous = downlink.before_step(0, tensors)
     for tensor in tensors.values():
         tensor.add_(0.01)
@@ -238,7 +238,7 @@ def test_a_checksum_that_disagrees_makes_the_learner_join_again_without_applying
     replies = learner.receive(good)
     assert [(type(r), r.fragment, r.base_version) for r in replies] == [(Update, 0, version)]
     assert learner.versions[0] == version + 1
-    assert all(torch.equal(learner._base[0][n], tensors[n]) for n in names)
+    assert all(torch.equal(learner.local.base[0][n], tensors[n]) for n in names)
 
 
 def test_a_corrupted_change_in_flight_is_recovered_by_a_rejoin():

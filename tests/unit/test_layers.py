@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                   "ddiloco.model_checks")),),
     (("learner rules", ("ddiloco.learner_rules",)),),
     (("learner core", ("ddiloco.learner", "ddiloco.learner_model", "ddiloco.publisher", "ddiloco.fragment_access",
-                       "ddiloco.sent_updates",
+                       "ddiloco.sent_updates", "ddiloco.local_fragments",
                        "ddiloco.round_schedule", "ddiloco.learner_stats")),
      ("syncer core", ("ddiloco.syncer", "ddiloco.global_model", "ddiloco.round_journal", "ddiloco.liveness",
                       "ddiloco.admission", "ddiloco.open_round",
