@@ -149,8 +149,28 @@ class DilocoConfig:
 
     def fingerprint(self) -> str:
         """A short hash of every field: two parties with different algorithms must not mix updates."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _hash(self.to_dict())
+
+    def fingerprints(self) -> tuple[str, ...]:
+        """`fingerprint()`, then those the versions before its newest fields (`FIELDS_ADDED`) computed for the same
+        algorithm, where those fields hold what runs of then trained with: a syncer state saved by one of them resumes.
+        Its hash held none of them, and was refused as "a different algorithm config" (an upgrade probe, 2026-12-07)."""
+        fields, found = self.to_dict(), [self.fingerprint()]
+        for name, value_before in reversed(FIELDS_ADDED):
+            if fields.pop(name) != value_before:
+                break
+            found.append(_hash(fields))
+        return tuple(found)
+
+
+FIELDS_ADDED: tuple[tuple[str, Any], ...] = (("round_margin_steps", 0.0), ("round_margin_gain", 0.0))
+"""`DilocoConfig` fields added after runs were saved, oldest first, each with the value that does what the versions
+before it did (`fingerprints`; `run_config._SAVED_BEFORE` reads such a run's config with them): the round margins
+(2026-12-02) and their drift (2026-12-03)."""
+
+
+def _hash(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, kw_only=True)

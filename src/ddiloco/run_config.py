@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco import __version__
 from ddiloco.checks import require
-from ddiloco.config import DilocoConfig, LearnerConfig, QuorumConfig
+from ddiloco.config import FIELDS_ADDED, DilocoConfig, LearnerConfig, QuorumConfig
 from ddiloco.data import VOCAB_SIZE, DataConfig
 from ddiloco.flags import add_config_flags, as_flag_error, config_from_args, flag_of, setting
 from ddiloco.model import ModelConfig
@@ -79,7 +80,7 @@ class RunConfig:
             raise ValueError(f"expected a JSON object ({{\"inner\": {{\"lr\": 0.001}}, ...}}), got {_json(data)}")
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"unknown run config field(s): {', '.join(unknown)}")
+            raise ValueError(f"unknown run config field(s): {', '.join(unknown)} ({NOT_THIS_VERSIONS})")
         values: dict[str, Any] = {}
         run_types = typing.get_type_hints(cls)
         for name, value in data.items():
@@ -91,7 +92,7 @@ class RunConfig:
                 section_types = typing.get_type_hints(section_cls)
                 bad = sorted(set(value) - {f.name for f in dataclasses.fields(section_cls)})
                 if bad:
-                    raise ValueError(f"unknown field(s) in section {name!r}: {', '.join(bad)}")
+                    raise ValueError(f"unknown field(s) in section {name!r}: {', '.join(bad)} ({NOT_THIS_VERSIONS})")
                 values[name] = section_cls(**{key: typed_value(f"{name}.{key}", item, section_types[key])
                                               for key, item in value.items()})
             else:
@@ -133,11 +134,20 @@ class RunConfig:
             raise ValueError(f"run config {path}: {exc}") from None
 
 
+NOT_THIS_VERSIONS = (f"ddiloco {__version__} has no such field: a misspelt name, or a config written by a newer "
+                     "ddiloco, which this one cannot run; `ddiloco --version` shows each one's")
+"""Why a config names a field this version does not know (an upgrade probe: the message named the field alone)."""
+
 _BEFORE_COOLDOWN = frozenset({"lr", "weight_decay", "beta1", "beta2", "grad_clip"})
 _QUORUM_BEFORE_FLOOR = frozenset({"min_quorum", "grace", "grace_s", "grace_gamma", "grace_max_steps", "estimate_decay",
                                   "max_staleness", "heartbeat_timeout_s", "max_tokens_per_step", "staleness_discount",
                                   "max_weight_ratio"})
+_DILOCO_BEFORE_MARGINS = frozenset({"codec", "downlink_codec", "embedding_pattern", "fragment_strategy",
+                                    "keep_overlap_work", "merge", "num_fragments", "outer_lr", "outer_momentum",
+                                    "overlap_steps", "pace_rounds", "sync_every"})
 _SAVED_BEFORE: dict[str, tuple[tuple[frozenset[str], dict[str, Any]], ...]] = {
+    "diloco": ((_DILOCO_BEFORE_MARGINS, dict(FIELDS_ADDED)),
+               (_DILOCO_BEFORE_MARGINS | {"round_margin_steps"}, dict(FIELDS_ADDED[1:]))),
     "data": ((frozenset({"batch_size", "context_len", "val_fraction", "seed"}), {"shard_layout": "contiguous"}),),
     "inner": ((_BEFORE_COOLDOWN, {"cooldown": 0.0, "warmup_steps": 0}),
               (_BEFORE_COOLDOWN | {"cooldown"}, {"warmup_steps": 0})),
@@ -146,12 +156,13 @@ _SAVED_BEFORE: dict[str, tuple[tuple[frozenset[str], dict[str, Any]], ...]] = {
                (_QUORUM_BEFORE_FLOOR | {"grace_min_steps", "max_norm_ratio"}, {"progress_timeout_s": 0.0})),
 }
 """Section -> for each generation of it: every field it had then, and the fields added since with a new default, at
-the values runs of then trained with. The data section before the shard layouts (contiguous shards; whole since
-2026-12-04); the inner one before the learning-rate cooldown (a constant rate; 0.2 of the run since 2026-12-04) and
-before the warm-up (none; 45 steps since 2026-12-05); the quorum one before the grace window's floor (none; a quarter
-step since 2026-12-05, later that day) and before the cap on an update's norm (none; 10 times the fragment's previous
-round since 2026-12-05, a session later) and before the bound on a live learner without updates (none; since
-2026-12-07)."""
+the values runs of then trained with. The diloco section before the round margins (none; 1.5 steps since 2026-12-02)
+and their drift (`config.FIELDS_ADDED`, whose fingerprints a syncer state of then holds); the data one before the
+shard layouts (contiguous shards; whole since 2026-12-04); the inner one before the learning-rate cooldown (a constant
+rate; 0.2 of the run since 2026-12-04) and before the warm-up (none; 45 steps since 2026-12-05); the quorum one before
+the grace window's floor (none; a quarter step since 2026-12-05, later that day) and before the cap on an update's norm
+(none; 10 times the fragment's previous round since 2026-12-05, a session later) and before the bound on a live learner
+without updates (none; since 2026-12-07)."""
 
 
 def _saved_before_its_new_field(name: str, section: dict[str, Any]) -> dict[str, Any]:

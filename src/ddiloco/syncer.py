@@ -493,9 +493,11 @@ class Syncer:
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping) -> None:
-        if state["config_fingerprint"] != self.config.fingerprint():
-            raise ValueError("checkpoint was written with a different algorithm config "
-                             f"({state['config_fingerprint']} vs {self.config.fingerprint()})")
+        if state["config_fingerprint"] not in self.config.fingerprints():
+            raise ValueError(f"checkpoint was written with a different algorithm config (its fingerprint "
+                             f"{state['config_fingerprint']}, this config's {self.config.fingerprint()}): the config "
+                             "was changed since, or the run was saved by a ddiloco whose algorithm config this one "
+                             "cannot reproduce (resume it with the version that started it)")
         self.model.load_state_dict(state)
         self.rounds_committed = int(state["rounds_committed"])
         self._reference = [None] * self.plan.num_fragments

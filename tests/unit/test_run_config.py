@@ -5,10 +5,12 @@ checked once where the JSON is read, never a `TypeError` from deep inside a `__p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
 
+from ddiloco.config import DilocoConfig
 from ddiloco.run_config import RUN_FIELDS, SECTIONS, RunConfig, check_resume
 
 
@@ -111,6 +113,24 @@ def test_a_run_saved_before_the_norm_cap_resumes_without_one(tmp_path):
     quorum = RunConfig.load(tmp_path / "config.json").quorum
     assert quorum.max_norm_ratio == 0 and quorum.grace_min_steps == 0.25
     assert RunConfig.from_dict({"quorum": {"min_quorum": 2}}).quorum.max_norm_ratio == 10
+
+
+def test_a_run_saved_before_the_round_margins_resumes_without_them_and_its_fingerprint_is_recognised(tmp_path):
+    # The fingerprint a syncer state holds is a hash of the diloco section as its version held it (without the fields
+    # added since): runs of 2026-12-01 and of 2026-12-02's evening were refused as "a different algorithm config".
+    for dropped, margins in ((("round_margin_steps", "round_margin_gain"), (0, 0)), (("round_margin_gain",), (1.5, 0))):
+        saved = RunConfig(num_learners=3).to_dict()
+        for name in dropped:
+            del saved["diloco"][name]
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+        diloco = RunConfig.load(tmp_path / "config.json").diloco
+        assert (diloco.round_margin_steps, diloco.round_margin_gain) == margins
+        then = hashlib.sha256(json.dumps(saved["diloco"], sort_keys=True).encode()).hexdigest()[:16]
+        assert diloco.fingerprint() != then and then in diloco.fingerprints()
+    # Today's margins are not what those versions trained with: their hashes are not this config's.
+    assert len(DilocoConfig(round_margin_gain=0.25).fingerprints()) == 1
+    assert len(DilocoConfig().fingerprints()) == 2  # the default's 0 drift: as 2026-12-02's evening computed it
+    assert RunConfig.from_dict({"diloco": {"sync_every": 8}}).diloco.round_margin_steps == 1.5
 
 
 def test_unknown_fields_are_named():

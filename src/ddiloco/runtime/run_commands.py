@@ -451,7 +451,11 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
                    "since its last commit were refused (logs/syncer.log says since when)")
     if outcome == "completed" and not read_rounds(paths):
         outcome, failure = "failed", _no_round_failure(paths)
-    if resolved.replaced_command is not None and len(unfinished) == config.num_learners:
+    if outcome == "failed" and supervisor.syncer_address is None:  # its syncer refused the directory
+        from ddiloco.runtime.run_dir import restore_run_records
+        if (restored := restore_run_records(resolved.before)) is not None:
+            console.print(restored, highlight=False, soft_wrap=True)
+    elif resolved.replaced_command is not None and len(unfinished) == config.num_learners:
         from ddiloco.runtime.run_dir import restore_learner_command
         console.print(restore_learner_command(paths, resolved.replaced_command, resolved.script), highlight=False,
                       soft_wrap=True)

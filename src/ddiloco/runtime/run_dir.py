@@ -97,6 +97,32 @@ class RunDirBefore:
     """The APPENDED_AT_START files there were, by path: their length in bytes."""
 
 
+RUN_RECORDS = ("config.json", "launcher/command.json")
+"""The records a start rewrites that say what the run is and how its processes start (`--resume` reads them)."""
+
+
+def restore_run_records(before: RunDirBefore) -> str | None:
+    """After a start whose syncer never served (it refused the run directory, so no learner ran): put RUN_RECORDS back
+    as they were before it. A refused upgrade left them rewritten with today's fields and flags, which the version that
+    wrote the run refuses as unknown (an upgrade probe: a run neither version opened, until 2026-12-07). Returns the
+    console's line; None when nothing was rewritten."""
+    restored, left = [], []
+    for name in RUN_RECORDS:
+        path, data = before.root / name, before.rewritten.get(before.root / name)
+        try:
+            if data is not None and (not path.is_file() or path.read_bytes() != data):
+                atomic_write_bytes(path, data)
+                restored.append(name)
+        except OSError as exc:
+            left.append(f"{path} ({exc.strerror or exc})")
+    if left:
+        return f"the syncer never served, and what this start rewrote could not all be put back: {'; '.join(left)}"
+    if not restored:
+        return None
+    return (f"the syncer never served, so no learner ran: {' and '.join(restored)} "
+            f"{'is as it was' if len(restored) == 1 else 'are as they were'} before this start")
+
+
 def before_start(run_dir: Path) -> RunDirBefore:
     """What `run_dir` holds now, before this start writes to it, for `undo_start`. Paths only, besides the few
     launcher records of REWRITTEN_AT_START: a resumed run's checkpoints are not read."""

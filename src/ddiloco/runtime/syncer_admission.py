@@ -66,7 +66,7 @@ def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | N
     try:
         theirs = RunConfig.from_dict(dict(declared))
     except (TypeError, ValueError) as exc:
-        return f"the run config this {who} declared is not one: {shortened(str(exc))}"
+        return f"the run config this {who} declared cannot be read by this syncer: {shortened(str(exc))}"
     differences = fixed_differences(run_config, theirs, sections=sections)
     if not differences:
         return None
