@@ -244,7 +244,7 @@ class Learner:
         skipped: the update is one version late and the syncer folds it into the fragment's next round
         (docs/protocol.md, "Rounds"). Only for the version right after the base (an older base is too far
         behind to be worth sending) and when the work since the base has not gone out yet."""
-        if not self.joined or not self._overwrites_unsent_work(state):
+        if not self.joined or not self._overwrites_unsent_work(state, versions_on=1):
             return None
         update = self._publish(state.fragment)
         if update is None:
@@ -254,24 +254,28 @@ class Learner:
         return update
 
     def _send_before_welcome(self, state: FragmentState) -> Update | None:
-        """A Welcome one version past the fragment this learner trained on (a round committed while it was away)
+        """A Welcome past the version of the fragment this learner trained on (rounds committed while it was away)
         overwrites that work: work never sent (its update undelivered, or none published since the base) goes out
-        first, one version late, as before a newer `FragmentState` (`_publish_before`). Until 2026-12-07 it was
-        overwritten: a learner cut off from a restarting syncer lost what it trained meanwhile on every fragment
-        that others moved on before it joined again. Its work ledger records it before the Welcome
-        (`LearnerRules.receive`): it was trained on the version this learner held before."""
-        if not self._overwrites_unsent_work(state):
+        first, late by as many versions, as before a newer `FragmentState` (`_publish_before`); the syncer merges it
+        into the fragment's next round, or refuses it as stale beyond `QuorumConfig.max_staleness`. Until 2026-12-07
+        it was overwritten: a learner cut off from a restarting syncer lost what it trained meanwhile on every fragment
+        that others moved on before it joined again; and until a session later, where the Welcome came two or more
+        versions on (a syncer frozen for a minute: the first learner back published its work of the outage and trained
+        on before the others joined; a third of one learner's tokens was never merged). Its work ledger records it
+        before the Welcome (`LearnerRules.receive`): it was trained on the version this learner held before."""
+        if not self._overwrites_unsent_work(state, versions_on=None):
             return None
         update = self._publish(state.fragment, final=self.finishing)
         if update is not None:
             self.stats.updates_published_early += 1
         return update
 
-    def _overwrites_unsent_work(self, state: FragmentState) -> bool:
-        """Whether applying `state`, the version right after the one this learner trained its fragment on (an older
-        base is too far behind to be worth sending), would overwrite work since that base that has not gone out."""
+    def _overwrites_unsent_work(self, state: FragmentState, *, versions_on: int | None) -> bool:
+        """Whether applying `state`, `versions_on` versions past the one this learner trained its fragment on (None:
+        any number), would overwrite work since that base that has not gone out."""
         p = state.fragment
-        return (0 <= p < self.plan.num_fragments and self.versions[p] >= 0 and state.version == self.versions[p] + 1
+        return (0 <= p < self.plan.num_fragments and 0 <= self.versions[p] < state.version
+                and (versions_on is None or state.version == self.versions[p] + versions_on)
                 and self.steps_since[p] > 0 and not self.sent.sent_since(p, self.versions[p]))
 
     def _follow_close(self, state: FragmentState) -> None:
