@@ -188,6 +188,30 @@ def test_a_stalled_learner_is_shown_in_both_tables(tmp_path):
     assert learner_row(slot(ChildState.BACKOFF, pid=11), status, syncer_status, 0.0).state == "backoff"
 
 
+def test_a_learner_the_syncer_lost_is_shown_away_until_it_joins_again(tmp_path):
+    # A learner stopped (SIGSTOP, a suspended VM) or cut off: the syncer times it out, and the console went quiet about
+    # it (a probe); it reads "away" while the syncer does not count it and it is cut off or not writing its status.
+    paths = fake_run(tmp_path)
+    syncer_status = json.loads(paths.syncer_status.read_text()) | {"time": 1000.0}
+    syncer_status["learners"]["1"] = syncer_status["learners"].get("1", {}) | {"alive": False}
+    fresh = json.loads(paths.learner_status(1).read_text()) | {"pid": 11, "state": "training", "time": 999.0}
+
+    def state(status: dict, alive: bool = False) -> str:
+        syncer_status["learners"]["1"]["alive"] = alive
+        return learner_row(slot(ChildState.RUNNING, pid=11), status, syncer_status, 0.0).state
+
+    assert state(fresh | {"connected": False}) == "away (training)"  # it knows it is cut off
+    assert state(fresh | {"connected": True, "time": 900.0}) == "away (training)"  # stopped: its file is stale
+    # Joined again, the syncer's file not yet written: not away.
+    assert state(fresh | {"connected": True}) == "training"
+    assert state(fresh | {"connected": False}, alive=True) == "training"  # the syncer has it: its own view lags
+    assert state(fresh | {"connected": False, "state": "joining"}) == "joining"
+    console = Console(width=200, record=True)
+    console.print(learners_table([learner_row(slot(ChildState.RUNNING, pid=11), fresh | {"connected": False},
+                                              syncer_status, 0.0)]))
+    assert "away (training)" in console.export_text()
+
+
 def test_the_live_view_shows_a_stop_wait_at_once(tmp_path):
     # While the run stops no tick redraws the live view: the line saying whom the launcher waits for must.
     from io import StringIO

@@ -87,6 +87,10 @@ def learner_state(slot: Slot, status: Mapping[str, Any] | None, now: float) -> s
     return str(slot.state)
 
 
+AWAY_AFTER_S = 10.0
+"""A running learner whose status file is this much older than the syncer's is not writing it: stopped or hung."""
+
+
 def learner_row(slot: Slot, status: Mapping[str, Any] | None, syncer_status: Mapping[str, Any] | None,
                 now: float) -> LearnerRow:
     assert slot.learner_id is not None
@@ -96,6 +100,12 @@ def learner_row(slot: Slot, status: Mapping[str, Any] | None, syncer_status: Map
     state = learner_state(slot, status or None, now)
     if per_learner.get("stalled") and slot.state == ChildState.RUNNING:
         state = f"stalled ({state})"  # alive to the syncer, without updates: rounds do not wait for it
+    elif state in ("training", "waiting") and per_learner.get("alive") is False and (
+            status.get("connected") is False
+            or float((syncer_status or {}).get("time", 0)) - float(status.get("time", 0)) > AWAY_AFTER_S):
+        # The syncer stopped counting it (its heartbeats stopped: a process stopped, a link cut) and the learner is
+        # cut off, or has not written its status for a while: a probe's stopped learner went quiet without a word.
+        state = f"away ({state})"
     return LearnerRow(slot.learner_id, slot.pid, state, status.get("inner_step"),
                       status.get("inner_steps"), status.get("loss"), status.get("tokens_per_s"), rounds,
                       slot.restarts)
@@ -108,7 +118,7 @@ def learners_table(rows: list[LearnerRow]) -> Table:
     for row in rows:
         step = "-" if row.inner_step is None else f"{row.inner_step}/{row.inner_steps or '?'}"
         style = {"done": "green", "refused": "red", "unreachable": "red", "failed": "red", "disconnected": "yellow",
-                 "waiting": "yellow", "stalled": "yellow"}.get(row.state.split()[0], "")
+                 "waiting": "yellow", "stalled": "yellow", "away": "yellow"}.get(row.state.split()[0], "")
         table.add_row(str(row.learner_id), _num(row.pid, "d"), Text(row.state, style=style), step,
                       _num(row.loss, ".3f"), _num(row.tokens_per_s, ",.0f"), _num(row.rounds, "d"), str(row.restarts))
     return table
