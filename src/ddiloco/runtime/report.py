@@ -449,9 +449,11 @@ def print_summary(summary: Mapping[str, Any], console: Console) -> None:
         capped = row.get("updates_capped") or 0
         if capped:  # one learner far off the others moves the global model, at most this far each round
             console.print(Text(f"{capped} of learner {learner_id}'s updates were far larger than their fragments' "
-                               "previous rounds and counted at the cap (--max-norm-ratio): a learning rate too high "
-                               "for it, or a corrupted model, still moves the global model up to that much each "
-                               "round (logs/syncer.log names the rounds)", style="yellow"))
+                               "previous rounds and counted at the cap (--max-norm-ratio): work of many more inner "
+                               "steps than a round's (trained while the syncer was away, or after the others "
+                               "finished), a learning rate too high for it, or a corrupted model; each moves the "
+                               "global model at most that much a round (logs/syncer.log names the rounds)",
+                               style="yellow"))
     non_finite = ((summary.get("syncer") or {}).get("rejections") or {}).get("non_finite", 0)
     if non_finite:  # the table counts them among the rejections; what they mean is worth a line
         console.print(Text(f"the syncer rejected {non_finite} updates as non-finite: a learner's values were NaN or "
