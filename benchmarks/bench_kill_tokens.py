@@ -92,9 +92,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a TinyGPT of about 20 k parameters, no evaluator")
     parser.add_argument("--src", default="", help="another checkout's src/ to run instead of this one")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--keep", default="", help="a new folder to keep the run directories in")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench_kill_tokens_") as tmp:
-        shares = [one_run(Path(tmp) / f"run{n}", args) for n in range(args.runs)]
+    if args.keep:  # the run directories stay, for their work.jsonl and logs
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        shares = [one_run(Path(args.keep) / f"run{n}", args) for n in range(args.runs)]
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench_kill_tokens_") as tmp:
+            shares = [one_run(Path(tmp) / f"run{n}", args) for n in range(args.runs)]
     print("shares merged:", " ".join(f"{share:.4f}" for share in shares))
 
 
