@@ -1,5 +1,5 @@
 """A run directory met by another ddiloco than the one that wrote it, and a resume whose syncer refuses to start: real
-`ddiloco run` processes on a tiny TinyGPT.
+`ddiloco run` processes on a tiny TinyGPT (acceptance: about 45 s; the records alone: tests/unit/test_run_records.py).
 
 - A `--resume` whose syncer refuses the run directory (a damaged round log here; a state of another config, a run of
   another version) puts back the records the start rewrote, `config.json` and `launcher/command.json`: until
@@ -24,7 +24,7 @@ from ddiloco.checkpoint import load_latest_state, save_state
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import SMALL_RUN, TINY_MODEL_FLAGS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 
 WAIT_S = 240.0
 
