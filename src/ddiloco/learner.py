@@ -429,18 +429,16 @@ class Learner:
         names = self.plan.fragments[p]
         self.declared.check_shapes(names)
         current = self.access.read(p, names)
+        encoded = DeferredPayload({name: self.local.base[p][name] for name in names}, current, self._codec,
+                                  dtypes={name: self._params[name].dtype for name in names})
         # Deferred, only the copy above is on this thread: the pseudo-gradient and its encoding are on the publisher's.
-        payload: Mapping[str, bytes] | None = DeferredPayload(
-            {name: self.local.base[p][name] for name in names}, current, self._codec,
-            dtypes={name: self._params[name].dtype for name in names})
-        if not self.deferred:
-            deferred, payload = payload, payload.resolve()
-            if payload is None:
-                self.stats.updates_withheld_non_finite += 1
-                logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
-                             self.learner_id, self.inner_step, deferred.non_finite)
-                self.recover()
-                return None
+        payload: Mapping[str, bytes] | None = encoded if self.deferred else encoded.resolve()
+        if payload is None:
+            self.stats.updates_withheld_non_finite += 1
+            logger.error("[learner %d | inner %d] non-finite pseudo-gradient in %s: update withheld",
+                         self.learner_id, self.inner_step, encoded.non_finite)
+            self.recover()
+            return None
         if self._timed_steps:
             self.step_time_s = self._timed_s / self._timed_steps
             self._timed_s, self._timed_steps = 0.0, 0
