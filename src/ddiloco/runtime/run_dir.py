@@ -97,6 +97,21 @@ class RunDirBefore:
     """The APPENDED_AT_START files there were, by path: their length in bytes."""
 
 
+def _put_back(before: RunDirBefore, paths: list[Path]) -> tuple[list[Path], list[str]]:
+    """Write back each of `paths` whose bytes `before` holds (REWRITTEN_AT_START) and which differs now: those put
+    back, and a line for each that could not be."""
+    restored, left = [], []
+    for path in paths:
+        data = before.rewritten.get(path)
+        try:
+            if data is not None and (not path.is_file() or path.read_bytes() != data):
+                atomic_write_bytes(path, data)
+                restored.append(path)
+        except OSError as exc:
+            left.append(f"{path} ({exc.strerror or exc})")
+    return restored, left
+
+
 RUN_RECORDS = ("config.json", "launcher/command.json")
 """The records a start rewrites that say what the run is and how its processes start (`--resume` reads them)."""
 
@@ -106,20 +121,13 @@ def restore_run_records(before: RunDirBefore) -> str | None:
     as they were before it. A refused upgrade left them rewritten with today's fields and flags, which the version that
     wrote the run refuses as unknown (an upgrade probe: a run neither version opened, until 2026-12-07). Returns the
     console's line; None when nothing was rewritten."""
-    restored, left = [], []
-    for name in RUN_RECORDS:
-        path, data = before.root / name, before.rewritten.get(before.root / name)
-        try:
-            if data is not None and (not path.is_file() or path.read_bytes() != data):
-                atomic_write_bytes(path, data)
-                restored.append(name)
-        except OSError as exc:
-            left.append(f"{path} ({exc.strerror or exc})")
+    restored, left = _put_back(before, [before.root / name for name in RUN_RECORDS])
     if left:
         return f"the syncer never served, and what this start rewrote could not all be put back: {'; '.join(left)}"
     if not restored:
         return None
-    return (f"the syncer never served, so no learner ran: {' and '.join(restored)} "
+    names = [str(path.relative_to(before.root)) for path in restored]
+    return (f"the syncer never served, so no learner ran: {' and '.join(names)} "
             f"{'is as it was' if len(restored) == 1 else 'are as they were'} before this start")
 
 
@@ -164,12 +172,7 @@ def undo_start(before: RunDirBefore) -> list[str]:
                         path.unlink()
                 except OSError as exc:
                     left.append(f"{path} ({exc.strerror or exc})")
-    for path, data in before.rewritten.items():
-        try:
-            if not path.is_file() or path.read_bytes() != data:
-                atomic_write_bytes(path, data)
-        except OSError as exc:
-            left.append(f"{path} ({exc.strerror or exc})")
+    left += _put_back(before, list(before.rewritten))[1]
     for path, length in before.lengths.items():
         try:
             if path.stat().st_size > length:
