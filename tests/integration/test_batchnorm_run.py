@@ -93,14 +93,21 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
     # trained fewer than the 80 steps, so no bound on the count itself).
     assert tensors["1.num_batches_tracked"] == learners[0]["1.num_batches_tracked"] > 0
 
+    # The statistics describe the exported model: its first layer's activations on the evaluation data. (Not a ratio
+    # of losses: the model at the end of this 80-step run varies from run to run, an evaluation loss of 0.3 to 8.6 in
+    # ten runs, and 0.37 to 135 with the initial statistics; a CI run failed `loss < initial / 10` with 3.11 vs 0.37.)
+    x, _ = bn.batch(torch.Generator().manual_seed(99), 512)
+    with torch.no_grad():
+        activations = model[0](x)
+    mean, var = activations.mean(0), activations.var(0)
+    # Relative to the initial statistics (mean 0, variance 1), whose error is 1 on both by construction: 0.07-0.18 in
+    # those ten runs.
+    assert (tensors["1.running_mean"] - mean).norm() < (mean - 0).norm() / 2, (tensors["1.running_mean"], mean)
+    assert (tensors["1.running_var"] - var).norm() < (var - 1).norm() / 2, (tensors["1.running_var"], var)
+
     model.eval()
     with torch.no_grad():
         loss = bn.evaluate(model)
-        built = bn.build().state_dict()
-        model.load_state_dict({**tensors, **{n: built[n] for n in ("1.running_mean", "1.running_var")}})
-        loss_with_initial_statistics = bn.evaluate(model)
-    assert loss < loss_with_initial_statistics / 10, (loss, loss_with_initial_statistics)
-
     lines = (run_dir / "evaluator" / "metrics.jsonl").read_text().splitlines()
     final = [json.loads(line)["eval/val_loss"] for line in lines if "eval/val_loss" in line][-1]
     assert final == pytest.approx(loss, rel=1e-5)  # the final evaluation: the exported model, buffers included
