@@ -35,6 +35,18 @@ next updates take it back, each (1 - d) of the way. Honest samples stay inside t
 traces; the largest from learners that waited out the others' failures at the end of a run). A slowdown of every
 learner beyond the bound is followed in a few updates."""
 
+MIN_GRACE_S = 0.01
+"""The adaptive window's floor in seconds, whatever the step time (and its cap never below it), unless
+`QuorumConfig.grace_min_steps` or `grace_max_steps` is 0. Processes that share cores are descheduled for milliseconds
+at a time, so updates that learners of a model with millisecond steps publish at the same inner step reach the syncer
+milliseconds apart: a window of a quarter step (0.25 ms) or two (the cap) closed each round on its first update.
+Those learners, already waiting for every result (the round trip, 31 ms, was 31 of their steps), then took part in a
+third of each other's rounds one version late or folded, and the schedule moves that lateness sets off pulled the
+rounds forward (310 instead of 200): 4 learners of a 3-16-1 MLP at AdamW 1e-2 on 2 cores, 800 steps, trained to
+0.04-1.0 with spikes to 8, against 0.0001 for each learner's plain loop and for the same run with a fixed 5 ms or 20
+ms window, which also ran 20-30 % faster (docs/results.md, "Defaults and rounds", item 19). From a 40 ms step on, a
+quarter step is longer: nothing changes there, nor in the harness's 1 s steps."""
+
 
 def bounded_step_time(sample: float, estimate: float | None) -> float:
     """A step-time sample in seconds, clipped to within a factor MAX_STEP_TIME_RATIO of the current `estimate` (none
@@ -62,11 +74,11 @@ class Ema:
 
 def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: float | None,
                  quorum_time_s: float | None, sync_time_s: float | None) -> float:
-    """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap
-    leaves, at least `grace_min_steps` step times (updates arriving together share a round even without slack), at
-    most `grace_max_steps` of them and never more than tau - 1 (one step of the overlap is the estimates' margin;
-    at tau <= 2 the cap is one step, the paper's). The estimates are moving averages
-    (None: no sample yet); without a step time the adaptive window is none."""
+    """Seconds to wait for stragglers once the quorum is present: adaptive, gamma times the slack the overlap leaves, at
+    least `grace_min_steps` step times and MIN_GRACE_S (updates arriving together share a round even without slack),
+    at most `grace_max_steps` of them and never more than tau - 1 (one step of the overlap is the estimates' margin;
+    at tau <= 2 the cap is one step, the paper's), or MIN_GRACE_S where that is longer. The estimates are moving
+    averages (None: no sample yet); without a step time the adaptive window is none."""
     if quorum.grace == "none":
         return 0.0
     if quorum.grace == "fixed":
@@ -75,7 +87,11 @@ def grace_window(config: DilocoConfig, quorum: QuorumConfig, *, step_time_s: flo
         return 0.0
     slack = config.overlap_steps * step_time_s - (quorum_time_s or 0.0) - (sync_time_s or 0.0)
     cap_steps = min(quorum.grace_max_steps, max(1, config.overlap_steps - 1))
-    return min(max(quorum.grace_gamma * slack, quorum.grace_min_steps * step_time_s), cap_steps * step_time_s)
+    if cap_steps <= 0:
+        return 0.0
+    least_s = MIN_GRACE_S if quorum.grace_min_steps else 0.0
+    floor_s, cap_s = max(quorum.grace_min_steps * step_time_s, least_s), max(cap_steps * step_time_s, least_s)
+    return min(max(quorum.grace_gamma * slack, floor_s), cap_s)
 
 
 def round_margins(config: DilocoConfig, *, step_time_s: float | None, quorum_at: float | None, grace_s: float,

@@ -3,6 +3,7 @@
 import pytest
 
 from ddiloco.config import DilocoConfig, QuorumConfig
+from ddiloco.round_timing import MIN_GRACE_S
 from ddiloco.syncer import Syncer
 from tests.helpers import TinyNet, make_system, params_of, publish, single_fragment
 
@@ -104,6 +105,26 @@ def test_the_adaptive_grace_cap_is_grace_max_steps_and_at_most_tau_minus_one_ste
     assert grace(0) == pytest.approx(0.25)                            # no slack: the floor, a quarter step
     assert grace(0, grace_min_steps=2.0) == pytest.approx(1.0)        # the floor too stays under the cap
     assert grace(3, grace_max_steps=0.0) == 0.0                       # a cap of 0 turns the window off
+
+
+def test_the_adaptive_window_of_millisecond_steps_still_covers_the_milliseconds_processes_arrive_apart():
+    """A model with 1 ms inner steps, learners on shared cores: updates of one inner step arrive milliseconds apart
+    (descheduled processes), and the round trip alone (31 ms) used the overlap up. The window was a quarter step,
+    0.25 ms: each round closed on its first update, and 4 learners of a 3-16-1 MLP trained to 0.04-1.0 where each
+    one's plain loop reaches 0.0001 (docs/results.md, "Defaults and rounds", item 19). Now at least MIN_GRACE_S."""
+    def grace(step_time_s, path_s, **quorum):
+        quorum_config = QuorumConfig(grace="adaptive", **quorum)
+        syncer = Syncer(single_fragment(overlap_steps=3), quorum_config, initial_params=params_of(TinyNet()))
+        syncer.step_time.value, syncer.quorum_time.value, syncer.sync_time.value = step_time_s, 0.0, path_s
+        return syncer.grace_window()
+
+    assert MIN_GRACE_S == 0.01
+    assert grace(0.001, 0.031) == pytest.approx(0.01)    # no slack: the floor, 10 ms, not 0.25 ms
+    assert grace(0.001, 0.0) == pytest.approx(0.01)      # slack (3 ms): the cap of two steps, lifted to 10 ms
+    assert grace(0.2, 1.0) == pytest.approx(0.05)        # a 0.2 s step: a quarter step, as before
+    assert grace(0.2, 0.0) == pytest.approx(0.4)         # and its cap of two steps
+    assert grace(0.001, 0.031, grace_min_steps=0.0) == 0.0   # a floor of 0 is none, in seconds too
+    assert grace(0.001, 0.0, grace_max_steps=0.0) == 0.0     # a cap of 0 turns the window off
 
 
 def test_step_time_is_estimated_from_update_arrivals():

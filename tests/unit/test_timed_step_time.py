@@ -16,6 +16,7 @@ from ddiloco.config import QuorumConfig
 from ddiloco.inprocess import InProcessHub
 from ddiloco.learner import Learner
 from ddiloco.messages import Join, Rejected, RejectReason, Send, Update
+from ddiloco.round_timing import MIN_GRACE_S
 from ddiloco.syncer import Syncer
 from tests.helpers import TinyNet, params_of, sgd, single_fragment
 
@@ -101,7 +102,7 @@ def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
     """Each learner reports, with its next update of a fragment, how long its last one took to come back as the round's
     result (`Update.result_delay_s`); less what the syncer held that update, it is the path the syncer's own sync time
     (handing the result to gRPC) leaves out. Behind a 0.6 s path the overlap (tau = 3 steps of 0.01 s) has no slack
-    left: the window is its floor (a quarter step), not its cap (two steps)."""
+    left: the window is its floor (a quarter step, or `MIN_GRACE_S` where that is longer), not its cap (two steps)."""
     syncer, payload = joined_syncer(1)
     now, inner_step = 0.0, 0
     windows = []
@@ -118,7 +119,7 @@ def test_the_grace_window_leaves_room_for_the_path_the_learners_report():
         syncer.advance(now)
     assert syncer.path_time.value == pytest.approx(PATH_S, rel=0.01)
     assert windows[0] == pytest.approx(2 * STEP_S)  # no path reported yet: the driver's sync time (none here)
-    assert windows[-1] == pytest.approx(0.25 * STEP_S)
+    assert windows[-1] == pytest.approx(MIN_GRACE_S)  # the floor: a quarter step is 2.5 ms, MIN_GRACE_S 10 ms
 
 
 def test_a_result_delay_of_another_base_is_not_taken():
