@@ -94,8 +94,9 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
     assert tensors["1.num_batches_tracked"] == learners[0]["1.num_batches_tracked"] > 0
 
     # The statistics describe the exported model: its first layer's activations on the evaluation data. (Not a ratio
-    # of losses: the model at the end of this 80-step run varies from run to run, an evaluation loss of 0.3 to 8.6 in
-    # ten runs, and 0.37 to 135 with the initial statistics; a CI run failed `loss < initial / 10` with 3.11 vs 0.37.)
+    # of losses, which says how well the run trained: a CI run failed `loss < initial / 10` with 3.11 vs 0.37. In ten
+    # runs the evaluation loss was 0.3 to 8.6, and 0.37 to 135 with the initial statistics, while rounds of a
+    # quarter-step window took one learner each; 0.258 in eight runs with the 10 ms window, docs/results.md item 19.)
     x, _ = bn.batch(torch.Generator().manual_seed(99), 512)
     with torch.no_grad():
         activations = model[0](x)
