@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from ddiloco import __version__, interrupts
+from ddiloco import interrupts
 
 COMMAND_MODULES = (
     "ddiloco.plan.commands",
@@ -38,9 +38,10 @@ class _Version(argparse.Action):
                          help=help or "show the version and the wire schema, and exit")
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from ddiloco.build_info import build_id
         from ddiloco.messages import SCHEMA_VERSION
 
-        print(f"ddiloco {__version__} (wire schema {SCHEMA_VERSION})")  # on stdout, as argparse's own version action
+        print(f"ddiloco {build_id()} (wire schema {SCHEMA_VERSION})")  # on stdout, as argparse's own version action
         parser.exit()
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.build_info import build_id
 from ddiloco.checkpoint import load_latest_state, read_json_object
 from ddiloco.runtime.child_process import process_group_alive
 from ddiloco.runtime.run_paths import RunPaths
@@ -96,6 +97,11 @@ def test_short_run_writes_the_run_directory_and_summary(tmp_path):
     assert config["inner_steps"] == 48 and config["num_learners"] == 2 and config["model"]["width"] == 32
     for name in ("metrics.jsonl", "val_loss.png", "participation.png", "bytes.png"):
         assert (run_dir / name).stat().st_size > 0, name
+    # Which build ran the session and its syncer (ddiloco.build_info): the version alone did not tell builds apart.
+    for path, event in ((run_dir / "launcher" / "metrics.jsonl", "run_started"),
+                        (run_dir / "syncer" / "metrics.jsonl", "start")):
+        (started,) = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == event]
+        assert started["ddiloco"] == build_id(), started
     assert_all_gone(started_pids(run_dir))
 
 

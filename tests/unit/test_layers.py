@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                       "ddiloco.state_plan")),
      ("transport", ("ddiloco.transport", "ddiloco.transport.*"))),
     (("building blocks", ("ddiloco.downlink", "ddiloco.update_values", "ddiloco.kernels", "ddiloco._kernels",
-                          "ddiloco.kernel_threads", "ddiloco.checksums", "ddiloco.compression",
+                          "ddiloco.kernel_threads", "ddiloco.checksums", "ddiloco.compression", "ddiloco.build_info",
                           "ddiloco.codec_interface", "ddiloco.zero_encodings", "ddiloco.fragments",
                           "ddiloco.model", "ddiloco.data", "ddiloco.training", "ddiloco.clock", "ddiloco.checkpoint",
                           "ddiloco.round_log", "ddiloco.state_tree",

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ddiloco import interrupts
+from ddiloco.build_info import build_id
 from ddiloco.flags import add_config_flags
 from ddiloco.run_config import RUN_FIELDS, SECTIONS, RunConfig, add_run_config_flags, run_config_from_args
 from ddiloco.runtime.process_settings import (
@@ -232,7 +233,8 @@ def run_syncer(settings: SyncerSettings, args: argparse.Namespace) -> int:
         init = load_init_file(settings.init)
     sink = run_dir_sink(run_dir / "syncer")
     sink.event("start", source="checkpoint" if genesis is not None else "init",
-               rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed)
+               rounds_committed=syncer.rounds_committed if syncer is not None else 0, replayed=restored.replayed,
+               ddiloco=build_id())
     service = SyncerService(run_config, syncer, store, sink=sink, config=service_config, restored=restored,
                             init=init, init_source=f"--init {settings.init}" if init is not None else "")
     try:

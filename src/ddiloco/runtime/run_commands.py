@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco import interrupts
+from ddiloco.build_info import build_id
 
 if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser without them
     from ddiloco.run_config import RunConfig
@@ -343,7 +344,7 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
         console.print(note, highlight=False, soft_wrap=True)
     sink = JsonlSink(paths.launcher_metrics)
     sink.event("run_started", pid=os.getpid(), num_learners=config.num_learners, inner_steps=config.inner_steps,
-               threads=threads, resume=args.resume is not None, child_command=list(launch.command))
+               threads=threads, resume=args.resume is not None, child_command=list(launch.command), ddiloco=build_id())
     progress_holder: list[ProgressView] = []
 
     def on_event(event: Event) -> None:
