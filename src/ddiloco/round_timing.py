@@ -39,13 +39,14 @@ MIN_GRACE_S = 0.01
 """The adaptive window's floor in seconds, whatever the step time (and its cap never below it), unless
 `QuorumConfig.grace_min_steps` or `grace_max_steps` is 0. Processes that share cores are descheduled for milliseconds
 at a time, so updates that learners of a model with millisecond steps publish at the same inner step reach the syncer
-milliseconds apart: a window of a quarter step (0.25 ms) or two (the cap) closed each round on its first update.
-Those learners, already waiting for every result (the round trip, 31 ms, was 31 of their steps), then took part in a
-third of each other's rounds one version late or folded, and the schedule moves that lateness sets off pulled the
-rounds forward (310 instead of 200): 4 learners of a 3-16-1 MLP at AdamW 1e-2 on 2 cores, 800 steps, trained to
-0.04-1.0 with spikes to 8, against 0.0001 for each learner's plain loop and for the same run with a fixed 5 ms or 20
-ms window, which also ran 20-30 % faster (docs/results.md, "Defaults and rounds", item 19). From a 40 ms step on, a
-quarter step is longer: nothing changes there, nor in the harness's 1 s steps."""
+milliseconds apart: a window of a quarter step (0.25 ms) closed each round on its first update (and one of two steps,
+the cap, 2 ms, did little better). Those learners, already waiting for every result (the round trip, 31 ms, was 31 of
+their steps), had their updates merged a version late or folded into their next one (264 folds in 311 rounds), and
+the schedule moves that lateness sets off pulled the rounds forward (310 instead of 200): 4 learners of a 3-16-1 MLP
+at AdamW 1e-2 on 2 cores, 800 steps, trained to 0.04-1.0 with spikes to 8, against 0.0001 for each learner's plain
+loop and for the same run with a fixed 5 ms or 20 ms window, which also ran 10-30 % faster (docs/results.md,
+"Defaults and rounds", item 19). From a 40 ms step on, a quarter step is longer: nothing changes there, nor in the
+harness's 1 s steps."""
 
 
 def bounded_step_time(sample: float, estimate: float | None) -> float:

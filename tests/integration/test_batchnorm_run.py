@@ -95,8 +95,8 @@ def test_the_export_and_the_evaluator_use_the_learners_batchnorm_statistics(tmp_
 
     # The statistics describe the exported model: its first layer's activations on the evaluation data. (Not a ratio
     # of losses, which says how well the run trained: a CI run failed `loss < initial / 10` with 3.11 vs 0.37. In ten
-    # runs the evaluation loss was 0.3 to 8.6, and 0.37 to 135 with the initial statistics, while rounds of a
-    # quarter-step window took one learner each; 0.258 in eight runs with the 10 ms window, docs/results.md item 19.)
+    # runs the evaluation loss was 0.3 to 8.6, and 0.37 to 135 with the initial statistics, while a quarter-step window
+    # closed rounds on their first update; 0.258 in eight runs with the 10 ms window, docs/results.md item 19.)
     x, _ = bn.batch(torch.Generator().manual_seed(99), 512)
     with torch.no_grad():
         activations = model[0](x)
