@@ -134,6 +134,10 @@ class SyncerService:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._closing = False
+        self._timer_due_at: float | None = None
+        """When the timer last ran, or when its current wait is to end (None before it first runs): a core call or a
+        timer step later than that by more than PAUSE_S, from whichever thread, finds a pause of the syncer's own
+        (`_note_pause`)."""
         self._subscriptions: dict[int, Subscription] = {}
         self._threads: list[threading.Thread] = []
         self.tally = SyncerTally((restored or Restored()).meta,
@@ -437,13 +441,29 @@ class SyncerService:
         The process ends instead, with EXIT_CORE_FAULT, and the supervisor restarts it from its durable state (the
         round log is replayed bit for bit); the learners reconnect by themselves."""
         try:
-            return call(message, self.clock.now())
+            now = self.clock.now()
+            self._note_pause(now)
+            return call(message, now)
         except Exception:
             logger.critical("[syncer] the syncer core failed on %s: ending the process, to restart from its durable "
                             "state", type(message).__name__ if message is not None else "its timer", exc_info=True)
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os._exit(EXIT_CORE_FAULT)
+
+    def _note_pause(self, now: float) -> None:
+        """A syncer that did not run for longer than PAUSE_S past its timer's due time (its process stopped, its
+        machine suspended, the lock held by a long merge) tells its core, once, before the core hears or times
+        anything: the learners could not be heard meanwhile. Every core call and each step of the timer looks, so a
+        stop is found wherever it fell: until 2026-12-07 only the timer's wake-up looked, and a stop while the timer
+        was advancing the core went unseen (its next wait was set from the time after the stop), so its next advance
+        timed every learner out (a CI run of tests/integration/test_syncer_pause.py). Lock held."""
+        due_at = self._timer_due_at
+        if self.syncer is not None and due_at is not None and now - due_at > PAUSE_S:
+            logger.warning("[syncer] paused for %.1f s (its process was stopped or its machine suspended?): "
+                           "not counted as the learners' silence", now - due_at)
+            self.syncer.paused(now - due_at)
+            self._timer_due_at = now
 
     # ---- carrying out actions (lock held) -----------------------------------------------------------------
 
@@ -480,23 +500,21 @@ class SyncerService:
 
     def _timer_loop(self) -> None:
         with self._cond:
-            due_at: float | None = None  # when the last wait was to end
             while not self._closing:
                 if self.syncer is None:
                     self._cond.wait()  # woken by the genesis (or the stop)
                     continue
                 now = self.clock.now()
-                if due_at is not None and now - due_at > PAUSE_S:
-                    logger.warning("[syncer] paused for %.1f s (its process was stopped or its machine suspended?): "
-                                   "not counted as the learners' silence", now - due_at)
-                    self.syncer.paused(now - due_at)
+                self._note_pause(now)
+                self._timer_due_at = now  # running: a stop from here on is measured from now
                 deadline = self.syncer.next_deadline()
                 if deadline is not None and deadline <= now:
                     self._carry_out(self._core(lambda _, at: self.syncer.advance(at), None))
                     deadline = self.syncer.next_deadline()
                 now = self.clock.now()
+                self._note_pause(now)  # a stop while it advanced: before the next due time hides it
                 timeout = TIMER_TICK_S if deadline is None else min(TIMER_TICK_S, max(MIN_TIMER_WAIT_S, deadline - now))
-                due_at = now + timeout
+                self._timer_due_at = now + timeout
                 self._cond.wait(timeout)
 
     def _status_loop(self) -> None:
