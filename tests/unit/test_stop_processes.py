@@ -55,9 +55,12 @@ def test_a_stopped_child_is_continued_so_that_it_handles_its_sigterm(tmp_path):
     assert child.returncode == 7  # not -9: it ran its SIGTERM handler
 
 
-# A grandchild in the child's group that says whether a SIGTERM reached it (a DataLoader worker, a wrapped script).
-GRANDCHILD = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[1])"
-              ".write_text('SIGTERM'), sys.exit(0))); pathlib.Path(sys.argv[1] + '.ready').touch(); time.sleep(60)")
+# A grandchild in the child's group that says whether a SIGTERM reached it (a DataLoader worker, a wrapped script), half
+# a second after it (a stop checkpoint being written: a CI run's wrapper was gone, and its group SIGKILLed, before the
+# grandchild's handler had run).
+GRANDCHILD = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), "
+              "pathlib.Path(sys.argv[1]).write_text('SIGTERM'), sys.exit(0))); "
+              "pathlib.Path(sys.argv[1] + '.ready').touch(); time.sleep(60)")
 PARENT = ("import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(60)")
 

@@ -8,7 +8,8 @@ child), then SIGKILL to the group after a timeout. The SIGTERM goes to the child
 (`stops_its_own`): its session stops at its next step and ends what it started, where a SIGTERM to its group killed the
 workers of its DataLoader first, and torch's "DataLoader worker (pid N) is killed by signal" failed the learner before
 its stop checkpoint; to the whole group where the child is anything else (a wrapper, `bash run.sh`, passes no signal
-on). What is started, with which command line, is `ddiloco.runtime.launcher`.
+on), and then the stop waits for the group, not only for the wrapper, which dies of the SIGTERM while the script it
+runs still writes its checkpoint. What is started, with which command line, is `ddiloco.runtime.launcher`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class ChildProcess:
     started_at: float
     """Monotonic seconds."""
     returncode: int | None = None
+    stop_requested: bool = False
+    """Set by `request_stop`: a wrapper's group then keeps running after the wrapper (`running`)."""
 
     @property
     def pid(self) -> int:
@@ -87,10 +90,23 @@ class ChildProcess:
         """The exit code once it has exited (negative: killed by that signal), else None."""
         if self.returncode is None:
             self.returncode = self.popen.poll()
-            if self.returncode is not None:
+            if self.returncode is not None and not self._group_handles_the_stop:
                 # Anything it left in its group (a helper it spawned) goes with it.
                 self.signal_group(signal.SIGKILL)
         return self.returncode
+
+    @property
+    def _group_handles_the_stop(self) -> bool:
+        # A wrapper (`bash run.sh`) dies of the SIGTERM at once, while the script it runs, which got the same SIGTERM,
+        # is still writing its stop checkpoint: killing the group with the wrapper cut that checkpoint off.
+        return self.stop_requested and not self.stops_its_own
+
+    def running(self) -> bool:
+        """Whether a stop still waits for it: its process, or after a stop's SIGTERM to its group (a wrapper), any
+        process left in its group."""
+        if self.poll() is None:
+            return True
+        return self._group_handles_the_stop and process_group_alive(self.pid)
 
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -107,6 +123,7 @@ class ChildProcess:
         """SIGTERM, to the child alone or to its group (`stops_its_own`), and SIGCONT to the group: a stopped child
         (SIGSTOP, a chaos hang, Ctrl-Z) handles its SIGTERM only once it runs again (it was SIGKILLed at the timeout
         instead, with its work since its last checkpoint)."""
+        self.stop_requested = True
         if self.stops_its_own:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, signal.SIGTERM)
@@ -150,13 +167,13 @@ def stop_processes(children: Sequence[ChildProcess], timeout_s: float, *,
     started = clock()
     deadline = started + timeout_s
     noticed = False
-    pending = [c for c in children if c.poll() is None]
+    pending = [c for c in children if c.running()]
     while pending and clock() < deadline and not kill_now():
         if not noticed and clock() - started >= STOP_NOTICE_AFTER_S:
             noticed = True
             on_wait(pending)
         time.sleep(STOP_POLL_S)
-        pending = [c for c in pending if c.poll() is None]
+        pending = [c for c in pending if c.running()]
     waited_s = clock() - started
     why = (f"still running {timeout_s:g} s after SIGTERM" if waited_s >= timeout_s
            else f"SIGKILL asked for (a second stop signal) {waited_s:.1f} s after SIGTERM")  # not a timeout: say so
