@@ -268,6 +268,7 @@ def _lines(text: str, needle: str) -> int:
     return sum(needle in line for line in text.splitlines())
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_a_flood_of_unauthenticated_calls_is_counted_exactly_in_a_bounded_log(syncer):
     events = syncer.run_dir / "syncer" / "metrics.jsonl"
     before_count = status(syncer)["rejections"].get("unauthenticated", 0)

@@ -91,6 +91,7 @@ with ddiloco.session(model, optimizer) as sync:
 '''
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_run_stopped_while_its_learners_dataloader_workers_run_stops_each_learner_cleanly(tmp_path):
     # The launcher's stop sent SIGTERM to each learner's whole process group: the DataLoader's workers died of it
@@ -128,6 +129,7 @@ def _wait_until_both_train(run_dir, popen) -> None:
                alive=(popen,))
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_sigterm_to_every_process_of_the_job_stops_each_learner_with_its_checkpoint(tmp_path):
     # scancel, and systemd's stop of a service (KillMode=control-group), send SIGTERM to every process of the job

@@ -138,6 +138,7 @@ else:
 """Every learner fails before its session (so the run never gets a genesis); the evaluator copy watches."""
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(120)
 def test_a_run_whose_learners_all_fail_does_not_wait_for_its_evaluator(tmp_path):
     script = tmp_path / "train.py"

@@ -56,6 +56,7 @@ ONE_WAY_S = 0.25
 FAR_RUN = (*TINY_MODEL_FLAGS, "--learners", "1", "--num-fragments", "2", "--sync-every", "8")
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(240)
 def test_the_syncers_step_time_leaves_out_the_waits_a_long_round_trip_makes(tmp_path, procs: Processes):
     run_dir = tmp_path / "run"

@@ -111,6 +111,7 @@ def test_a_script_whose_loop_ends_before_the_budget_is_done_and_not_restarted(tm
             "not restarted)") in output
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_a_failed_rank_is_quoted_with_its_own_exception(tmp_path):
     code, output, summary = run_script(tmp_path, "raise", "--nproc-per-learner", "2", rank=0)
     assert code == 0 and summary["learners"]["0"]["restarts"] == 1, output

@@ -116,6 +116,7 @@ def assert_resumed(run_dir: Path, checkpoint_step: int, merged_before: int, out:
     assert participations(run_dir, 0) > merged_before + 2, out  # it contributed again after the restart
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(600)
 def test_a_kill9_of_one_ddp_rank_restarts_only_its_learner_which_contributes_again(tmp_path):
     run_dir = tmp_path / "run"

@@ -78,6 +78,7 @@ def error_line(log: str) -> str:
     return log.strip().splitlines()[-1]
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_a_learner_whose_model_differs_from_the_runs_config_is_refused_before_it_becomes_the_genesis(
         procs, tmp_path, run_token):
     run_dir = tmp_path / "run"

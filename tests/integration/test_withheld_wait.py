@@ -44,6 +44,7 @@ with ddiloco.session(model, optimizer) as sync:
 '''
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_a_withheld_update_does_not_hold_its_learner_for_max_wait(tmp_path):
     script = tmp_path / "nan_once.py"
     script.write_text(SCRIPT)
