@@ -1,9 +1,16 @@
-"""Learners run through a wrapper stop when `ddiloco run` is killed (kill -9, the OOM killer).
+"""Learners run through a wrapper (`-- bash wrap.sh` that runs python as its child, `uv run`, `conda run`) stop
+cleanly: when `ddiloco run` is killed (kill -9, the OOM killer), and at a Ctrl-C.
 
-The launcher's children die with it (`PR_SET_PDEATHSIG`), but a script behind a wrapper (`-- bash wrap.sh` that runs
-python as its child, `uv run`, `conda run`) is a grandchild: it ran on with PPID 1, retrying its lost syncer for
-ever. Now each learner watches the launcher named in its environment and, once it is gone, stops as on SIGTERM.
-Real processes and a real `kill -9`; every process is killed by pid at the end, whatever happens.
+The launcher's children die with it (`PR_SET_PDEATHSIG`), but a script behind a wrapper is a grandchild: it ran on
+with PPID 1, retrying its lost syncer for ever. Now each learner watches the launcher named in its environment and,
+once it is gone, stops as on SIGTERM.
+
+A stop's SIGTERM goes to a wrapper's whole group: the wrapper (bash) dies of it at once, while the script it runs
+writes its stop checkpoint. The launcher SIGKILLed the group as soon as the wrapper had gone (within its 50 ms poll),
+so a learner whose checkpoint took longer (an 8 M-parameter model here) was killed mid-stop and its status stayed
+`training` (both learners, each run, before the fix).
+
+Real processes, a real `kill -9` and a real SIGINT; every process is killed by pid at the end, whatever happens.
 """
 
 from __future__ import annotations
@@ -117,6 +124,38 @@ def test_learners_behind_a_wrapper_stop_cleanly_when_the_launcher_is_killed(tmp_
         for pid in learners:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+LARGER_MODEL = "nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 4096), nn.Tanh(), nn.Linear(4096, 2)"
+"""8.4 M parameters: its checkpoint (model and AdamW state) takes longer than the launcher's poll."""
+
+
+@pytest.mark.acceptance  # the default suite's 15 minutes
+@pytest.mark.timeout(150)
+def test_a_ctrl_c_lets_learners_behind_a_wrapper_write_their_stop_checkpoint(tmp_path):
+    script, wrapper, run_dir = tmp_path / "train.py", tmp_path / "wrap.sh", tmp_path / "run"
+    script.write_text(SCRIPT.replace("nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)", LARGER_MODEL))
+    wrapper.write_text(WRAPPER.format(python=sys.executable, script=script, marks=tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "run", "--run-dir", str(run_dir), *SMALL_RUN,
+                                 "--inner-steps", "1000000", "--", "bash", str(wrapper)],
+                                cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        def training() -> bool | None:
+            statuses = [read_json(run_dir / "learners" / str(i) / "status.json") or {} for i in range(2)]
+            return all(s.get("state") == "training" and s.get("inner_step", 0) > 0 for s in statuses) or None
+
+        wait_until(training, "both learners training", alive=[launcher])
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=90) == 130
+        for i in range(2):
+            status = read_json(run_dir / "learners" / str(i) / "status.json")
+            assert status["state"] == "stopped", status  # checkpointed, not SIGKILLed with the wrapper's group
+            assert status["stop_requested"] is True
+    finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
