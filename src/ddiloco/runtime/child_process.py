@@ -98,7 +98,7 @@ class ChildProcess:
     @property
     def _group_handles_the_stop(self) -> bool:
         # A wrapper (`bash run.sh`) dies of the SIGTERM at once, while the script it runs, which got the same SIGTERM,
-        # is still writing its stop checkpoint: killing the group with the wrapper cut that checkpoint off.
+        # may still be writing its stop checkpoint: the stop waits for its group (`running`) instead.
         return self.stop_requested and not self.stops_its_own
 
     def running(self) -> bool:
