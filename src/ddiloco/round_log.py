@@ -29,6 +29,9 @@ from ddiloco.messages import Participant, RoundRecord
 
 logger = logging.getLogger(__name__)
 
+READ_BLOCK_BYTES = 1 << 16
+"""How far back from the log's end one read looks for its last newline (`RoundLog._ends`): a line is a few kB."""
+
 
 def round_record_from_json(line: dict[str, Any], merged: dict[str, torch.Tensor]) -> RoundRecord:
     return RoundRecord(
@@ -115,40 +118,59 @@ class RoundLog:
         stems = (path.stem.removeprefix("round_") for path in self.tensor_dir.glob("round_*.safetensors"))
         return [int(stem) for stem in stems if stem.isdigit()]
 
-    def _read(self) -> tuple[bytes, int]:
-        """The log's whole lines (up to its last newline) and the length of what follows them: a torn last line
-        (a crash while appending), 0 without one."""
+    def _raw_lines(self) -> Iterator[bytes]:
+        """Each whole line without its newline, in order, read a block at a time (a log of a million rounds is
+        gigabytes); a torn last line (a crash while appending, or a line being appended as it is read) is none.
+        Split on b"\n" only: json.dumps escapes every other line break, so these are the appender's lines."""
         try:
-            data = self.path.read_bytes()
+            file = self.path.open("rb")
         except FileNotFoundError:
-            return b"", 0
-        end = data.rfind(b"\n") + 1
-        return data[:end], len(data) - end
+            return
+        with file:
+            for raw in file:
+                if raw.endswith(b"\n"):
+                    yield raw[:-1]
+
+    def _ends(self) -> tuple[int, int]:
+        """(the size of the log's whole lines, the length of what follows them: a torn last line, 0 without one),
+        read back from the file's end only as far as its last newline."""
+        try:
+            file = self.path.open("rb")
+        except FileNotFoundError:
+            return 0, 0
+        with file:
+            size = end = file.seek(0, os.SEEK_END)
+            while end > 0:
+                start = max(0, end - READ_BLOCK_BYTES)
+                file.seek(start)
+                newline = file.read(end - start).rfind(b"\n")
+                if newline >= 0:
+                    return start + newline + 1, size - (start + newline + 1)
+                end = start
+            return 0, size
 
     def torn_bytes(self) -> int:
         """The length of a torn last line, 0 without one. Reads only."""
-        return self._read()[1]
+        return self._ends()[1]
 
     def repair(self) -> int:
         """Cut a torn last line (a crash while appending) so later appends start on a fresh line;
         returns the number of complete lines. Call once, before the first append of a process, and only once the
         log is known to be consistent with the state it continues (`SyncerStore.restore`): cutting is the one
         change a reader of the log ever makes to it."""
-        whole, torn = self._read()
+        whole, torn = self._ends()
         if torn:
             logger.warning("round log %s ends with a torn line (%d bytes); cutting it", self.path, torn)
             with self.path.open("r+b") as file:
-                file.truncate(len(whole))
+                file.truncate(whole)
                 file.flush()
                 os.fsync(file.fileno())
-        return whole.count(b"\n")
+        return sum(1 for _ in self._raw_lines())
 
     def lines(self) -> list[dict[str, Any]]:
         """Every complete line, in order (a torn last line is skipped), each a JSON object with an integer
         "round". A line that is not is a ValueError naming the file and the line (1-based, as `sed -n Np` counts)."""
-        whole, _ = self._read()
-        # Split on b"\n" only: json.dumps escapes every other line break, so these are the appender's lines.
-        return [self.parse_line(raw, number) for number, raw in enumerate(whole.split(b"\n")[:-1], start=1)]
+        return [self.parse_line(raw, number) for number, raw in enumerate(self._raw_lines(), start=1)]
 
     def parse_line(self, raw: bytes, number: int) -> dict[str, Any]:
         """Line `number` (1-based) of the log, `raw` without its newline, as a JSON object with an integer "round"; a
@@ -165,23 +187,26 @@ class RoundLog:
                              f'"round"): {LOG_DAMAGED}')
         return line
 
-    def numbered_lines(self) -> list[dict[str, Any]]:
-        """`lines()`, checked to hold rounds 0, 1, 2, ... one per line in order: line N holds round N - 1. A
-        ValueError names the first line that does not and the round that belongs there (a line lost, repeated or
-        moved), so a gap is never read as a log whose end was lost."""
-        lines = self.lines()
-        for index, line in enumerate(lines):
+    def numbered(self) -> Iterator[dict[str, Any]]:
+        """The complete lines, in order, one at a time (`lines()` without holding them all), checked to hold rounds
+        0, 1, 2, ... one per line: line N holds round N - 1. A ValueError names the first line that does not and the
+        round that belongs there (a line lost, repeated or moved), so a gap is never read as a log whose end was
+        lost."""
+        for index, raw in enumerate(self._raw_lines()):
+            line = self.parse_line(raw, index + 1)
             if line["round"] != index:
                 raise ValueError(f"{self.path} line {index + 1} holds round {line['round']} where round {index} "
                                  f"should be (a line lost, repeated or moved): {LOG_DAMAGED}")
-        return lines
+            yield line
 
     def records(self, *, start: int = 0) -> Iterator[RoundRecord]:
-        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering (`numbered_lines`)
-        and each tensors file against the checksum its line recorded. A damaged round is a ValueError naming it and
-        its file: a replay cannot skip a round, so the file must come back from a backup."""
-        for line in self.numbered_lines()[start:]:
-            yield self.record(line)
+        """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering (`numbered`) of every
+        line, those before `start` too, and each tensors file read against the checksum its line recorded. A damaged
+        round is a ValueError naming it and its file: a replay cannot skip a round, so the file must come back from a
+        backup."""
+        for line in self.numbered():
+            if line["round"] >= start:
+                yield self.record(line)
 
     def record(self, line: dict[str, Any]) -> RoundRecord:
         """The round one of `numbered_lines()` records, with its merged tensors (`load_merged`); a ValueError naming

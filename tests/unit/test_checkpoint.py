@@ -141,10 +141,10 @@ def test_store_restores_state_plus_replayed_rounds_bit_for_bit(tmp_path):
     assert {i: info.merged_base for i, info in restored_syncer.learners.items()} == \
         {i: info.merged_base for i, info in live.learners.items()}
     reads = []
-    lines = store.log.lines
-    store.log.lines = lambda: reads.append(1) or lines()
+    numbered = store.log.numbered
+    store.log.numbered = lambda: reads.append(1) or numbered()
     participation = store.participation(live.fragment_shares)
-    assert reads == []  # the lines the restore read: a syncer's start parsed the whole log twice (until 2026-12-07)
+    assert reads == []  # what the restore counted: a syncer's start parsed the whole log twice (until 2026-12-07)
     assert store.participation(live.fragment_shares) == participation and reads == [1]  # later: read afresh
     assert participation[0]["accepted"] == live.learners[0].accepted
     # Each token counted once, not once per fragment: tokens x the fragment's share of the model, summed.

@@ -116,8 +116,33 @@ def _write_merged(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
     return count
 
 
-def read_rounds(paths: RunPaths) -> list[dict[str, Any]]:
-    return list(read_jsonl(paths.rounds))
+class RoundTotals(NamedTuple):
+    """What the summary takes from the round log, counted in one pass over it (`round_totals`)."""
+
+    committed: int
+    contributed: Counter[int]
+    """Per learner, the rounds whose participants name it."""
+    versions: dict[int, int]
+    """Per fragment, the newest version a round records."""
+
+
+def round_totals(paths: RunPaths) -> RoundTotals:
+    """The round log's totals, read a line at a time: a long run's log is gigabytes, and the summary held every line
+    (a million rounds of 4 learners: about 800 MB of text, several GB as objects)."""
+    committed, contributed, versions = 0, Counter(), {}
+    for record in iter_jsonl(paths.rounds):
+        committed += 1
+        for participant in record.get("participants", []):
+            contributed[int(participant["learner_id"])] += 1
+        fragment, version = record.get("fragment"), record.get("version")
+        if isinstance(fragment, int) and isinstance(version, int):
+            versions[fragment] = max(versions.get(fragment, version), version)
+    return RoundTotals(committed, contributed, versions)
+
+
+def has_rounds(paths: RunPaths) -> bool:
+    """Whether the run committed a round (its log's first line)."""
+    return next(iter_jsonl(paths.rounds), None) is not None
 
 
 class ValLoss(NamedTuple):
@@ -189,11 +214,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
     events = _launcher_events(paths)
     # A restart is scheduled after a backoff, or a standby syncer takes over at once.
     restarts = Counter(e.get("name") for e in events if e["event"] in ("restart_scheduled", "taken_over"))
-    rounds = read_rounds(paths)
-    contributed: Counter[int] = Counter()
-    for record in rounds:
-        for participant in record.get("participants", []):
-            contributed[int(participant["learner_id"])] += 1
+    rounds = round_totals(paths)
     syncer_status = read_json_object(paths.syncer_status) or {}
     per_learner_syncer = syncer_status.get("learners") or {}
     learners = {}
@@ -220,7 +241,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "updates_accepted": _at_least(status.get("updates_accepted"),
                                           max(accepted, from_syncer.get("accepted") or 0)),
             "updates_rejected": from_syncer.get("rejected", status.get("updates_rejected")),
-            "rounds_contributed": contributed.get(learner_id, 0),
+            "rounds_contributed": rounds.contributed.get(learner_id, 0),
             "tokens": status.get("tokens"),
             "tokens_merged": from_syncer.get("tokens_merged"),
             "bytes_sent": status.get("bytes_sent"),
@@ -237,7 +258,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         "failure": failure,
         "evaluator": None if evaluator is None else {"state": evaluator[0], "reason": evaluator[1] or None},
         "num_learners": num_learners,
-        "rounds_committed": len(rounds),
+        "rounds_committed": rounds.committed,
         "final_val_loss": val_loss.value,
         "final_val_loss_time": val_loss.time,
         "final_val_loss_round": val_loss.round,
@@ -246,7 +267,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
         "sessions": sum(1 for e in events if e["event"] == "run_started"),
         "syncer": {
             "restarts": restarts.get("syncer", 0),
-            "versions": _versions(syncer_status.get("versions"), rounds),
+            "versions": _versions(syncer_status.get("versions"), rounds.versions),
             "bytes_received": syncer_status.get("bytes_received"),
             "bytes_sent": syncer_status.get("bytes_sent"),
             "bytes_watched": syncer_status.get("bytes_watched"),
@@ -263,17 +284,12 @@ def _at_least(reported: Any, known: int) -> Any:
     return max(reported, known) if isinstance(reported, int) else (known or reported)
 
 
-def _versions(reported: Any, rounds: list[dict[str, Any]]) -> Any:
-    """Each fragment's version: the syncer status's, raised to the newest the round log records (the durable record:
-    the status of a syncer killed with SIGKILL lags by its last second)."""
+def _versions(reported: Any, logged: Mapping[int, int]) -> Any:
+    """Each fragment's version: the syncer status's, raised to the newest the round log records (`logged`, the durable
+    record: the status of a syncer killed with SIGKILL lags by its last second)."""
     if not isinstance(reported, list) or not all(isinstance(v, int) for v in reported):
         return reported
-    versions = list(reported)
-    for record in rounds:
-        fragment, version = record.get("fragment"), record.get("version")
-        if isinstance(fragment, int) and isinstance(version, int) and 0 <= fragment < len(versions):
-            versions[fragment] = max(versions[fragment], version)
-    return versions
+    return [max(version, logged.get(fragment, version)) for fragment, version in enumerate(reported)]
 
 
 def ledger_updates(learner_dir: Path) -> tuple[int, int]:

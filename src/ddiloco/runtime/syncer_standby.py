@@ -58,24 +58,25 @@ class LogFollower:
     def new_records(self, *, after: int) -> list[RoundRecord]:
         """Rounds numbered `after` and up that were not returned before, in order; rounds below `after` (already
         in the state the standby loaded) are skipped. ValueError on a gap or a damaged round, as `RoundLog.records`."""
+        records = []
         try:
-            with self.log.path.open("rb") as file:
-                file.seek(self._offset)
-                data = file.read()
+            file = self.log.path.open("rb")
         except FileNotFoundError:
             return []
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        records = []
-        for raw in data[:end].split(b"\n")[:-1]:
-            line = self.log.parse_line(raw, self._next_round + 1)  # line N holds round N - 1
-            index = line["round"]
-            if index != self._next_round:
-                raise ValueError(f"{self.log.path} line {self._next_round + 1} holds round {index} where round "
-                                 f"{self._next_round} should be (a line lost, repeated or moved): {LOG_DAMAGED}")
-            self._next_round += 1
-            if index >= after:
-                records.append(self.log.record(line))
+        with file:
+            file.seek(self._offset)
+            for raw in file:  # a line at a time: the first look reads the whole log, gigabytes in a long run
+                if not raw.endswith(b"\n"):
+                    break  # still being appended
+                line = self.log.parse_line(raw[:-1], self._next_round + 1)  # line N holds round N - 1
+                index = line["round"]
+                if index != self._next_round:
+                    raise ValueError(f"{self.log.path} line {self._next_round + 1} holds round {index} where round "
+                                     f"{self._next_round} should be (a line lost, repeated or moved): {LOG_DAMAGED}")
+                self._offset += len(raw)
+                self._next_round += 1
+                if index >= after:
+                    records.append(self.log.record(line))
         return records
 
 

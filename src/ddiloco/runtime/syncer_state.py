@@ -334,15 +334,17 @@ class SyncerStore:
         self.keep_round_files = keep_round_files
         """Keep every round's tensors file (a replay from the genesis), instead of those after the older kept
         full state (`save`)."""
-        self._restored_lines: list[dict[str, Any]] | None = None
-        """The log's lines `restore` read, for the `participation` count that follows it (once)."""
+        self._restored_participation: tuple[tuple[float, ...], dict[int, dict[str, float]]] | None = None
+        """The fragment shares and the `participation` counts `restore` tallied as it read the log, for the
+        `participation` call that follows it (once)."""
 
     def restore(self, syncer: Syncer, *, repair: bool = True) -> Restored:
-        """Bring a freshly built syncer (initial parameters) to the last committed round. Everything is checked
-        before anything on disk changes: the log's lines (`RoundLog.numbered_lines`), that it holds every round the
-        state does, and the rounds replayed; a refused restore (a ValueError naming the file, the line or the round)
-        leaves the run directory byte for byte as it was. Then, with `repair`, a torn last line is cut: it can only be
-        the round after every state and every whole line (a state is written after its rounds are durable), one the
+        """Bring a freshly built syncer (initial parameters) to the last committed round, and count each learner's
+        rounds from the log (`participation`). Everything is checked before anything on disk changes: the log's lines
+        (`RoundLog.numbered`, read one at a time: a long run's log is gigabytes), that it holds every round the state
+        does, and the rounds replayed; a refused restore (a ValueError naming the file, the line or the round) leaves
+        the run directory byte for byte as it was. Then, with `repair`, a torn last line is cut: it can only be the
+        round after every state and every whole line (a state is written after its rounds are durable), one the
         syncer died appending and no learner heard of. `repair=False` for a reader that does not own the log (an
         export, a standby): a torn last line is then skipped, not cut."""
         restored = Restored()
@@ -355,14 +357,18 @@ class SyncerStore:
                     raise plan_refusal(difference)
             syncer.load_state_dict(state)
             restored = Restored(state_rounds=syncer.rounds_committed, meta=meta, found_state=True)
-        lines = self.log.numbered_lines()
-        if len(lines) < restored.state_rounds:
-            raise ValueError(self._shorter_than_state(len(lines), restored.state_rounds))
-        for line in lines[restored.state_rounds:]:  # one round's tensors in memory at a time
-            replay_onto(syncer, [self.log.record(line)])
-            restored.replayed += 1
+        shares, counts = tuple(syncer.fragment_shares), {}
+        held = 0
+        for line in self.log.numbered():  # one line, and one round's tensors, in memory at a time
+            held += 1
+            count_participants(counts, line, shares)
+            if line["round"] >= restored.state_rounds:
+                replay_onto(syncer, [self.log.record(line)])
+                restored.replayed += 1
+        if held < restored.state_rounds:
+            raise ValueError(self._shorter_than_state(held, restored.state_rounds))
         if repair:  # the owner, about to serve (a standby restores again and again: it would hold them meanwhile)
-            self._restored_lines = lines
+            self._restored_participation = shares, counts
             self.log.repair()
             for directory in (self.run_dir, self.log.tensor_dir, self.state_dir):
                 remove_stale_temps(directory)  # what a syncer killed while writing left
@@ -399,16 +405,23 @@ class SyncerStore:
     def participation(self, shares: Sequence[float]) -> dict[int, dict[str, float]]:
         """Per learner, rounds it took part in and tokens merged, from the log (`merged_tokens`; `shares`: each
         fragment's share of the model, `FragmentPlan.shares`)."""
-        out: dict[int, dict[str, float]] = {}
-        # The lines a restore just read, not a second read of the whole log: a syncer's start parsed it twice, each
-        # pass 2.6 s and the peak memory of its objects at 100 k rounds of 2 learners (a probe; until 2026-12-07).
-        lines, self._restored_lines = self._restored_lines, None
-        for line in self.log.lines() if lines is None else lines:
-            for p in line["participants"]:
-                tally = out.setdefault(int(p["learner_id"]), {"accepted": 0, "tokens_merged": 0.0})
-                tally["accepted"] += 1
-                tally["tokens_merged"] += merged_tokens(int(p["tokens"]), shares[int(line["fragment"])])
-        return out
+        # What a restore just counted, not a second read of the whole log (each pass 2.6 s at 100 k rounds of 2
+        # learners, a probe).
+        restored, self._restored_participation = self._restored_participation, None
+        if restored is not None and restored[0] == tuple(shares):
+            return restored[1]
+        counts: dict[int, dict[str, float]] = {}
+        for line in self.log.numbered():
+            count_participants(counts, line, shares)
+        return counts
+
+
+def count_participants(counts: dict[int, dict[str, float]], line: Mapping[str, Any], shares: Sequence[float]) -> None:
+    """Add one round log line's participants to `counts` (per learner: rounds it took part in, tokens merged)."""
+    for p in line["participants"]:
+        tally = counts.setdefault(int(p["learner_id"]), {"accepted": 0, "tokens_merged": 0.0})
+        tally["accepted"] += 1
+        tally["tokens_merged"] += merged_tokens(int(p["tokens"]), shares[int(line["fragment"])])
 
 
 def merged_tokens(tokens: int, share: float) -> float:
