@@ -58,6 +58,9 @@ class LearnerInfo:
     step_time_s: float | None = None
     """Moving average of this learner's own step time (seconds per inner step between two of its updates), for
     the margins a round's result reports (`Syncer._margins`)."""
+    path_time_s: float | None = None
+    """Moving average of this learner's own path time (`Syncer._observe_path_time`): its upload, the merge, its
+    download and the latency both ways. Reported per learner (`syncer_status.json`), so a far or slow link shows."""
 
 
 class Admission:

@@ -351,6 +351,7 @@ class Syncer:
         # Bounded as a step time is, relative to the estimate: one learner's report cannot set every round's window.
         sample = max(0.0, update.result_delay_s - held[1])
         self.path_time.observe(bounded_step_time(sample, self.path_time.value))
+        info.path_time_s = ema(info.path_time_s, sample, self.quorum.estimate_decay)  # its own, unbounded
 
     # ---- rounds ----------------------------------------------------------------------------------
 

@@ -178,3 +178,24 @@ def test_one_learners_report_cannot_set_the_path_time():
         if round_index == 6:
             assert syncer.path_time.value <= 7.2 * PATH_S * 1.0001
     assert syncer.path_time.value == pytest.approx(PATH_S, rel=0.1)
+
+
+def test_each_learners_own_path_and_step_time_are_in_the_syncers_status():
+    """Which learner's link is slow: each learner's own moving averages of its path time and step time, beside the
+    run's, in `syncer_status.json` (and from there `summary.json`). Learner 1 is 3 s away, learner 0 0.6 s."""
+    from ddiloco.runtime.syncer_tally import SyncerTally
+
+    syncer, payload = joined_syncer(2, QuorumConfig(min_quorum=2, grace="adaptive", heartbeat_timeout_s=1000.0))
+    now = 0.0
+    for round_index in range(30):
+        now += 1.0
+        for learner_id, path_s in ((0, PATH_S), (1, 3.0)):
+            syncer.receive(Update(learner_id, 0, syncer.versions[0], 4 * (round_index + 1), 4, 4, syncer.config.codec,
+                                  payload, step_time_s=STEP_S * (learner_id + 1),
+                                  result_delay_s=path_s if round_index else None), now)
+    tally = SyncerTally({}, {}, num_learners=2, refusal_log_period_s=60.0)
+    learners = tally.status(syncer, address="", min_quorum=2, sends_dropped=0)["learners"]
+    assert learners["0"]["path_time_s"] == pytest.approx(PATH_S, rel=0.01)
+    assert learners["1"]["path_time_s"] == pytest.approx(3.0, rel=0.01)
+    assert learners["0"]["step_time_s"] == pytest.approx(STEP_S) and learners["1"]["step_time_s"] == pytest.approx(
+        2 * STEP_S)

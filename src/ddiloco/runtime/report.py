@@ -249,6 +249,8 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "joins": from_syncer.get("joins", status.get("joins")),
             "non_finite_recoveries": status.get("non_finite_recoveries", 0),
             "updates_capped": from_syncer.get("capped", 0),
+            "step_time_s": from_syncer.get("step_time_s"),  # the syncer's moving averages at the run's end
+            "path_time_s": from_syncer.get("path_time_s"),
         }
     val_loss = final_val_loss(paths)
     total_wall_s = _sessions_wall_s(events)

@@ -124,7 +124,9 @@ class SyncerTally:
                 "accepted": tally.get("accepted", 0), "rejected": self.rejected[learner_id],
                 "tokens_merged": round(tally.get("tokens_merged", 0)), "joins": self.joins[learner_id],
                 "capped": self.capped[learner_id], "alive": bool(info is not None and info.alive),
-                "stalled": bool(info is not None and info.alive and info.stalled)}
+                "stalled": bool(info is not None and info.alive and info.stalled),
+                "step_time_s": None if info is None else info.step_time_s,
+                "path_time_s": None if info is None else info.path_time_s}
         return {
             "time": time.time(), "pid": os.getpid(), "address": address, "genesis": True,
             "rounds_committed": s.rounds_committed, "versions": list(s.versions),
