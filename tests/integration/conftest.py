@@ -3,6 +3,7 @@
 import pytest
 
 from tests.helpers import Processes
+from tests.standalone_syncer import TOKEN, write_token
 
 
 @pytest.fixture
@@ -13,3 +14,9 @@ def procs(tmp_path):
         yield processes
     finally:
         processes.kill_all()
+
+
+@pytest.fixture
+def run_token(tmp_path):
+    """The run's token file (`ddiloco syncer --token-file`), for a syncer and learners started by hand."""
+    return write_token(tmp_path / "token", TOKEN)

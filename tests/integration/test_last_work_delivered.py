@@ -11,7 +11,7 @@ import pytest
 
 from ddiloco.checkpoint import read_json
 from tests.helpers import wait_until
-from tests.integration.test_standalone_processes import run_token, start_syncer, unused_port  # noqa: F401 (fixture)
+from tests.standalone_syncer import start_syncer, unused_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance]  # 20-30 s; the rule's unit tests run by default
 
@@ -19,7 +19,7 @@ BUDGET = 200
 """With the built-in TinyGPT (about 15 inner steps a second here): the syncer is gone for most of it."""
 
 
-def test_last_work_waits_for_the_syncer_to_come_back(procs, tmp_path, run_token):  # noqa: F811
+def test_last_work_waits_for_the_syncer_to_come_back(procs, tmp_path, run_token):
     run_dir = tmp_path / "run"
     flags = ("--learners", "1", "--num-fragments", "2", "--sync-every", "8", "--inner-steps",
              str(BUDGET), "--bind", f"127.0.0.1:{unused_port()}")

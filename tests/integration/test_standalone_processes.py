@@ -7,12 +7,10 @@ fixture kills every process it started, by PID.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,42 +18,16 @@ from ddiloco.checkpoint import read_json
 from ddiloco.runtime.syncer_state import GENESIS_FILE
 from ddiloco.transport.auth import learner_token
 from tests.helpers import SMALL_RUN, TINY_MODEL_FLAGS, ddiloco_run, wait_until
+from tests.standalone_syncer import TOKEN, start_syncer, unused_port, write_token
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "standalone-process-test-token-0123"
 RUN_FLAGS = (*TINY_MODEL_FLAGS, "--learners", "2", "--num-fragments", "2", "--sync-every", "8", "--max-wait-s", "0.5",
              "--heartbeat-timeout-s", "3", "--heartbeat-every-s", "0.5")
 EXIT_WAIT_S = 40.0
 """Hard limit on a process that should stop by itself at its start (it imports torch first)."""
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
-
-
-def write_token(path: Path, token: str) -> Path:
-    path.write_text(token)
-    os.chmod(path, 0o600)
-    return path
-
-
-@pytest.fixture
-def run_token(tmp_path):
-    return write_token(tmp_path / "token", TOKEN)
-
-
-def unused_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_syncer(procs, run_dir, token_file, *extra, name="syncer"):
-    """A syncer on a free port; its address, once its DIR/syncer.json names this process."""
-    popen = procs.start(name, "syncer", "--run-dir", str(run_dir), "--token-file", str(token_file), *extra)
-    info = wait_until(lambda: (read_json(run_dir / "syncer.json") or {}).get("pid") == popen.pid
-                      and read_json(run_dir / "syncer.json"), f"{name} serving", alive=[popen])
-    return popen, info["address"]
 
 
 def stop(popen) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from ddiloco.checkpoint import read_json
 from tests.helpers import TINY_MODEL_FLAGS, wait_until
-from tests.integration.test_standalone_processes import run_token, start_syncer  # noqa: F401 (a fixture)
+from tests.standalone_syncer import start_syncer
 
 # 16 s: tests/unit/test_learner_undelivered.py runs the rule by default.
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 OUTAGE_S = 8.0
 
 
-def test_a_learner_trains_on_while_its_syncer_is_gone(procs, tmp_path, run_token):  # noqa: F811
+def test_a_learner_trains_on_while_its_syncer_is_gone(procs, tmp_path, run_token):
     run_dir = tmp_path / "run"
     syncer, address = start_syncer(procs, run_dir, run_token, *TINY_MODEL_FLAGS, "--learners", "1",
                                    "--num-fragments", "2", "--sync-every", "8", "--inner-steps", "1000000")
