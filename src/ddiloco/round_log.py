@@ -65,6 +65,8 @@ class RoundLog:
         self.tensor_dir = self.run_dir / "rounds"
         self._pruned_below: int | None = None
         """Every tensors file below this round was removed by `prune_before` (None: not looked yet)."""
+        self.bytes_read = 0
+        """How far the current (or last) read of the lines got, in bytes: its progress, for a long log."""
 
     def tensors_path(self, round_index: int) -> Path:
         return self.tensor_dir / f"round_{round_index:06d}.safetensors"
@@ -126,10 +128,19 @@ class RoundLog:
             file = self.path.open("rb")
         except FileNotFoundError:
             return
+        self.bytes_read = 0
         with file:
             for raw in file:
                 if raw.endswith(b"\n"):
+                    self.bytes_read += len(raw)
                     yield raw[:-1]
+
+    def size(self) -> int:
+        """The log's size in bytes, 0 before its first round."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
 
     def _ends(self) -> tuple[int, int]:
         """(the size of the log's whole lines, the length of what follows them: a torn last line, 0 without one),

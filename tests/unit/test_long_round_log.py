@@ -50,3 +50,20 @@ def test_every_reader_of_a_long_round_log_holds_one_line_at_a_time(tmp_path):
     assert totals.versions == {p: ROUNDS // 4 for p in range(4)}
     assert peak < size / 20, (peak, size)  # holding the lines' text alone is the size; their objects several times it
     assert store.log.repair() == ROUNDS and store.log.torn_bytes() == 0
+
+
+def test_a_long_read_of_the_round_log_says_how_far_it_is(tmp_path, caplog):
+    # A syncer's start read a million rounds for about 13 s without a word: each READ_PROGRESS_EVERY_S it says so.
+    import logging
+
+    from ddiloco.runtime.syncer_state import READ_PROGRESS_EVERY_S
+
+    size = write_log(tmp_path)
+    ticks = iter(range(10 * ROUNDS))
+    store = SyncerStore(tmp_path, clock=lambda: next(ticks) * READ_PROGRESS_EVERY_S / 1000)  # a line a millisecond
+    with caplog.at_level(logging.WARNING, logger="ddiloco.runtime.syncer_state"):
+        store.participation([0.25] * 4)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == ROUNDS // 1000, said
+    read_mb, size_mb = 1000 * size / ROUNDS / 1e6, size / 1e6
+    assert said[0] == f"[syncer] reading the round log: 1000 rounds, {read_mb:.0f} of {size_mb:.0f} MB, 10 s", said[0]

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 STATE_DIR = Path("checkpoints") / "syncer"
 GENESIS_FILE = "genesis.safetensors"
+READ_PROGRESS_EVERY_S = 10.0
+"""How often a read of the round log that takes long says how far it is (`SyncerStore._reading`)."""
 
 
 @dataclass(frozen=True)
@@ -327,8 +330,11 @@ class Restored:
 class SyncerStore:
     """The round log and full states of one run directory. Used under the service's lock."""
 
-    def __init__(self, run_dir: str | Path, *, keep_round_files: bool = False) -> None:
+    def __init__(self, run_dir: str | Path, *, keep_round_files: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.run_dir = Path(run_dir)
+        self.clock = clock
+        """For the progress of a long read of the log (`_reading`)."""
         self.log = RoundLog(self.run_dir)
         self.state_dir = self.run_dir / STATE_DIR
         self.keep_round_files = keep_round_files
@@ -359,7 +365,7 @@ class SyncerStore:
             restored = Restored(state_rounds=syncer.rounds_committed, meta=meta, found_state=True)
         shares, counts = tuple(syncer.fragment_shares), {}
         held = 0
-        for line in self.log.numbered():  # one line, and one round's tensors, in memory at a time
+        for line in self._reading(self.log.numbered()):  # one line, and one round's tensors, in memory at a time
             held += 1
             count_participants(counts, line, shares)
             if line["round"] >= restored.state_rounds:
@@ -411,9 +417,22 @@ class SyncerStore:
         if restored is not None and restored[0] == tuple(shares):
             return restored[1]
         counts: dict[int, dict[str, float]] = {}
-        for line in self.log.numbered():
+        for line in self._reading(self.log.numbered()):
             count_participants(counts, line, shares)
         return counts
+
+    def _reading(self, lines: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """`lines` of the log, saying every READ_PROGRESS_EVERY_S how far the read is: at a syncer's start a long
+        run's log takes a while (13 s per million rounds of 4 learners, `benchmarks/bench_round_log.py`)."""
+        started = said = self.clock()
+        size = self.log.size()
+        for held, line in enumerate(lines, start=1):
+            yield line
+            now = self.clock()
+            if now - said >= READ_PROGRESS_EVERY_S:
+                said = now
+                logger.warning("[syncer] reading the round log: %d rounds, %.0f of %.0f MB, %.0f s", held,
+                               self.log.bytes_read / 1e6, size / 1e6, now - started)
 
 
 def count_participants(counts: dict[int, dict[str, float]], line: Mapping[str, Any], shares: Sequence[float]) -> None:
