@@ -204,11 +204,16 @@ class RoundLog:
         round that belongs there (a line lost, repeated or moved), so a gap is never read as a log whose end was
         lost."""
         for index, raw in enumerate(self._raw_lines()):
-            line = self.parse_line(raw, index + 1)
-            if line["round"] != index:
-                raise ValueError(f"{self.path} line {index + 1} holds round {line['round']} where round {index} "
-                                 f"should be (a line lost, repeated or moved): {LOG_DAMAGED}")
-            yield line
+            yield self.parse_numbered(raw, index)
+
+    def parse_numbered(self, raw: bytes, index: int) -> dict[str, Any]:
+        """Line `index` + 1 of the log (`parse_line`), checked to hold round `index`; a ValueError naming the line and
+        the round that belongs there when it does not."""
+        line = self.parse_line(raw, index + 1)
+        if line["round"] != index:
+            raise ValueError(f"{self.path} line {index + 1} holds round {line['round']} where round {index} "
+                             f"should be (a line lost, repeated or moved): {LOG_DAMAGED}")
+        return line
 
     def records(self, *, start: int = 0) -> Iterator[RoundRecord]:
         """Rounds `start`, `start + 1`, ... with their merged tensors, checking the numbering (`numbered`) of every

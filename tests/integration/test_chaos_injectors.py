@@ -19,6 +19,7 @@ service in this process behind real gRPC on loopback, with two learners' I/O thr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import statistics
@@ -247,14 +248,20 @@ def test_after_every_fault_each_publish_has_one_fate_and_the_state_replays(run):
     publishes = [(e["fragment"], e["inner_step"]) for e in ledger if e["event"] == "publish"]
     fates = [(e["fragment"], e["inner_step"]) for e in ledger if e["event"] == "fate"]
     assert sorted(fates) == sorted(publishes)
-    # The same work goes out twice only when the syncer had forgotten the learner (a partition past the heartbeat
-    # timeout): refused as unknown_learner, it is sent again after the re-join's Welcome. Nothing else repeats.
+    # The same work goes out twice only after a Welcome: when the syncer had forgotten the learner (a partition past
+    # the heartbeat timeout), refused as unknown_learner, it is sent again after the re-join's Welcome; and a Welcome
+    # at the version an update was published from publishes it again at once (the learner cannot tell an update in
+    # flight from one the syncer lost: a CI run's re-join crossed an update in flight, and the copy was refused as
+    # stale). Either way the syncer accepts the work once.
     fates_of: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for e in ledger:
         if e["event"] == "fate":
             fates_of.setdefault((e["fragment"], e["inner_step"]), []).append((e["fate"], e["reason"]))
-    for key, count in Counter(publishes).items():
-        assert fates_of[key][:count - 1] == [("rejected", "unknown_learner")] * (count - 1), (key, fates_of[key])
+    assert all(fates.count(("accepted", "")) <= 1 for fates in fates_of.values()), fates_of
+    for key in [key for key, count in Counter(publishes).items() if count > 1]:
+        at = [i for i, e in enumerate(ledger) if e["event"] == "publish" and (e["fragment"], e["inner_step"]) == key]
+        for before, again in itertools.pairwise(at):
+            assert any(e["event"] == "welcome" for e in ledger[before:again]), (key, ledger[before:again + 1])
     kinds = {(e["fate"], e["reason"]) for e in ledger if e["event"] == "fate"}
     assert {("accepted", ""), ("dropped", "drop"), ("dropped", "partition")} <= kinds
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ddiloco.interrupts import StopFlag
 from ddiloco.messages import RoundRecord
-from ddiloco.round_log import LOG_DAMAGED, RoundFileRemoved, RoundLog
+from ddiloco.round_log import RoundFileRemoved, RoundLog
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.process_lock import ProcessLock
 from ddiloco.runtime.syncer_state import Restored, SyncerStore, read_genesis
@@ -68,14 +68,10 @@ class LogFollower:
             for raw in file:  # a line at a time: the first look reads the whole log, gigabytes in a long run
                 if not raw.endswith(b"\n"):
                     break  # still being appended
-                line = self.log.parse_line(raw[:-1], self._next_round + 1)  # line N holds round N - 1
-                index = line["round"]
-                if index != self._next_round:
-                    raise ValueError(f"{self.log.path} line {self._next_round + 1} holds round {index} where round "
-                                     f"{self._next_round} should be (a line lost, repeated or moved): {LOG_DAMAGED}")
+                line = self.log.parse_numbered(raw[:-1], self._next_round)
                 self._offset += len(raw)
                 self._next_round += 1
-                if index >= after:
+                if line["round"] >= after:
                     records.append(self.log.record(line))
         return records
 
