@@ -225,7 +225,7 @@ class RoundLog:
                 yield self.record(line)
 
     def record(self, line: dict[str, Any]) -> RoundRecord:
-        """The round one of `numbered_lines()` records, with its merged tensors (`load_merged`); a ValueError naming
+        """The round one of `numbered()`'s lines records, with its merged tensors (`load_merged`); a ValueError naming
         the line when a field is missing or not what a round record holds."""
         merged = self.load_merged(line)
         try:

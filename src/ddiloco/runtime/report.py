@@ -117,18 +117,16 @@ def _write_merged(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
 
 
 class RoundTotals(NamedTuple):
-    """What the summary takes from the round log, counted in one pass over it (`round_totals`)."""
+    """What the summary takes from the round log (`round_totals`): rounds committed, per learner the rounds whose
+    participants name it, per fragment the newest version a round records."""
 
     committed: int
     contributed: Counter[int]
-    """Per learner, the rounds whose participants name it."""
     versions: dict[int, int]
-    """Per fragment, the newest version a round records."""
 
 
 def round_totals(paths: RunPaths) -> RoundTotals:
-    """The round log's totals, read a line at a time: a long run's log is gigabytes, and the summary held every line
-    (a million rounds of 4 learners: about 800 MB of text, several GB as objects)."""
+    """The round log's totals, read a line at a time (a long run's log is gigabytes, `bench_round_log.py`)."""
     committed, contributed, versions = 0, Counter(), {}
     for record in iter_jsonl(paths.rounds):
         committed += 1
@@ -138,11 +136,6 @@ def round_totals(paths: RunPaths) -> RoundTotals:
         if isinstance(fragment, int) and isinstance(version, int):
             versions[fragment] = max(versions.get(fragment, version), version)
     return RoundTotals(committed, contributed, versions)
-
-
-def has_rounds(paths: RunPaths) -> bool:
-    """Whether the run committed a round (its log's first line)."""
-    return next(iter_jsonl(paths.rounds), None) is not None
 
 
 class ValLoss(NamedTuple):

@@ -426,8 +426,8 @@ def _no_round_failure(paths: Any) -> str:
 def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *, console: Any, sink: Any,
             wall_time_s: float) -> int:
     """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
-    from ddiloco.checkpoint import read_json_object, strict_dumps
-    from ddiloco.runtime.report import has_rounds, print_summary, write_report
+    from ddiloco.checkpoint import iter_jsonl, read_json_object, strict_dumps
+    from ddiloco.runtime.report import print_summary, write_report
     from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import ChildState
     from ddiloco.stdout_pipe import StdoutLines
@@ -450,7 +450,7 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
         outcome = "failed"
         failure = (f"the syncer could not commit rounds when the run ended: {storage_error}; the learners' updates "
                    "since its last commit were refused (logs/syncer.log says since when)")
-    if outcome == "completed" and not has_rounds(paths):
+    if outcome == "completed" and next(iter_jsonl(paths.rounds), None) is None:  # no round committed
         outcome, failure = "failed", _no_round_failure(paths)
     if outcome == "failed" and supervisor.syncer_address is None:  # its syncer refused the directory
         from ddiloco.runtime.run_dir import restore_run_records
