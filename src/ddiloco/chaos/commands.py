@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ddiloco.chaos.runner import ChaosSettings
 
 EXIT_INVARIANT_BROKEN = 1
-DEFAULT_RUNS_DIR = Path("runs")
 CHAOS_HEARTBEAT_TIMEOUT_S = 5.0
 CHAOS_HEARTBEAT_EVERY_S = 1.0
 SOAK_WATCHDOG_S = 60.0
@@ -231,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.report import SETTINGS
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
     from ddiloco.checkpoint import atomic_write_json
-    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
+    from ddiloco.runtime.run_dir import fresh_dir, prepare_run_dir, require_directory, require_empty
 
     systems = _parse_systems(args.systems)
     _check_flags(args)
@@ -240,11 +239,12 @@ def _run(args: argparse.Namespace) -> int:
     settings = _chaos_settings(args)
     if not args.uptime_bin_s > 0:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
-    run_dir = Path(args.run_dir) if args.run_dir is not None else (
-        DEFAULT_RUNS_DIR / time.strftime("chaos-%Y%m%d-%H%M%S"))
-    require_directory(run_dir, flag="--run-dir")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"run directory {run_dir} already exists and is not empty: choose another --run-dir")
+    if args.run_dir is None:  # a name no other command has, however many start in this second
+        run_dir = fresh_dir("chaos", flag="--run-dir")[0]
+    else:
+        run_dir = Path(args.run_dir)
+        require_directory(run_dir, flag="--run-dir")
+        require_empty(run_dir, flag="--run-dir")
     prepare_run_dir(run_dir, flag="--run-dir")
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")

@@ -36,19 +36,18 @@ GOODPUT_CONFIGS = (
 BANDWIDTH_CONFIGS = ((BandwidthConfig, "", "layout"),)
 
 
-def _default_out() -> Path:
-    return Path("runs") / time.strftime("plan-%Y%m%d-%H%M%S")
-
-
 def _plot_dir(args: argparse.Namespace) -> Path:
     """Where the plots go, checked (made, written to) before any simulation, as `ddiloco run` checks its run
-    directory: a file there is one line now, not a traceback after the work. --no-plot writes nothing there."""
-    from ddiloco.runtime.run_dir import prepare_run_dir
+    directory: a file there is one line now, not a traceback after the work. --no-plot writes nothing, and makes
+    nothing (the path it returns then is not used)."""
+    from ddiloco.runtime.run_dir import fresh_dir, prepare_run_dir
 
-    out = args.out or _default_out()
-    if not args.no_plot:
-        prepare_run_dir(out, flag="--out")
-    return out
+    if args.no_plot:
+        return args.out or Path()
+    if args.out is None:  # a name no other command has, however many start in this second
+        return fresh_dir("plan", flag="--out")[0]
+    prepare_run_dir(args.out, flag="--out")
+    return args.out
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:

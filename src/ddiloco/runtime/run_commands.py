@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser wi
 
 EXIT_FAILED = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-DEFAULT_RUNS_DIR = Path("runs")
 PIPE_COLUMNS = 140
 """Output width when stdout is not a terminal (rich would assume 80 and truncate the summary table)."""
 
@@ -66,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "Ctrl-C stops every process cleanly; --resume RUN_DIR continues a stopped run. --ray runs them "
                     "as Ray actors, on a cluster or a Ray instance started here (docs/clusters.md).")
     parser.add_argument("--run-dir", type=Path, default=None,
-                        help="where the run writes everything (default: runs/run-<timestamp>)")
+                        help="where the run writes everything (default: runs/run-<timestamp>, a new one for each run)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="continue a stopped run from its directory (its config.json), with its learner command, "
                              "--nproc-per-learner, --device, --threads, --[no-]evaluate, --round-files, "
@@ -125,11 +124,13 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         LAUNCH_SHAPE,
         before_start,
         claim_run_dir,
+        fresh_dir,
         nothing_to_train_note,
         prepare_run_dir,
         pruned_rounds_note,
         record_learner_command,
         require_directory,
+        require_empty,
         resumed_launch_shape,
         resumed_learner_command,
         undo_start,
@@ -179,12 +180,10 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
                 notes = (*notes, pruned)
         else:
             flag = "--run-dir"
-            run_dir = Path(args.run_dir) if args.run_dir is not None else DEFAULT_RUNS_DIR / time.strftime(
-                "run-%Y%m%d-%H%M%S")
-            require_directory(run_dir, flag=flag)
-            if run_dir.exists() and any(run_dir.iterdir()):
-                raise ValueError(f"run directory {run_dir} already exists and is not empty: "
-                                 f"use --resume {run_dir} to continue it, or another --run-dir")
+            run_dir = Path(args.run_dir) if args.run_dir is not None else None  # None: runs/run-<time>, made below
+            if run_dir is not None:
+                require_directory(run_dir, flag=flag)
+                require_empty(run_dir, flag=flag, hint=f"use --resume {run_dir} to continue it, or ")
             base = RunConfig.load(args.config) if args.config is not None else None
             config = run_config_from_args(args, base)
             script, notes = given, ()
@@ -204,18 +203,24 @@ def _resolve(args: argparse.Namespace, settings: RunSettings, *, local: bool,
         if not script:
             run_checks.check_built_in_fragments(config)
         if settings.init is not None:
-            has_genesis = (run_dir / GENESIS_FILE).exists()
+            has_genesis = run_dir is not None and (run_dir / GENESIS_FILE).exists()
             if has_genesis and args.resume is not None:  # the syncer ignored it, saying so in its log only
                 raise ValueError(f"--init {settings.init}: the run in {run_dir} has its initial parameters already "
                                  f"({GENESIS_FILE}); --init starts a new run: leave it out of a --resume")
             run_checks.check_init(Path(settings.init), config, built_in=not script, has_genesis=has_genesis)
         if settings.evaluate is None:  # resolved here, so that the run's record says whether it has an evaluator
             settings = dataclasses.replace(settings, evaluate=default_evaluator(script))
-        before = before_start(run_dir)
+        if run_dir is None:  # a name no other command has, however many start in this second
+            run_dir, created = fresh_dir("run", flag=flag)
+            before = dataclasses.replace(before_start(run_dir), outermost_created=created)
+        else:
+            before = before_start(run_dir)
         prepare_run_dir(run_dir, flag=flag)
         if args.resume is None:  # two new runs given one directory at the same instant: the second stops here
             lock = claim_run_dir(run_dir, resume=False)
             refused.callback(lock.release)
+            # One that ran in it and ended between the check above and the claim: its files are not this run's.
+            require_empty(run_dir, flag=flag, hint=f"use --resume {run_dir} to continue it, or ")
         # Only once the directory is this launcher's: what another one created there is not this command's to remove.
         refused.callback(undo_start, before)
         config.save(run_dir / "config.json")

@@ -20,9 +20,11 @@ refused by the same command again ("already exists and is not empty"), a `--resu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shlex
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,39 @@ BUILT_IN_LEARNER = "the built-in TinyGPT learner"
 PROBE_PREFIX = ".ddiloco-write-test-"
 """Name of the empty file written (and removed at once) to prove a directory can be written: permissions
 alone do not say (root ignores them, a read-only mount does not show in them)."""
+
+
+RUNS_DIR = Path("runs")
+"""Where a command writes when it is not given a directory: `runs/<kind>-<timestamp>` (`fresh_dir`)."""
+
+
+def fresh_dir(kind: str, *, flag: str) -> tuple[Path, Path]:
+    """A new directory of this command's own under RUNS_DIR, created: `runs/KIND-<timestamp>`, or that name with `-2`,
+    `-3`, ... where it is taken. `mkdir` refuses a name that exists, so commands started in the same second (a sweep
+    started in a loop with `&`) each get their own: before 2026-12-07 they were given one name, and all but one `ddiloco
+    run` were refused ("choose another --run-dir", which they had not chosen) while two `ddiloco chaos` or `ddiloco
+    experiment` wrote into the same folder. Returns it and the outermost folder created (it, or RUNS_DIR too) for
+    `before_start`. ValueError naming `flag` where it cannot be created."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    require_directory(RUNS_DIR, flag=flag)
+    outermost = None if RUNS_DIR.is_dir() else RUNS_DIR
+    for name in itertools.chain([f"{kind}-{stamp}"], (f"{kind}-{stamp}-{n}" for n in itertools.count(2))):
+        path = RUNS_DIR / name
+        try:
+            path.mkdir(parents=True)
+            return path, outermost or path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ValueError(f"run directory {path} cannot be created ({exc.strerror or exc}): give a {flag}") from None
+    raise AssertionError("itertools.count never ends")
+
+
+def require_empty(path: Path, *, flag: str, hint: str = "") -> None:
+    """ValueError if the directory `path` holds anything: a new run's files would mix with another's. `hint` goes
+    before the advice to choose another `flag`."""
+    if path.is_dir() and any(path.iterdir()):
+        raise ValueError(f"run directory {path} already exists and is not empty: {hint}choose another {flag}")
 
 
 def require_directory(path: Path, *, flag: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from ddiloco.sim.experiments import EXPERIMENTS
@@ -39,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ddiloco.run_config import MAX_SEED
-    from ddiloco.runtime.run_dir import prepare_run_dir, require_directory
+    from ddiloco.runtime.run_dir import fresh_dir, prepare_run_dir, require_directory, require_empty
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
     from ddiloco.stdout_pipe import PipeConsole
@@ -49,12 +48,14 @@ def run(args: argparse.Namespace) -> int:
     # The generators take 64-bit seeds: a larger one fails deep inside the first system's run.
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed {args.seed} is invalid: expected an integer in 0..{MAX_SEED} (2**63 - 1)")
-    out_dir = args.out or Path("runs") / f"experiment-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Before the experiment, which takes minutes: a file, /dev/null, a read-only folder or one holding another
     # run's files (which this one's would mix with) is one line now.
-    require_directory(out_dir, flag="--out")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"run directory {out_dir} already exists and is not empty: choose another --out")
+    if args.out is None:  # a name no other command has, however many start in this second
+        out_dir = fresh_dir(f"experiment-{args.name}", flag="--out")[0]
+    else:
+        out_dir = args.out
+        require_directory(out_dir, flag="--out")
+        require_empty(out_dir, flag="--out")
     prepare_run_dir(out_dir, flag="--out")
     # soft_wrap: off a terminal Rich assumes 80 columns and would cut a progress line in two (in a log, a pipe).
     errors = Console(stderr=True, soft_wrap=True)
