@@ -11,7 +11,11 @@ size (TinyGPT at 0.5 M, 13 M and 57 M parameters) one run measures, side by side
   sub-millisecond call is mostly time the thread spent descheduled);
 - **inner step, idle / in flight**: one inner step (forward, backward, AdamW) with no publish being encoded,
   and with the previous step's publish being encoded on the publisher's thread meanwhile (the two
-  alternate, so a machine whose load changes hurts both alike).
+  alternate, so a machine whose load changes hurts both alike);
+- **receive**: the training thread's time to take the round's result, as the syncer sends it by default (the
+  fragment's change, int8, `ddiloco.downlink.DeltaDownlink`): rebuilt from the learner's base, its checksum
+  checked, made the new base and written into the model with the steps trained since the publish kept on top
+  (`keep_overlap_work`). Until 2026-12-07 the benchmark answered in float32 and did not time this half.
 
 The transport is left out (the publisher hands updates to a sink): what is measured is the learner's own work.
 
@@ -28,6 +32,7 @@ import time
 import torch
 
 from ddiloco.config import DilocoConfig
+from ddiloco.downlink import Downlink, make_downlink
 from ddiloco.learner import Learner
 from ddiloco.messages import FragmentState
 from ddiloco.model import ModelConfig, build_model, count_parameters
@@ -62,15 +67,34 @@ def joined_learner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
     return learner
 
 
-def answer(learner: Learner, updates: list) -> None:
-    """The syncer's result for each update, at once and outside the timed part: the fragment's next version (its value
-    as the learner holds it). A fragment due while its last update's result is still owed waits for it (since
-    2026-12-05), so without results each fragment was published once and every later step measured nothing."""
+def downlink_of(learner: Learner) -> Downlink:
+    """The syncer's side of the run's default downlink (`DilocoConfig.downlink_codec`), for `learner`'s fragments."""
+    shapes = {name: tuple(param.shape) for name, param in learner.model.named_parameters()}
+    return make_downlink(learner.config.downlink_codec, learner.plan, shapes)
+
+
+def answer(learner: Learner, updates: list, downlink: Downlink) -> float:
+    """The syncer's result for each update, at once: the fragment's next version (its value as the learner holds it),
+    sent as the syncer sends it (`downlink`: by default its change, int8); the training thread's seconds in
+    `receive` (the syncer's part is not timed). A fragment due while its last update's result is still owed waits
+    for it (since 2026-12-05), so without results each fragment was published once and every later step measured
+    nothing."""
     params = dict(learner.model.named_parameters())
+    seconds = 0.0
     for update in updates:
-        names = learner.plan.fragments[update.fragment]
-        learner.receive(FragmentState(update.fragment, update.base_version + 1,
-                                      {n: params[n].detach().to(torch.float32, copy=True) for n in names}))
+        p = update.fragment
+        names = learner.plan.fragments[p]
+        global_p = {n: learner.local.base[p][n].to("cpu", copy=True) for n in names}  # the syncer's, bit for bit
+        previous = downlink.before_step(p, global_p)
+        for n in names:
+            global_p[n].copy_(params[n].detach())
+        message = downlink.after_step(p, update.base_version + 1, previous, global_p)
+        started = time.perf_counter()
+        learner.receive(message)
+        synchronize(params[names[0]].device)
+        seconds += time.perf_counter() - started
+        assert learner.versions[p] == update.base_version + 1, "the change was not rebuilt (a checksum miss?)"
+    return seconds
 
 
 def measure(name: str, config: ModelConfig, steps: int, device: torch.device) -> dict:
@@ -93,7 +117,8 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
     publisher = Publisher(sent.append, on_sent=lambda update: None)
     deferred = joined_learner(model, optimizer, deferred=True)
     inline = joined_learner(model, optimizer, deferred=False)
-    idle_s, in_flight_s, blocked_deferred_s, blocked_inline_s = [], [], [], []
+    downlinks = {id(learner): downlink_of(learner) for learner in (deferred, inline)}
+    idle_s, in_flight_s, blocked_deferred_s, blocked_inline_s, receive_s = [], [], [], [], []
     cpu_deferred_s: list[float] = []
     for i in range(2 * steps):
         in_flight = i % 2 == 1  # the publish queued at the end of the previous step is being encoded meanwhile
@@ -106,7 +131,7 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
             synchronize(device)
             blocked_inline_s.append(time.perf_counter() - started)
             assert len(published) == 1, "every step publishes one fragment (P = H)"
-            answer(inline, published)
+            answer(inline, published, downlinks[id(inline)])
         started, cpu_started = time.perf_counter(), time.thread_time()
         published = deferred.after_inner_step(BATCH * CONTEXT)
         for update in published:
@@ -114,7 +139,7 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
         synchronize(device)
         blocked_deferred_s.append(time.perf_counter() - started)
         cpu_deferred_s.append(time.thread_time() - cpu_started)
-        answer(deferred, published)
+        receive_s.append(answer(deferred, published, downlinks[id(deferred)]))
     publisher.close(60.0)
     assert len(sent) == 2 * steps and all(len(update.payload) > 0 for update in sent)
     step_s = statistics.median(idle_s)
@@ -124,7 +149,8 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
             "blocked_deferred_s": statistics.median(blocked_deferred_s),
             "blocked_deferred_cpu_s": statistics.median(cpu_deferred_s),
             "blocked_inline_share": statistics.median(blocked_inline_s) / step_s,
-            "blocked_deferred_share": statistics.median(blocked_deferred_s) / step_s}
+            "blocked_deferred_share": statistics.median(blocked_deferred_s) / step_s,
+            "receive_s": statistics.median(receive_s), "receive_share": statistics.median(receive_s) / step_s}
 
 
 def main() -> None:
@@ -141,13 +167,14 @@ def main() -> None:
     print(f"P = H = {FRAGMENTS} (a publish every inner step), batch {BATCH} x {CONTEXT} tokens, {device}, "
           f"{args.threads} thread(s), medians of {args.steps} steps")
     print(f"{'size':>6} {'params':>11} {'step idle':>10} {'in flight':>10} {'inline':>9} {'share':>7} "
-          f"{'deferred':>9} {'share':>7} {'its CPU':>8}  target <= 1 %")
+          f"{'deferred':>9} {'share':>7} {'its CPU':>8} {'receive':>9} {'share':>7}  target <= 1 % (publish)")
     for r in rows:
         verdict = "ok" if r["blocked_deferred_share"] <= 0.01 else "MISSED"
         print(f"{r['size']:>6} {r['parameters']:>11,} {r['inner_step_idle_s'] * 1e3:>8.1f}ms "
               f"{r['inner_step_in_flight_s'] * 1e3:>8.1f}ms {r['blocked_inline_s'] * 1e3:>7.2f}ms "
               f"{r['blocked_inline_share']:>6.1%} {r['blocked_deferred_s'] * 1e3:>7.2f}ms "
-              f"{r['blocked_deferred_share']:>6.2%} {r['blocked_deferred_cpu_s'] * 1e3:>6.2f}ms  {verdict}")
+              f"{r['blocked_deferred_share']:>6.2%} {r['blocked_deferred_cpu_s'] * 1e3:>6.2f}ms "
+              f"{r['receive_s'] * 1e3:>7.2f}ms {r['receive_share']:>6.2%}  {verdict}")
     if args.json:
         print(json.dumps(rows))
 

@@ -29,6 +29,10 @@ class FragmentAccess(Protocol):
         """Overwrite each parameter in place with its full value."""
         ...
 
+    def carry(self, fragment: int, at_publish: Mapping[str, torch.Tensor], bases: Mapping[str, torch.Tensor]) -> None:
+        """Set each parameter to (its value - `at_publish`) + `bases`, in float32 (`keep_overlap_work`)."""
+        ...
+
     def forget_non_finite_state(self) -> int:
         """The other ranks' inner optimizers drop the state that is not finite (`Learner.recover`); this process's own
         is the learner core's to clear. Returns how many parameter states this call dropped here (0)."""
@@ -51,8 +55,31 @@ class LocalParameters:
         for name, value in values.items():
             self.params[name].copy_(value)
 
+    @torch.no_grad()
+    def carry(self, fragment: int, at_publish: Mapping[str, torch.Tensor], bases: Mapping[str, torch.Tensor]) -> None:
+        """In the float32 parameter itself where it is one (two passes, nothing allocated: a copy the size of a
+        fragment cost its learner more in page faults than the arithmetic); through a float32 copy otherwise."""
+        in_place = {name for name in bases if self.params[name].dtype == torch.float32
+                    and self.params[name].device == bases[name].device == at_publish[name].device}
+        for name in in_place:
+            self.params[name].sub_(at_publish[name]).add_(bases[name])
+        carry_by_copy(self, fragment, {name: at_publish[name] for name in bases if name not in in_place}, bases)
+
     def forget_non_finite_state(self) -> int:
         return 0  # no other ranks
+
+
+@torch.no_grad()
+def carry_by_copy(access: FragmentAccess, fragment: int, at_publish: Mapping[str, torch.Tensor],
+                  bases: Mapping[str, torch.Tensor]) -> None:
+    """`FragmentAccess.carry` for the parameters `at_publish` names, through a float32 copy read and written back:
+    (value - at publish) + base, the bits of base + (value - at publish)."""
+    if not at_publish:
+        return
+    values = access.read(fragment, tuple(at_publish))
+    for name, value in values.items():
+        value.sub_(at_publish[name].to(torch.float32)).add_(bases[name])
+    access.write(fragment, values)
 
 
 class ParameterObjects:

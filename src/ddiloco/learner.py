@@ -319,7 +319,7 @@ class Learner:
                 early = self._publish_before(state)
                 if early is None:
                     self._follow_close(state)
-                self._apply(state, payload_bytes=delta.payload_bytes)
+                self._apply(state, payload_bytes=delta.payload_bytes, owned=True)
                 return [early] if early is not None else []
             problem = rebuilt
         # Only the full state can bring this fragment back in line: join again (the Welcome keeps the work
@@ -331,8 +331,10 @@ class Learner:
                        self.learner_id, self.inner_step, p, delta.version, problem)
         return [self.join_message()]
 
-    def _apply(self, state: FragmentState, *, force: bool = False, payload_bytes: int | None = None) -> None:
-        """`payload_bytes`: what the message carried, when it was not `state` itself (a rebuilt change)."""
+    def _apply(self, state: FragmentState, *, force: bool = False, payload_bytes: int | None = None,
+               owned: bool = False) -> None:
+        """`payload_bytes`: what the message carried, when it was not `state` itself (a rebuilt change); `owned`: its
+        tensors are this learner's alone (rebuilt here), kept as the base without a copy."""
         p = state.fragment
         if not 0 <= p < self.plan.num_fragments:
             raise ValueError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
@@ -347,7 +349,7 @@ class Learner:
         if not force:
             self._track_round_clock(self.plan.num_fragments * (state.version - 1) + p)
         self.local.take(p, state.tensors, state.version, self.inner_step,
-                        carry=not force and self.config.keep_overlap_work)
+                        carry=not force and self.config.keep_overlap_work, owned=owned)
         self.stats.bytes_received += state.payload_bytes if payload_bytes is None else payload_bytes
         self.stats.fragments_applied += 1
         self.sent.applied(p, state.version)

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddiloco.fragment_access import carry_by_copy
 from ddiloco.replica_check import check_replicas
 from ddiloco.sharded_state import dtensor_type, local_tensors, saved_optimizer_shards
 
@@ -228,6 +229,10 @@ class LearnerGroup:
         for name in self.fragments[fragment]:
             self._receive_value(name, values[name])
         self._sent.add(fragment)
+
+    def carry(self, fragment: int, at_publish: Mapping[str, torch.Tensor], bases: Mapping[str, torch.Tensor]) -> None:
+        """On the leader's full values, sent to every rank as a write is."""
+        carry_by_copy(self, fragment, at_publish, bases)
 
     def save(self, own: Any) -> list[Any]:
         """Every rank's state (`own` is the leader's), in rank order."""

@@ -74,19 +74,20 @@ class LocalFragments:
 
     @torch.no_grad()
     def take(self, p: int, tensors: Mapping[str, torch.Tensor], version: int, inner_step: int, *,
-             carry: bool) -> None:
+             carry: bool, owned: bool = False) -> None:
         """Make `tensors`, version `version` of fragment `p`, its base and its value. With `carry`, and when the
         fragment was published since its last version, the steps trained after that publish are not in the update
         that version merged: they stay on top of the new value, with their counters. Otherwise the value is replaced
-        and its work counted from `inner_step`."""
+        and its work counted from `inner_step`. `owned`: `tensors` are this call's alone (a change just rebuilt),
+        so the base keeps each one that is float32 on its parameter's device as it is, without a copy."""
         names = self.plan.fragments[p]
         at_publish, self.at_publish[p] = self.at_publish[p], None
         carry = carry and at_publish is not None
-        bases = {name: tensors[name].to(device=self._devices[name], dtype=torch.float32, copy=True) for name in names}
+        bases = {name: tensors[name] if owned and tensors[name].dtype == torch.float32
+                 and tensors[name].device == self._devices[name]
+                 else tensors[name].to(device=self._devices[name], dtype=torch.float32, copy=True) for name in names}
         if carry:
-            current = self.access.read(p, names)
-            self.access.write(p, {name: bases[name] + (current[name] - at_publish.tensors[name].to(torch.float32))
-                                  for name in names})
+            self.access.carry(p, {name: at_publish.tensors[name] for name in names}, bases)
             self.steps_since[p] -= at_publish.steps_since
             self.tokens_since[p] -= at_publish.tokens_since
             self.synced_at[p] = at_publish.inner_step

@@ -46,7 +46,7 @@ def test_steps_trained_after_a_publish_are_kept_on_the_new_global_value_and_publ
     new = _new_global(learner)
     learner.receive(FragmentState(0, 1, new))
     for name, value in params_of(learner.model).items():
-        torch.testing.assert_close(value, new[name] + (local[name] - at_publish[name]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(value, new[name] + (local[name] - at_publish[name]), rtol=0, atol=0)  # bit for bit
     assert learner.steps_since == [2] and learner.tokens_since == [update.tokens // 2]
     assert learner.unpublished() == [2]
     # The next update measures from the new value: it carries the kept steps and counts them.
@@ -338,3 +338,18 @@ def test_without_pace_rounds_a_learner_measured_slow_never_moves_back():
     assert learner.schedule.round_pace < 0.9
     before, after = _result_after(learner, 2)                      # what moves a paced one back (above)
     assert after == before and learner.stats.phase_moves_early == 0
+
+
+def test_the_kept_steps_are_added_in_a_float32_parameter_itself_and_through_a_copy_in_another_dtype():
+    from ddiloco.fragment_access import LocalParameters
+
+    torch.manual_seed(0)
+    params = {"f32": torch.randn(64), "bf16": torch.randn(64).to(torch.bfloat16)}
+    before = {name: value.clone() for name, value in params.items()}
+    storage = params["f32"].data_ptr()
+    at_publish = {name: value.float() + 0.125 * torch.randn(64) for name, value in params.items()}
+    bases = {name: torch.randn(64) for name in params}
+    LocalParameters(params).carry(0, at_publish, bases)
+    expected = {name: bases[name] + (before[name].float() - at_publish[name]) for name in params}
+    assert torch.equal(params["f32"], expected["f32"]) and params["f32"].data_ptr() == storage  # in place
+    assert params["bf16"].dtype == torch.bfloat16 and torch.equal(params["bf16"], expected["bf16"].to(torch.bfloat16))
