@@ -89,3 +89,16 @@ def test_two_plans_in_one_second_write_their_plots_in_two_folders(one_second, ca
     assert sorted(path.name for path in RUNS_DIR.iterdir()) == [f"plan-{SECOND}", f"plan-{SECOND}-2"]
     assert all((path / "plan_bandwidth.png").is_file() for path in RUNS_DIR.iterdir())
     assert f"runs/plan-{SECOND}-2/plan_bandwidth.png" in capsys.readouterr().out
+
+
+def test_a_chaos_run_or_experiment_takes_its_own_folder_or_an_empty_one_it_is_given(one_second):
+    from ddiloco.runtime.run_dir import new_output_dir
+
+    made = [new_output_dir(None, "experiment-quality", flag="--out") for _ in range(2)]
+    assert [path.name for path in made] == [f"experiment-quality-{SECOND}", f"experiment-quality-{SECOND}-2"]
+    given = one_second / "mine"
+    assert new_output_dir(given, "chaos", flag="--run-dir") == given and given.is_dir()
+    (given / "plan.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^run directory {given} already exists and is not empty: choose another "
+                                         r"--run-dir$"):
+        new_output_dir(given, "chaos", flag="--run-dir")

@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.report import SETTINGS
     from ddiloco.chaos.runner import RUNTIME_SYSTEMS, run_data_parallel_system, run_runtime_system
     from ddiloco.checkpoint import atomic_write_json
-    from ddiloco.runtime.run_dir import fresh_dir, prepare_run_dir, require_directory, require_empty
+    from ddiloco.runtime.run_dir import new_output_dir
 
     systems = _parse_systems(args.systems)
     _check_flags(args)
@@ -239,13 +239,7 @@ def _run(args: argparse.Namespace) -> int:
     settings = _chaos_settings(args)
     if not args.uptime_bin_s > 0:
         raise ValueError(f"--uptime-bin-s {args.uptime_bin_s} is invalid: expected seconds > 0")
-    if args.run_dir is None:  # a name no other command has, however many start in this second
-        run_dir = fresh_dir("chaos", flag="--run-dir")[0]
-    else:
-        run_dir = Path(args.run_dir)
-        require_directory(run_dir, flag="--run-dir")
-        require_empty(run_dir, flag="--run-dir")
-    prepare_run_dir(run_dir, flag="--run-dir")
+    run_dir = new_output_dir(args.run_dir, "chaos", flag="--run-dir")
     plan.save(run_dir / "plan.json")
     config.save(run_dir / "config.json")
     atomic_write_json(run_dir / SETTINGS, dataclasses.asdict(settings))

@@ -74,6 +74,19 @@ def fresh_dir(kind: str, *, flag: str) -> tuple[Path, Path]:
     raise AssertionError("itertools.count never ends")
 
 
+def new_output_dir(given: Path | None, kind: str, *, flag: str) -> Path:
+    """The folder a command that writes a new run of its own (`ddiloco chaos`, `ddiloco experiment`) writes to, made
+    and proven writable: `given` when it is empty or missing, else `fresh_dir(kind)`. ValueError naming `flag`."""
+    if given is None:  # a name no other command has, however many start in this second
+        path = fresh_dir(kind, flag=flag)[0]
+    else:
+        path = given
+        require_directory(path, flag=flag)
+        require_empty(path, flag=flag)
+    prepare_run_dir(path, flag=flag)
+    return path
+
+
 def require_empty(path: Path, *, flag: str, hint: str = "") -> None:
     """ValueError if the directory `path` holds anything: a new run's files would mix with another's. `hint` goes
     before the advice to choose another `flag`."""

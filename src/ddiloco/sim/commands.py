@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ddiloco.run_config import MAX_SEED
-    from ddiloco.runtime.run_dir import fresh_dir, prepare_run_dir, require_directory, require_empty
+    from ddiloco.runtime.run_dir import new_output_dir
     from ddiloco.sim.experiments import run_experiment
     from ddiloco.sim.report import rich_table, write_run
     from ddiloco.stdout_pipe import PipeConsole
@@ -50,13 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed {args.seed} is invalid: expected an integer in 0..{MAX_SEED} (2**63 - 1)")
     # Before the experiment, which takes minutes: a file, /dev/null, a read-only folder or one holding another
     # run's files (which this one's would mix with) is one line now.
-    if args.out is None:  # a name no other command has, however many start in this second
-        out_dir = fresh_dir(f"experiment-{args.name}", flag="--out")[0]
-    else:
-        out_dir = args.out
-        require_directory(out_dir, flag="--out")
-        require_empty(out_dir, flag="--out")
-    prepare_run_dir(out_dir, flag="--out")
+    out_dir = new_output_dir(args.out, f"experiment-{args.name}", flag="--out")
     # soft_wrap: off a terminal Rich assumes 80 columns and would cut a progress line in two (in a log, a pipe).
     errors = Console(stderr=True, soft_wrap=True)
     result = run_experiment(args.name, quick=args.quick, seed=args.seed,
