@@ -27,8 +27,8 @@ def one_second(tmp_path, monkeypatch) -> Path:
     """Every command runs in `tmp_path` (where `runs/` is made) and reads the same second from the clock."""
     monkeypatch.chdir(tmp_path)
     real = time.strftime
-    monkeypatch.setattr(time, "strftime", lambda fmt, *at: real(fmt, *at) if at or "%Y" not in fmt else
-                        fmt.replace("%Y%m%d-%H%M%S", SECOND))
+    monkeypatch.setattr(time, "strftime", lambda fmt, *at: SECOND if fmt == "%Y%m%d-%H%M%S" and not at else
+                        real(fmt, *at))
     return tmp_path
 
 
