@@ -117,7 +117,7 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
     publisher = Publisher(sent.append, on_sent=lambda update: None)
     deferred = joined_learner(model, optimizer, deferred=True)
     inline = joined_learner(model, optimizer, deferred=False)
-    downlinks = {id(learner): downlink_of(learner) for learner in (deferred, inline)}
+    deferred_downlink, inline_downlink = downlink_of(deferred), downlink_of(inline)
     idle_s, in_flight_s, blocked_deferred_s, blocked_inline_s, receive_s = [], [], [], [], []
     cpu_deferred_s: list[float] = []
     for i in range(2 * steps):
@@ -131,7 +131,7 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
             synchronize(device)
             blocked_inline_s.append(time.perf_counter() - started)
             assert len(published) == 1, "every step publishes one fragment (P = H)"
-            answer(inline, published, downlinks[id(inline)])
+            answer(inline, published, inline_downlink)
         started, cpu_started = time.perf_counter(), time.thread_time()
         published = deferred.after_inner_step(BATCH * CONTEXT)
         for update in published:
@@ -139,7 +139,7 @@ def measure(name: str, config: ModelConfig, steps: int, device: torch.device) ->
         synchronize(device)
         blocked_deferred_s.append(time.perf_counter() - started)
         cpu_deferred_s.append(time.thread_time() - cpu_started)
-        receive_s.append(answer(deferred, published, downlinks[id(deferred)]))
+        receive_s.append(answer(deferred, published, deferred_downlink))
     publisher.close(60.0)
     assert len(sent) == 2 * steps and all(len(update.payload) > 0 for update in sent)
     step_s = statistics.median(idle_s)
