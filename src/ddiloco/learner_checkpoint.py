@@ -4,7 +4,8 @@ Owns what a learner keeps across a restart and how: the learner core's state (it
 inner optimizer), the model's buffers (`ddiloco.model_buffers`: not synchronised, the learner's own), every object
 the user passed as `state=` (a data loader, a scheduler), the other ranks' own objects, buffers and optimizer
 shards (`LearnerGroup.checkpoint`), and the totals the status reports (tokens, counters). Each checkpoint also
-writes the buffers to `learners/N/buffers.safetensors`, which export and the evaluator average. The snapshot is
+writes the buffers to `learners/N/buffers.safetensors`, which export and the evaluator average, and the global
+fragments the learner holds to `learners/N/global.safetensors` (`ddiloco.global_copy`). The snapshot is
 taken between inner steps, on the training thread, and split there into tensors and JSON, so that a value the
 checkpoint cannot keep (a set in a `state_dict()`) is a TypeError in the user's loop, naming the entry; writing and
 fsyncing happen in a background thread, one write at a time, and a write that fails (a full disk) is logged and tried
@@ -37,6 +38,9 @@ from typing import Any, Protocol
 import torch
 
 from ddiloco.checkpoint import WriteTrouble, load_latest_state, save_split_state
+from ddiloco.global_copy import GLOBAL_COPY_FILE
+from ddiloco.global_copy import snapshot as snapshot_global_copy
+from ddiloco.global_copy import write as write_global_copy
 from ddiloco.learner import Learner
 from ddiloco.learner_group import LearnerGroup
 from ddiloco.learner_status import StatusReporter
@@ -113,6 +117,8 @@ class LearnerCheckpoint:
         self.checked = False
         """Whether `check()` has run (the session calls it once, at its first inner step)."""
         self._writes = WriteTrouble(f"learner {learner.learner_id}'s checkpoint")
+        self._copy_writes = WriteTrouble(f"learner {learner.learner_id}'s copy of the global model "
+                                         f"({GLOBAL_COPY_FILE})")
         self._saver: threading.Thread | None = None
         self._unsupported_raised = False
         """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
@@ -150,6 +156,7 @@ class LearnerCheckpoint:
             learner["optimizer"] = self.waiting_groups.append_to(learner["optimizer"])
         ranks = self.group.checkpoint(learner) if self.group is not None else None
         buffers = snapshot_buffers(self.learner.model)
+        global_copy = snapshot_global_copy(self.learner)
         state = {"learner": learner, "state": user, "buffers": buffers, "writer": self._writer()}
         if ranks is not None:
             state["ranks"] = ranks
@@ -167,6 +174,8 @@ class LearnerCheckpoint:
             save_split_state(self.directory, split, serial=serial, meta=meta)
             self.reporter.checkpoint_inner_step = serial  # durable from here, even if the buffers file fails next
             write_buffers(self.directory.parent, buffers)
+            # Its own trouble: a failing copy is not a failing checkpoint (which is durable by now).
+            self._copy_writes.attempt(lambda: write_global_copy(self.directory.parent, global_copy))
 
         # A checkpoint that cannot be written (a full disk) is logged, and the next one tries again.
         self._saver = threading.Thread(target=self._writes.attempt, args=(write,), name="learner-checkpoint",

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                   "ddiloco.session_lifecycle", "ddiloco.learner_status", "ddiloco.learner_checkpoint",
                   "ddiloco.follower_session", "ddiloco.learner_group", "ddiloco.sharded_state", "ddiloco.evaluator",
                   "ddiloco.train_tinygpt", "ddiloco.work_ledger", "ddiloco.inprocess",
-                  "ddiloco.model_buffers", "ddiloco.step_arguments", "ddiloco.optimizer_restore",
+                  "ddiloco.model_buffers", "ddiloco.global_copy", "ddiloco.step_arguments", "ddiloco.optimizer_restore",
                   "ddiloco.model_checks")),),
     (("learner rules", ("ddiloco.learner_rules",)),),
     (("learner core", ("ddiloco.learner", "ddiloco.learner_model", "ddiloco.publisher", "ddiloco.fragment_access",

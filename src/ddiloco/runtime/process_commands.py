@@ -353,6 +353,11 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
                     "the meta device) gives a model of one dtype.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     export.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the parameters")
+    export.add_argument("--from-learners", action="store_true",
+                        help="put the model together from the learners' own copies of the global model "
+                             "(RUN_DIR/learners/N/global.safetensors, written with their checkpoints), fragment by "
+                             "fragment the newest version one of them holds: for a run whose syncer's state is lost. "
+                             "RUN_DIR needs only the learners' directories")
     export.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32",
                         help="the dtype of every floating tensor written, parameters and buffers (default: float32, "
                              "the global model's own: nothing is rounded; integer buffers keep theirs)")
@@ -388,6 +393,7 @@ def run_export(args: argparse.Namespace) -> int:
     directory or cannot be written, is refused (ValueError: one line, exit status 2), all but a failing write before
     the run's rounds are read."""
     from ddiloco.checkpoint import atomic_write_bytes, canonical_safetensors
+    from ddiloco.global_copy import freshest
     from ddiloco.model_buffers import merged_buffers
     from ddiloco.run_config import RunConfig
     from ddiloco.runtime.syncer_state import exported_params
@@ -395,14 +401,26 @@ def run_export(args: argparse.Namespace) -> int:
     if not args.out:
         raise ValueError("--out is empty: give a file path such as model.safetensors")
     run_dir, out = Path(args.run_dir), Path(args.out)
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?")
+    if not args.from_learners and not (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} has no config.json: is it a ddiloco run directory?{_from_learners_hint(run_dir)}")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory: give a file path such as {out / 'model.safetensors'}")
     _check_destination(out, run_dir)
     target = _export_file(out)
-    config = RunConfig.load(run_dir / "config.json")
-    params, rounds, aliases = exported_params(run_dir, config.diloco)
+    if args.from_learners:
+        recovered = freshest(run_dir)
+        params, aliases = recovered.params, recovered.aliases
+        what = (f"the global model as learners {', '.join(map(str, recovered.learners))} last held it (fragment "
+                f"versions {', '.join(map(str, recovered.versions))})")
+        origin = {"from_learners": ",".join(map(str, recovered.learners)),
+                  "fragment_versions": ",".join(map(str, recovered.versions))}
+    else:
+        config = RunConfig.load(run_dir / "config.json")
+        try:
+            params, rounds, aliases = exported_params(run_dir, config.diloco)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{_from_learners_hint(run_dir)}") from None
+        what, origin = f"the global model after {rounds} rounds", {"rounds_committed": str(rounds)}
     buffers, learners = merged_buffers(run_dir)
     import torch
     from safetensors.torch import save
@@ -412,8 +430,7 @@ def run_export(args: argparse.Namespace) -> int:
     # model), and a load with assign=True took both as they were (a bf16 buffer in a float32 model failed its forward).
     tensors = {n: t.to(dtype).contiguous() if t.is_floating_point() else t for n, t in {**params, **buffers}.items()}
     data = canonical_safetensors(save(tensors, metadata={  # the same run exported twice: the same bytes
-        "ddiloco_run": str(run_dir.resolve()), "rounds_committed": str(rounds),
-        "buffers_of_learners": ",".join(map(str, learners))}))
+        "ddiloco_run": str(run_dir.resolve()), **origin, "buffers_of_learners": ",".join(map(str, learners))}))
     try:
         atomic_write_bytes(target, data)
     except OSError as exc:  # what the checks before cannot see: /proc, a full disk, a read-only mount
@@ -422,11 +439,21 @@ def run_export(args: argparse.Namespace) -> int:
     written = out if target == out else f"{out} (the link's file {target})"
     tied = f" (and {len(aliases)} tied under a second name)" if aliases else ""
     print(f"wrote {written}: {_count(len(params) - len(aliases), 'parameter')}{tied}, {count:,} values in "
-          f"{args.dtype}, the global model after {rounds} rounds")
+          f"{args.dtype}, {what}")
     if buffers:
         print(f"  and {_count(len(buffers), 'buffer')}, their mean over learners {', '.join(map(str, learners))} as of "
               "their latest checkpoints (ddiloco.model_buffers)")
     return 0
+
+
+def _from_learners_hint(run_dir: Path) -> str:
+    """What to try when a run directory cannot give its model from the syncer's state but learners' copies are there."""
+    from ddiloco.global_copy import learner_copies
+
+    if not learner_copies(run_dir):
+        return ""
+    return (f" ({run_dir} holds learners' copies of the global model, learners/N/global.safetensors: `ddiloco export "
+            f"--from-learners {run_dir} --out FILE` puts the model together from them)")
 
 
 def _count(number: int, noun: str) -> str:
