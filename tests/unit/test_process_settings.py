@@ -83,7 +83,7 @@ EXPECTED = {
                      | set().union(*(flags_of(cls, prefix=prefix) for cls, prefix, _ in GOODPUT_CONFIGS))),
     "plan bandwidth": ({"--json", "--out", "--no-plot"}
                        | set().union(*(flags_of(cls, prefix=prefix) for cls, prefix, _ in BANDWIDTH_CONFIGS))),
-    "export": {"--out", "--dtype"},
+    "export": {"--out", "--dtype", "--from-learners"},
     "experiment": {"--quick", "--json", "--out", "--seed"},
     "token": {"--token-file", "--learner"},
 }
