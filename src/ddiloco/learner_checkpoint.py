@@ -121,6 +121,7 @@ class LearnerCheckpoint:
                                          f"({GLOBAL_COPY_FILE})")
         self._saver: threading.Thread | None = None
         self._unsupported_raised = False
+        self._said_overdue = False
         """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
         self.waiting_groups: WaitingGroups | None = None
         """Optimizer parameter groups of the restored checkpoint that the script has not added yet
@@ -128,6 +129,22 @@ class LearnerCheckpoint:
         self.restored_versions: list[int] | None = None
         """The global model's versions the restored checkpoint was taken at (None: none restored, or one written
         before checkpoints kept them): `foreign` compares them with the syncer's."""
+
+    @property
+    def writing(self) -> bool:
+        """Whether a checkpoint is being written in the background now."""
+        return self._saver is not None and self._saver.is_alive()
+
+    def overdue(self, every_s: float) -> None:
+        """A periodic checkpoint fell due while the one before is still being written: it is taken once that write
+        ends, not by joining it (which stopped the training loop for the rest of the write). Said once."""
+        if self._said_overdue:
+            return
+        self._said_overdue = True
+        logger.warning("[learner %d | inner %d] its checkpoint takes longer to write than checkpoint_every_s (%g s): "
+                       "each is taken once the one before is written, back to back (the training loop does not wait "
+                       "for them; a larger --checkpoint-every-s writes less often)",
+                       self.learner.learner_id, self.learner.inner_step, every_s)
 
     def _user_state(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self.state.items()}

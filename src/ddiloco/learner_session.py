@@ -376,7 +376,11 @@ class Session(SessionLifecycle):
         if self._checkpoint_due:  # due at the last step, and `done` not asked since: taken here, as it used to be
             self._take_due_checkpoint()
         elif self._checkpoint is not None and self.clock.now() - self._last_checkpoint >= self.checkpoint_every_s:
-            if self.group is None:
+            if self._checkpoint.writing:
+                # The one before is still being written: this one waits for it, the loop does not (asked again at
+                # the next step).
+                self._checkpoint.overdue(self.checkpoint_every_s)
+            elif self.group is None:
                 # At the next `sync.done`, once the loop's iteration is over: taken here, it lacked what the loop does
                 # after `step()` (a scheduler stepped there came back one step behind after a kill -9, per crash).
                 self._checkpoint_due = True
