@@ -31,7 +31,7 @@ _SESSION, _EVALUATOR = "ddiloco.learner_session", "ddiloco.evaluator"
 _EXPORTS = {
     "DilocoConfig": "ddiloco.config", "LearnerConfig": "ddiloco.config", "QuorumConfig": "ddiloco.config",
     "RunConfig": "ddiloco.run_config", "InProcessHub": "ddiloco.inprocess",
-    "RefusedError": _SESSION, "Session": _SESSION, "UnreachableError": _SESSION,
+    "RefusedError": "ddiloco.exit_status", "Session": _SESSION, "UnreachableError": "ddiloco.exit_status",
     "session": "ddiloco.session_setup", "Watcher": _EVALUATOR, "watch": _EVALUATOR,
 }
 """Public name -> the module that owns it. Imported on first use, so `import ddiloco` (and the `ddiloco`

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from ddiloco import interrupts
+from ddiloco.exit_status import EXIT_USAGE
 
 COMMAND_MODULES = (
     "ddiloco.plan.commands",
@@ -25,7 +26,6 @@ COMMAND_MODULES = (
 )
 """Each registers its subcommands; imports inside them stay lazy so `ddiloco --help` is quick."""
 
-EXIT_USAGE = 2
 
 
 class _Version(argparse.Action):

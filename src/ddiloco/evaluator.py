@@ -47,11 +47,11 @@ from torch import nn
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import atomic_write_json
 from ddiloco.checks import invalid
+from ddiloco.exit_status import RefusedError, UnreachableError
 from ddiloco.fragments import FragmentPlan, embedding_names
 from ddiloco.interrupts import SIGNAL_CHECK_S, StopFlag
 from ddiloco.launcher_watch import watch_launcher
 from ddiloco.learner_group import unwrap
-from ddiloco.learner_session import RefusedError, UnreachableError
 from ddiloco.messages import ModelSpec, Welcome
 from ddiloco.metrics import MetricSink, NullSink, run_dir_sink
 from ddiloco.model_buffers import load_buffers, merged_buffers

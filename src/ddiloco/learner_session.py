@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ddiloco.clock import Clock, MonotonicClock
+from ddiloco.exit_status import EXIT_REFUSED, EXIT_UNREACHABLE, ForeignCheckpointError, RefusedError, UnreachableError
 from ddiloco.inprocess import InProcessHub
 from ddiloco.interrupts import StopFlag
 from ddiloco.learner import Learner
@@ -75,49 +76,11 @@ from ddiloco.work_ledger import WorkLedger, fragment_shares
 
 logger = logging.getLogger(__name__)
 
-EXIT_REFUSED = 3
-"""Exit status of a learner process the syncer refused (the supervisor never restarts it)."""
-EXIT_UNREACHABLE = 4
-"""Exit status of a learner process whose syncer never answered within `LearnerConfig.connect_timeout_s` (the
-supervisor restarts it like a crash: under `ddiloco run` its syncer is local, and on its way back)."""
 UNBOUNDED_STEPS = 2**62
 """The inner-step budget of a session without a run config (`ddiloco.session` in process, no `inner_steps`): `done`
 never turns true by itself, and a loop that ends is no early end."""
 STOP_FLUSH_S = 1.0
 """After a stop request (SIGTERM), how long queued updates may take to go out before the learner leaves."""
-
-
-class RefusedError(SystemExit):
-    """The syncer refused this learner (different model, algorithm config, token or schema). A
-    `SystemExit` with status 3: uncaught, it ends the script the way `ddiloco run` expects of a refused
-    learner (which it never restarts). `reason` names the mismatch."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(EXIT_REFUSED)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"refused by the syncer: {self.reason}"
-
-
-class ForeignCheckpointError(RefusedError):
-    """The learner's checkpoint is another run's (`LearnerCheckpoint.foreign`): exit status 3, as a refusal, since a
-    restart would find the same checkpoint."""
-
-    def __str__(self) -> str:
-        return self.reason
-
-
-class UnreachableError(SystemExit):
-    """The syncer never answered within `LearnerConfig.connect_timeout_s` (a wrong address, a syncer that is not
-    running, a firewall). A `SystemExit` with status 4; `reason` names the address and the last error."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(EXIT_UNREACHABLE)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return self.reason
 
 
 # ---- the session ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import ddiloco
 from ddiloco.data import load_corpus, shard_stream, validation_batches
 from ddiloco.environment import LearnerEnvironment, environment
-from ddiloco.learner_session import RefusedError, UnreachableError
+from ddiloco.exit_status import RefusedError, UnreachableError
 from ddiloco.model import build_model, estimate_loss
 from ddiloco.run_config import RunConfig
 from ddiloco.training import apply_inner_lr, inner_step, make_inner_optimizer

@@ -10,7 +10,7 @@ import torch
 
 import ddiloco
 from ddiloco.checkpoint import state_files
-from ddiloco.learner_session import EXIT_REFUSED, ForeignCheckpointError
+from ddiloco.exit_status import EXIT_REFUSED, ForeignCheckpointError
 from tests.helpers import TinyNet, make_batches
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 import ddiloco
-from ddiloco.cli import EXIT_USAGE, main
+from ddiloco.cli import main
+from ddiloco.exit_status import EXIT_USAGE
 from ddiloco.global_copy import GLOBAL_COPY_FILE, GlobalCopy, freshest, read, write
 from ddiloco.run_config import RunConfig
 

@@ -46,7 +46,8 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
                           "ddiloco.failures", "ddiloco.fault_plan", "ddiloco.data_parallel", "ddiloco.link_model",
                           "ddiloco.interrupts", "ddiloco.launcher_watch", "ddiloco.non_finite",
                           "ddiloco.rank_failures", "ddiloco.stdout_pipe", "ddiloco.replica_check")),),
-    (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks", "ddiloco.environment")),),
+    (("plain data", ("ddiloco", "ddiloco.config", "ddiloco.messages", "ddiloco.checks", "ddiloco.environment",
+                     "ddiloco.exit_status")),),
 )
 """Top to bottom. A module may import its own group and any lower layer; groups side by side in one layer (the
 learner core, the syncer core and the transport; the runtime, the harness and the planner) never import each

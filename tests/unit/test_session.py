@@ -10,8 +10,8 @@ import torch
 
 import ddiloco
 from ddiloco.environment import environment
+from ddiloco.exit_status import RefusedError
 from ddiloco.inprocess import JoinRefusedError
-from ddiloco.learner_session import RefusedError
 from tests.helpers import TinyNet, flip_bit_in_tensor_data, make_batches, train_step
 
 CONFIG = ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32")

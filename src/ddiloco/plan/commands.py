@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddiloco.exit_status import EXIT_USAGE
 from ddiloco.flags import add_config_flags, config_from_args
 from ddiloco.plan.bandwidth import BandwidthConfig, plan_bandwidth
 from ddiloco.plan.failures import FailureModel
@@ -23,7 +24,6 @@ from ddiloco.plan.goodput import SYSTEMS, horizon_for, simulate
 from ddiloco.plan.paper_grid import grid_simulation, run_paper_grid
 from ddiloco.plan.scenario import LayoutConfig, ReconfigurationCosts, ScavengeConfig, Scenario, SimulationConfig
 
-EXIT_USAGE = 2
 SCAVENGE_PREFIX = "scavenge_"
 
 GOODPUT_CONFIGS = (

@@ -305,7 +305,7 @@ def run_learner(settings: LearnerSettings, args: argparse.Namespace) -> int:
         raise ValueError(f"--learner-id {settings.learner_id} is invalid: the run has {run_config.num_learners} "
                          f"learners (ids 0..{run_config.num_learners - 1})")
 
-    from ddiloco.learner_session import RefusedError, UnreachableError
+    from ddiloco.exit_status import RefusedError, UnreachableError
     from ddiloco.train_tinygpt import train
 
     try:

@@ -41,6 +41,7 @@ from typing import Any
 
 from ddiloco.checkpoint import atomic_write_json, read_json_object
 from ddiloco.checks import invalid
+from ddiloco.exit_status import EXIT_DONE, EXIT_REFUSED, EXIT_USAGE
 from ddiloco.runtime.child_process import ChildProcess, process_group_alive, stop_processes
 from ddiloco.runtime.launcher import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, Launcher, with_port
 from ddiloco.runtime.learner_exits import (
@@ -50,7 +51,7 @@ from ddiloco.runtime.learner_exits import (
     stopped_from_outside,
 )
 from ddiloco.runtime.run_paths import RunPaths
-from ddiloco.runtime.supervised_roles import EVALUATOR, EXIT_DONE, EXIT_REFUSED, EXIT_USAGE, SYNCER
+from ddiloco.runtime.supervised_roles import EVALUATOR, SYNCER
 
 logger = logging.getLogger(__name__)
 

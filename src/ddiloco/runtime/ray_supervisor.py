@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.backoff import Backoff
+from ddiloco.exit_status import EXIT_DONE, EXIT_REFUSED
 from ddiloco.runtime.launcher import Launcher
 from ddiloco.runtime.learner_exits import (
     DONE_AFTER_SESSION,
@@ -51,8 +52,6 @@ from ddiloco.runtime.ray_options import SYNCER_CPUS, RayOptions, import_ray
 from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import (
     EVALUATOR,
-    EXIT_DONE,
-    EXIT_REFUSED,
     SYNCER,
     ChildState,
     Event,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddiloco import interrupts
 from ddiloco.build_info import build_id
+from ddiloco.exit_status import EXIT_FAILED
 
 if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser without them
     from ddiloco.run_config import RunConfig
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # imported where used: `ddiloco --help` builds this parser wi
     from ddiloco.runtime.run_dir import RunDirBefore
     from ddiloco.runtime.run_settings import RunSettings
 
-EXIT_FAILED = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PIPE_COLUMNS = 140
 """Output width when stdout is not a terminal (rich would assume 80 and truncate the summary table)."""

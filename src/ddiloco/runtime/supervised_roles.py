@@ -16,11 +16,6 @@ from ddiloco.runtime.child_process import ChildProcess
 from ddiloco.runtime.learner_exits import CrashLoop
 from ddiloco.runtime.standby import DEFAULT_REFILL_DELAY_S
 
-EXIT_DONE = 0
-EXIT_USAGE = 2
-"""`ddiloco` exits 2 on a bad flag or config: a restart would fail the same way."""
-EXIT_REFUSED = 3
-"""A learner the syncer refused (different model, config, token or schema)."""
 SYNCER = "syncer"
 EVALUATOR = "evaluator"
 

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddiloco.backoff import Backoff
+from ddiloco.exit_status import EXIT_DONE, EXIT_REFUSED, EXIT_USAGE
 from ddiloco.runtime.child_process import ChildProcess, stop_processes
 from ddiloco.runtime.launcher import Launcher, connect_address, with_port
 from ddiloco.runtime.learner_exits import (
@@ -68,9 +69,6 @@ from ddiloco.runtime.learner_exits import (
 from ddiloco.runtime.standby import LEARNER_PRELOAD, StandbyPool
 from ddiloco.runtime.supervised_roles import (
     EVALUATOR,
-    EXIT_DONE,
-    EXIT_REFUSED,
-    EXIT_USAGE,
     SYNCER,
     ChildState,
     Event,
