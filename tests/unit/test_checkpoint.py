@@ -7,7 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from ddiloco.checkpoint import KEEP_STATES, atomic_write_json, bytes_checksum, load_latest_state, read_json, save_state
+from ddiloco.checkpoint import (
+    KEEP_STATES,
+    atomic_write_json,
+    bytes_checksum,
+    load_latest_state,
+    load_tensors,
+    read_json,
+    save_state,
+    save_tensors,
+)
 from ddiloco.config import DilocoConfig, QuorumConfig
 from ddiloco.round_log import RoundLog
 from ddiloco.runtime.syncer_standby import LogFollower
@@ -287,3 +296,19 @@ def test_a_missing_genesis_beside_committed_rounds_is_refused_never_a_fresh_star
                       initial_params=params_of(TinyNet(seed=100))), {})
     with pytest.raises(ValueError, match=r"is missing, but the run has syncer states in checkpoints/syncer"):
         read_genesis(tmp_path)
+
+
+def test_tensors_alone_in_their_memory_are_written_without_a_copy_and_shared_ones_with_one(tmp_path, monkeypatch):
+    flat = torch.arange(12, dtype=torch.float32)
+    alone = {"moment": torch.randn(3, 4), "step": torch.tensor(5.0), "count": torch.tensor([7], dtype=torch.int64)}
+    shared = {"first": flat[:6], "second": flat[6:].view(2, 3), "again": alone["moment"],
+              "column": torch.randn(4, 3).t(), "empty": torch.zeros(0)}
+    copies = []
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: copies.append(self.shape) or clone(self, *a, **k))
+    checksum = save_tensors(tmp_path / "t.safetensors", {**alone, **shared})
+    # The views of one buffer (safetensors refuses shared memory) and the second name of a tensor are copied, and so
+    # is the empty one; a transposed tensor is made contiguous, which copies it already.
+    assert sorted(copies) == sorted([flat[:6].shape, flat[6:].view(2, 3).shape, alone["moment"].shape, (0,)])
+    back = load_tensors(tmp_path / "t.safetensors", checksum=checksum)
+    assert all(torch.equal(back[name], tensor) for name, tensor in {**alone, **shared}.items())
