@@ -16,9 +16,11 @@ from ddiloco.checkpoint import load_latest_state
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = '''
-import os, signal, sys, torch
+import itertools, os, signal, sys, torch
+from pathlib import Path
 from torch import nn
 import ddiloco
+from ddiloco.checkpoint import state_files
 from tests.helpers import TinyNet, make_batches, train_step
 
 hub = ddiloco.InProcessHub(config=ddiloco.DilocoConfig(num_fragments=2, sync_every=4, codec="fp32"),
@@ -26,13 +28,16 @@ hub = ddiloco.InProcessHub(config=ddiloco.DilocoConfig(num_fragments=2, sync_eve
 model = TinyNet(seed=1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-batches = iter(make_batches(40, seed=0))
-with ddiloco.session(model, optimizer, hub=hub, learner_id=0, inner_steps=40, run_dir=sys.argv[1],
+batches = itertools.cycle(make_batches(40, seed=0))
+checkpoints = Path(sys.argv[1]) / "learners" / "0" / "checkpoint"
+with ddiloco.session(model, optimizer, hub=hub, learner_id=0, inner_steps=10**6, run_dir=sys.argv[1],
                      state={"schedule": schedule}, checkpoint_every_s=1e-9) as sync:
     while not sync.done:
         sync.step(tokens=train_step(model, optimizer, next(batches)))
         schedule.step()  # after sync.step(), as many loops have it
-        if sync.inner_step == 25:
+        # A checkpoint due while the one before is written waits for it: train on until one of step 20 or later is
+        # on disk, however loaded the machine.
+        if sync.inner_step >= 25 and (state_files(checkpoints) or [(0,)])[-1][0] >= 20:
             os.kill(os.getpid(), signal.SIGKILL)
 '''
 
