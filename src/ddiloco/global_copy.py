@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.checkpoint import atomic_write_bytes
+from ddiloco.checkpoint import atomic_write_bytes, remove_stale_temps
 from ddiloco.learner import Learner
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ def write(directory: Path, copy: GlobalCopy | None) -> None:
                    "aliases": [list(pair) for pair in copy.aliases]}
     tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in copy.tensors.items()}
     atomic_write_bytes(directory / GLOBAL_COPY_FILE, save(tensors, metadata={METADATA_KEY: json.dumps(description)}))
+    remove_stale_temps(directory)  # a copy a killed process was writing: the model's size each
 
 
 def read(path: Path) -> GlobalCopy:

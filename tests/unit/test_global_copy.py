@@ -123,6 +123,15 @@ def copy_of(learner_id, versions, values, fragments=(("a",), ("b", "c"))):
     return GlobalCopy(learner_id, 10, fragments, tuple(versions), (), tensors)
 
 
+def test_a_copy_a_killed_process_left_half_written_is_removed_at_the_next_write(tmp_path):
+    directory = tmp_path / "learners" / "0"
+    directory.mkdir(parents=True)
+    stale = directory / f".{GLOBAL_COPY_FILE}.999999999.tmp"  # no such process
+    stale.write_bytes(b"half a copy")
+    write(directory, copy_of(0, (3, 5), (3.0, 5.0)))
+    assert not stale.exists() and read(directory / GLOBAL_COPY_FILE).versions == (3, 5)
+
+
 def test_the_newest_version_of_each_fragment_from_the_lowest_learner_holding_it(tmp_path, caplog):
     write(tmp_path / "learners" / "0", copy_of(0, (3, 5), (3.0, 5.0)))
     write(tmp_path / "learners" / "1", copy_of(1, (4, -1), (4.0, 0.0)))
