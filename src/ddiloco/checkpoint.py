@@ -374,8 +374,9 @@ def _serialisable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`tensors` as safetensors writes them: on the CPU and contiguous, each alone in its memory. A tensor that shares
     its memory (a view of a larger one, or the same memory under two names: safetensors refuses both) is copied; the
     others are written as they are. Until 2026-12-07 every tensor was copied, so a learner's checkpoint of its already
-    copied optimizer state held it three times while writing (that copy, this one and the serialised bytes): 0.22 s
-    and 458 MB more at 57 M parameters (`benchmarks/bench_checkpoint.py`), 8 GB for a billion parameters."""
+    copied optimizer state held it three times while writing (that copy, this one and the serialised bytes): at 57 M
+    parameters with AdamW, 911 MB above the snapshot at a process's first write against 458 MB now (later writes
+    reuse freed memory: 458-477 MB), and 8 GB more for a billion parameters."""
     plain, seen = {}, set()
     for name, tensor in tensors.items():
         tensor = tensor.detach().to("cpu").contiguous()

@@ -410,8 +410,9 @@ def run_export(args: argparse.Namespace) -> int:
     if args.from_learners:
         recovered = freshest(run_dir)
         params, aliases = recovered.params, recovered.aliases
-        what = (f"the global model as learners {', '.join(map(str, recovered.learners))} last held it (fragment "
-                f"versions {', '.join(map(str, recovered.versions))})")
+        held_by = f"learner{'s' if len(recovered.learners) > 1 else ''} {', '.join(map(str, recovered.learners))}"
+        versions = ", ".join(map(str, recovered.versions))
+        what = f"the global model as {held_by} last held it (fragment versions {versions})"
         origin = {"from_learners": ",".join(map(str, recovered.learners)),
                   "fragment_versions": ",".join(map(str, recovered.versions))}
     else:
