@@ -121,8 +121,9 @@ class LearnerCheckpoint:
                                          f"({GLOBAL_COPY_FILE})")
         self._saver: threading.Thread | None = None
         self._unsupported_raised = False
-        self._said_overdue = False
         """Whether a state the checkpoint cannot keep has been raised as a TypeError (`_split`)."""
+        self._said_overdue = False
+        """Whether a checkpoint due while the one before was written has been logged (`overdue`)."""
         self.waiting_groups: WaitingGroups | None = None
         """Optimizer parameter groups of the restored checkpoint that the script has not added yet
         (`ddiloco.optimizer_restore`)."""
