@@ -86,6 +86,16 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -
         _fsync_dir(path.parent)
 
 
+def learner_files(run_dir: str | Path, name: str) -> list[tuple[int, Path]]:
+    """(learner id, path) of each learner's file `name` in `run_dir`/learners/N/ that exists, by learner id: the
+    learners' buffers (`ddiloco.model_buffers`) and copies of the global model (`ddiloco.global_copy`)."""
+    root = Path(run_dir) / "learners"
+    if not root.is_dir():
+        return []
+    found = [(int(d.name), d / name) for d in root.iterdir() if d.name.isdigit()]
+    return sorted((learner_id, path) for learner_id, path in found if path.is_file())
+
+
 def remove_stale_temps(directory: str | Path) -> list[Path]:
     """Remove the files `atomic_write_bytes` left in `directory` (not below it) when its process was killed while
     writing (`.NAME.PID.tmp`, PID no longer running; a live one's are its writes in flight); returns them. Nothing

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.checkpoint import atomic_write_bytes, remove_stale_temps
+from ddiloco.checkpoint import atomic_write_bytes, learner_files, remove_stale_temps
 from ddiloco.learner import Learner
 
 logger = logging.getLogger(__name__)
@@ -118,11 +118,7 @@ class Recovered:
 
 def learner_copies(directory: Path) -> list[Path]:
     """The copies under `directory`/learners/N/, by learner id."""
-    root = directory / "learners"
-    if not root.is_dir():
-        return []
-    found = [(int(d.name), d / GLOBAL_COPY_FILE) for d in root.iterdir() if d.name.isdigit()]
-    return [path for _, path in sorted(found) if path.is_file()]
+    return [path for _, path in learner_files(directory, GLOBAL_COPY_FILE)]
 
 
 def freshest(directory: Path) -> Recovered:

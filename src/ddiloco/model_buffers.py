@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddiloco.checkpoint import atomic_write_bytes
+from ddiloco.checkpoint import atomic_write_bytes, learner_files
 from ddiloco.fragments import persistent_buffer_names
 from ddiloco.learner_group import unwrap
 
@@ -80,14 +80,6 @@ def write_buffers(directory: Path, buffers: Mapping[str, torch.Tensor]) -> None:
     atomic_write_bytes(directory / BUFFERS_FILE, save({n: t.contiguous() for n, t in buffers.items()}), durable=False)
 
 
-def _learner_files(run_dir: Path) -> list[tuple[int, Path]]:
-    root = run_dir / "learners"
-    if not root.is_dir():
-        return []
-    found = [(int(d.name), d / BUFFERS_FILE) for d in root.iterdir() if d.name.isdigit()]
-    return sorted((learner_id, path) for learner_id, path in found if path.is_file())
-
-
 def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[int]]:
     """(the mean of the learners' latest buffers, the learners it took them from, ascending) from the run's
     `learners/N/buffers.safetensors` (module docstring). A file that cannot be read is logged and left out; a buffer
@@ -97,7 +89,7 @@ def merged_buffers(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], list[i
     from safetensors.torch import load_file
 
     read: list[tuple[int, dict[str, torch.Tensor]]] = []
-    for learner_id, path in _learner_files(Path(run_dir)):
+    for learner_id, path in learner_files(run_dir, BUFFERS_FILE):
         try:
             read.append((learner_id, load_file(path)))
         except (OSError, SafetensorError) as exc:
