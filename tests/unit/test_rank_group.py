@@ -48,12 +48,19 @@ def test_the_group_dies_of_the_signal_that_killed_its_first_rank_where_that_is_a
     # towards giving the learner up. The group exited 137, an error of the script's own: three kill -9s of a rank in a
     # row gave the learner up. A SIGTERM stops a rank cleanly: its exit says how it went. A script that exits 137 by
     # itself was not killed: it is its own error, as it is for a learner of one process (the group died of SIGKILL).
-    script = ("import os, signal, sys, time; os.environ['RANK'] == '0' and print(os.environ['DDILOCO_RANK_FAILURES'], "
-              f"flush=True); os.environ['RANK'] == '1' and {fault}; time.sleep(60)")
+    # Rank 1's fault waits for rank 0's print: under load rank 0 could start after rank 1 failed and be stopped first.
+    printed = tmp_path / "printed"
+    script = ("import os, pathlib, signal, sys, time; printed = pathlib.Path(sys.argv[1])\n"
+              "if os.environ['RANK'] == '0': print(os.environ['DDILOCO_RANK_FAILURES'], flush=True); printed.touch()\n"
+              "else:\n    deadline = time.monotonic() + 50\n"
+              "    while not printed.exists() and time.monotonic() < deadline: time.sleep(0.01)\n"
+              f"    {fault}\n"
+              "time.sleep(60)")
     pids = tmp_path / "learner" / "ranks.json"
     pids.parent.mkdir()
     done = subprocess.run([sys.executable, "-m", "ddiloco.runtime.rank_group", "--nproc", "2", "--pids-file",
-                           str(pids), "--", sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+                           str(pids), "--", sys.executable, "-c", script, str(printed)],
+                          timeout=60, capture_output=True, text=True)
     assert done.returncode == status, done.stderr
     assert "rank 1 (pid" in done.stderr
     # The ranks record their failures beside the pids, not in /tmp (a SIGKILLed group left a folder there each time),
