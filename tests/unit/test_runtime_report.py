@@ -107,6 +107,26 @@ def test_report_writes_summary_and_three_pngs(tmp_path):
         assert (paths.root / name).read_bytes()[:8] == PNG_MAGIC, name
 
 
+def test_participation_colours_each_staleness_from_zero_and_counts_each_learners_rounds(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from ddiloco.runtime.report_plots import participation_figure
+
+    paths = fake_run(tmp_path)  # learner 0 in rounds 0, 1, 2; learner 1 in 0 and 2 (one version late)
+    fig = participation_figure(paths, num_learners=2)
+    ax, bar = fig.axes
+    points = ax.collections[0]
+    assert list(points.get_array()) == [0, 0, 0, 0, 1]
+    assert points.norm.vmin == -0.5 and points.norm.vmax == 1.5 and points.cmap.N == 2  # a colour per staleness
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0 (3)", "1 (2)"] and "of 3" in ax.get_ylabel()
+    assert list(bar.get_yticks()) == [0, 1]
+    plt.close(fig)
+    write_lines(paths.rounds, [{"round": 0, "fragment": 0, "version": 1, "participants": [participant(0)]}])
+    fig = participation_figure(paths, num_learners=2)  # nothing late: the scale still starts at 0, not below it
+    assert fig.axes[0].collections[0].norm.vmin == -0.5 and list(fig.axes[1].get_yticks()) == [0, 1]
+    plt.close(fig)
+
+
 def test_report_of_an_empty_run_still_has_plots(tmp_path):
     paths = RunPaths(tmp_path / "empty")
     paths.root.mkdir()

@@ -143,28 +143,42 @@ def _bucket_means(times: array, values: array, most: int) -> tuple[tuple[array, 
     return means, steps
 
 
-def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
-    """One mark per (round, learner merged in it), coloured by the update's staleness."""
+def participation_figure(paths: RunPaths, num_learners: int):
+    """One mark per (round, learner merged in it), coloured by the update's staleness, one colour per number of
+    versions late from 0 (until 2026-12-08 a continuous scale: a run whose every update came on time read -0.1 to
+    0.1); each learner's label counts the rounds it was merged in. The caller saves and closes the figure."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
-    xs, ys, colours = [], [], []
+    xs, ys, staleness, rounds = [], [], [], 0
+    merged = [0] * num_learners
     for record in iter_jsonl(paths.rounds):
+        rounds += 1
         for participant in record.get("participants", []):
             xs.append(record["round"])
             ys.append(participant["learner_id"])
-            colours.append(participant.get("staleness", 0))
+            staleness.append(int(participant.get("staleness", 0)))
+            if 0 <= participant["learner_id"] < num_learners:
+                merged[participant["learner_id"]] += 1
     if xs:
-        points = ax.scatter(xs, ys, c=colours, marker="|", s=60, cmap="viridis")
-        fig.colorbar(points, ax=ax, label="staleness (versions)")
+        most = max(1, *staleness)
+        points = ax.scatter(xs, ys, c=staleness, marker="|", s=60, cmap=plt.get_cmap("viridis", most + 1),
+                            vmin=-0.5, vmax=most + 0.5)
+        fig.colorbar(points, ax=ax, label="staleness (versions late)", ticks=range(0, most + 1, max(1, most // 8)))
     else:
         _no_data(ax, "no committed rounds")
-    ax.set_yticks(range(num_learners))
+    ax.set_yticks(range(num_learners), [f"{i} ({merged[i]})" for i in range(num_learners)])
+    ax.set_ylim(-0.5, num_learners - 0.5)
     ax.set_xlabel("round")
-    ax.set_ylabel("learner")
+    ax.set_ylabel(f"learner (rounds merged in, of {rounds})")
     ax.set_title("per-learner participation in rounds")
     fig.tight_layout()
+    return fig
+
+
+def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
+    fig = participation_figure(paths, num_learners)
     fig.savefig(out, dpi=PLOT_DPI)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
