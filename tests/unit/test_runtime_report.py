@@ -127,6 +127,25 @@ def test_participation_colours_each_staleness_from_zero_and_counts_each_learners
     plt.close(fig)
 
 
+def test_the_bytes_plots_title_and_legend_stay_inside_the_figure_and_off_the_bars(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from ddiloco.runtime.report_plots import bytes_figure
+
+    summary = build_summary(fake_run(tmp_path), num_learners=2, outcome="completed", wall_time_s=6.0)
+    summary["syncer"]["bytes_watched"] = 7_659_520  # an evaluator's bytes make the title longest
+    fig = bytes_figure(summary)
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    inside, title = fig.bbox, ax.title.get_window_extent(renderer)
+    assert inside.x0 <= title.x0 and title.x1 <= inside.x1 and title.y1 <= inside.y1
+    legend = ax.get_legend().get_window_extent(renderer)
+    for bar in ax.patches:
+        box = bar.get_window_extent(renderer)
+        assert not (box.overlaps(legend) and box.height > 0), "the legend covers a bar"
+    plt.close(fig)
+
+
 def test_report_of_an_empty_run_still_has_plots(tmp_path):
     paths = RunPaths(tmp_path / "empty")
     paths.root.mkdir()

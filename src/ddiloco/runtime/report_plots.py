@@ -181,8 +181,9 @@ def plot_participation(paths: RunPaths, out: Path, num_learners: int) -> None:
     _pyplot().close(fig)
 
 
-def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
-    """Bytes each learner sent (uplink, pseudo-gradients) and received (downlink, fragments)."""
+def bytes_figure(summary: Mapping[str, Any]):
+    """Bytes each learner sent (uplink, pseudo-gradients) and received (downlink, fragments). The caller saves and
+    closes the figure."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
     ids = sorted(summary["learners"], key=int)
@@ -193,15 +194,23 @@ def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
     ax.bar([int(i) + width / 2 for i in ids], received, width, label="syncer -> learner (downlink)")
     syncer = summary.get("syncer", {})
     watched = f", to the evaluator {format_bytes(syncer['bytes_watched'])}" if syncer.get("bytes_watched") else ""
-    ax.set_title(f"bytes per direction (syncer: updates in {format_bytes(syncer.get('bytes_received'))}, "
+    # Two lines, and room above the bars for the legend: on one line the title ran off the figure's right edge, and
+    # the legend covered the tallest bars (until 2026-12-08).
+    ax.set_title(f"bytes per direction\n(syncer: updates in {format_bytes(syncer.get('bytes_received'))}, "
                  f"fragments out {format_bytes(syncer.get('bytes_sent'))}{watched})", fontsize="medium")
+    ax.set_ylim(0, 1.3 * max([*sent, *received, 1e-6]))
     ax.set_xticks([int(i) for i in ids])
     ax.set_xlabel("learner")
     ax.set_ylabel("MB")
     ax.legend(fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_bytes(summary: Mapping[str, Any], out: Path) -> None:
+    fig = bytes_figure(summary)
     fig.savefig(out, dpi=PLOT_DPI)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def write_plots(paths: RunPaths, summary: Mapping[str, Any]) -> list[Path]:
