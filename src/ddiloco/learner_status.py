@@ -23,7 +23,8 @@ from ddiloco.metrics import MetricSink
 from ddiloco.session_transport import SessionTransport
 
 COUNTERS = ("updates_sent", "updates_accepted", "updates_rejected", "updates_dropped", "fragments_applied",
-            "bytes_sent", "bytes_received", "joins", "waits_abandoned", "non_finite_recoveries", "publishes_waited")
+            "bytes_sent", "bytes_received", "joins", "waits_abandoned", "non_finite_recoveries", "publishes_waited",
+            "genesis_bytes_sent")
 """Counters reported in status.json, carried across restarts by the checkpoint and by the last status.json
 (`StatusReporter.carry_over`)."""
 

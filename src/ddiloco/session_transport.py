@@ -86,7 +86,8 @@ class HubTransport:
     def counters(self) -> dict[str, int]:
         stats = self.learner.stats
         return {"updates_accepted": 0, "updates_rejected": sum(stats.rejections.values()), "updates_dropped": 0,
-                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins}
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "joins": stats.joins,
+                "genesis_bytes_sent": 0}  # the hub takes the first learner's parameters in process
 
 
 def check_join_fits(join: Join, config: DilocoConfig) -> None:
@@ -183,4 +184,5 @@ class GrpcTransport:
         io = self.io.stats
         return {"updates_accepted": io.updates_accepted, "updates_rejected": io.updates_rejected,
                 "updates_dropped": io.updates_dropped, "bytes_sent": self.client.bytes_sent,
-                "bytes_received": self.client.bytes_received, "joins": io.welcomes}
+                "bytes_received": self.client.bytes_received, "joins": io.welcomes,
+                "genesis_bytes_sent": self.client.genesis_bytes_sent}

@@ -164,6 +164,12 @@ def test_summary_table_shows_every_learner_and_the_run(tmp_path):
     text = console.export_text()
     assert "refused (model differs)" in text
     assert "3 rounds committed" in text and "4.2500" in text
+    assert "initial model" not in text  # no learner proposed one (a status file from before the count)
+    summary["learners"]["1"]["genesis_bytes_sent"] = 1_000
+    console = Console(width=200, record=True)
+    print_summary(summary, console)
+    caption = " ".join(console.export_text().split())  # the caption folds at the table's width
+    assert "learner 1's bytes sent include the initial model it proposed (1.0 kB)" in caption
 
 
 def test_a_reason_in_brackets_is_shown_as_written(tmp_path):

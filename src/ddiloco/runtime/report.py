@@ -238,6 +238,7 @@ def build_summary(paths: RunPaths, *, num_learners: int, outcome: str, wall_time
             "tokens": status.get("tokens"),
             "tokens_merged": from_syncer.get("tokens_merged"),
             "bytes_sent": status.get("bytes_sent"),
+            "genesis_bytes_sent": status.get("genesis_bytes_sent", 0),  # of bytes_sent: the initial model it proposed
             "bytes_received": status.get("bytes_received"),
             "joins": from_syncer.get("joins", status.get("joins")),
             "non_finite_recoveries": status.get("non_finite_recoveries", 0),
@@ -406,7 +407,7 @@ def _wall_time_text(summary: Mapping[str, Any]) -> str:
 
 def summary_table(summary: Mapping[str, Any]) -> Table:
     caption = (f"{summary['outcome']}: {summary['rounds_committed']} rounds committed, {_val_loss_text(summary)}, "
-               f"{_wall_time_text(summary)}, syncer restarts {summary['syncer']['restarts']}")
+               f"{_wall_time_text(summary)}, syncer restarts {summary['syncer']['restarts']}{_genesis_text(summary)}")
     # Reasons and paths are the learners' and the user's text: "[rank-group]" or "[learner 0]" is not rich markup.
     table = Table(title=escape(f"ddiloco run {summary['run_dir']}"), caption=escape(caption), caption_justify="left")
     for header in ("learner", "state", "restarts", "accepted", "rejected", "rounds", "inner step", "tokens",
@@ -419,6 +420,18 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                       _cell(row["updates_rejected"]), str(row["rounds_contributed"]), _inner_step_cell(row),
                       _cell(row["tokens"], ","), format_bytes(row["bytes_sent"]), format_bytes(row["bytes_received"]))
     return table
+
+
+def _genesis_text(summary: Mapping[str, Any]) -> str:
+    """`; learner 0's bytes sent include the initial model it proposed (1.9 MB)`: the first learner's uplink is
+    otherwise read as twice the others' in a short run (until 2026-12-08 nothing said why)."""
+    proposed = [(learner_id, row["genesis_bytes_sent"]) for learner_id, row in
+                sorted(summary["learners"].items(), key=lambda item: int(item[0])) if row.get("genesis_bytes_sent")]
+    if not proposed:
+        return ""
+    who = " and ".join(f"learner {learner_id}'s" for learner_id, _ in proposed)
+    sizes = ", ".join(format_bytes(size) for _, size in proposed)
+    return f"; {who} bytes sent include the initial model {'it' if len(proposed) == 1 else 'each'} proposed ({sizes})"
 
 
 def _inner_step_cell(row: Mapping[str, Any]) -> str:

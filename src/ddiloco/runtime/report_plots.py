@@ -189,9 +189,14 @@ def bytes_figure(summary: Mapping[str, Any]):
     ids = sorted(summary["learners"], key=int)
     sent = [(summary["learners"][i].get("bytes_sent") or 0) / 1e6 for i in ids]
     received = [(summary["learners"][i].get("bytes_received") or 0) / 1e6 for i in ids]
+    genesis = [(summary["learners"][i].get("genesis_bytes_sent") or 0) / 1e6 for i in ids]
     width = 0.4
-    ax.bar([int(i) - width / 2 for i in ids], sent, width, label="learner -> syncer (uplink)")
-    ax.bar([int(i) + width / 2 for i in ids], received, width, label="syncer -> learner (downlink)")
+    ax.bar([int(i) - width / 2 for i in ids], sent, width, color="C0", label="learner -> syncer (uplink)")
+    if any(genesis):  # the first learner's uplink holds the initial model it proposed, once
+        ax.bar([int(i) - width / 2 for i in ids], genesis, width, fill=False, hatch="//", edgecolor="0.25", linewidth=0,
+               label="of it, the initial model it proposed")
+    ax.bar([int(i) + width / 2 for i in ids], received, width, color="C1",
+           label="syncer -> learner (downlink)")
     syncer = summary.get("syncer", {})
     watched = f", to the evaluator {format_bytes(syncer['bytes_watched'])}" if syncer.get("bytes_watched") else ""
     # Two lines, and room above the bars for the legend: on one line the title ran off the figure's right edge, and

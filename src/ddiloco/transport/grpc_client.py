@@ -318,6 +318,9 @@ class SyncerClient:
         self._downlink_missed = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.genesis_bytes_sent = 0
+        """Of `bytes_sent`, the initial parameters this learner proposed (`push_genesis`): once a run, by its first
+        learner, and as large as the model."""
 
     def _connect(self, address: str) -> tuple[grpc.Channel, wire_pb2_grpc.SyncerStub]:
         options = list(CHANNEL_OPTIONS)
@@ -451,7 +454,10 @@ class SyncerClient:
         self._check_partition()
         chunks = list(encode_genesis(genesis))
         reply = self._stub.PushGenesis(iter(chunks), metadata=self._as_learner(genesis.learner_id), timeout=timeout_s)
-        self._count(sent=sum(c.ByteSize() for c in chunks), received=reply.ByteSize())
+        sent = sum(c.ByteSize() for c in chunks)
+        self._count(sent=sent, received=reply.ByteSize())
+        with self._lock:
+            self.genesis_bytes_sent += sent
         return reply.accepted
 
     def watch(self, *, min_interval_s: float, run_config: Mapping[str, Any] | None = None) -> Iterator[Welcome]:
