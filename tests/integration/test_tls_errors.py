@@ -80,22 +80,22 @@ HANDSHAKE_CASES = {
 }
 
 
-@pytest.mark.timeout(300)  # two processes importing torch on a loaded machine
-@pytest.mark.parametrize("role", ["learner", "evaluator"])
+@pytest.mark.timeout(300)  # three processes importing torch on a loaded machine
 @pytest.mark.parametrize("case", list(HANDSHAKE_CASES))
-def test_a_tls_handshake_that_will_fail_again_stops_the_client_in_seconds(procs, tmp_path, certs, case, role):
+def test_a_tls_handshake_that_will_fail_again_stops_the_client_in_seconds(procs, tmp_path, certs, case):
+    # A learner and an evaluator, side by side against one syncer: each stops by itself, naming the fix.
     (cert, key), (other_cert, _) = certs
     serves_tls, tls, fix = HANDSHAKE_CASES[case]
     run_dir = tmp_path / "run"
     address = start_syncer(procs, run_dir, "syncer", *(("--tls-cert", cert, "--tls-key", key) if serves_tls else ()))
     tls = [{"CA": cert, "OTHER_CA": other_cert}.get(flag, flag) for flag in tls]
-    who = ("--learner-id", "0", "--threads", "1") if role == "learner" else ()
     started = {role: procs.start(role, role, "--syncer", address, "--run-dir", str(run_dir), *who,
-                                 "--connect-timeout-s", CONNECT_TIMEOUT_S, *tls)}
-    code, log = exits_soon(procs, started)[role]
-    line = last_line(log)
-    assert code == EXIT_UNREACHABLE, log[-3000:]
-    assert "TLS handshake failed" in line and fix in line, line
+                                 "--connect-timeout-s", CONNECT_TIMEOUT_S, *tls)
+               for role, who in (("learner", ("--learner-id", "0", "--threads", "1")), ("evaluator", ()))}
+    for role, (code, log) in exits_soon(procs, started).items():
+        line = last_line(log)
+        assert code == EXIT_UNREACHABLE, (role, log[-3000:])
+        assert "TLS handshake failed" in line and fix in line, (role, line)
 
 
 @pytest.mark.parametrize("case", ["learner-garbage-ca", "evaluator-garbage-ca", "name-without-ca",
