@@ -98,9 +98,9 @@ def learner_files(run_dir: str | Path, name: str) -> list[tuple[int, Path]]:
 
 def remove_stale_temps(directory: str | Path) -> list[Path]:
     """Remove the files `atomic_write_bytes` left in `directory` (not below it) when its process was killed while
-    writing (`.NAME.PID.tmp`, PID no longer running; a live one's are its writes in flight); returns them. Nothing
-    else removed them: a probe's kill -9 in the middle of writes left six, each the size of what was being written
-    (a syncer state is 12 bytes per parameter), through every later save and resume (until 2026-12-07)."""
+    writing (`.NAME.PID.tmp`, PID no longer running; a live one's are its writes in flight); returns them. Nothing else
+    removes them, and they would stay through every later save and resume: a probe's kill -9 in the middle of writes
+    left six, each the size of what was being written (a syncer state is 12 bytes per parameter)."""
     removed = []
     try:
         names = list(Path(directory).iterdir())
@@ -383,10 +383,10 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
 def _serialisable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`tensors` as safetensors writes them: on the CPU and contiguous, each alone in its memory. A tensor that shares
     its memory (a view of a larger one, or the same memory under two names: safetensors refuses both) is copied; the
-    others are written as they are. Until 2026-12-07 every tensor was copied, so a learner's checkpoint of its already
-    copied optimizer state held it three times while writing (that copy, this one and the serialised bytes): at 57 M
-    parameters with AdamW, 911 MB above the snapshot at a process's first write against 458 MB now (later writes
-    reuse freed memory: 458-477 MB), and 8 GB more for a billion parameters."""
+    others are written as they are. Copying every tensor would hold a learner's checkpoint of its already copied
+    optimizer state three times while writing (that copy, this one and the serialised bytes): at 57 M parameters with
+    AdamW, 911 MB above the snapshot at a process's first write against 458 MB without it (later writes reuse freed
+    memory: 458-477 MB), and 8 GB more for a billion parameters."""
     plain, seen = {}, set()
     for name, tensor in tensors.items():
         tensor = tensor.detach().to("cpu").contiguous()

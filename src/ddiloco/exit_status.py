@@ -1,10 +1,10 @@
 """How a ddiloco process ends: the exit statuses `ddiloco run`'s supervisor (and Ray's, and a user's own) reads to
 decide whether to restart a process, and the errors a learner or evaluator raises to end with one.
 
-One definition each: the supervisor, the command line and the session read them from here (until 2026-12-07 the
-refusal's 3 was defined twice and the usage error's 2 three times). A status only one role ends with stays with that
-role: the syncer's core fault (`runtime.syncer_service`), a learner whose launcher is gone (`launcher_watch`), a Ray
-actor's restart (`runtime.ray_actor`), and the data-parallel baseline's workers' (`chaos.dp_common`).
+One definition each: the supervisor, the command line and the session read them from here, so that no two copies of a
+status can disagree. A status only one role ends with stays with that role: the syncer's core fault
+(`runtime.syncer_service`), a learner whose launcher is gone (`launcher_watch`), a Ray actor's restart
+(`runtime.ray_actor`), and the data-parallel baseline's workers' (`chaos.dp_common`).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 BLOCK_PATTERN = r"(?:^|\.)(?:blocks|layers|layer|h)\.(\d+)\."
 """Where `strided` finds a transformer block index in a parameter name: the first `blocks.N.` (ddiloco's TinyGPT,
 MPT), `layers.N.` (Llama, Mistral, Qwen, GPT-NeoX, OPT), `layer.N.` (BERT) or `h.N.` (GPT-2, Falcon), so a mixture
-of experts' `layers.3.mlp.experts.7.` is block 3. Before 2026-12-06 only `blocks.N.`: a Hugging Face model's
-`strided` plan was `balanced`'s."""
+of experts' `layers.3.mlp.experts.7.` is block 3. With only `blocks.N.`, a Hugging Face model's `strided` plan would be
+`balanced`'s."""
 
 
 def _check_count(sizes: Mapping[str, int], num_fragments: int) -> None:

@@ -217,9 +217,9 @@ class Learner:
             (logger.warning if message.reason == RejectReason.BAD_COUNTERS else logger.info)(
                 "[learner %d | inner %d] update for fragment %d rejected: %s %s",
                 self.learner_id, self.inner_step, message.fragment, reason, message.detail)
-            # Refused for who sent it (unknown_learner), the work of that update counts as not sent, and the
-            # re-join's Welcome publishes it again: until 2026-12-07 it was forgotten, and the next version of the
-            # fragment overwrote it (a syncer kill -9 lost a learner 48 inner steps of a fragment).
+            # Refused for who sent it (unknown_learner), the work of that update counts as not sent, and the re-join's
+            # Welcome publishes it again: forgotten, it would be overwritten by the next version of the fragment (a
+            # syncer kill -9 lost a learner 48 inner steps of a fragment).
             self.sent.refused(message.fragment, message.base_version, for_sender_at=message.inner_step
                               if message.reason == RejectReason.UNKNOWN_LEARNER else None)
             if message.reason == RejectReason.UNKNOWN_LEARNER:
@@ -257,12 +257,12 @@ class Learner:
         """A Welcome past the version of the fragment this learner trained on (rounds committed while it was away)
         overwrites that work: work never sent (its update undelivered, or none published since the base) goes out
         first, late by as many versions, as before a newer `FragmentState` (`_publish_before`); the syncer merges it
-        into the fragment's next round, or refuses it as stale beyond `QuorumConfig.max_staleness`. Until 2026-12-07
-        it was overwritten: a learner cut off from a restarting syncer lost what it trained meanwhile on every fragment
-        that others moved on before it joined again; and until a session later, where the Welcome came two or more
-        versions on (a syncer frozen for a minute: the first learner back published its work of the outage and trained
-        on before the others joined; a third of one learner's tokens was never merged). Its work ledger records it
-        before the Welcome (`LearnerRules.receive`): it was trained on the version this learner held before."""
+        into the fragment's next round, or refuses it as stale beyond `QuorumConfig.max_staleness`. Were that work
+        overwritten, a learner cut off from a restarting syncer would lose what it trained meanwhile on every fragment
+        that others moved on before it joined again, whether the Welcome is one version on or several (a syncer frozen
+        for a minute: the first learner back published its work of the outage and trained on before the others joined; a
+        third of one learner's tokens was never merged). Its work ledger records it before the Welcome
+        (`LearnerRules.receive`): it was trained on the version this learner held before."""
         if not self._overwrites_unsent_work(state, versions_on=None):
             return None
         update = self._publish(state.fragment, final=self.finishing)

@@ -17,7 +17,7 @@ themselves (like h11 keeps every state transition in one module):
   At a later Welcome (the same process joined again: the syncer timed it out during a pause or a
   partition) a learner of a synchronous run takes the position only when it is behind, rounds it had not
   published committed without it; one ahead (its update lost with a syncer restart) keeps its own and
-  publishes that update again. Before 2026-12-06 it kept its position: every round then waited the
+  publishes that update again. One behind that kept its position would make every round wait the
   learners' `max_wait_s` for an update of another phase (about 60 s a round).
 - **A syncer that went back** (a Welcome to this process joining again holds an older version of a
   fragment than the learner received) is a refusal: its directory was replaced, or the address serves a

@@ -89,9 +89,9 @@ class TensorBoardSink:
 
     The writer opens at the first scalar. When the directory holds event files already (a restarted process: a learner
     resumed from its checkpoint, a syncer from its state), it opens with `purge_step` at that first step, so TensorBoard
-    hides what the earlier process logged from there on, the steps the restart redoes: the curves went back over them
-    before 2026-12-06 (858 points for 800 steps, 58 twice). An event is text at the latest step logged (it was at step
-    0, every one, of which TensorBoard keeps 10); those before the first scalar wait for it."""
+    hides what the earlier process logged from there on, the steps the restart redoes: without it the curves go back
+    over them (858 points for 800 steps, 58 twice). An event is text at the latest step logged (all at step 0,
+    TensorBoard would keep only 10 of them); those before the first scalar wait for it."""
 
     def __init__(self, log_dir: str | Path, writer_cls) -> None:
         self._log_dir = Path(log_dir)

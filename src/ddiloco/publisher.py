@@ -81,10 +81,10 @@ SAME_STREAM = DeviceOrder(None)
 
 def pseudo_gradient(base: torch.Tensor, current: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`base - current`: the exact float32 global value less the parameter's (a float32 copy), for a parameter of
-    `dtype`. One held in a narrower dtype (bf16, fp16) is measured from the global value as it holds it, rounded to
-    that dtype: what it trained, not the rounding of the global value (a frozen bf16 parameter sends zeros, as a float32
-    one does). Until 2026-12-06 that rounding went with every update: frozen bf16 weights drifted by a bf16 step, and
-    every update carried its noise."""
+    `dtype`. One held in a narrower dtype (bf16, fp16) is measured from the global value as it holds it, rounded to that
+    dtype: what it trained, not the rounding of the global value (a frozen bf16 parameter sends zeros, as a float32 one
+    does). Measured from the float32 value, that rounding would go with every update: frozen bf16 weights would drift by
+    a bf16 step, and every update would carry its noise."""
     if torch.finfo(dtype).bits < torch.finfo(base.dtype).bits:
         base = base.to(dtype).to(base.dtype)
     return base - current

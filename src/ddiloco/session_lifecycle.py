@@ -50,9 +50,9 @@ logger = logging.getLogger(__name__)
 _open_sessions: weakref.WeakValueDictionary[tuple[Any, ...], SessionLifecycle] = weakref.WeakValueDictionary()
 """The sessions open in this process, by `SessionLifecycle._key()`. Process-wide by nature: what it guards against is
 two sessions of one learner in one process. Weak: a session nothing refers to any more (an in-process one a notebook
-cell started and a Ctrl-C kept from its close) is no longer open to anyone, and is let go. Until 2026-12-07 the
-registry kept every such session, its model and optimizer for the life of the process (a probe: 223 -> 687 MB over
-three interrupted re-runs), and refused the re-run's session of the same learner."""
+cell started and a Ctrl-C kept from its close) is no longer open to anyone, and is let go. Held strongly, every such
+session, its model and optimizer would be kept for the life of the process (a probe: 223 -> 687 MB over three
+interrupted re-runs), and the re-run's session of the same learner would be refused."""
 _open_lock = threading.Lock()
 
 
@@ -93,8 +93,8 @@ class SessionLifecycle:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # `sys.exit(0)` inside the block is a loop that ended early, as a `break` is: not a failure. Until 2026-12-07 it
-        # ended the session `failed`, its last work never sent (a probe: 3 rounds committed where a `break` made 7).
+        # `sys.exit(0)` inside the block is a loop that ended early, as a `break` is: not a failure. Ending the session
+        # `failed` would leave its last work never sent (a probe: 3 rounds committed where a `break` made 7).
         failed = exc_type is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
         if failed:
             # First, before closing does anything another rank could notice (`ddiloco.rank_failures`).
@@ -248,9 +248,8 @@ class SessionLifecycle:
     def _restore_sigterm(self) -> None:
         """The SIGTERM handler from before the session, back in place (Python's default where the one before was not
         Python's to give back), and those of SIGHUP, SIGINT and SIGCHLD that the session took or held off; each only
-        while the session's own is in place. A handler the user's code set during the session (a preemption library
-        set up lazily inside the loop) stays: until 2026-12-07 the session's end replaced it with the one from
-        before."""
+        while the session's own is in place. A handler the user's code set during the session (a preemption library set
+        up lazily inside the loop) stays: put back at the session's end, the one from before would replace it."""
         if self._sigterm_installed:
             self._sigterm_installed = False
             previous = self._previous_handler

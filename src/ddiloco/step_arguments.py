@@ -47,10 +47,10 @@ def _scalar(name: str, value: Any, expected: str) -> float:
 
 
 def user_metrics(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
-    """`sync.log`'s `metrics` as `PREFIX/NAME: float`. A name is letters, digits, `_.-` and `/` between parts, and
-    not one ddiloco logs for a learner (`LEARNER_METRICS`); a value is one number as for `loss`. Before 2026-12-06 a
-    script had only the session's own sink, which wrote a tensor as the string "tensor(1.5000)" (TensorBoard dropped
-    it) and took any name."""
+    """`sync.log`'s `metrics` as `PREFIX/NAME: float`. A name is letters, digits, `_.-` and `/` between parts, and not
+    one ddiloco logs for a learner (`LEARNER_METRICS`); a value is one number as for `loss`. Passed to the session's
+    sink as they are, a tensor would be written as the string "tensor(1.5000)" (TensorBoard drops it) and any name would
+    be taken."""
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics must be a mapping of names to numbers, got a {type(metrics).__name__}")
     out = {}

@@ -323,9 +323,9 @@ class Syncer:
     def _observe_step_time(self, info: LearnerInfo, update: Update, now: float) -> None:
         """The step time the learner timed (`Update.step_time_s`), or else the spacing of its accepted updates per inner
         step, into the run's step time (each sample bounded relative to it: `ddiloco.round_timing.bounded_step_time`)
-        and the learner's own. The spacing counts the learner's waits for results: behind a 0.5 s round trip the run's
-        step time came out 41 times the learner's and every grace window sat at its cap (until 2026-12-07,
-        tests/integration/test_far_link.py)."""
+        and the learner's own. The spacing counts the learner's waits for results: from the spacing alone, the run's
+        step time behind a round trip of 0.5 s comes out 41 times the learner's and every grace window sits at its cap
+        (tests/integration/test_far_link.py)."""
         sample = update.step_time_s or None
         if info.last_update is not None:
             last_at, last_step = info.last_update
@@ -342,9 +342,9 @@ class Syncer:
     def _observe_path_time(self, info: LearnerInfo, update: Update) -> None:
         """The path of a round's result that the syncer does not see: the learner's delay from its update to the result
         (`Update.result_delay_s`) less what the syncer held that update, when this update is based on that result. The
-        learner's upload, the merge and the download, latency both ways: the driver's sync time (the syncer handing
-        the result to gRPC) left them out, and a learner 300 ms from the syncer waited at every publish for a window
-        that assumed it had slack (until 2026-12-07, `benchmarks/bench_far_grace.py`)."""
+        learner's upload, the merge and the download, latency both ways: the driver's sync time (the syncer handing the
+        result to gRPC) leaves them out, and timed by it alone, a learner 300 ms from the syncer waits at every publish
+        for a window that assumes it has slack (`benchmarks/bench_far_grace.py`)."""
         held = info.held.pop(update.fragment, None)
         if held is None or update.result_delay_s is None or update.base_version != held[0]:
             return

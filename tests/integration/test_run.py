@@ -95,8 +95,8 @@ def test_short_run_writes_the_run_directory_and_summary(tmp_path):
         assert state["learner"]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(inner_lr(InnerConfig(), 47, 48))
     config = json.loads((run_dir / "config.json").read_text())
     assert config["inner_steps"] == 48 and config["num_learners"] == 2 and config["model"]["width"] == 32
-    # The initial model a learner proposed is in its bytes sent, and the summary says so (its uplink read as twice the
-    # other's, unexplained, until 2026-12-08): TinyGPT's float32 values, at least 4 bytes a parameter.
+    # The initial model a learner proposed is in its bytes sent, and the summary says so (else its uplink reads as twice
+    # the other's, unexplained): TinyGPT's float32 values, at least 4 bytes a parameter.
     syncer_events = [json.loads(line) for line in (run_dir / "syncer" / "metrics.jsonl").read_text().splitlines()]
     (genesis,) = [r for r in syncer_events if r.get("event") == "genesis"]
     proposed = {i: row["genesis_bytes_sent"] for i, row in summary["learners"].items() if row["genesis_bytes_sent"]}

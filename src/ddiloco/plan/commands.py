@@ -183,8 +183,8 @@ def _out_of_range(args: argparse.Namespace, result: dict) -> int | None:
 
 
 MAX_SCAVENGE_WINDOWS = 1e6
-"""Most availability windows of scavenged learners one replica draws (one at a time): `--scavenge-window-s 1e-6` ran
-for minutes into gigabytes before 2026-12-06."""
+"""Most availability windows of scavenged learners one replica draws (one at a time): without a bound,
+`--scavenge-window-s 1e-6` runs for minutes into gigabytes."""
 
 
 def _check_paper_grid_flags(args: argparse.Namespace) -> None:

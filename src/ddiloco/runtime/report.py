@@ -395,9 +395,9 @@ def _val_loss_text(summary: Mapping[str, Any]) -> str:
 
 
 def _wall_time_text(summary: Mapping[str, Any]) -> str:
-    """`wall time 21.6 s`, and where the run had several sessions, the whole run's beside this session's: the rounds
-    and restarts beside it are the whole run's (until 2026-12-06 it read `wall time 21.6 s (syncer restarts 1)` on a
-    resumed session that had no restart)."""
+    """`wall time 21.6 s`, and where the run had several sessions, the whole run's beside this session's: the rounds and
+    restarts beside it are the whole run's, so this session's alone would read `wall time 21.6 s (syncer restarts 1)` on
+    a resumed session that had no restart."""
     text = f"wall time {summary['wall_time_s']:.1f} s"
     sessions, total = summary.get("sessions") or 1, summary.get("wall_time_total_s")
     if sessions > 1 and total is not None:
@@ -423,8 +423,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
 
 
 def _genesis_text(summary: Mapping[str, Any]) -> str:
-    """`; learner 0's bytes sent include the initial model it proposed (1.9 MB)`: the first learner's uplink is
-    otherwise read as twice the others' in a short run (until 2026-12-08 nothing said why)."""
+    """`; learner 0's bytes sent include the initial model it proposed (1.9 MB)`: without it the first learner's
+    uplink reads as twice the others' in a short run, for no reason the table shows."""
     proposed = [(learner_id, row["genesis_bytes_sent"]) for learner_id, row in
                 sorted(summary["learners"].items(), key=lambda item: int(item[0])) if row.get("genesis_bytes_sent")]
     if not proposed:

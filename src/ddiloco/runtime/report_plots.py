@@ -145,8 +145,8 @@ def _bucket_means(times: array, values: array, most: int) -> tuple[tuple[array, 
 
 def participation_figure(paths: RunPaths, num_learners: int):
     """One mark per (round, learner merged in it), coloured by the update's staleness, one colour per number of
-    versions late from 0 (until 2026-12-08 a continuous scale: a run whose every update came on time read -0.1 to
-    0.1); each learner's label counts the rounds it was merged in. The caller saves and closes the figure."""
+    versions late from 0 (a continuous scale spans -0.1 to 0.1 for a run whose every update came on time); each
+    learner's label counts the rounds it was merged in. The caller saves and closes the figure."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=PLOT_SIZE_IN)
     xs, ys, staleness, rounds = [], [], [], 0
@@ -199,8 +199,8 @@ def bytes_figure(summary: Mapping[str, Any]):
            label="syncer -> learner (downlink)")
     syncer = summary.get("syncer", {})
     watched = f", to the evaluator {format_bytes(syncer['bytes_watched'])}" if syncer.get("bytes_watched") else ""
-    # Two lines, and room above the bars for the legend: on one line the title ran off the figure's right edge, and
-    # the legend covered the tallest bars (until 2026-12-08).
+    # Two lines, and room above the bars for the legend: on one line the title runs off the figure's right edge, and
+    # the legend covers the tallest bars.
     ax.set_title(f"bytes per direction\n(syncer: updates in {format_bytes(syncer.get('bytes_received'))}, "
                  f"fragments out {format_bytes(syncer.get('bytes_sent'))}{watched})", fontsize="medium")
     ax.set_ylim(0, 1.3 * max([*sent, *received, 1e-6]))

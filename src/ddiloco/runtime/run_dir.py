@@ -55,10 +55,10 @@ RUNS_DIR = Path("runs")
 def fresh_dir(kind: str, *, flag: str) -> tuple[Path, Path]:
     """A new directory of this command's own under RUNS_DIR, created: `runs/KIND-<timestamp>`, or that name with `-2`,
     `-3`, ... where it is taken. `mkdir` refuses a name that exists, so commands started in the same second (a sweep
-    started in a loop with `&`) each get their own: before 2026-12-07 they were given one name, and all but one `ddiloco
-    run` were refused ("choose another --run-dir", which they had not chosen) while two `ddiloco chaos` or `ddiloco
-    experiment` wrote into the same folder. Returns it and the outermost folder created (it, or RUNS_DIR too) for
-    `before_start`. ValueError naming `flag` where it cannot be created."""
+    started in a loop with `&`) each get their own: given one name, all but one `ddiloco run` would be refused ("choose
+    another --run-dir", which they had not chosen) and two `ddiloco chaos` or `ddiloco experiment` would write into the
+    same folder. Returns it and the outermost folder created (it, or RUNS_DIR too) for `before_start`. ValueError naming
+    `flag` where it cannot be created."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     require_directory(RUNS_DIR, flag=flag)
     outermost = None if RUNS_DIR.is_dir() else RUNS_DIR
@@ -166,9 +166,9 @@ RUN_RECORDS = ("config.json", "launcher/command.json")
 
 def restore_run_records(before: RunDirBefore) -> str | None:
     """After a start whose syncer never served (it refused the run directory, so no learner ran): put RUN_RECORDS back
-    as they were before it. A refused upgrade left them rewritten with today's fields and flags, which the version that
-    wrote the run refuses as unknown (an upgrade probe: a run neither version opened, until 2026-12-07). Returns the
-    console's line; None when nothing was rewritten."""
+    as they were before it. Left rewritten with today's fields and flags by a refused upgrade, they are refused as
+    unknown by the version that wrote the run: a run neither version opens (an upgrade probe). Returns the console's
+    line; None when nothing was rewritten."""
     restored, left = _put_back(before, [before.root / name for name in RUN_RECORDS])
     if left:
         return f"the syncer never served, and what this start rewrote could not all be put back: {'; '.join(left)}"
@@ -292,9 +292,9 @@ def require_not_running(run_dir: Path, *, launcher: bool = True) -> None:
     from `launcher/processes.json`; not with `launcher=False`, for a caller that holds the directory's lock) or a
     syncer serving it (one holds `syncer.lock` for as long as it lives, however it was started). Files left by a run
     that ended, `kill -9` included, do not count: the recorded launcher pid must still name the same process (and not
-    this one: a process that asks is not running a run, `ddiloco run` called again from Python), and the kernel
-    releases a dead syncer's lock. A copy of a live run's directory names that run's launcher, which holds the
-    original's lock, not the copy's: before 2026-12-06 the copy could not be resumed while the original ran."""
+    this one: a process that asks is not running a run, `ddiloco run` called again from Python), and the kernel releases
+    a dead syncer's lock. A copy of a live run's directory names that run's launcher, which holds the original's lock,
+    not the copy's: counted, it would keep the copy from being resumed while the original runs."""
     if launcher and (pid := _live_launcher(RunPaths(run_dir))) is not None:
         live = f"its launcher, ddiloco run pid {pid}, is alive"
     elif (lock := SyncerLock(run_dir)).held():

@@ -56,11 +56,11 @@ def join_refusal(run_config: RunConfig, syncer: Syncer | None, join: Join, diloc
 
 def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | None, *,
                           who: str = "learner", sections: tuple[str, ...] | None = None) -> str | None:
-    """Why the run config a learner declared (the built-in learner's: its model and data were built from it) is not
-    this run's, or None. Before 2026-12-06 a learner started by hand without the run's config.json (its own run
-    directory on its host) joined first with the default model, which became the run's genesis for good, and every
-    learner with the run's settings was then refused as a different model. `sections`: compare only these (all
-    that a run cannot change when None)."""
+    """Why the run config a learner declared (the built-in learner's: its model and data were built from it) is not this
+    run's, or None. Unchecked, a learner started by hand without the run's config.json (its own run directory on its
+    host) that joins first with the default model would make that model the run's genesis for good, and every learner
+    with the run's settings would then be refused as a different model. `sections`: compare only these (all that a run
+    cannot change when None)."""
     if declared is None:
         return None
     try:
@@ -76,9 +76,9 @@ def _declared_differences(run_config: RunConfig, declared: Mapping[str, Any] | N
 
 def watch_refusal(run_config: RunConfig, declared: Mapping[str, Any] | None) -> str | None:
     """Why an evaluator that declared the run config its model and validation data were built from (the built-in
-    evaluator) is refused, or None: a model or data setting differs from the run's. Until 2026-12-06 one started by
-    hand with other settings of the same shapes (4 heads for 2) loaded the global model into another architecture,
-    and one with another validation share measured other data, without a word."""
+    evaluator) is refused, or None: a model or data setting differs from the run's. Admitted, one started by hand with
+    other settings of the same shapes (4 heads for 2) would load the global model into another architecture, and one
+    with another validation share would measure other data, without a word."""
     return _declared_differences(run_config, declared, who="evaluator", sections=("model", "data"))
 
 

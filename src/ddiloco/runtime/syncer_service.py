@@ -452,12 +452,12 @@ class SyncerService:
             os._exit(EXIT_CORE_FAULT)
 
     def _note_pause(self, now: float) -> None:
-        """A syncer that did not run for longer than PAUSE_S past its timer's due time (its process stopped, its
-        machine suspended, the lock held by a long merge) tells its core, once, before the core hears or times
-        anything: the learners could not be heard meanwhile. Every core call and each step of the timer looks, so a
-        stop is found wherever it fell: until 2026-12-07 only the timer's wake-up looked, and a stop while the timer
-        was advancing the core went unseen (its next wait was set from the time after the stop), so its next advance
-        timed every learner out (a CI run of tests/integration/test_syncer_pause.py). Lock held."""
+        """A syncer that did not run for longer than PAUSE_S past its timer's due time (its process stopped, its machine
+        suspended, the lock held by a long merge) tells its core, once, before the core hears or times anything: the
+        learners could not be heard meanwhile. Every core call and each step of the timer looks, so a stop is found
+        wherever it fell: were only the timer's wake-up to look, a stop while the timer was advancing the core would go
+        unseen (its next wait is set from the time after the stop), and its next advance would time every learner out (a
+        CI run of tests/integration/test_syncer_pause.py). Lock held."""
         due_at = self._timer_due_at
         if self.syncer is not None and due_at is not None and now - due_at > PAUSE_S:
             logger.warning("[syncer] paused for %.1f s (its process was stopped or its machine suspended?): "

@@ -29,12 +29,11 @@ syncer restarting, fails at once: the learner finds it back within about 2 s).""
 MIN_CONNECT_TIMEOUT_MS = 10_000
 """The least time a connection attempt is given to finish its handshake (TCP, TLS, HTTP/2 settings): a TLS handshake
 at a 1.2 s round trip takes about 2.4 s, and this covers round trips up to about 4 s. It is also how long a learner
-given a syncer and its standbys (`--syncer A,B`) waits on a host that answers nothing (its machine gone) before it
-tries the next (gRPC's default, 20 s, would double that; before, about 2.4 s). gRPC core reads it from
-`grpc.min_reconnect_backoff_ms`, a name that reads like a backoff: until 2026-12-07 that option was 100 ms, so an
-attempt was cut after the current backoff, at most about 2.4 s, and a handshake slower than that never finished (a
-probe: over TLS at a 1.2 s round trip both learners exited `unreachable`; at 600 ms a learner took 4.4 s instead of
-1.1 s to its Welcome; tests/integration/test_far_link.py)."""
+given a syncer and its standbys (`--syncer A,B`) waits on a host that answers nothing (its machine gone) before it tries
+the next (gRPC's default, 20 s, would double that). gRPC core reads it from `grpc.min_reconnect_backoff_ms`, a name that
+reads like a backoff: with it at 100 ms, an attempt is cut after the current backoff, at most about 2.4 s, and a
+handshake slower than that never finishes (a probe: over TLS at a 1.2 s round trip both learners exited `unreachable`;
+at 600 ms a learner took 4.4 s instead of 1.1 s to its Welcome; tests/integration/test_far_link.py)."""
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

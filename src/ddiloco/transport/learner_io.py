@@ -15,8 +15,8 @@ reads what the syncer sent from the `Inbox` between inner steps. Three backgroun
 - the sender uploads queued updates (each held back until its emulated link would have delivered
   it);
 - the heartbeat thread sends a heartbeat every `heartbeat_every_s`, whatever the sender does: sent by the sender
-  between uploads until 2026-12-07, none went out while one upload took longer than the heartbeat timeout (a large
-  update over a slow link), and the syncer timed the learner out in the middle of it and refused its update.
+  between uploads, none would go out while one upload took longer than the heartbeat timeout (a large update over a
+  slow link), and the syncer would time the learner out in the middle of it and refuse its update.
 
 Faults are data: an update that cannot be delivered is dropped and counted (lost work costs only
 this learner); a rejection becomes a `Rejected` message for the learner core; a refusal (wrong
