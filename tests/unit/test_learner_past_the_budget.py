@@ -9,7 +9,8 @@ import json
 import torch
 
 import ddiloco
-from ddiloco.runtime.report import build_summary, summary_table
+from ddiloco.runtime.report import build_summary
+from ddiloco.runtime.report_table import summary_table
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import TinyNet
 from tests.runtime_dir import write_json, write_jsonl

@@ -11,7 +11,8 @@ from rich.console import Console
 from ddiloco.backoff import Backoff
 from ddiloco.checkpoint import atomic_write_json, read_jsonl
 from ddiloco.runtime.progress import format_bytes, learner_row, learner_state, learners_table, syncer_table
-from ddiloco.runtime.report import build_summary, merge_metrics, print_summary, write_report
+from ddiloco.runtime.report import build_summary, merge_metrics, write_report
+from ddiloco.runtime.report_table import print_summary
 from ddiloco.runtime.run_paths import RunPaths
 from ddiloco.runtime.supervised_roles import ChildState, Slot
 
@@ -427,7 +428,7 @@ def test_losses_that_span_orders_of_magnitude_are_drawn_on_a_log_axis(tmp_path, 
 
 def test_a_resumed_runs_caption_says_which_wall_time_is_this_sessions():
     # `wall time 21.6 s (syncer restarts 1)`: this session's time beside the whole run's rounds and restarts.
-    from ddiloco.runtime.report import _wall_time_text
+    from ddiloco.runtime.report_table import _wall_time_text
 
     assert _wall_time_text({"wall_time_s": 21.6, "sessions": 1, "wall_time_total_s": 21.6}) == "wall time 21.6 s"
     assert (_wall_time_text({"wall_time_s": 21.6, "sessions": 3, "wall_time_total_s": 95.25})

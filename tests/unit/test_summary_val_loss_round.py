@@ -13,7 +13,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ddiloco.checkpoint import atomic_write_json
-from ddiloco.runtime.report import build_summary, print_summary
+from ddiloco.runtime.report import build_summary
+from ddiloco.runtime.report_table import print_summary
 from ddiloco.runtime.run_paths import RunPaths
 
 

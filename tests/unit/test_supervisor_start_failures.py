@@ -15,7 +15,8 @@ import pytest
 from rich.console import Console
 
 from ddiloco.runtime.learner_exits import CrashLoop
-from ddiloco.runtime.report import build_summary, print_summary
+from ddiloco.runtime.report import build_summary
+from ddiloco.runtime.report_table import print_summary
 from ddiloco.runtime.supervised_roles import ChildState
 from ddiloco.runtime.supervisor import Supervisor
 from tests.fake_learners import FAST, make_run, poll_until

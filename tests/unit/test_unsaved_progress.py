@@ -14,7 +14,8 @@ from rich.console import Console
 
 import ddiloco
 import ddiloco.learner_checkpoint
-from ddiloco.runtime.report import build_summary, print_summary
+from ddiloco.runtime.report import build_summary
+from ddiloco.runtime.report_table import print_summary
 from ddiloco.runtime.run_paths import RunPaths
 from tests.helpers import TinyNet
 from tests.runtime_dir import write_json, write_jsonl

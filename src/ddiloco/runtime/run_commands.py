@@ -432,7 +432,8 @@ def _report(args: argparse.Namespace, resolved: ResolvedRun, supervisor: Any, *,
             wall_time_s: float) -> int:
     """The run's outcome, its summary and plots, and what the console says at its end; the exit status."""
     from ddiloco.checkpoint import iter_jsonl, read_json_object, strict_dumps
-    from ddiloco.runtime.report import print_summary, write_report
+    from ddiloco.runtime.report import write_report
+    from ddiloco.runtime.report_table import print_summary
     from ddiloco.runtime.run_paths import RunPaths
     from ddiloco.runtime.supervised_roles import ChildState
     from ddiloco.stdout_pipe import StdoutLines
