@@ -160,7 +160,7 @@ def participation_figure(paths: RunPaths, num_learners: int):
             if 0 <= participant["learner_id"] < num_learners:
                 merged[participant["learner_id"]] += 1
     if xs:
-        most = max(1, *staleness)
+        most = max(1, max(staleness))
         points = ax.scatter(xs, ys, c=staleness, marker="|", s=60, cmap=plt.get_cmap("viridis", most + 1),
                             vmin=-0.5, vmax=most + 0.5)
         fig.colorbar(points, ax=ax, label="staleness (versions late)", ticks=range(0, most + 1, max(1, most // 8)))
