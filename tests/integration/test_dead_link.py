@@ -20,7 +20,7 @@ import pytest
 
 from ddiloco.transport import grpc_common
 from ddiloco.transport.grpc_server import _bind_error
-from tests.helpers import TcpProxy
+from tests.proxies import TcpProxy
 
 pytestmark = pytest.mark.integration
 

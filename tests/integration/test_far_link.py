@@ -27,7 +27,8 @@ import pytest
 
 from ddiloco.checkpoint import read_json
 from ddiloco.transport import grpc_common
-from tests.helpers import TINY_MODEL_FLAGS, DelayingProxy, Processes, wait_until
+from tests.helpers import TINY_MODEL_FLAGS, Processes, wait_until
+from tests.proxies import DelayingProxy
 
 pytestmark = pytest.mark.integration
 
