@@ -8,7 +8,7 @@ runs (on `--resume` without `--nproc-per-learner`, `--device` or `--[no-]evaluat
 going) and the command's program exists, and only then writes `DIR/config.json`, which every child reads, and the
 command's record (`run_dir`). Then it supervises the children (`supervisor`), shows progress (`progress`), turns
 SIGINT, SIGTERM and SIGHUP into a clean stop of every child (a second one kills at once), and at the end writes the
-report (`report`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
+report (`report`, `report_table`): merged metrics, summary.json, plots and a table. Exit status: 0 when every learner
 finished, 1 when one was refused or failed or the syncer could not run, 128 + signal when stopped,
 2 for bad input (a flag, the config file, the run directory) before anything starts. A start that fails before any
 process of the run ran (Ray could not be started or joined) leaves the run directory as it found it
@@ -327,7 +327,7 @@ def _supervise(args: argparse.Namespace, resolved: ResolvedRun, started: dict[st
     # on disk under a running launcher (`pip install -U`) had the end of the run import the report from the new version
     # beside the old modules (an ImportError, no summary, no plots; a Ctrl-C ended in it with status 1).
     from ddiloco.metrics import JsonlSink
-    from ddiloco.runtime import report  # noqa: F401
+    from ddiloco.runtime import report, report_table  # noqa: F401
     from ddiloco.runtime.launcher import DEFAULT_COMMAND, Launcher
     from ddiloco.runtime.progress import ProgressView
     from ddiloco.runtime.run_dir import record_processes
