@@ -244,6 +244,7 @@ RUN_WAIT_S = 240.0
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.acceptance  # the default suite's 15 minutes
 @pytest.mark.timeout(300)
 def test_real_run_satisfies_rounds_replay_and_processes_and_a_tampered_round_fails_replay(tmp_path):
     run_dir = tmp_path / "decoupled"

@@ -7,6 +7,8 @@ joined it may not (tests/integration/test_user_errors.py). Real `ddiloco run`, f
 
 from __future__ import annotations
 
+import pytest
+
 from ddiloco.run_config import RunConfig
 from ddiloco.runtime.syncer_state import GENESIS_FILE
 from tests.fake_learners import WAIT_S, driver_output, start_driver
@@ -36,6 +38,7 @@ def test_a_resume_before_the_genesis_may_change_the_runs_settings_and_after_it_m
     assert (run_dir / "config.json").read_bytes() == before
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_a_resume_of_a_run_whose_learners_are_all_done_says_it_trains_nothing(tmp_path, fake_command):
     # It started everything, each learner was done at once, and nothing said that --inner-steps was the thing to give.
     first, run_dir = start_driver(tmp_path, fake_command, "--inner-steps", "5")

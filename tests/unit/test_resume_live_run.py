@@ -155,6 +155,7 @@ sys.exit(cli.main(sys.argv[4:]))
 """
 
 
+@pytest.mark.acceptance  # the default suite's 15 minutes
 def test_two_resumes_started_in_the_same_instant_let_one_run_and_refuse_the_other_in_one_line(tmp_path, fake_command):
     run_dir = tmp_path / "run"
     driver, barrier = tmp_path / "lined_up_resume.py", tmp_path / "barrier"
